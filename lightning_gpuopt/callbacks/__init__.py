@@ -1,0 +1,3 @@
+"""Callbacks: CUDA settings, MFU monitoring, automatic batch size."""
+
+__all__: list[str] = []

@@ -1,0 +1,57 @@
+"""The ``gpuopt`` command: LightningCLI over ``GPTModule`` and ``TextDataModule``.
+
+Example::
+
+    gpuopt fit --config examples/configs/quickstart.yaml
+    gpuopt fit --model.preset 124m --data.source data/wikitext-103-raw --trainer.max_steps 3000
+    GPUOPT_FIT__TRAINER__MAX_STEPS=100 gpuopt fit --config examples/configs/quickstart.yaml
+    gpuopt predict --config examples/configs/quickstart.yaml --ckpt_path last.ckpt
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lightning_gpuopt.data import TextDataModule
+from lightning_gpuopt.model import GPTModule
+
+__all__ = ["GPTCLI", "main"]
+
+
+class GPTCLI(LightningCLI):
+    """LightningCLI with the model's sequence length and vocabulary linked to the data's.
+
+    ``data.block_size`` sets ``model.block_size``, and the data's tokenizer vocabulary size sets
+    ``model.vocab_size``, so the two can never disagree. After ``predict`` the generated samples
+    are decoded and printed.
+    """
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.block_size", "model.block_size")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+
+    def after_predict(self) -> None:
+        predictions = self.trainer.predict_loop.predictions or []
+        for batch in predictions:
+            for sample in batch:
+                print(self.datamodule.decode(sample), end="\n" + "-" * 80 + "\n")
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Run the ``gpuopt`` CLI. Every option can also come from an environment variable,
+    ``GPUOPT_<SUBCOMMAND>__<GROUP>__<OPTION>`` (e.g. ``GPUOPT_FIT__TRAINER__MAX_STEPS=100``)."""
+    GPTCLI(
+        GPTModule,
+        TextDataModule,
+        seed_everything_default=1337,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt"},
+        args=args if args is not None else sys.argv[1:],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""`TextDataModule`: text -> BPE tokens -> memory-mapped token files -> fast DataLoaders."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from tokenizers import Tokenizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_gpuopt.data.sources import Corpus, resolve_source
+from lightning_gpuopt.data.tokenizer import EOT_TOKEN, MIN_VOCAB_SIZE as _MIN_VOCAB, load_tokenizer, train_bpe_tokenizer
+from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows, token_dtype, write_tokens
+
+__all__ = ["TextDataModule", "default_cache_dir"]
+
+_FORMAT_VERSION = 1  # bump when the on-disk layout or the tokenisation changes
+_ENCODE_BATCH = 256  # documents per tokenizer.encode_batch call (parallel in Rust)
+
+
+def default_cache_dir() -> Path:
+    """``$GPUOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_gpuopt``, else ``~/.cache/lightning_gpuopt``."""
+    if "GPUOPT_CACHE_DIR" in os.environ:
+        return Path(os.environ["GPUOPT_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_gpuopt"
+
+
+def _batched(texts: Iterator[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Language-model data from raw text, tokenised once and read from memory-mapped files.
+
+    On first use (``prepare_data``, once per node) the text is tokenised with a byte-level BPE
+    (trained on the training split, or ``tokenizer``) into a ``uint16``/``uint32`` token file with a
+    small ``meta.json``, under ``cache_dir/<key>``; the key changes when the inputs or the
+    tokenizer change, so the files are reused otherwise. Training batches are random windows of
+    ``block_size + 1`` tokens; validation and test batches cover their split in order.
+
+    Example::
+
+        data = TextDataModule(source="data/wikitext-103-raw", block_size=1024, batch_size=32)
+        trainer.fit(GPTModule(preset="124m", vocab_size=data.vocab_size, block_size=1024), datamodule=data)
+
+    Args:
+        source: Where the text comes from (see :func:`~lightning_gpuopt.data.sources.resolve_source`):
+            ``"stdlib"`` (offline default), a folder, a file, a glob, or ``"hf:NAME[:CONFIG]"``.
+        block_size: Tokens per training sequence.
+        batch_size: Micro-batch size per device (a callback such as ``AutoBatchSize`` may change it).
+        vocab_size: Size of the BPE vocabulary to train. Ignored, and set from the file, when
+            ``tokenizer`` is given.
+        tokenizer: Path of a ``tokenizer.json`` to use instead of training one.
+        val_fraction: For sources without their own splits, the fraction of tokens held out for
+            validation, and again for test (taken from the end of the token stream).
+        samples_per_epoch: Random training windows per epoch; defaults to
+            ``train_tokens // block_size``.
+        cache_dir: Where token files are kept; defaults to :func:`default_cache_dir`.
+        num_workers: DataLoader worker processes.
+        pin_memory: Pin host memory for faster copies to the GPU; ``None`` pins when CUDA is available.
+        prefetch_factor: Batches each worker loads ahead.
+        seed: Seed of the training windows' offsets.
+        prompts: Prompts continued by ``predict`` (one batch per prompt).
+        samples_per_prompt: Continuations generated per prompt.
+    """
+
+    def __init__(
+        self,
+        source: str = "stdlib",
+        block_size: int = 256,
+        batch_size: int = 16,
+        vocab_size: int = 4096,
+        tokenizer: Optional[str] = None,
+        val_fraction: float = 0.05,
+        samples_per_epoch: Optional[int] = None,
+        cache_dir: Optional[str] = None,
+        num_workers: int = 2,
+        pin_memory: Optional[bool] = None,
+        prefetch_factor: int = 4,
+        seed: int = 1337,
+        prompts: Optional[list[str]] = None,
+        samples_per_prompt: int = 4,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (
+            ("block_size", block_size, 1),
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 0),
+            ("prefetch_factor", prefetch_factor, 1),
+            ("samples_per_prompt", samples_per_prompt, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"TextDataModule.{name} must be an integer >= {low}, got {value!r}.")
+        if not 0.0 < val_fraction < 0.5:
+            raise ValueError(f"TextDataModule.val_fraction must be in (0, 0.5), got {val_fraction!r}.")
+        if samples_per_epoch is not None and samples_per_epoch < 1:
+            raise ValueError(f"TextDataModule.samples_per_epoch must be >= 1 or None, got {samples_per_epoch!r}.")
+        self.save_hyperparameters()
+        self.source = source
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.tokenizer_path = tokenizer
+        self.val_fraction = val_fraction
+        self.samples_per_epoch = samples_per_epoch
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.seed = seed
+        self.prompts = ["\n"] if prompts is None else list(prompts)
+        self.samples_per_prompt = samples_per_prompt
+        # Fail on a bad tokenizer or source now, not after the Trainer has started.
+        self.tokenizer: Optional[Tokenizer] = load_tokenizer(tokenizer) if tokenizer else None
+        self.vocab_size = self.tokenizer.get_vocab_size() if self.tokenizer else vocab_size
+        if self.tokenizer is None and (not isinstance(vocab_size, int) or vocab_size < _MIN_VOCAB):
+            raise ValueError(
+                f"TextDataModule.vocab_size must be at least {_MIN_VOCAB} (256 bytes + <|endoftext|>), got {vocab_size!r}."
+            )
+        self._corpus: Corpus = resolve_source(source)
+        self._meta: Optional[dict] = None
+        self.datasets: dict[str, torch.utils.data.Dataset] = {}
+        # The cache key changes when the text, the tokenizer or the split changes.
+        if tokenizer:
+            tok = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
+        else:
+            tok = f"bpe-{vocab_size}"
+        key = json.dumps([_FORMAT_VERSION, self._corpus.fingerprint, tok, val_fraction])
+        self.data_dir = self.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]
+        """The folder holding this configuration's tokenizer, token files and metadata."""
+
+    # ------------------------------------------------------------------------------ preparation
+    @override
+    def prepare_data(self) -> None:
+        """Tokenise the corpus into ``data_dir`` unless an identical run already did (once per node)."""
+        out = self.data_dir
+        if (out / "meta.json").is_file():
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        corpus = self._corpus
+        if self.tokenizer is None:
+            rank_zero_info(f"Training a {self.vocab_size}-token byte-level BPE on {corpus.description} ...")
+            tokenizer = train_bpe_tokenizer(corpus.splits["train"](), self.vocab_size)
+        else:
+            tokenizer = self.tokenizer
+        tmp = out / f"tokenizer.json.tmp{os.getpid()}"
+        tokenizer.save(str(tmp))
+        os.replace(tmp, out / "tokenizer.json")
+        vocab = tokenizer.get_vocab_size()
+        dtype = token_dtype(vocab)
+        eot = tokenizer.token_to_id(EOT_TOKEN)
+
+        num_docs = 0
+
+        def encode(texts: Iterator[str]) -> Iterator[np.ndarray]:
+            nonlocal num_docs
+            for batch in _batched(texts, _ENCODE_BATCH):
+                num_docs += len(batch)
+                for enc in tokenizer.encode_batch(batch):
+                    yield np.asarray(enc.ids + [eot], dtype=np.int64)  # EOT after every document
+
+        rank_zero_info(f"Tokenising {corpus.description} into {out} ...")
+        splits = {}
+        for split, reader in corpus.splits.items():
+            num_docs = 0
+            n = write_tokens(out / f"{split}.bin", encode(reader()), dtype)
+            splits[split] = {"file": f"{split}.bin", "start": 0, "end": n}
+            if split == "train":
+                train_docs = num_docs
+        total = splits["train"]["end"]
+        if total <= train_docs:  # nothing but the document separators
+            raise ValueError(f"The corpus ({corpus.description}) is empty: data.source holds no text.")
+        # Sources without their own val/test split: hold out the tail of the token stream, test last.
+        n_hold = int(total * self.val_fraction)
+        end = total
+        for split in ("test", "val"):
+            if split not in splits:
+                splits[split] = {"file": "train.bin", "start": end - n_hold, "end": end}
+                end -= n_hold
+        splits["train"]["end"] = end
+        meta = {
+            "format_version": _FORMAT_VERSION,
+            "source": self.source,
+            "vocab_size": vocab,
+            "dtype": dtype.name,
+            "eot_token_id": eot,
+            "splits": splits,
+        }
+        tmp = out / f"meta.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, out / "meta.json")  # written last: its presence means the folder is complete
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Open the token files (after ``prepare_data``) and check every split is long enough."""
+        if self._meta is None:
+            self.prepare_data()  # no-op when done; covers use without a Trainer
+            self._meta = json.loads((self.data_dir / "meta.json").read_text())
+            self.tokenizer = Tokenizer.from_file(str(self.data_dir / "tokenizer.json"))
+            self.vocab_size = self._meta["vocab_size"]
+        meta, out = self._meta, self.data_dir
+        for split, span in meta["splits"].items():
+            if split in self.datasets:
+                continue
+            args = (out / span["file"], meta["dtype"], span["start"], span["end"], self.block_size)
+            try:
+                if split == "train":
+                    self.datasets[split] = RandomWindows(*args, length=self.samples_per_epoch, seed=self.seed)
+                else:
+                    self.datasets[split] = SequentialWindows(*args)
+            except ValueError as err:
+                raise ValueError(f"The {split} split of {self._corpus.description} is too short: {err}") from err
+
+    # ------------------------------------------------------------------------------ dataloaders
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        workers = self.num_workers
+        pin = torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            pin_memory=pin,
+            persistent_workers=workers > 0,
+            prefetch_factor=self.prefetch_factor if workers > 0 else None,
+            drop_last=shuffle,  # equal-sized training batches: steady step times, no recompiles
+        )
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """One batch per prompt: the prompt's tokens repeated ``samples_per_prompt`` times."""
+        batches = []
+        for prompt in self.prompts:
+            ids = self.encode(prompt)
+            if not ids:
+                raise ValueError("TextDataModule.prompts holds an empty prompt: give each prompt some text.")
+            batches.append(torch.tensor([ids] * self.samples_per_prompt, dtype=torch.long))
+        return DataLoader(batches, batch_size=None)
+
+    # ------------------------------------------------------------------------------- tokenizer
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            self.setup("predict")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with this data's tokenizer."""
+        return self._require_tokenizer().encode(text).ids
+
+    def decode(self, ids: list[int] | torch.Tensor) -> str:
+        """Text of token ids (a list or a 1-D tensor)."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self._require_tokenizer().decode(ids)

@@ -1,0 +1,179 @@
+"""Where training text comes from: files, WikiText raw folders, Hugging Face datasets, or the
+offline default (the Python standard library's own source code, present on every machine)."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+__all__ = ["Corpus", "resolve_source", "stdlib_files"]
+
+# File names of the split files a folder may hold: WikiText's raw release, and the layout of
+# PyTorch's word_language_model example.
+_SPLIT_FILES = {
+    "train": ("wiki.train.raw", "train.txt"),
+    "val": ("wiki.valid.raw", "valid.txt"),
+    "test": ("wiki.test.raw", "test.txt"),
+}
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+@dataclass
+class Corpus:
+    """A text corpus: a reader of documents per split, and a fingerprint that changes with the inputs.
+
+    Args:
+        description: What the corpus is, for logs and errors.
+        splits: Split name (``train``, and optionally ``val`` and ``test``) to a function yielding
+            that split's documents as strings.
+        fingerprint: Changes whenever the text may have changed (paths, sizes, modification times).
+    """
+
+    description: str
+    splits: dict[str, Callable[[], Iterator[str]]]
+    fingerprint: str
+
+
+def stdlib_files() -> list[Path]:
+    """The Python standard library's own ``.py`` files (tests and installed packages excluded), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP)
+        files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
+    return files
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"Cannot read training text from {path}: {err}. Fix its permissions or encoding (UTF-8 is "
+            "expected), or leave it out of data.source."
+        ) from err
+
+
+def _file_fingerprint(files: dict[str, list[Path]]) -> str:
+    digest = hashlib.sha256()
+    for split, paths in sorted(files.items()):
+        for path in paths:
+            try:
+                stat = path.stat()
+            except OSError as err:
+                raise ValueError(f"Cannot read training text from {path}: {err}.") from err
+            digest.update(f"{split}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _file_corpus(description: str, files: dict[str, list[Path]]) -> Corpus:
+    def reader(paths: list[Path]) -> Callable[[], Iterator[str]]:
+        return lambda: (_read(p) for p in paths)
+
+    return Corpus(
+        description=description,
+        splits={split: reader(paths) for split, paths in files.items()},
+        fingerprint=_file_fingerprint(files),
+    )
+
+
+def _split_folder(folder: Path) -> Optional[dict[str, list[Path]]]:
+    found = {}
+    for split, names in _SPLIT_FILES.items():
+        for name in names:
+            if (folder / name).is_file():
+                found[split] = [folder / name]
+                break
+    return found if "train" in found else None
+
+
+def _hf_corpus(spec: str) -> Corpus:
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(
+            f"data.source={spec!r} needs the Hugging Face `datasets` package: pip install datasets "
+            "(and network access to the Hub), or point data.source at local text files."
+        ) from err
+    name, _, config = spec.partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None)
+    except Exception as err:  # the Hub raises many types: report the source and the fix once
+        raise ValueError(
+            f"Could not load Hugging Face dataset {name!r} (config {config or None!r}): {err}. Check the name "
+            "and your network, or download the text and point data.source at the files."
+        ) from err
+    names = {"train": "train", "val": "validation", "test": "test"}
+    splits = {}
+    for split, hf_split in names.items():
+        if hf_split in ds:
+            if "text" not in ds[hf_split].column_names:
+                raise ValueError(
+                    f"Hugging Face dataset {name!r} has no 'text' column (columns: {ds[hf_split].column_names})."
+                )
+            splits[split] = (lambda d=ds[hf_split]: (row["text"] for row in d))
+    if "train" not in splits:
+        raise ValueError(f"Hugging Face dataset {name!r} has no 'train' split (splits: {list(ds)}).")
+    fingerprint = hashlib.sha256(json.dumps(["hf", name, config]).encode()).hexdigest()
+    return Corpus(description=f"Hugging Face dataset {spec}", splits=splits, fingerprint=fingerprint)
+
+
+def resolve_source(source: str) -> Corpus:
+    """Turn a ``data.source`` string into a :class:`Corpus`.
+
+    Example::
+
+        resolve_source("stdlib")                      # the offline default
+        resolve_source("data/wikitext-103-raw")       # folder with wiki.{train,valid,test}.raw
+        resolve_source("notes/**/*.md")               # a glob
+        resolve_source("hf:wikitext:wikitext-103-raw-v1")
+
+    Args:
+        source: One of
+
+            - ``"stdlib"``: the Python standard library's source files (offline, on every machine);
+            - a folder holding split files (``wiki.train.raw``/``wiki.valid.raw``/``wiki.test.raw``
+              or ``train.txt``/``valid.txt``/``test.txt``): those splits;
+            - any other folder: every ``*.txt``, ``*.md``, ``*.raw`` and ``*.py`` file under it;
+            - a file, or a glob pattern (``**`` allowed): those files;
+            - ``"hf:NAME"`` or ``"hf:NAME:CONFIG"``: a Hugging Face dataset with a ``text`` column
+              (needs the ``datasets`` package and network access).
+
+            Sources without their own validation/test split are split by ``TextDataModule``.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError("data.source is empty: use 'stdlib', a folder, a file, a glob, or 'hf:NAME'.")
+    if source == "stdlib":
+        return _file_corpus("the Python standard library's source files", {"train": stdlib_files()})
+    if source.startswith("hf:"):
+        return _hf_corpus(source[3:])
+    path = Path(source).expanduser()
+    if path.is_dir():
+        split_files = _split_folder(path)
+        if split_files is not None:
+            return _file_corpus(f"split files in {path}", split_files)
+        files = sorted(p for ext in ("txt", "md", "raw", "py") for p in path.rglob(f"*.{ext}") if p.is_file())
+        if not files:
+            raise ValueError(
+                f"data.source={source!r} is a folder with no .txt, .md, .raw or .py files: point it at your "
+                "text files, or use a glob such as 'folder/**/*.json'."
+            )
+        return _file_corpus(f"{len(files)} files under {path}", {"train": files})
+    if path.is_file():
+        return _file_corpus(str(path), {"train": [path]})
+    if glob.has_magic(source):
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
+        if not files:
+            raise ValueError(f"data.source={source!r} matches no files: check the pattern.")
+        return _file_corpus(f"{len(files)} files matching {source}", {"train": files})
+    raise ValueError(
+        f"data.source={source!r} does not exist: use 'stdlib' (offline default), an existing folder, file or glob, "
+        "or 'hf:NAME[:CONFIG]' for a Hugging Face dataset."
+    )

@@ -1,0 +1,66 @@
+"""Byte-level BPE tokenizers (Hugging Face ``tokenizers``): train on the corpus, or load a file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+__all__ = ["EOT_TOKEN", "MIN_VOCAB_SIZE", "load_tokenizer", "train_bpe_tokenizer"]
+
+EOT_TOKEN = "<|endoftext|>"  # separates documents in the token stream, as in GPT-2
+MIN_VOCAB_SIZE = 257  # the 256 byte tokens and <|endoftext|>
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a GPT-2 style byte-level BPE tokenizer on ``texts``.
+
+    Every byte is in the initial alphabet, so any text encodes without unknown tokens. A small
+    corpus may stop merging before ``vocab_size`` is reached; ``get_vocab_size()`` gives the real size.
+
+    Example::
+
+        tok = train_bpe_tokenizer(["some text", "more text"], vocab_size=512)
+        tok.decode(tok.encode("some text").ids) == "some text"
+
+    Args:
+        texts: The training documents.
+        vocab_size: Target vocabulary size, including the 256 byte tokens and ``<|endoftext|>``.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"data.vocab_size must be at least {MIN_VOCAB_SIZE} (256 bytes + <|endoftext|>), got {vocab_size}."
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a ``tokenizer.json``; it must define the ``<|endoftext|>`` token.
+
+    Args:
+        path: The file written by ``Tokenizer.save`` (e.g. a Hugging Face model's ``tokenizer.json``).
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"data.tokenizer={str(path)!r} does not exist: give the path of a tokenizer.json file.")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for malformed files
+        raise ValueError(f"data.tokenizer={str(path)!r} is not a valid tokenizer.json: {err}") from err
+    if tokenizer.token_to_id(EOT_TOKEN) is None:
+        raise ValueError(
+            f"data.tokenizer={str(path)!r} has no {EOT_TOKEN!r} token, which separates documents: add it as a "
+            "special token, or leave data.tokenizer unset to train one on the corpus."
+        )
+    return tokenizer

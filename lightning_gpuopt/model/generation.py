@@ -1,0 +1,100 @@
+"""Batched autoregressive sampling with a KV cache."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_gpuopt.model.gpt import KVCache
+
+if TYPE_CHECKING:
+    from lightning_gpuopt.model.gpt import GPT
+
+__all__ = ["generate", "sample_next"]
+
+
+def sample_next(
+    logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None, generator: Optional[torch.Generator] = None
+) -> Tensor:
+    """Pick the next token id for each row of ``logits`` (B, V).
+
+    Args:
+        logits: Scores of the next token.
+        temperature: Divides the logits; ``0`` picks the most likely token (greedy).
+        top_k: Sample only among the ``top_k`` most likely tokens.
+        generator: Random generator, for reproducible samples.
+
+    Returns:
+        Token ids of shape (B, 1).
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    idx: Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    use_cache: bool = True,
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
+    """Continue a batch of equal-length prompts by ``max_new_tokens`` tokens.
+
+    With ``use_cache`` the prompt is processed once and each new token costs one position of
+    attention over cached keys and values, instead of recomputing the whole sequence. When the
+    sequence outgrows ``block_size`` the context is cropped to the last ``block_size`` tokens, as
+    without a cache, so both paths give the same tokens.
+
+    Example::
+
+        prompts = torch.tensor(tokenizer.encode_batch(["def main(", "class Foo"]))  # equal lengths
+        out = generate(model, prompts, max_new_tokens=100, temperature=0.8, top_k=50)
+
+    Args:
+        model: The ``GPT`` to sample from (put it in ``eval()`` mode for deterministic outputs).
+        idx: Prompt token ids (B, T), T >= 1.
+        max_new_tokens: Number of tokens to append.
+        temperature: Sampling temperature; ``0`` is greedy decoding.
+        top_k: Sample among the ``top_k`` most likely tokens only.
+        use_cache: Use a KV cache (fast); ``False`` recomputes the full context each step.
+        generator: Random generator, for reproducible samples.
+
+    Returns:
+        Token ids (B, T + max_new_tokens): the prompts followed by the new tokens. Ids of the
+        embedding's padding rows (``>= config.vocab_size``) are never produced.
+    """
+    if idx.dim() != 2 or idx.size(1) == 0:
+        raise ValueError(f"generate() expects prompt ids of shape (batch, length >= 1), got {tuple(idx.shape)}.")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}.")
+    block_size = model.config.block_size
+    vocab_size = model.config.vocab_size
+    caches = [KVCache(block_size) for _ in range(model.config.n_layer)] if use_cache else None
+    for _ in range(max_new_tokens):
+        if caches is None:
+            logits = model(idx[:, -block_size:])
+        elif caches[0].pos == 0 or caches[0].pos + 1 > block_size:
+            # first step, or the window is full: (re)fill the cache from the last block_size tokens
+            for cache in caches:
+                cache.reset()
+            logits = model(idx[:, -block_size:], caches)
+        else:
+            logits = model(idx[:, -1:], caches)
+        logits = logits[:, -1, :vocab_size]  # drop the padding rows of the vocabulary
+        idx = torch.cat((idx, sample_next(logits, temperature, top_k, generator)), dim=1)
+    return idx

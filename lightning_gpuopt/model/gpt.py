@@ -1,0 +1,258 @@
+"""The GPT model: a plain ``nn.Module`` (no Lightning), read top to bottom.
+
+``KVCache -> CausalSelfAttention -> MLP -> Block -> GPT``. Features such as float8 training or
+compilation are applied to this model from outside; it stays plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_gpuopt.model.config import GPTConfig
+
+__all__ = ["GPT", "KVCache"]
+
+
+class KVCache:
+    """Keys and values of past positions for one attention layer, for incremental decoding.
+
+    The storage is allocated on the first ``update`` with that call's device and dtype (the dtype
+    attention runs in, e.g. bf16 under autocast).
+
+    Args:
+        max_len: Most positions the cache holds (the model's ``block_size``).
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.k: Optional[Tensor] = None
+        self.v: Optional[Tensor] = None
+        self.pos = 0  # number of positions filled
+
+    def reset(self) -> None:
+        """Forget every cached position (the storage is kept)."""
+        self.pos = 0
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k``/``v`` of shape (B, nh, T, hs); return all keys/values so far."""
+        start, end = self.pos, self.pos + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions; cannot append up to {end}.")
+        stale = self.k is None or (self.k.shape[0], self.k.dtype, self.k.device) != (k.shape[0], k.dtype, k.device)
+        if stale and start == 0:
+            B, nh, _, hs = k.shape
+            self.k = k.new_zeros(B, nh, self.max_len, hs)
+            self.v = v.new_zeros(B, nh, self.max_len, hs)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.pos = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as err:
+        raise ImportError(
+            "GPTConfig(attention='flash-attn') needs the flash-attn package: "
+            'pip install "lightning-gpuopt[flash]" (CUDA only), or use attention="sdpa".'
+        ) from err
+    return flash_attn_func
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_size = config.head_size
+        self.dropout = config.dropout
+        self.attention = config.attention
+        # query, key and value projections for all heads, in one matmul
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self._flash_attn = _flash_attn_func() if config.attention == "flash-attn" else None
+
+    def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        dropout = self.dropout if self.training else 0.0
+        if self._flash_attn is not None and cache is None:
+            # flash-attn wants (B, T, nh, hs)
+            shape = (B, T, self.n_head, self.head_size)
+            y = self._flash_attn(q.view(shape), k.view(shape), v.view(shape), dropout_p=dropout, causal=True)
+            return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
+
+        q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is None or cache.pos == 0:
+            mask, is_causal = None, True
+        elif T == 1:
+            mask, is_causal = None, False  # one new token attends to every cached position
+        else:
+            # T new tokens after `cache.pos` cached ones: token i sees positions <= pos + i
+            pos = cache.pos
+            mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
+            is_causal = False
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, nh, pos + T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 style language model.
+
+    Token and position embeddings, ``n_layer`` pre-LN blocks, a final LayerNorm and an output head
+    tied to the token embedding. Attention runs through ``F.scaled_dot_product_attention`` so
+    PyTorch's Flash / cuDNN kernels are used on the GPU.
+
+    Example::
+
+        model = GPT(GPTConfig.from_name("tiny"))
+        logits = model(torch.randint(0, 512, (2, 16)))  # (2, 16, padded_vocab_size)
+        text_ids = model.generate(prompt_ids, max_new_tokens=50, temperature=0.8, top_k=50)
+
+    Args:
+        config: The architecture.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        # Weight tying (Press & Wolf, 2017): the output head reuses the token embedding.
+        self.lm_head.weight = self.transformer.wte.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02) weights, zero biases, and residual projections scaled
+        by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Number of parameters (tied weights counted once).
+
+        Args:
+            non_embedding: Leave out the token and position embeddings (the usual "model size").
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """Training FLOPs (forward + backward) per token: ``6 N + 12 L H Q T``.
+
+        This is the formula of PaLM (Chowdhery et al., 2022, arXiv:2204.02311, Appendix B): ``N``
+        parameters taking part in matmuls, each costing 2 FLOPs per token forward and 4 backward,
+        plus the attention score and value matmuls, ``12 · n_layer · n_head · head_size · T``.
+        ``N`` leaves out the position embedding (a lookup) but keeps the token embedding, which is
+        also the output head's matmul weight. Causal masking is not discounted, as in PaLM. MFU is
+        computed from this number.
+
+        Args:
+            seq_len: Sequence length ``T``; defaults to ``config.block_size``.
+        """
+        cfg = self.config
+        T = cfg.block_size if seq_len is None else seq_len
+        N = self.num_params() - self.transformer.wpe.weight.numel()
+        return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * T
+
+    def forward(self, idx: Tensor, caches: Optional[list[KVCache]] = None) -> Tensor:
+        """Logits of shape (B, T, padded_vocab_size) for token ids ``idx`` of shape (B, T).
+
+        Args:
+            idx: Token ids.
+            caches: One ``KVCache`` per block, for incremental decoding (see ``generate``).
+        """
+        B, T = idx.shape
+        start = caches[0].pos if caches else 0
+        if start + T > self.config.block_size:
+            raise ValueError(
+                f"Sequence of length {start + T} is longer than GPTConfig.block_size={self.config.block_size}: "
+                "use shorter sequences or a model with a larger block_size."
+            )
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for i, block in enumerate(self.transformer.h):
+            cache = caches[i] if caches else None
+            if self.config.activation_checkpointing and self.training and cache is None:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, cache)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy; targets equal to -1 are ignored."""
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        use_cache: bool = True,
+        generator: Optional[torch.Generator] = None,
+    ) -> Tensor:
+        """Continue a batch of prompts; see :func:`lightning_gpuopt.model.generation.generate`."""
+        from lightning_gpuopt.model.generation import generate
+
+        return generate(self, idx, max_new_tokens, temperature, top_k, use_cache, generator)

@@ -1,0 +1,220 @@
+"""`GPTModule`: the Lightning wrapper that trains, evaluates and samples a `GPT`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
+
+from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
+
+__all__ = ["GPTModule"]
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+class GPTModule(pl.LightningModule):
+    """Trains a :class:`~lightning_gpuopt.model.GPT` language model.
+
+    Batches are ``(input_ids, targets)`` pairs of shape (B, T), as ``TextDataModule`` yields them.
+    Logs ``{stage}/loss`` and ``{stage}/ppl`` (perplexity) for ``train``, ``val`` and ``test``;
+    ``val``/``test`` perplexity is the exponential of the token-weighted mean loss over the whole
+    split (torchmetrics ``MeanMetric``, synchronised across processes).
+
+    Example::
+
+        module = GPTModule(preset="124m", vocab_size=8192, block_size=1024, compile=True)
+        trainer = Trainer(max_steps=3000, precision="bf16-mixed")
+        trainer.fit(module, datamodule=TextDataModule(block_size=1024, vocab_size=8192))
+
+    Args:
+        preset: Name of a ``GPTConfig`` preset (``tiny``, ``124m``, ``175m``, ``355m``, ``774m``, ``1.5b``).
+        vocab_size: Tokenizer vocabulary size (the ``gpuopt`` CLI links it from the data).
+            ``None`` keeps the preset's.
+        block_size: Context length; ``None`` keeps the preset's.
+        n_layer: Override the preset's number of blocks.
+        n_head: Override the preset's number of attention heads.
+        n_embd: Override the preset's width.
+        dropout: Dropout probability.
+        attention: ``"sdpa"`` or ``"flash-attn"`` (needs the ``flash`` extra).
+        activation_checkpointing: Recompute each block's activations in the backward pass.
+        learning_rate: Peak learning rate.
+        weight_decay: AdamW weight decay (matrices and embeddings only).
+        betas: AdamW betas.
+        warmup_steps: Linear warm-up steps; then cosine decay over the rest of training.
+        min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
+        compile: Compile the model with ``torch.compile`` in ``configure_model``.
+        compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None`` is the default mode.
+        max_new_tokens: Tokens generated per prompt by ``predict_step``.
+        temperature: Sampling temperature for ``predict_step`` (0 is greedy).
+        top_k: Top-k sampling for ``predict_step``.
+
+    Note:
+        The ``GPT`` is built in ``configure_model`` (under the Trainer's init context, so precision
+        plugins and sharding strategies can shape it). Outside a Trainer, call
+        ``module.configure_model()`` before using ``module.model``.
+    """
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        vocab_size: Optional[int] = None,
+        block_size: Optional[int] = None,
+        n_layer: Optional[int] = None,
+        n_head: Optional[int] = None,
+        n_embd: Optional[int] = None,
+        dropout: float = 0.0,
+        attention: Literal["sdpa", "flash-attn"] = "sdpa",
+        activation_checkpointing: bool = False,
+        learning_rate: float = 6e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        compile: bool = False,
+        compile_mode: Optional[CompileMode] = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.8,
+        top_k: Optional[int] = 50,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        overrides = dict(
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+        )
+        # Validate now, before any work: a bad shape fails at construction, not after data prep.
+        self.config = GPTConfig.from_name(
+            preset,
+            **{k: v for k, v in overrides.items() if v is not None},
+            dropout=dropout,
+            attention=attention,
+            activation_checkpointing=activation_checkpointing,
+        )
+        if learning_rate <= 0:
+            raise ValueError(f"GPTModule.learning_rate must be > 0, got {learning_rate}.")
+        if warmup_steps < 0:
+            raise ValueError(f"GPTModule.warmup_steps must be >= 0, got {warmup_steps}.")
+        if compile_mode is not None and not compile:
+            raise ValueError(f"GPTModule.compile_mode={compile_mode!r} has no effect: also set compile=True.")
+        self.model: Optional[GPT] = None
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+
+    @property
+    def flops_per_batch(self) -> Optional[int]:
+        """Training FLOPs of the last training batch (read by Lightning's ``ThroughputMonitor``)."""
+        return getattr(self, "_flops_per_batch", None)
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """Training FLOPs per token of the model (PaLM formula); see ``GPT.flops_per_token``."""
+        if self.model is not None:
+            return self.model.flops_per_token(seq_len)
+        with torch.device("meta"):  # count parameters without allocating them
+            return GPT(self.config).flops_per_token(seq_len)
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is not None:  # idempotent: Lightning may call it more than once
+            return
+        self.model = GPT(self.config)
+        if self.hparams.compile:
+            # Module.compile() compiles in place: state-dict keys stay those of the plain model.
+            self.model.compile(mode=self.hparams.compile_mode)
+
+    @override
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        if data_vocab is not None and data_vocab > self.config.vocab_size:
+            raise ValueError(
+                f"The data's tokenizer has {data_vocab} tokens but the model's vocab_size is "
+                f"{self.config.vocab_size}: set model.vocab_size >= {data_vocab} (the gpuopt CLI links it "
+                "from data.vocab_size), or use a tokenizer with fewer tokens."
+            )
+        data_block = getattr(datamodule, "block_size", None)
+        if data_block is not None and data_block > self.config.block_size:
+            raise ValueError(
+                f"The data's block_size={data_block} is longer than the model's block_size={self.config.block_size}: "
+                f"set model.block_size >= {data_block} or data.block_size <= {self.config.block_size}."
+            )
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        idx, targets = batch
+        return self.model.loss(self.model(idx), targets)
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self._flops_per_batch = self.model.flops_per_token(batch[0].size(1)) * batch[0].numel()
+        loss = self._loss(batch)
+        # Per-batch perplexity is exp of the batch loss; no extra pass over the logits.
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/ppl", torch.exp(loss.detach()))
+        return loss
+
+    def _eval_step(self, batch: tuple[Tensor, Tensor], stage: str, metric: MeanMetric) -> Tensor:
+        loss = self._loss(batch)
+        # Weight by tokens so the split's perplexity is exp(mean NLL per token), however batches fall.
+        # (torchmetrics' Perplexity would allocate a second vocabulary-sized softmax per batch and
+        # rejects bf16 logits; the token-weighted mean gives the same number.)
+        metric.update(loss.detach(), weight=batch[1].ne(-1).sum())
+        self.log(f"{stage}/loss", metric, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "val", self.val_loss)
+
+    @override
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "test", self.test_loss)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/ppl", torch.exp(self.val_loss.compute()))
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self.log("test/ppl", torch.exp(self.test_loss.compute()))
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """Continue each prompt in ``batch`` (token ids (B, T), or a tuple whose first item is)."""
+        idx = batch[0] if isinstance(batch, (tuple, list)) else batch
+        hp = self.hparams
+        return self.model.generate(idx, hp.max_new_tokens, temperature=hp.temperature, top_k=hp.top_k)
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError(
+                "GPTModule's LR schedule needs a finite run length: set trainer.max_steps (or max_epochs)."
+            )
+        total = max(1, int(total))
+        warmup = hp.warmup_steps
+        if warmup > total:
+            if not self.trainer.fast_dev_run:
+                rank_zero_warn(
+                    f"GPTModule.warmup_steps={warmup} is longer than the run ({total} optimizer steps): "
+                    f"warming up over all {total} steps. Lower warmup_steps or raise trainer.max_steps."
+                )
+            warmup = total
+        optimizer = build_adamw(self.model, hp.learning_rate, hp.weight_decay, tuple(hp.betas))
+        scheduler = warmup_cosine_schedule(optimizer, warmup, total, hp.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

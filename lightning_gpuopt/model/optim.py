@@ -1,0 +1,80 @@
+"""AdamW with GPT-style weight-decay groups, and a linear-warmup + cosine-decay LR schedule."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.optim import AdamW, Optimizer
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
+
+__all__ = ["build_adamw", "warmup_cosine_schedule"]
+
+
+def build_adamw(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    fused: bool | None = None,
+) -> AdamW:
+    """AdamW with weight decay on matrices and embeddings (params with >= 2 dims) only.
+
+    Biases and LayerNorm gains are not decayed, as in GPT-2/3 training.
+
+    Example::
+
+        optimizer = build_adamw(model, lr=6e-4, fused=True)
+
+    Args:
+        model: Module whose trainable parameters are optimised.
+        lr: Peak learning rate.
+        weight_decay: Decoupled weight decay for params with >= 2 dims.
+        betas: Adam betas.
+        eps: Adam epsilon.
+        fused: Use the fused CUDA kernel; ``None`` chooses it when every parameter is on CUDA.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("build_adamw() got a model with no trainable parameters.")
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    if fused is None:
+        fused = all(p.device.type == "cuda" for p in params)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def warmup_cosine_schedule(
+    optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
+) -> LRScheduler:
+    """Linear warm-up from ~0 to the peak LR over ``warmup_steps``, then cosine decay to
+    ``min_lr_ratio`` × peak at ``total_steps``; built from ``torch.optim.lr_scheduler``.
+
+    Step it once per optimizer step.
+
+    Example::
+
+        scheduler = warmup_cosine_schedule(optimizer, warmup_steps=100, total_steps=3000)
+
+    Args:
+        optimizer: Optimizer whose groups' ``lr`` is the peak LR.
+        warmup_steps: Steps of linear warm-up (0 for none); must not exceed ``total_steps``.
+        total_steps: Length of the whole schedule in optimizer steps.
+        min_lr_ratio: Final LR as a fraction of the peak.
+    """
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}.")
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}.")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}.")
+    peak = optimizer.param_groups[0]["lr"]
+    cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=peak * min_lr_ratio)
+    if warmup_steps == 0:
+        return cosine
+    # LinearLR needs start_factor > 0: start at 1/(warmup+1) of the peak, reach it at warmup_steps.
+    warmup = LinearLR(optimizer, start_factor=1.0 / (warmup_steps + 1), end_factor=1.0, total_iters=warmup_steps)
+    return SequentialLR(optimizer, schedulers=[warmup, cosine], milestones=[warmup_steps])
