@@ -1,0 +1,57 @@
+"""Shared test fixtures: fixed seeds, restored global torch state, and a tiny corpus."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+WIKITEXT2 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state(monkeypatch):
+    """Seed every test and put back the global torch flags it may change."""
+    torch.manual_seed(1234)
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        torch.get_float32_matmul_precision(),
+        torch.get_default_dtype(),
+        dict(os.environ),
+    )
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved[0]
+    torch.backends.cudnn.allow_tf32 = saved[1]
+    torch.backends.cudnn.benchmark = saved[2]
+    torch.set_float32_matmul_precision(saved[3])
+    torch.set_default_dtype(saved[4])
+    os.environ.clear()
+    os.environ.update(saved[5])
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """A fresh token cache, also used by code that reads ``GPUOPT_CACHE_DIR``."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("GPUOPT_CACHE_DIR", str(path))
+    return path
+
+
+@pytest.fixture
+def text_dir(tmp_path) -> Path:
+    """A small folder of real English-like text files (generated, repeatable)."""
+    words = (
+        "the model reads text and learns to predict the next token of every sentence in the corpus "
+        "while the optimizer lowers the loss step by step on the training data"
+    ).split()
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        idx = torch.randint(0, len(words), (3000,), generator=g).tolist()
+        (folder / f"doc{i}.txt").write_text(" ".join(words[j] for j in idx) + "\n")
+    return folder
