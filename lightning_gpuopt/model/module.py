@@ -183,6 +183,17 @@ class GPTModule(pl.LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self._eval_step(batch, "test", self.test_loss)
 
+    # Reset at the start of each evaluation so the metric's state tensors are created under the
+    # grad mode of this loop (a state made under `trainer.validate`'s inference mode cannot be
+    # updated later in `fit`, whose validation may run under plain no_grad).
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self.val_loss.reset()
+
+    @override
+    def on_test_epoch_start(self) -> None:
+        self.test_loss.reset()
+
     @override
     def on_validation_epoch_end(self) -> None:
         self.log("val/ppl", torch.exp(self.val_loss.compute()))

@@ -1,0 +1,108 @@
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+
+from lightning_gpuopt import GPT, GPTModule, TextDataModule
+from tests.conftest import WIKITEXT2
+
+
+def _trainer(**kw) -> pl.Trainer:
+    args = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(**{**args, **kw})
+
+
+def _data(source, cache_dir, **kw) -> TextDataModule:
+    args = dict(source=str(source), block_size=64, batch_size=16, vocab_size=1024, num_workers=0, cache_dir=str(cache_dir))
+    return TextDataModule(**{**args, **kw})
+
+
+@pytest.mark.skipif(not WIKITEXT2.is_dir(), reason=f"WikiText-2 not found at {WIKITEXT2}")
+def test_short_fit_on_wikitext2_lowers_loss(cache_dir):
+    """Train on WikiText-2 valid.txt (real English); validation loss must fall well below its start."""
+    pl.seed_everything(0)
+    data = _data(WIKITEXT2 / "valid.txt", cache_dir)
+    model = GPTModule(preset="tiny", vocab_size=data.vocab_size, block_size=64, learning_rate=3e-3, warmup_steps=20)
+    start = _trainer(limit_val_batches=20).validate(model, datamodule=data, verbose=False)[0]["val/loss"]
+    trainer = _trainer(max_steps=200, limit_val_batches=20, val_check_interval=200)
+    trainer.fit(model, datamodule=data)
+    end = trainer.callback_metrics["val/loss"].item()
+    assert start == pytest.approx(torch.log(torch.tensor(1024.0)).item(), abs=0.3)  # ~uniform at init
+    assert end < start - 1.5, (start, end)
+    assert trainer.callback_metrics["val/ppl"].item() == pytest.approx(torch.exp(torch.tensor(end)).item(), rel=1e-4)
+
+
+def test_val_perplexity_is_token_weighted_over_the_split(text_dir, cache_dir):
+    data = _data(text_dir, cache_dir, vocab_size=300, batch_size=3)
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=64)
+    result = _trainer().validate(model, datamodule=data, verbose=False)[0]
+    model.eval()
+    losses, counts = [], []
+    with torch.no_grad():
+        for x, y in data.val_dataloader():
+            losses.append(model.model.loss(model.model(x), y) * y.numel())
+            counts.append(y.numel())
+    mean = torch.stack(losses).sum() / sum(counts)
+    assert result["val/loss"] == pytest.approx(mean.item(), rel=1e-5)
+    assert result["val/ppl"] == pytest.approx(torch.exp(mean).item(), rel=1e-4)
+
+
+def test_optimizer_and_schedule_follow_the_run(text_dir, cache_dir):
+    data = _data(text_dir, cache_dir, vocab_size=300)
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=64, learning_rate=1e-3, warmup_steps=4, min_lr_ratio=0.1)
+    trainer = _trainer(max_steps=12, limit_val_batches=0)
+    trainer.fit(model, datamodule=data)
+    opt = trainer.optimizers[0]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-4)  # the cosine floor after 12 of 12 steps
+
+
+def test_warmup_longer_than_run_warns(text_dir, cache_dir):
+    data = _data(text_dir, cache_dir, vocab_size=300)
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=64, warmup_steps=50)
+    with pytest.warns(UserWarning, match="warmup_steps=50 is longer than the run"):
+        _trainer(max_steps=3, limit_val_batches=0).fit(model, datamodule=data)
+
+
+def test_throughput_monitor_reads_flops_per_batch(text_dir, cache_dir):
+    data = _data(text_dir, cache_dir, vocab_size=300)
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=64)
+    monitor = ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0), length_fn=lambda b: b[0].numel(), window_size=2)
+    _trainer(max_steps=3, limit_val_batches=0, callbacks=[monitor], log_every_n_steps=1).fit(model, datamodule=data)
+    assert model.flops_per_batch == model.flops_per_token(64) * 16 * 64
+    assert model.flops_per_token(64) == GPT(model.config).flops_per_token(64)
+
+
+def test_module_argument_errors():
+    with pytest.raises(ValueError, match="n_embd=90 is not divisible by n_head=4"):
+        GPTModule(preset="tiny", n_embd=90)
+    with pytest.raises(ValueError, match="learning_rate must be > 0"):
+        GPTModule(learning_rate=0)
+    with pytest.raises(ValueError, match="compile_mode='max-autotune' has no effect: also set compile=True"):
+        GPTModule(compile_mode="max-autotune")
+
+
+def test_configure_model_is_idempotent_and_compiles_in_place():
+    module = GPTModule(preset="tiny", compile=True, compile_mode="default")
+    module.configure_model()
+    model = module.model
+    module.configure_model()
+    assert module.model is model
+    assert model._compiled_call_impl is not None
+    # in-place compile keeps the plain model's state-dict keys (checkpoints load without prefixes)
+    assert list(model.state_dict()) == list(GPT(module.config).state_dict())
+
+
+def test_checkpoint_round_trip_and_predict(tmp_path, text_dir, cache_dir):
+    data = _data(text_dir, cache_dir, vocab_size=300, prompts=["the model", "loss"], samples_per_prompt=3)
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=64, max_new_tokens=5, temperature=0)
+    trainer = _trainer(max_steps=2, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=data)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    restored = GPTModule.load_from_checkpoint(tmp_path / "m.ckpt", weights_only=True)
+    for (k, a), (_, b) in zip(model.state_dict().items(), restored.state_dict().items()):
+        assert torch.equal(a, b), k
+    out = _trainer().predict(restored, datamodule=data)
+    assert [tuple(o.shape) for o in out] == [(3, len(data.encode(p)) + 5) for p in ("the model", "loss")]
+    assert torch.equal(out[0][0], out[0][1])  # greedy: every sample of a prompt is the same
+    assert data.decode(out[0][0]).startswith("the model")
