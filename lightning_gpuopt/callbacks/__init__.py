@@ -1,3 +1,5 @@
 """Callbacks: CUDA settings, MFU monitoring, automatic batch size."""
 
-__all__: list[str] = []
+from lightning_gpuopt.callbacks.mfu_monitor import MFUMonitor
+
+__all__ = ["MFUMonitor"]

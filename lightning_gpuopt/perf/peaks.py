@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["GPUPeaks", "GPU_PEAKS", "DTYPES", "find_gpu", "peak_flops", "dtype_name"]
+__all__ = ["DTYPES", "GPU_PEAKS", "GPUPeaks", "dtype_name", "find_gpu", "measure_peak_flops", "peak_flops"]
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
@@ -190,3 +190,36 @@ def peak_flops(device_name: str, dtype: Union[torch.dtype, str]) -> Optional[flo
     if tflops is None and name == "bf16":
         tflops = gpu.fp16
     return None if tflops is None else tflops * 1e12
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192, iters: int = 20) -> float:
+    """Achievable matmul FLOP/s on ``device``: times ``iters`` square ``size`` x ``size`` matmuls.
+
+    A practical ceiling to compare against (typically 70-90% of the datasheet peak), measured with
+    CUDA events after a warm-up.
+
+    Example::
+
+        measure_peak_flops(torch.device("cuda"))  # ~7.5e14 on an H100 SXM
+
+    Args:
+        device: A CUDA device.
+        dtype: Matmul dtype.
+        size: Matrix side; large enough to saturate the tensor cores.
+        iters: Timed matmuls.
+    """
+    if device.type != "cuda":
+        raise ValueError(f"measure_peak_flops needs a CUDA device, got {device}.")
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        a @ b
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000
+    del a, b
+    return 2 * size**3 * iters / seconds
