@@ -1,5 +1,6 @@
 """Callbacks: CUDA settings, MFU monitoring, automatic batch size."""
 
+from lightning_gpuopt.callbacks.cuda_settings import CUDASettings
 from lightning_gpuopt.callbacks.mfu_monitor import MFUMonitor
 
-__all__ = ["MFUMonitor"]
+__all__ = ["CUDASettings", "MFUMonitor"]
