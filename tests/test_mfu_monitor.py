@@ -11,6 +11,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch import nn
 
 from helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
+from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.callbacks import MFUMonitor
 from lightning_gpuopt.callbacks import mfu_monitor as mfu_module
 from lightning_gpuopt.perf.flops import measure_training_flops
@@ -207,3 +208,25 @@ def test_unknown_peak_warns_once_naming_the_argument(tmp_path):
 def test_bad_arguments_raise(kwargs):
     with pytest.raises(ValueError, match="MFUMonitor"):
         MFUMonitor(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_bf16_mfu_is_plausible_and_memory_is_reported(tmp_path):
+    from lightning_gpuopt.perf.peaks import find_gpu
+
+    if find_gpu(torch.cuda.get_device_name()) is None:
+        pytest.skip(f"{torch.cuda.get_device_name()} is not in the peak table")
+    monitor = MFUMonitor(log_every_n_steps=5, warmup_steps=3, measure_peak=True)
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="gpu", devices=1, max_steps=13, precision="bf16-mixed", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[monitor],
+    )
+    module = GPTModule(preset="124m", vocab_size=8192, block_size=512, warmup_steps=1)
+    trainer.fit(module, loader(TokenBatches(13, 8, 512, vocab=8192)))
+    assert len(monitor.history) == 2
+    for m in monitor.history:
+        assert 0.01 < m["perf/mfu"] < 1.0
+        assert m["perf/mfu_measured"] > m["perf/mfu"]  # the measured ceiling is below the datasheet peak
+        assert 0 < m["mem/peak_gb"] and 0 < m["mem/peak_pct"] < 100
