@@ -34,6 +34,7 @@ def test_metrics_arrive_in_offline_wandb_run(tmp_path, monkeypatch):
     )
     trainer.fit(ClockedGPTModule(clock, 0.05, preset="tiny"), loader(TokenBatches(8, 2, 32, clock=clock, fetch_s=0.01)))
     logger.experiment.finish()
+    wandb.teardown()  # shut the wandb-core service down, so the run file is flushed and closed
 
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     rows = [r for r in history_rows(run_file) if "perf/mfu" in r]

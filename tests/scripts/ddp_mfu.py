@@ -14,8 +14,6 @@ from helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader  # no
 from lightning_gpuopt.callbacks import MFUMonitor  # noqa: E402
 
 
-
-
 def main(out: Path) -> None:
     torch.manual_seed(0)
     monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
