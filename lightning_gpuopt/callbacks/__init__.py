@@ -1,3 +1,6 @@
 """Callbacks: CUDA settings, MFU monitoring, automatic batch size."""
 
-__all__: list[str] = []
+from lightning_gpuopt.callbacks.cuda_settings import CUDASettings
+from lightning_gpuopt.callbacks.mfu_monitor import MFUMonitor
+
+__all__ = ["CUDASettings", "MFUMonitor"]
