@@ -80,7 +80,7 @@ class MFUMonitor(Callback):
     ``perf/tokens_per_sec``        Tokens per second, all devices (per-device rate times world size)
     ``perf/tokens_per_sec_per_device`` Tokens per second on one device
     ``perf/tflops_per_device``     Achieved model TFLOP/s per device (FLOPs per token x tokens/s)
-    ``perf/mfu``                   ``tflops_per_device / peak`` for the compute dtype (bf16 peak under FP8)
+    ``perf/mfu``                   ``tflops_per_device / peak``: the device's dense bf16 peak, whatever the dtype
     ``perf/mfu_fp8``               Under FP8 only: against the fp8 peak
     ``perf/mfu_measured``          With ``measure_peak=True``: against a timed bf16 matmul
     ``perf/step_time_ms``          Wall time of one optimizer step (all its micro-batches)
@@ -104,8 +104,8 @@ class MFUMonitor(Callback):
     Args:
         log_every_n_steps: Optimizer steps per logging window; ``None`` uses the Trainer's.
         warmup_steps: Optimizer steps left out at the start of ``fit``.
-        peak_flops: Peak FLOP/s per device for the compute dtype, for GPUs not in the table (or to
-            override it). MFU is not logged when this is unknown.
+        peak_flops: Dense bf16 peak FLOP/s per device, for GPUs not in the table (or to override
+            it). MFU is not logged when this is unknown.
         dtype: The matmul dtype (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``) when the precision
             plugin does not say; ``None`` reads it from the plugin.
         flops_per_token: Training FLOPs per token; ``None`` asks the module or measures them.
@@ -195,7 +195,9 @@ class MFUMonitor(Callback):
             self._dtype = "bf16"
         if is_fp8(plugin) and self.dtype is None:
             self._dtype = "fp8"
-        mfu_dtype = "bf16" if self._dtype == "fp8" else self._dtype  # the usual MFU convention under FP8
+        # The usual convention: MFU against the dense bf16 peak whatever the run computes in, so fp32,
+        # bf16 and fp8 runs compare on one scale (fp8 runs also get perf/mfu_fp8).
+        mfu_dtype = "bf16"
         if self._device.type == "cuda":
             name = torch.cuda.get_device_name(self._device)
             self._peak = table_peak_flops(name, mfu_dtype)
