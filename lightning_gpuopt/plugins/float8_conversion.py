@@ -210,13 +210,18 @@ def convert_linears_to_float8(
     from torchao.float8.float8_linear import Float8Linear
 
     tied = frozenset(id(m.weight) for m in root.modules() if isinstance(m, nn.Embedding))
+    # nn.MultiheadAttention reads out_proj.weight directly and never calls out_proj's forward.
+    mha_out = {id(m.out_proj) for m in root.modules() if isinstance(m, nn.MultiheadAttention)}
     report: list[tuple[str, str, Optional[str]]] = []
 
     def keep(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):
             return False
         name = prefix + fqn.replace("_orig_mod.", "")
-        reason = skip_reason(module, name, module_filter, recipe, tied)
+        if id(module) in mha_out:
+            reason: Optional[str] = "nn.MultiheadAttention.out_proj (its forward is never called)"
+        else:
+            reason = skip_reason(module, name, module_filter, recipe, tied)
         report.append((name, f"{module.in_features}x{module.out_features}", reason))
         return reason is None
 
