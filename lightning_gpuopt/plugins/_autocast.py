@@ -1,0 +1,90 @@
+"""The shared base of our precision plugins: Lightning's ``MixedPrecision`` whose device comes from the Trainer.
+
+Lightning's ``MixedPrecision`` takes the autocast ``device`` as a constructor argument. Ours learn it
+from the Trainer they are attached to (``trainer.strategy.root_device``) the first time they see the
+LightningModule (in ``module_init_context``'s hooks or in ``convert_module``), so a YAML config never
+names a device. Until then they assume the device a Trainer would pick by default (CUDA if present).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.nn import Module
+from typing_extensions import override
+
+__all__ = ["supports_bf16", "trainer_device"]
+
+_AutocastPrecision = Literal["16-mixed", "bf16-mixed"]
+
+
+def supports_bf16(device: torch.device) -> bool:
+    """Whether ``device`` runs bfloat16 matmuls natively (CPU: yes; CUDA: compute capability >= 8.0).
+
+    Example::
+
+        supports_bf16(torch.device("cuda", 0))  # False on a T4 or V100, True on A100/H100
+
+    Args:
+        device: The device training runs on.
+    """
+    if device.type == "cuda":
+        # including_emulation=False: T4/V100 "support" bf16 only through slow emulation.
+        with torch.cuda.device(device):
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+    return True
+
+
+def trainer_device(module: Module) -> Optional[torch.device]:
+    """The root device of the Trainer ``module`` (a LightningModule) is attached to, else ``None``."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return None
+    return trainer.strategy.root_device
+
+
+def _default_device() -> torch.device:
+    # What a Trainer with accelerator="auto" picks; replaced by the real device at setup.
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class _TrainerDeviceMixedPrecision(MixedPrecision):
+    """``MixedPrecision`` that takes its autocast device from the Trainer at setup (private base)."""
+
+    def __init__(self) -> None:
+        device = _default_device()
+        super().__init__(precision=self._precision_for(device), device=device.type)
+        self._bound_device: Optional[torch.device] = None
+
+    def _precision_for(self, device: torch.device) -> _AutocastPrecision:
+        """The autocast precision to use on ``device``; subclasses decide."""
+        return "bf16-mixed"
+
+    def _bind(self, device: torch.device) -> None:
+        """Adopt ``device`` (where training runs): autocast there, with a ``GradScaler`` for fp16."""
+        if self._bound_device == device:
+            return
+        self._bound_device = device
+        self.device = device.type
+        self.precision = self._precision_for(device)
+        if self.precision == "16-mixed" and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(device=device.type)
+        elif self.precision == "bf16-mixed":
+            self.scaler = None
+
+    def _bind_from(self, module: Module) -> None:
+        device = trainer_device(module)
+        if device is not None:
+            self._bind(device)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in under this plugin's autocast (read by MFU/throughput callbacks)."""
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        self._bind_from(module)
+        return module
