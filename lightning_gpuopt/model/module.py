@@ -109,6 +109,7 @@ class GPTModule(pl.LightningModule):
         if compile_mode is not None and not compile:
             raise ValueError(f"GPTModule.compile_mode={compile_mode!r} has no effect: also set compile=True.")
         self.model: Optional[GPT] = None
+        self._flops_per_token: dict[int, int] = {}
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
@@ -159,7 +160,10 @@ class GPTModule(pl.LightningModule):
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        self._flops_per_batch = self.model.flops_per_token(batch[0].size(1)) * batch[0].numel()
+        seq_len = batch[0].size(1)
+        if seq_len not in self._flops_per_token:  # counted once per length, not every step
+            self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len)
+        self._flops_per_batch = self._flops_per_token[seq_len] * batch[0].numel()
         loss = self._loss(batch)
         # Per-batch perplexity is exp of the batch loss; no extra pass over the logits.
         self.log("train/loss", loss, prog_bar=True)
