@@ -1,0 +1,86 @@
+"""Capture and restore everything a trial step can change, so a search leaves no trace."""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["TrainingState"]
+
+
+def _local(t: Tensor) -> Tensor:
+    """The tensor a rank owns: the local shard of a DTensor (FSDP2), the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass
+class TrainingState:
+    """Weights, optimizer and LR-scheduler state, grad-scaler state, RNG states and module modes.
+
+    Weights are copied to host memory so the copy does not take the device memory the search
+    measures. Optimizer state is copied only when it exists (it is empty at the start of a fresh
+    run; trial steps create it and ``restore`` drops it again).
+    """
+
+    weights: list[Tensor] = field(default_factory=list)
+    grads_were_none: bool = True
+    optimizers: list[Optional[dict]] = field(default_factory=list)
+    schedulers: list[dict] = field(default_factory=list)
+    scaler: Optional[dict] = None
+    rng: dict[str, Any] = field(default_factory=dict)
+    modes: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def capture(cls, trainer: pl.Trainer, module: torch.nn.Module) -> "TrainingState":
+        tensors = list(module.parameters()) + list(module.buffers())
+        state = cls(
+            weights=[_local(t.detach()).to("cpu", copy=True) for t in tensors],
+            grads_were_none=all(p.grad is None for p in module.parameters()),
+            optimizers=[
+                copy.deepcopy(opt.state_dict()) if len(opt.state) else None for opt in trainer.optimizers
+            ],
+            schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
+            modes=[m.training for m in module.modules()],
+        )
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            state.scaler = copy.deepcopy(scaler.state_dict())
+        state.rng = {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+        return state
+
+    def restore(self, trainer: pl.Trainer, module: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for t, saved in zip(list(module.parameters()) + list(module.buffers()), self.weights):
+                _local(t).copy_(saved)
+        if self.grads_were_none:
+            for p in module.parameters():
+                p.grad = None
+        for opt, saved in zip(trainer.optimizers, self.optimizers):
+            if saved is None:
+                opt.state.clear()  # the run had no optimizer state yet: drop what the trials created
+            else:
+                opt.load_state_dict(saved)
+        for cfg, saved in zip(trainer.lr_scheduler_configs, self.schedulers):
+            cfg.scheduler.load_state_dict(saved)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and self.scaler is not None:
+            scaler.load_state_dict(self.scaler)
+        torch.set_rng_state(self.rng["torch"])
+        np.random.set_state(self.rng["numpy"])
+        random.setstate(self.rng["python"])
+        if self.rng["cuda"] is not None:
+            torch.cuda.set_rng_state_all(self.rng["cuda"])
+        for m, mode in zip(module.modules(), self.modes):
+            m.training = mode

@@ -1,0 +1,529 @@
+"""`AutoBatchSize`: the largest micro-batch that fits, with the global batch kept through gradient accumulation."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Iterator
+from typing import Any, Callable, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data._utils.collate import default_collate
+from typing_extensions import override
+
+from lightning_gpuopt.callbacks._training_state import TrainingState
+from lightning_gpuopt.perf.batch_search import (
+    Trial,
+    fallback_micro_batch,
+    largest_fitting,
+    micro_batch_candidates,
+    per_device_batch,
+)
+from lightning_gpuopt.perf.oom import free_memory, is_oom_error
+
+__all__ = ["AutoBatchSize"]
+
+_GB = 1024**3
+
+
+class AutoBatchSize(Callback):
+    """Finds the largest micro-batch that fits, and keeps the global batch with gradient accumulation.
+
+    At the start of ``fit``, with the run's own precision plugin, ``torch.compile`` setting,
+    strategy and model, it runs ``steps_per_trial`` real training steps (forward, backward and
+    optimizer step, on batches of the real shape taken from the training data) at candidate
+    micro-batch sizes, and keeps the largest that runs without running out of memory and leaves
+    ``memory_margin`` of the device's memory free. Only sizes that divide the per-device batch
+    are tried, so that
+
+        ``global_batch_size = micro_batch_size * accumulate_grad_batches * world_size``
+
+    holds exactly: the optimisation (global batch, learning-rate schedule) is what you
+    configured, whatever the GPU. The datamodule's (or module's) ``batch_size`` is set to the
+    micro-batch and ``trainer.accumulate_grad_batches`` to the accumulation.
+
+    The search leaves no trace: weights, optimizer and LR-scheduler state, grad-scaler state,
+    RNG states, ``global_step`` and the logged metrics are exactly as before (other callbacks do
+    not see the trial steps). Under DDP and FSDP2 all ranks agree on the smallest size that fits
+    on every rank.
+
+    If the device runs out of memory later in training (longer sequences, fragmentation), the
+    step is redone from its first micro-batch with a smaller micro-batch (the largest divisor of
+    the per-device batch at most half of it) and proportionally more accumulation: the global
+    batch and the order of the samples stay the same, so no work is lost. Where that is not
+    possible (micro-batch already 1) it writes a checkpoint of the last completed step and stops
+    with a message naming what to change. In multi-process runs the other ranks cannot join a
+    redone step, so there the run stops with the checkpoint (DDP) or the message (FSDP2).
+
+    On CPU a real memory exhaustion kills the process instead of raising an error, so there
+    ``max_micro_batch_size`` is required; the search itself is the same on every device.
+
+    Logged once, to every logger and the console:
+
+    =====================================  ==========================================
+    Key                                    Meaning
+    =====================================  ==========================================
+    ``auto_batch_size/micro_batch_size``   Chosen micro-batch per device
+    ``auto_batch_size/accumulate_grad``    Gradient-accumulation steps
+    ``auto_batch_size/global_batch_size``  Samples per optimizer step, all devices
+    ``auto_batch_size/peak_memory_gb``     Peak reserved memory of the chosen size (CUDA)
+    ``auto_batch_size/trials``             Number of sizes tried
+    =====================================  ==========================================
+
+    Example::
+
+        trainer = Trainer(
+            max_steps=5000,
+            plugins=[BF16Precision()],
+            callbacks=[AutoBatchSize(global_batch_size=512)],
+        )
+        trainer.fit(GPTModule(preset="124m"), datamodule=TextDataModule(block_size=1024))
+
+    Args:
+        global_batch_size: Samples per optimizer step over all devices. ``None`` keeps the batch
+            you configured: ``batch_size * accumulate_grad_batches * world_size``.
+        max_micro_batch_size: Largest micro-batch to try. Required on CPU.
+        mode: ``"binsearch"`` doubles until a size fails, then bisects; ``"power"`` only doubles.
+        memory_margin: Fraction of the device's memory to leave free (CUDA only), as headroom
+            for fragmentation and longer sequences.
+        steps_per_trial: Training steps per tried size; two or more, so the optimizer state
+            created by the first step is counted.
+        batch_size_attr: Name of the batch-size attribute on the datamodule or module.
+        recover_oom: Recover from out-of-memory errors later in training.
+
+    Note:
+        Data order after a recovery is the same only if the training dataloader's order does not
+        depend on when it is created: true for ``TextDataModule`` and for any loader without a
+        global-RNG ``shuffle``. A ``max_epochs``-based LR schedule is rebuilt when the search
+        changes the global batch.
+    """
+
+    def __init__(
+        self,
+        global_batch_size: Optional[int] = None,
+        max_micro_batch_size: Optional[int] = None,
+        mode: Literal["binsearch", "power"] = "binsearch",
+        memory_margin: float = 0.1,
+        steps_per_trial: int = 2,
+        batch_size_attr: str = "batch_size",
+        recover_oom: bool = True,
+    ) -> None:
+        if global_batch_size is not None and global_batch_size < 1:
+            raise ValueError(f"AutoBatchSize.global_batch_size must be >= 1 (or None), got {global_batch_size}.")
+        if max_micro_batch_size is not None and max_micro_batch_size < 1:
+            raise ValueError(f"AutoBatchSize.max_micro_batch_size must be >= 1 (or None), got {max_micro_batch_size}.")
+        if mode not in ("binsearch", "power"):
+            raise ValueError(f"AutoBatchSize.mode must be 'binsearch' or 'power', got {mode!r}.")
+        if not 0 <= memory_margin < 1:
+            raise ValueError(
+                f"AutoBatchSize.memory_margin is the fraction of memory to keep free, in [0, 1): got {memory_margin}."
+            )
+        if steps_per_trial < 1:
+            raise ValueError(f"AutoBatchSize.steps_per_trial must be >= 1, got {steps_per_trial}.")
+        self.global_batch_size = global_batch_size
+        self.max_micro_batch_size = max_micro_batch_size
+        self.mode = mode
+        self.memory_margin = memory_margin
+        self.steps_per_trial = steps_per_trial
+        self.batch_size_attr = batch_size_attr
+        self.recover_oom = recover_oom
+        # Decisions (saved in checkpoints, so a resumed run uses them without searching again).
+        self.micro_batch_size: Optional[int] = None
+        self.accumulate_grad_batches: Optional[int] = None
+        self.trials: list[Trial] = []
+        self.recoveries: list[dict[str, int]] = []
+        self._per_device: Optional[int] = None
+        self._restored: Optional[dict[str, Any]] = None
+        self._original_advance: Optional[Callable] = None
+        self._step_start: Optional[dict] = None
+        self._stopped = False  # this callback already stopped the run (and said why)
+
+    # ------------------------------------------------------------------------------------ checks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if trainer.strategy.root_device.type == "cpu" and self.max_micro_batch_size is None:
+            raise ValueError(
+                "AutoBatchSize on CPU needs max_micro_batch_size: running out of host memory kills the process "
+                "instead of raising an error, so the search must be bounded. Set "
+                "AutoBatchSize(max_micro_batch_size=...)."
+            )
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "AutoBatchSize needs automatic optimization (it sets trainer.accumulate_grad_batches); "
+                f"{type(pl_module).__name__} sets automatic_optimization=False."
+            )
+        if not lightning_hasattr(pl_module, self.batch_size_attr):
+            raise ValueError(
+                f"AutoBatchSize sets the micro-batch through a `{self.batch_size_attr}` attribute of the datamodule "
+                f"or the module, and neither {type(pl_module).__name__} nor the datamodule has one: add it (and use it "
+                "in train_dataloader()), or name yours with AutoBatchSize(batch_size_attr=...)."
+            )
+        if self.global_batch_size is not None:
+            per_device_batch(self.global_batch_size, trainer.world_size)  # fails now, not after the data prep
+
+    # ----------------------------------------------------------------------------------- search
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        configured = int(lightning_getattr(pl_module, self.batch_size_attr))
+        configured_global = configured * trainer.accumulate_grad_batches * trainer.world_size
+        global_batch = self.global_batch_size or configured_global
+        self._per_device = per_device_batch(global_batch, trainer.world_size)
+        if self._restored is not None and self._apply_restored(trainer, pl_module):
+            return
+        candidates = micro_batch_candidates(self._per_device, self.max_micro_batch_size)
+        batches = _SampleBatches(trainer, pl_module)
+        state = TrainingState.capture(trainer, pl_module)
+        try:
+            with _quiet_trainer(trainer):
+                best, self.trials = largest_fitting(
+                    candidates, lambda size: self._try(trainer, pl_module, batches(size), size), self.mode
+                )
+        finally:
+            state.restore(trainer, pl_module)
+            del batches
+            free_memory(trainer.strategy.root_device)
+            if _is_compiled(pl_module):
+                # Drop the graphs compiled for the trial shapes: training compiles once, statically, for its own.
+                torch.compiler.reset()
+        if best is None:
+            raise RuntimeError(
+                "AutoBatchSize: even a micro-batch of 1 runs out of memory"
+                + (f" (or leaves less than memory_margin={self.memory_margin} free)" if self.memory_margin else "")
+                + ". Make the model fit first: GPTModule(activation_checkpointing=True), a shorter block_size, "
+                "FSDP2 (ModelParallelStrategy) across more GPUs, or a lower memory_margin."
+            )
+        self._apply(trainer, pl_module, best, global_batch != configured_global)
+        self._report(trainer)
+
+    def _try(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, size: int) -> Trial:
+        """Run the trial steps at one size on every rank; fits only if it fits on all of them."""
+        device = trainer.strategy.root_device
+        free_memory(device)
+        fits, reason = True, ""
+        try:
+            for _ in range(self.steps_per_trial):
+                _training_step(trainer, pl_module, batch)
+        except Exception as err:
+            if not is_oom_error(err):
+                raise
+            fits, reason = False, "out of memory"
+        if fits is False:
+            pl_module.zero_grad(set_to_none=True)
+            for opt in trainer.optimizers:
+                opt.zero_grad(set_to_none=True)
+        peak = None
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_reserved(device)
+            total = torch.cuda.get_device_properties(device).total_memory
+            if fits and peak > (1 - self.memory_margin) * total:
+                fits, reason = False, f"peak {peak / _GB:.1f} GB leaves less than {self.memory_margin:.0%} free"
+        free_memory(device)
+        agreed = trainer.strategy.reduce_boolean_decision(fits, all=True)
+        if fits and not agreed:
+            reason = "out of memory on another rank"
+        return Trial(size, agreed, peak, reason)
+
+    def _apply(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: int, global_batch_changed: bool
+    ) -> None:
+        self.micro_batch_size = micro
+        self.accumulate_grad_batches = self._per_device // micro
+        lightning_setattr(pl_module, self.batch_size_attr, micro)
+        trainer.accumulate_grad_batches = self.accumulate_grad_batches
+        # `estimated_stepping_batches` (read by configure_optimizers) may have built the train loader
+        # with the old batch size: drop it so the fit loop builds it with the new one.
+        trainer.fit_loop._combined_loader = None
+        if global_batch_changed and trainer.max_steps == -1:
+            # An epoch-based LR schedule was sized for the old number of optimizer steps per epoch.
+            trainer.strategy.setup_optimizers(trainer)
+
+    def _apply_restored(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Use the decision saved in the checkpoint, unless the world size or the bounds changed."""
+        restored, self._restored = self._restored, None
+        if restored.get("per_device_batch") != self._per_device:
+            rank_zero_info("AutoBatchSize: the per-device batch changed since the checkpoint: searching again.")
+            return False
+        micro = restored["micro_batch_size"]
+        if self.max_micro_batch_size is not None and micro > self.max_micro_batch_size:
+            micro = micro_batch_candidates(self._per_device, self.max_micro_batch_size)[-1]
+        self._apply(trainer, pl_module, micro, global_batch_changed=False)
+        rank_zero_info(
+            f"AutoBatchSize: micro-batch {micro} x {self.accumulate_grad_batches} accumulation, from the checkpoint."
+        )
+        return True
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        lines = [f"  {t.micro_batch_size:>6}  {'fits' if t.fits else 'no':>4}  " + _format_peak(t) for t in self.trials]
+        rank_zero_info(
+            f"AutoBatchSize: micro-batch {self.micro_batch_size} x {self.accumulate_grad_batches} accumulation "
+            f"x {trainer.world_size} devices = global batch {self.micro_batch_size * self.accumulate_grad_batches * trainer.world_size}\n"
+            "  micro  fits  peak memory\n" + "\n".join(lines)
+        )
+        chosen = next(t for t in self.trials if t.micro_batch_size == self.micro_batch_size and t.fits)
+        metrics = {
+            "auto_batch_size/micro_batch_size": self.micro_batch_size,
+            "auto_batch_size/accumulate_grad": self.accumulate_grad_batches,
+            "auto_batch_size/global_batch_size": self.micro_batch_size * self.accumulate_grad_batches * trainer.world_size,
+            "auto_batch_size/trials": len(self.trials),
+        }
+        if chosen.peak_memory is not None:
+            metrics["auto_batch_size/peak_memory_gb"] = chosen.peak_memory / _GB
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ------------------------------------------------------------------ OOM later in training
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.recover_oom or trainer.world_size > 1 or self._original_advance is not None:
+            return
+        epoch_loop = trainer.fit_loop.epoch_loop
+        self._original_advance = original = epoch_loop.advance
+
+        def advance(data_fetcher: Any) -> None:
+            while True:
+                progress = epoch_loop.batch_progress
+                if progress.current.ready % trainer.accumulate_grad_batches == 0:  # a new optimizer step starts
+                    self._step_start = copy.deepcopy(progress.state_dict())
+                oom_message = None
+                try:
+                    return original(data_fetcher)
+                except Exception as err:
+                    if not is_oom_error(err):
+                        raise
+                    oom_message = str(err).splitlines()[0] if str(err) else type(err).__name__
+                # Outside the `except`: the traceback, which holds the failed step's activations, is gone.
+                self._recover(trainer, pl_module, data_fetcher, oom_message)
+
+        epoch_loop.advance = advance
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._unwrap(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._unwrap(trainer)
+        if (
+            self._stopped
+            or trainer.state.fn != TrainerFn.FITTING
+            or not is_oom_error(exception)
+            or self.micro_batch_size is None
+        ):
+            return
+        # Multi-process runs (no in-process recovery): keep the last completed step where we can.
+        smaller = fallback_micro_batch(self.micro_batch_size, self._per_device or self.micro_batch_size)
+        path = self._emergency_checkpoint(trainer) if not _is_sharded(trainer) else None
+        rank_zero_warn(_stop_message(trainer, self.micro_batch_size, smaller, path))
+
+    def _unwrap(self, trainer: pl.Trainer) -> None:
+        if self._original_advance is not None:
+            trainer.fit_loop.epoch_loop.advance = self._original_advance
+            self._original_advance = None
+
+    def _recover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data_fetcher: Any, message: str) -> None:
+        for opt in trainer.optimizers:  # the partial step's gradients are discarded; the step is redone
+            opt.zero_grad(set_to_none=True)
+        free_memory(trainer.strategy.root_device)
+        old = self.micro_batch_size or int(lightning_getattr(pl_module, self.batch_size_attr))
+        per_device = self._per_device or old * trainer.accumulate_grad_batches
+        new = fallback_micro_batch(old, per_device)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        start = self._step_start
+        if new is None:
+            self._stopped = True
+            path = None if _is_sharded(trainer) else self._emergency_checkpoint(trainer)
+            raise RuntimeError(_stop_message(trainer, old, None, path) + f" (error: {message})")
+        done_in_epoch = start["current"]["ready"] * old  # samples of this epoch before the redone step
+        batches_before = done_in_epoch // new
+        self.micro_batch_size, self.accumulate_grad_batches = new, per_device // new
+        lightning_setattr(pl_module, self.batch_size_attr, new)
+        trainer.accumulate_grad_batches = self.accumulate_grad_batches
+        if isinstance(trainer.val_check_interval, int) and (trainer.val_check_interval * old) % new == 0:
+            trainer.val_check_interval = trainer.val_check_interval * old // new  # same samples between checks
+        # Rebuild the train loader with the new batch size and move the running fetcher onto it,
+        # positioned at the first sample of the redone step.
+        fit_loop = trainer.fit_loop
+        fit_loop._combined_loader = None
+        fit_loop.setup_data()
+        data_fetcher.setup(fit_loop._combined_loader)
+        iter(data_fetcher)
+        fit_loop._data_fetcher = data_fetcher
+        for _ in range(batches_before):
+            next(data_fetcher)
+        progress = epoch_loop.batch_progress
+        progress.load_state_dict(copy.deepcopy(start))
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(progress.total, name, getattr(progress.total, name) - getattr(progress.current, name) + batches_before)
+            setattr(progress.current, name, batches_before)
+        self.recoveries.append({"step": trainer.global_step, "from": old, "to": new})
+        rank_zero_warn(
+            f"AutoBatchSize: out of memory at step {trainer.global_step} with micro-batch {old} ({message}). "
+            f"Redoing the step with micro-batch {new} x {self.accumulate_grad_batches} accumulation: "
+            "the global batch and the data order are unchanged."
+        )
+
+    def _emergency_checkpoint(self, trainer: pl.Trainer) -> Optional[str]:
+        """Save the last completed step from this rank alone (no collectives: the others may be stuck)."""
+        if self._step_start is not None:
+            trainer.fit_loop.epoch_loop.batch_progress.load_state_dict(copy.deepcopy(self._step_start))
+        ckpt_cb = trainer.checkpoint_callback
+        directory = getattr(ckpt_cb, "dirpath", None) or trainer.default_root_dir
+        path = os.path.join(directory, f"oom-step={trainer.global_step}-rank={trainer.global_rank}.ckpt")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, path)
+        except Exception as err:  # never hide the OOM behind a failed save
+            rank_zero_warn(f"AutoBatchSize: could not save the emergency checkpoint {path}: {err}")
+            return None
+        return path
+
+    # ------------------------------------------------------------------------------ checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "per_device_batch": self._per_device,
+            "trials": [[t.micro_batch_size, t.fits, t.peak_memory, t.reason] for t in self.trials],
+            "recoveries": [dict(r) for r in self.recoveries],
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("micro_batch_size") is None:
+            return
+        self._restored = dict(state_dict)
+        self.trials = [Trial(*t) for t in state_dict.get("trials", [])]
+        self.recoveries = [dict(r) for r in state_dict.get("recoveries", [])]
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _format_peak(trial: Trial) -> str:
+    peak = f"{trial.peak_memory / _GB:.2f} GB" if trial.peak_memory is not None else "-"
+    return peak + (f"  ({trial.reason})" if trial.reason else "")
+
+
+def _stop_message(trainer: pl.Trainer, micro: int, smaller: Optional[int], path: Optional[str]) -> str:
+    where = f"Saved the last completed step (global step {trainer.global_step}) to {path}. " if path else ""
+    resume = f", resuming with ckpt_path={path!r}" if path else ""
+    if smaller is None:
+        fix = (
+            "Even micro-batch 1 does not fit: make the model smaller in memory (GPTModule(activation_checkpointing=True), "
+            f"a shorter block_size, or FSDP2 across more GPUs){resume}"
+        )
+    else:
+        fix = f"Run again with AutoBatchSize(max_micro_batch_size={smaller}){resume}"
+    return f"AutoBatchSize: out of memory during training with micro-batch {micro}. {where}{fix}."
+
+
+def _is_sharded(trainer: pl.Trainer) -> bool:
+    """Whether the weights are sharded across ranks (one rank alone cannot save them)."""
+    return type(trainer.strategy).__name__ in ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    return any(getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod") for m in module.modules())
+
+
+@contextlib.contextmanager
+def _quiet_trainer(trainer: pl.Trainer) -> Iterator[None]:
+    """Trial steps: no other callback sees them, and what they log goes to a throwaway collection."""
+    callbacks, stage = trainer.callbacks, trainer.state.stage
+    epoch_loop = trainer.fit_loop.epoch_loop
+    results = epoch_loop._results
+    trainer.callbacks = []
+    trainer.state.stage = RunningStage.TRAINING
+    epoch_loop._results = _ResultCollection(training=True)
+    try:
+        yield
+    finally:
+        trainer.callbacks, trainer.state.stage = callbacks, stage
+        epoch_loop._results = results
+
+
+def _no_sync(trainer: pl.Trainer) -> contextlib.AbstractContextManager:
+    """DDP without the gradient all-reduce: each rank's trial is free of collectives, so an OOM cannot hang the others."""
+    model = trainer.strategy.model
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+def _training_step(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    """One real training step through the run's strategy and precision plugin."""
+    pl_module.train()
+    optimizer = trainer.optimizers[0]
+    precision = trainer.precision_plugin
+    previous_fx = pl_module._current_fx_name
+    try:
+        with _no_sync(trainer):
+            output = call._call_strategy_hook(trainer, "training_step", batch, 0)
+            loss = output["loss"] if isinstance(output, dict) else output
+            if loss is None:
+                raise ValueError("AutoBatchSize needs training_step to return the loss; it returned None.")
+            scaler = getattr(precision, "scaler", None)
+            precision.backward(scaler.scale(loss) if scaler is not None else loss, pl_module, optimizer)
+        precision.optimizer_step(optimizer, model=pl_module, closure=lambda: loss)
+    finally:
+        pl_module._current_fx_name = previous_fx
+    optimizer.zero_grad(set_to_none=True)
+
+
+class _SampleBatches:
+    """Batches of any size with the real shape, dtype and device, built from the training data."""
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.trainer, self.module = trainer, pl_module
+        loader = trainer.fit_loop._data_source.dataloader()
+        if not isinstance(loader, DataLoader):
+            raise ValueError(
+                f"AutoBatchSize needs train_dataloader() to return a torch DataLoader, got {type(loader).__name__}."
+            )
+        self.collate = loader.collate_fn or default_collate
+        self.dataset = loader.dataset
+        if isinstance(self.dataset, IterableDataset):
+            # Enough samples for the largest candidate, read once; trial batches repeat them.
+            batch = next(iter(loader))
+            self.samples = [_index(batch, i) for i in range(_batch_len(batch))]
+        else:
+            if len(self.dataset) == 0:
+                raise ValueError("AutoBatchSize: the training dataset is empty.")
+            self.samples = None
+
+    def __call__(self, size: int) -> Any:
+        if self.samples is not None:
+            items = [self.samples[i % len(self.samples)] for i in range(size)]
+        else:
+            items = [self.dataset[i % len(self.dataset)] for i in range(size)]
+        batch = self.collate(items)
+        trainer = self.trainer
+        batch = trainer.precision_plugin.convert_input(batch)
+        batch = self.module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return call._call_strategy_hook(trainer, "batch_to_device", batch, dataloader_idx=0)
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.size(0)
+    if isinstance(batch, dict):
+        return _batch_len(next(iter(batch.values())))
+    return _batch_len(batch[0])
+
+
+def _index(batch: Any, i: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[i]
+    if isinstance(batch, dict):
+        return {k: _index(v, i) for k, v in batch.items()}
+    return type(batch)(_index(v, i) for v in batch) if isinstance(batch, (list, tuple)) else batch

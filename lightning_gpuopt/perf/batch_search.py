@@ -1,0 +1,157 @@
+"""The micro-batch search behind `AutoBatchSize`: which sizes keep the global batch, and the largest that fits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional
+
+__all__ = ["Trial", "divisors", "largest_fitting", "micro_batch_candidates", "per_device_batch", "fallback_micro_batch"]
+
+SearchMode = Literal["binsearch", "power"]
+
+
+@dataclass
+class Trial:
+    """One tried micro-batch: whether it fit, and the peak memory it used (bytes; ``None`` off-GPU)."""
+
+    micro_batch_size: int
+    fits: bool
+    peak_memory: Optional[int] = None
+    reason: str = field(default="")
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order.
+
+    Example::
+
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+
+    Args:
+        n: A positive integer.
+    """
+    if n < 1:
+        raise ValueError(f"divisors() needs a positive integer, got {n}.")
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def per_device_batch(global_batch_size: int, world_size: int) -> int:
+    """The samples each device processes per optimizer step, or an error naming global batches that work.
+
+    Example::
+
+        >>> per_device_batch(512, 8)
+        64
+
+    Args:
+        global_batch_size: Samples per optimizer step over all devices.
+        world_size: Number of data-parallel processes.
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"AutoBatchSize.global_batch_size must be >= 1, got {global_batch_size}.")
+    if global_batch_size % world_size:
+        lower = global_batch_size // world_size * world_size
+        upper = lower + world_size
+        options = [v for v in (lower, upper) if v > 0]
+        raise ValueError(
+            f"AutoBatchSize: global_batch_size={global_batch_size} cannot be split evenly over {world_size} "
+            f"processes: use a multiple of {world_size}, e.g. global_batch_size="
+            + " or ".join(str(v) for v in options)
+            + "."
+        )
+    return global_batch_size // world_size
+
+
+def micro_batch_candidates(per_device: int, max_micro_batch_size: Optional[int] = None) -> list[int]:
+    """The micro-batches that divide ``per_device`` evenly (so accumulation keeps the global batch), smallest first.
+
+    Example::
+
+        >>> micro_batch_candidates(24, max_micro_batch_size=10)
+        [1, 2, 3, 4, 6, 8]
+
+    Args:
+        per_device: Samples per optimizer step on one device.
+        max_micro_batch_size: Upper bound on the micro-batch (required on CPU).
+    """
+    found = divisors(per_device)
+    if max_micro_batch_size is not None:
+        found = [d for d in found if d <= max_micro_batch_size]
+    return found
+
+
+def fallback_micro_batch(micro_batch_size: int, per_device: int) -> Optional[int]:
+    """The micro-batch to retry with after an OOM in training: the largest divisor of the per-device batch below it.
+
+    Usually half of it; always a divisor of the per-device batch, so the global batch is kept. ``None`` when
+    ``micro_batch_size`` is already 1.
+
+    Example::
+
+        >>> fallback_micro_batch(16, 64), fallback_micro_batch(6, 24), fallback_micro_batch(1, 8)
+        (8, 3, None)
+
+    Args:
+        micro_batch_size: The micro-batch that ran out of memory.
+        per_device: Samples per optimizer step on one device.
+    """
+    smaller = [d for d in divisors(per_device) if d <= micro_batch_size // 2]
+    return smaller[-1] if smaller else None
+
+
+def largest_fitting(
+    candidates: list[int],
+    try_size: Callable[[int], Trial],
+    mode: SearchMode = "binsearch",
+) -> tuple[Optional[int], list[Trial]]:
+    """The largest candidate for which ``try_size`` reports a fit, and every trial made to find it.
+
+    Starts at the smallest candidate and doubles (to the smallest candidate at least twice the
+    last one that fit) until a size fails or the candidates run out. ``"binsearch"`` then bisects
+    between the last fit and the first failure; ``"power"`` stops there. Fitting is assumed to be
+    monotone: if a size fits, every smaller one does.
+
+    Example::
+
+        >>> best, trials = largest_fitting([1, 2, 4, 8, 16, 32], lambda b: Trial(b, fits=b <= 12))
+        >>> best, [t.micro_batch_size for t in trials]
+        (8, [1, 2, 4, 8, 16])
+
+    Args:
+        candidates: Sizes to choose from, increasing.
+        try_size: Runs the trial for one size.
+        mode: ``"binsearch"`` or ``"power"``.
+
+    Returns:
+        ``(best, trials)``; ``best`` is ``None`` when even the smallest candidate fails.
+    """
+    if mode not in ("binsearch", "power"):
+        raise ValueError(f"AutoBatchSize.mode must be 'binsearch' or 'power', got {mode!r}.")
+    trials: list[Trial] = []
+
+    def fits(index: int) -> bool:
+        trial = try_size(candidates[index])
+        trials.append(trial)
+        return trial.fits
+
+    good, bad = -1, len(candidates)  # indices: largest known fit, smallest known failure
+    index = 0
+    while index < bad:
+        if not fits(index):
+            bad = index
+            break
+        good = index
+        target = 2 * candidates[index]
+        index = next((i for i in range(index + 1, len(candidates)) if candidates[i] >= target), len(candidates))
+        if index == len(candidates) and good < len(candidates) - 1:
+            index = len(candidates) - 1  # the largest candidate is below twice the last fit: try it
+    if mode == "binsearch":
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            if fits(middle):
+                good = middle
+            else:
+                bad = middle
+    return (candidates[good] if good >= 0 else None), trials

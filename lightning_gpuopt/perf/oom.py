@@ -1,0 +1,67 @@
+"""Recognise out-of-memory errors the way they really look, and give the memory back afterwards."""
+
+from __future__ import annotations
+
+import gc
+from typing import Optional
+
+import torch
+
+__all__ = ["free_memory", "is_oom_error"]
+
+# Fragments of the messages that CUDA, the caching allocator and cuDNN raise when memory runs out.
+# cuDNN reports NOT_SUPPORTED when it cannot get the workspace an algorithm needs under memory
+# pressure (the same heuristic as Composer's and accelerate's OOM detectors).
+_OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "DefaultCPUAllocator: can't allocate memory",
+    "out of memory",
+)
+
+
+def is_oom_error(error: BaseException) -> bool:
+    """Whether ``error`` means the device ran out of memory.
+
+    True for ``torch.OutOfMemoryError`` (what the CUDA caching allocator raises) and for
+    ``RuntimeError``s whose message is one of the out-of-memory messages of CUDA, cuBLAS, cuDNN
+    (``CUDNN_STATUS_NOT_SUPPORTED`` under memory pressure) or the CPU allocator.
+
+    Example::
+
+        try:
+            loss = step(batch)
+        except Exception as err:
+            if not is_oom_error(err):
+                raise
+            free_memory()
+
+    Args:
+        error: The exception to classify.
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    if isinstance(error, RuntimeError) and error.args:
+        message = str(error.args[0])
+        return any(fragment in message for fragment in _OOM_MESSAGES)
+    return False
+
+
+def free_memory(device: Optional[torch.device] = None) -> None:
+    """Collect garbage and return cached blocks to the device, so the next try starts clean.
+
+    Call it after the exception (and its traceback, which holds the failed step's activations)
+    is out of scope.
+
+    Args:
+        device: The CUDA device whose peak-memory counters are reset too; ``None`` only frees.
+    """
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        if device is not None and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,344 @@
+"""AutoBatchSize: the search functions, and the callback in real Trainer runs with GPU-like OOM errors on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+
+from lightning_gpuopt.callbacks import AutoBatchSize
+from lightning_gpuopt.perf.batch_search import (
+    Trial,
+    divisors,
+    fallback_micro_batch,
+    largest_fitting,
+    micro_batch_candidates,
+    per_device_batch,
+)
+from lightning_gpuopt.perf.oom import is_oom_error
+from tests._auto_batch_helpers import OOMAbove, StepRecorder, TokenData
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_auto_batch.py"
+
+
+def _trainer(callbacks, max_steps=4, **kw) -> pl.Trainer:
+    kw.setdefault("logger", False)
+    kw.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **kw,
+    )
+
+
+# --------------------------------------------------------------------------- plain functions
+def test_divisors_and_candidates():
+    assert divisors(48) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+    assert micro_batch_candidates(48, max_micro_batch_size=20) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert per_device_batch(64, 4) == 16
+
+
+def test_global_batch_not_divisible_names_values_that_work():
+    with pytest.raises(ValueError, match=r"global_batch_size=100 or global_batch_size=104|e\.g\. global_batch_size=96 or 104"):
+        per_device_batch(100, 8)
+
+
+@pytest.mark.parametrize("limit", range(0, 50))
+@pytest.mark.parametrize("mode", ["binsearch", "power"])
+def test_search_finds_largest_fitting_divisor(limit, mode):
+    candidates = micro_batch_candidates(48)
+    best, trials = largest_fitting(candidates, lambda b: Trial(b, fits=b <= limit), mode)
+    fitting = [c for c in candidates if c <= limit]
+    if mode == "binsearch":
+        assert best == (fitting[-1] if fitting else None)
+    else:  # doubling only: 1, 2, 4, 8, 16, then 48 (the largest, below 2 x 16... no: 32 is no divisor)
+        chain = [1, 2, 4, 8, 16, 48]
+        assert best == max([c for c in chain if c <= limit], default=None)
+    assert len({t.micro_batch_size for t in trials}) == len(trials)  # never tries a size twice
+
+
+def test_fallback_micro_batch_keeps_a_divisor():
+    assert fallback_micro_batch(16, 64) == 8
+    assert fallback_micro_batch(15, 30) == 6  # 7.5 is not a divisor of 30: the largest one below
+    assert fallback_micro_batch(1, 8) is None
+
+
+@pytest.mark.parametrize(
+    "error, expected",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"), True),
+        (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."), True),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes."), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x16 and 32x16)"), False),
+        (ValueError("out of memory"), False),  # only runtime errors carry allocator messages
+    ],
+)
+def test_is_oom_error(error, expected):
+    assert is_oom_error(error) is expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(global_batch_size=0), "global_batch_size must be >= 1"),
+        (dict(max_micro_batch_size=-2), "max_micro_batch_size must be >= 1"),
+        (dict(memory_margin=-0.1), r"memory_margin .* in \[0, 1\)"),
+        (dict(memory_margin=1.0), r"memory_margin .* in \[0, 1\)"),
+        (dict(mode="linear"), "mode must be 'binsearch' or 'power'"),
+        (dict(steps_per_trial=0), "steps_per_trial must be >= 1"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoBatchSize(**kwargs)
+
+
+# --------------------------------------------------------------------------- in a real Trainer
+def test_cpu_requires_max_micro_batch_size():
+    trainer = _trainer([AutoBatchSize(global_batch_size=16)])
+    with pytest.raises(ValueError, match=r"AutoBatchSize\(max_micro_batch_size=\.\.\.\)"):
+        trainer.fit(OOMAbove(limit=4), datamodule=TokenData())
+
+
+def test_missing_batch_size_attribute_is_named():
+    class NoBatchSize(TokenData):
+        def __init__(self):
+            super().__init__()
+            del self.batch_size
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(self.dataset, batch_size=4)
+
+    trainer = _trainer([AutoBatchSize(max_micro_batch_size=8)])
+    with pytest.raises(ValueError, match="batch_size_attr"):
+        trainer.fit(OOMAbove(), datamodule=NoBatchSize())
+
+
+def test_chooses_largest_divisor_that_fits_and_keeps_global_batch():
+    search = AutoBatchSize(global_batch_size=48, max_micro_batch_size=32)
+    recorder = StepRecorder()
+    data = TokenData(batch_size=4)
+    trainer = _trainer([search, recorder], max_steps=2)
+    trainer.fit(OOMAbove(limit=13), datamodule=data)
+    # divisors of 48 up to 32: 1 2 3 4 6 8 12 16 24; 16 fails, 12 is the largest that fits
+    assert search.micro_batch_size == 12 and search.accumulate_grad_batches == 4
+    assert data.batch_size == 12 and trainer.accumulate_grad_batches == 4
+    assert recorder.micro_batches == [12] * 8  # 2 optimizer steps x 4 micro-batches, all of 12
+    assert [len(s) for s in recorder.samples] == [48, 48]
+    assert [(t.micro_batch_size, t.fits) for t in search.trials] == [
+        (1, True), (2, True), (4, True), (8, True), (16, False), (12, True)
+    ]
+
+
+def test_without_global_batch_keeps_the_configured_one():
+    search = AutoBatchSize(max_micro_batch_size=16)
+    data = TokenData(batch_size=8)
+    trainer = _trainer([search], max_steps=1, accumulate_grad_batches=2)
+    trainer.fit(OOMAbove(limit=5), datamodule=data)
+    assert (search.micro_batch_size, search.accumulate_grad_batches) == (4, 4)  # 8 x 2 = 16 = 4 x 4
+
+
+def test_nothing_fits_names_the_fixes():
+    trainer = _trainer([AutoBatchSize(global_batch_size=8, max_micro_batch_size=8)])
+    with pytest.raises(RuntimeError, match="even a micro-batch of 1 runs out of memory.*activation_checkpointing"):
+        trainer.fit(OOMAbove(limit=0), datamodule=TokenData())
+
+
+class _Probe(pl.Callback):
+    """Snapshots everything the search must leave alone, at on_fit_start."""
+
+    def __init__(self):
+        self.snapshot = None
+        self.hooks = 0
+
+    def on_fit_start(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        self.snapshot = dict(
+            weights={k: v.clone() for k, v in pl_module.state_dict().items()},
+            optimizer=repr(opt.state_dict()),
+            scheduler=repr(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
+            torch_rng=torch.get_rng_state().clone(),
+            numpy_rng=np.random.get_state()[1].copy(),
+            python_rng=random.getstate(),
+            global_step=trainer.global_step,
+            logged=dict(trainer.logged_metrics),
+            callback_metrics=dict(trainer.callback_metrics),
+            training=[m.training for m in pl_module.modules()],
+        )
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.hooks += 1
+
+
+def test_search_leaves_no_trace():
+    before, after = _Probe(), _Probe()
+    search = AutoBatchSize(global_batch_size=32, max_micro_batch_size=32)
+    trainer = _trainer([before, search, after], max_steps=1)
+    torch.manual_seed(7)
+    module = OOMAbove(limit=10, dropout=0.1)  # dropout: the trial steps draw random numbers
+    trainer.fit(module, datamodule=TokenData())
+    assert search.micro_batch_size == 8 and len(search.trials) >= 4
+    a, b = before.snapshot, after.snapshot
+    assert a["weights"].keys() == b["weights"].keys()
+    for key in a["weights"]:
+        assert torch.equal(a["weights"][key], b["weights"][key]), key
+    for key in ("optimizer", "scheduler", "global_step", "logged", "callback_metrics", "python_rng", "training"):
+        assert a[key] == b[key], key
+    assert torch.equal(a["torch_rng"], b["torch_rng"])
+    assert np.array_equal(a["numpy_rng"], b["numpy_rng"])
+    assert after.hooks == 4  # only the real step's 4 micro-batches reached other callbacks
+
+
+def test_search_then_train_is_bit_identical_to_training_at_that_size():
+    def run(callbacks, batch_size, accumulate):
+        recorder = StepRecorder()
+        torch.manual_seed(3)
+        module = OOMAbove(limit=10, dropout=0.1)
+        _trainer([*callbacks, recorder], max_steps=3, accumulate_grad_batches=accumulate).fit(
+            module, datamodule=TokenData(batch_size=batch_size)
+        )
+        return recorder.losses, module.model.state_dict()
+
+    searched_losses, searched = run([AutoBatchSize(global_batch_size=32, max_micro_batch_size=32)], 4, 1)
+    plain_losses, plain = run([], 8, 4)
+    assert searched_losses == plain_losses
+    for key in plain:
+        assert torch.equal(searched[key], plain[key]), key
+
+
+def test_oom_mid_training_redoes_the_step_with_a_smaller_micro_batch():
+    def run(max_micro, later_limit):
+        recorder = StepRecorder()
+        torch.manual_seed(5)
+        module = OOMAbove(limit=None, later_step=3, later_limit=later_limit)
+        search = AutoBatchSize(global_batch_size=16, max_micro_batch_size=max_micro)
+        with pytest.warns(UserWarning, match="out of memory at step 3") if later_limit else _nothing():
+            _trainer([search, recorder], max_steps=6).fit(module, datamodule=TokenData())
+        return search, recorder, module.model.state_dict()
+
+    recovered, rec_a, weights_a = run(max_micro=8, later_limit=5)  # 8 fits until step 3, then only <= 5
+    reference, rec_b, weights_b = run(max_micro=4, later_limit=None)  # 4 x 4 from the start
+    assert recovered.recoveries == [{"step": 3, "from": 8, "to": 4}]
+    assert (recovered.micro_batch_size, recovered.accumulate_grad_batches) == (4, 4)
+    assert rec_a.micro_batches[:6] == [8] * 6 and set(rec_a.micro_batches[6:]) == {4}
+    assert rec_a.samples == rec_b.samples  # same samples in every optimizer step: data order kept
+    assert len(rec_a.losses) == 6
+    np.testing.assert_allclose(rec_a.losses, rec_b.losses, rtol=1e-5)
+    for key in weights_b:
+        torch.testing.assert_close(weights_a[key], weights_b[key], rtol=1e-4, atol=1e-5)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_oom_at_micro_batch_one_stops_with_a_checkpoint_of_the_last_step(tmp_path):
+    module = OOMAbove(limit=None, later_step=2, later_limit=0)
+    search = AutoBatchSize(global_batch_size=2, max_micro_batch_size=1)
+    trainer = _trainer([search], max_steps=5, default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match=r"micro-batch 1.*Saved the last completed step \(global step 2\)") as err:
+        trainer.fit(module, datamodule=TokenData())
+    assert "activation_checkpointing=True" in str(err.value) and "ckpt_path=" in str(err.value)
+    saved = list(tmp_path.glob("oom-step=2-rank=0.ckpt"))
+    assert len(saved) == 1
+    checkpoint = torch.load(saved[0], weights_only=True)
+    assert checkpoint["global_step"] == 2
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    assert progress["current"]["completed"] == 4  # 2 steps x 2 micro-batches: the failed one is not counted
+    assert checkpoint["callbacks"]["AutoBatchSize"]["micro_batch_size"] == 1
+
+
+def test_resume_reuses_the_decision_without_searching(tmp_path):
+    search, counter = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16), _CountSteps()
+    trainer = _trainer([counter, search], max_steps=2, enable_checkpointing=True, default_root_dir=tmp_path)
+    trainer.fit(OOMAbove(limit=5), datamodule=TokenData())
+    assert search.micro_batch_size == 4
+    # steps_per_trial=2 steps per size that fits; a size that runs out of memory stops at its first
+    assert counter.count == sum(2 if t.fits else 1 for t in search.trials) == 7
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    resumed, counter = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16), _CountSteps()
+    data = TokenData(batch_size=1)
+    trainer = _trainer([counter, resumed], max_steps=3, default_root_dir=tmp_path)
+    trainer.fit(OOMAbove(limit=5), datamodule=data, ckpt_path=ckpt)
+    assert (resumed.micro_batch_size, resumed.accumulate_grad_batches, data.batch_size) == (4, 4, 4)
+    assert counter.count == 0  # no trial steps: the checkpoint's decision was used
+    assert trainer.global_step == 3
+
+
+class _CountSteps(pl.Callback):
+    def __init__(self):
+        self.count = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.module_step = pl_module.training_step
+        self.calls = 0
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self.module_step(*args, **kwargs)
+
+        pl_module.training_step = counted
+
+    def on_train_start(self, trainer, pl_module):
+        self.count = self.calls
+
+
+def test_logs_the_decision_to_the_logger(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path)
+    _trainer([AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)], max_steps=1, logger=logger).fit(
+        OOMAbove(limit=6), datamodule=TokenData()
+    )
+    import csv
+
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    logged = {k: v for row in rows for k, v in row.items() if k.startswith("auto_batch_size/") and v}
+    assert float(logged["auto_batch_size/micro_batch_size"]) == 4
+    assert float(logged["auto_batch_size/accumulate_grad"]) == 4
+    assert float(logged["auto_batch_size/global_batch_size"]) == 16
+
+
+def test_two_process_ddp_agrees_on_the_smaller_limit(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for res in results:
+        # global 16 over 2 ranks = 8 per rank; rank 0 holds 6, rank 1 holds 3: both use 2 (x 4 accumulation)
+        assert (res["micro"], res["accumulate"], res["batch_size"]) == (2, 4, 2)
+        assert res["global_step"] == 2
+        assert res["micro_batches"] == [2] * 8
+    assert results[0]["trials"] == results[1]["trials"] == [[1, True], [2, True], [4, False]]
+    assert results[0]["weights_sum"] == pytest.approx(results[1]["weights_sum"], rel=0, abs=0)  # DDP in sync
+
+
+def test_epoch_based_schedule_is_rebuilt_for_a_new_global_batch():
+    module = OOMAbove(limit=None, warmup_steps=0, min_lr_ratio=0.1)
+    search = AutoBatchSize(global_batch_size=64, max_micro_batch_size=16)
+    trainer = _trainer([search], max_steps=-1, max_epochs=1)
+    trainer.fit(module, datamodule=TokenData(batch_size=4, n=256))  # configured: 4 per step, 64 steps/epoch
+    assert trainer.global_step == 4  # 256 samples / 64 per step
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    # the cosine schedule was sized for the 4 real steps, so it ends at the minimum LR
+    assert scheduler.get_last_lr()[0] == pytest.approx(module.hparams.learning_rate * 0.1, rel=1e-6)
