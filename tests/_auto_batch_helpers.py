@@ -43,25 +43,25 @@ class OOMAbove(GPTModule):
 
 
 class _Windows(Dataset):
-    def __init__(self, tokens: torch.Tensor, n: int) -> None:
-        self.tokens, self.n = tokens, n
+    def __init__(self, tokens: torch.Tensor, n: int, block: int) -> None:
+        self.tokens, self.n, self.block = tokens, n, block
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int):
-        chunk = self.tokens[i : i + BLOCK + 1]
+        chunk = self.tokens[i : i + self.block + 1]
         return chunk[:-1].clone(), chunk[1:].clone()
 
 
 class TokenData(pl.LightningDataModule):
     """``n`` overlapping windows of a fixed random token stream, in a fixed order (no shuffling)."""
 
-    def __init__(self, batch_size: int = 8, n: int = 256, seed: int = 0) -> None:
+    def __init__(self, batch_size: int = 8, n: int = 256, seed: int = 0, block: int = BLOCK) -> None:
         super().__init__()
         self.batch_size = batch_size
         generator = torch.Generator().manual_seed(seed)
-        self.dataset = _Windows(torch.randint(0, VOCAB, (n + BLOCK + 1,), generator=generator), n)
+        self.dataset = _Windows(torch.randint(0, VOCAB, (n + block + 1,), generator=generator), n, block)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, drop_last=True)

@@ -342,3 +342,40 @@ def test_epoch_based_schedule_is_rebuilt_for_a_new_global_batch():
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     # the cosine schedule was sized for the 4 real steps, so it ends at the minimum LR
     assert scheduler.get_last_lr()[0] == pytest.approx(module.hparams.learning_rate * 0.1, rel=1e-6)
+
+
+def test_yaml_config_through_the_gpuopt_cli(text_dir, cache_dir, tmp_path):
+    """The README's YAML: AutoBatchSize in trainer.callbacks, with the real TextDataModule."""
+    from lightning_gpuopt.cli import GPTCLI
+    from lightning_gpuopt.data import TextDataModule
+    from lightning_gpuopt.model import GPTModule
+
+    config = tmp_path / "auto.yaml"
+    config.write_text(
+        f"""
+trainer:
+  accelerator: cpu
+  max_steps: 2
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  callbacks:
+    - class_path: lightning_gpuopt.callbacks.AutoBatchSize
+      init_args:
+        global_batch_size: 12
+        max_micro_batch_size: 4
+model:
+  preset: tiny
+  warmup_steps: 1
+data:
+  source: {text_dir}
+  vocab_size: 300
+  block_size: 32
+  batch_size: 2
+  num_workers: 0
+"""
+    )
+    cli = GPTCLI(GPTModule, TextDataModule, args=["fit", "--config", str(config)])
+    search = next(c for c in cli.trainer.callbacks if isinstance(c, AutoBatchSize))
+    assert (search.micro_batch_size, search.accumulate_grad_batches) == (4, 3)  # largest divisor of 12 <= 4
+    assert cli.datamodule.batch_size == 4 and cli.trainer.global_step == 2
