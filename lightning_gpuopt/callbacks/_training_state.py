@@ -17,7 +17,7 @@ __all__ = ["TrainingState"]
 
 def _local(t: Tensor) -> Tensor:
     """The tensor a rank owns: the local shard of a DTensor (FSDP2), the tensor itself otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return getattr(t, "_local_tensor", t)  # DTensor: the shard's storage itself, so copy_ writes through
 
 
 @dataclass
