@@ -355,6 +355,7 @@ def test_yaml_config_through_the_gpuopt_cli(text_dir, cache_dir, tmp_path):
         f"""
 trainer:
   accelerator: cpu
+  default_root_dir: {tmp_path}
   max_steps: 2
   logger: false
   enable_checkpointing: false
