@@ -11,6 +11,7 @@ from typing import Any, Callable, Literal, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -357,6 +358,8 @@ class AutoBatchSize(Callback):
         fit_loop = trainer.fit_loop
         fit_loop._combined_loader = None
         fit_loop.setup_data()
+        for loader in fit_loop._combined_loader.flattened:  # same epoch, so the same sample order
+            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
         data_fetcher.setup(fit_loop._combined_loader)
         iter(data_fetcher)
         fit_loop._data_fetcher = data_fetcher
