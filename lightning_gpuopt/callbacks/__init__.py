@@ -1,6 +1,7 @@
 """Callbacks: CUDA settings, MFU monitoring, automatic batch size."""
 
 from lightning_gpuopt.callbacks.cuda_settings import CUDASettings
+from lightning_gpuopt.callbacks.exact_resume import ExactResume
 from lightning_gpuopt.callbacks.mfu_monitor import MFUMonitor
 
-__all__ = ["CUDASettings", "MFUMonitor"]
+__all__ = ["CUDASettings", "ExactResume", "MFUMonitor"]
