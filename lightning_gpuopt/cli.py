@@ -11,12 +11,16 @@ Example::
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPTModule
+from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy
 
 __all__ = ["GPTCLI", "main"]
 
@@ -27,11 +31,51 @@ class GPTCLI(LightningCLI):
     ``data.block_size`` sets ``model.block_size``, and the data's tokenizer vocabulary size sets
     ``model.vocab_size``, so the two can never disagree. After ``predict`` the generated samples
     are decoded and printed.
+
+    ``ExactResume`` is always added (a resumed ``fit --ckpt_path`` continues exactly). With
+    ``trainer.strategy: gpuopt-auto`` the strategy is chosen for the model by
+    :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP or FSDP2), and the reason is logged;
+    ``--auto_strategy.device_memory_gb`` overrides the memory read from GPU 0.
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.block_size", "model.block_size")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.add_lightning_class_args(ExactResume, "exact_resume")
+        parser.add_argument(
+            "--auto_strategy.device_memory_gb", type=Optional[float], default=None,
+            help="Memory per device (GB) for trainer.strategy=gpuopt-auto; default: read from GPU 0.",
+        )
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        trainer_cfg = config.get("trainer", {})
+        if trainer_cfg.get("strategy") == AUTO_STRATEGY and "strategy" not in kwargs:
+            kwargs["strategy"] = self._auto_strategy(config, trainer_cfg)
+        return super().instantiate_trainer(**kwargs)
+
+    def _auto_strategy(self, config: Any, trainer_cfg: dict) -> Any:
+        devices = trainer_cfg.get("devices", "auto")
+        if devices in ("auto", -1, "-1"):
+            import torch
+
+            devices = max(1, torch.cuda.device_count())
+        elif isinstance(devices, str):
+            devices = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
+        elif isinstance(devices, (list, tuple)):
+            devices = len(devices)
+        devices *= int(trainer_cfg.get("num_nodes", 1) or 1)
+        memory_gb = config.get("auto_strategy", {}).get("device_memory_gb")
+        strategy, reason = choose_strategy(
+            self.model,
+            devices=devices,
+            device_memory=None if memory_gb is None else memory_gb * 1e9,
+            precision=str(trainer_cfg.get("precision") or "32-true"),
+            micro_batch=self.datamodule.batch_size,
+            block_size=self.datamodule.block_size,
+        )
+        rank_zero_info(f"trainer.strategy={AUTO_STRATEGY}: {reason}")
+        return strategy
 
     def after_predict(self) -> None:
         predictions = self.trainer.predict_loop.predictions or []

@@ -22,21 +22,6 @@ from tests._plugins_helpers import LossRecorder, token_loader  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
 
 
-class ShardedGPTModule(GPTModule):
-    """GPTModule sharded with FSDP2 in configure_model, the way Lightning's docs show it."""
-
-    def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        if self.model is not None:
-            return
-        super().configure_model()
-        mesh = self.device_mesh
-        for block in self.model.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-
-
 def main(plugin_name: str, strategy_name: str, out: str) -> None:
     torch.manual_seed(0)
     if plugin_name == "bf16":
@@ -46,7 +31,8 @@ def main(plugin_name: str, strategy_name: str, out: str) -> None:
     if strategy_name == "ddp":
         strategy, cls = DDPStrategy(process_group_backend="gloo"), GPTModule
     else:
-        strategy, cls = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ShardedGPTModule
+        # GPTModule.configure_model shards per block with FSDP2 itself under ModelParallelStrategy.
+        strategy, cls = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), GPTModule
     precomputed = []
     if plugin_name == "fp8":
         import torchao.float8

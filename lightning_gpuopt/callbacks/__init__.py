@@ -2,6 +2,7 @@
 
 from lightning_gpuopt.callbacks.auto_batch_size import AutoBatchSize
 from lightning_gpuopt.callbacks.cuda_settings import CUDASettings
+from lightning_gpuopt.callbacks.exact_resume import ExactResume
 from lightning_gpuopt.callbacks.mfu_monitor import MFUMonitor
 
-__all__ = ["AutoBatchSize", "CUDASettings", "MFUMonitor"]
+__all__ = ["AutoBatchSize", "CUDASettings", "ExactResume", "MFUMonitor"]

@@ -157,6 +157,9 @@ class MFUMonitor(Callback):
         self._clock = clock or time.perf_counter
         self.history: list[dict[str, float]] = []  # one entry per logged window
         self.summary: dict[str, Any] = {}
+        self.total_tokens = 0  # tokens trained on in this fit (per device), resumes included
+        self.total_flops = 0.0  # model FLOPs of those tokens (per device)
+        self._at_step = (0, 0.0)  # (total_tokens, total_flops) at the last optimizer step
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -183,6 +186,7 @@ class MFUMonitor(Callback):
         self._reset_run()
         self.history = []
         self.summary = {}
+        self.total_tokens, self.total_flops, self._at_step = 0, 0.0, (0, 0.0)
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
         self._device = trainer.strategy.root_device
         plugin = trainer.precision_plugin
@@ -258,12 +262,15 @@ class MFUMonitor(Callback):
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else (input_ids.numel() if input_ids is not None else 0)
         flops = self._flops_for(pl_module, input_ids)
         self._tokens += tokens
+        self.total_tokens += tokens
         if flops is None:
             self._flops_known = False
         else:
             self._flops += tokens * flops
+            self.total_flops += tokens * flops
         if trainer.global_step != self._last_global_step:  # an optimizer step finished with this batch
             self._last_global_step = trainer.global_step
+            self._at_step = (self.total_tokens, self.total_flops)
             self._steps += 1
             if self._steps == self.warmup_steps:
                 self._start_window()
@@ -306,6 +313,23 @@ class MFUMonitor(Callback):
         self._window_start = self._clock()
         self._tokens, self._flops, self._wait, self._flops_known = 0, 0.0, 0.0, True
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The logged windows and the token/FLOP totals at the last optimizer step, for resuming.
+
+        Plain floats and ints only (loads with ``weights_only=True``). Timing windows are not
+        saved: a resumed run warms up again (``warmup_steps``) before it measures.
+        """
+        tokens, flops = self._at_step
+        return {"history": [dict(m) for m in self.history], "total_tokens": tokens, "total_flops": flops}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = [dict(m) for m in state_dict.get("history", [])]
+        self.total_tokens = int(state_dict.get("total_tokens", 0))
+        self.total_flops = float(state_dict.get("total_flops", 0.0))
+        self._at_step = (self.total_tokens, self.total_flops)
+
     @staticmethod
     def _show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
         # Plain floats in the progress-bar dict persist until the next window. (`self.log(prog_bar=True)`
@@ -344,6 +368,7 @@ class MFUMonitor(Callback):
         if "mem/peak_pct" in mean:
             lines.append(f"  peak memory {max(m.get('mem/peak_pct', 0) for m in self.history):.0f}% of the device")
         lines.append(f"  data-loader wait {mean['perf/dataloader_wait_pct']:.1f}%")
+        lines.append(f"  {self.total_tokens:,} tokens per device in this fit ({self.total_flops / 1e12:.3g} model TFLOP)")
         advice = []
         peak_pct = max((m["mem/peak_pct"] for m in self.history if "mem/peak_pct" in m), default=None)
         if peak_pct is not None and peak_pct < 50:

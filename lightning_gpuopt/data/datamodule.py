@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import numpy as np
@@ -17,9 +17,11 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import EOT_TOKEN, MIN_VOCAB_SIZE as _MIN_VOCAB, load_tokenizer, train_bpe_tokenizer
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows, token_dtype, write_tokens
+from lightning_gpuopt.resume import microbatches_since_step
 
 __all__ = ["TextDataModule", "default_cache_dir"]
 
@@ -53,6 +55,12 @@ class TextDataModule(pl.LightningDataModule):
     small ``meta.json``, under ``cache_dir/<key>``; the key changes when the inputs or the
     tokenizer change, so the files are reused otherwise. Training batches are random windows of
     ``block_size + 1`` tokens; validation and test batches cover their split in order.
+
+    The training order is a pure function of ``(seed, epoch, position)`` (see
+    :class:`~lightning_gpuopt.data.sampler.ResumableSampler`): each epoch draws new windows, no
+    DataLoader touches the global RNG, and under DDP/FSDP each rank reads every ``world_size``-th
+    position. The position reached at the last optimizer step is saved in checkpoints
+    (``state_dict``), so a run resumed mid-epoch reads exactly the samples it would have read.
 
     Example::
 
@@ -135,6 +143,9 @@ class TextDataModule(pl.LightningDataModule):
         self._corpus: Corpus = resolve_source(source)
         self._meta: Optional[dict] = None
         self.datasets: dict[str, torch.utils.data.Dataset] = {}
+        self._sampler: Optional[ResumableSampler] = None
+        self._origin = (0, 0, 0, batch_size)  # (epoch, start, loop batches, batch size) of the current loader
+        self._resume_position: Optional[tuple[int, int]] = None
         # The cache key changes when the text, the tokenizer or the split changes.
         if tokenizer:
             tok = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
@@ -227,31 +238,80 @@ class TextDataModule(pl.LightningDataModule):
                 raise ValueError(f"The {split} split of {self._corpus.description} is too short: {err}") from err
 
     # ------------------------------------------------------------------------------ dataloaders
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+    def _loader(self, split: str, train: bool) -> DataLoader:
         workers = self.num_workers
         pin = torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
         return DataLoader(
             self.datasets[split],
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=self._train_sampler() if train else None,
             num_workers=workers,
             pin_memory=pin,
             persistent_workers=workers > 0,
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
-            drop_last=shuffle,  # equal-sized training batches: steady step times, no recompiles
+            drop_last=train,  # equal-sized training batches: steady step times, no recompiles
+            # Worker seeds come from this generator, not the global RNG: resumed runs draw the same dropout.
+            generator=torch.Generator().manual_seed(self.seed),
         )
+
+    def _train_sampler(self) -> ResumableSampler:
+        trainer = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        kwargs = kwargs or {"num_replicas": 1, "rank": 0}
+        if self._resume_position is not None:  # restored from a checkpoint
+            (epoch, start), self._resume_position = self._resume_position, None
+        else:  # a new loader mid-run (another batch size) continues where the last one stopped
+            epoch, start = self.train_position()
+        self._sampler = ResumableSampler(self.datasets["train"], kwargs["num_replicas"], kwargs["rank"], epoch, start)
+        self._origin = (epoch, start, self._loop_batches(), self.batch_size)
+        return self._sampler
+
+    def _loop_batches(self) -> int:
+        """Training batches of this epoch run up to the last optimizer step, by the Trainer's count."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return 0
+        return trainer.fit_loop.epoch_loop.batch_progress.current.ready - microbatches_since_step(trainer)
+
+    def train_position(self) -> tuple[int, int]:
+        """``(epoch, position)``: the samples all ranks together have consumed in ``epoch``, counted
+        at the last optimizer-step boundary (micro-batches of an unfinished step do not count).
+
+        A new training loader starts there, whatever its batch size: sample ``k`` of an epoch is
+        the same window for every batch size.
+        """
+        if self._sampler is None:
+            return self._resume_position or (0, 0)
+        epoch, start, batches0, batch_size = self._origin
+        if self._sampler.epoch != epoch:  # Lightning moved the sampler to a new epoch
+            epoch, start, batches0 = self._sampler.epoch, 0, 0
+        done = max(0, self._loop_batches() - batches0)
+        return epoch, start + done * batch_size * self._sampler.num_replicas
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The training position (saved in checkpoints by Lightning)."""
+        epoch, position = self.train_position()
+        return {"train_epoch": epoch, "train_position": position}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from a checkpoint's training position (the next training loader starts there)."""
+        if "train_epoch" in state_dict:
+            self._resume_position = (int(state_dict["train_epoch"]), int(state_dict["train_position"]))
+            self._sampler = None
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        return self._loader("train", train=True)
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
+        return self._loader("val", train=False)
 
     @override
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+        return self._loader("test", train=False)
 
     @override
     def predict_dataloader(self) -> DataLoader:

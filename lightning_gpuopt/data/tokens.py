@@ -72,11 +72,12 @@ class _TokenSpan(Dataset):
 
 
 class RandomWindows(_TokenSpan):
-    """``length`` windows of ``block_size + 1`` tokens at random offsets (for training).
+    """Windows of ``block_size + 1`` tokens at random offsets (for training); ``length`` per epoch.
 
     Window ``i`` starts at an offset drawn from a generator seeded with ``(seed, i)``: the
     dataset is a pure function of its index, so shuffling, distributed samplers and resuming
-    all see the same windows.
+    all see the same windows. Any index ``i >= 0`` is valid: ``ResumableSampler`` reads indices
+    ``epoch * length + position``, so every epoch draws new windows.
 
     Args:
         path: Token file.
@@ -107,7 +108,7 @@ class RandomWindows(_TokenSpan):
         return self.length
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        if not 0 <= i < self.length:
+        if i < 0:
             raise IndexError(i)
         offset = int(np.random.default_rng((self.seed, i)).integers(0, self._high))
         return self._window(offset)

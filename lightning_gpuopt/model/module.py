@@ -127,12 +127,28 @@ class GPTModule(pl.LightningModule):
 
     @override
     def configure_model(self) -> None:
+        """Build the GPT; under ``ModelParallelStrategy`` shard it with FSDP2 (per block, then the
+        root; bf16 parameters when the precision is bf16); then compile it if asked."""
         if self.model is not None:  # idempotent: Lightning may call it more than once
             return
         self.model = GPT(self.config)
-        if self.hparams.compile:
+        mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy before this hook
+        if mesh is not None:
+            from lightning_gpuopt.strategies.fsdp2 import shard_gpt
+
+            mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+            shard_gpt(self.model, mesh, param_dtype=self._fsdp_param_dtype())
+        if self.hparams.compile:  # after sharding: the compiled graph sees FSDP2's hooks
             # Module.compile() compiles in place: state-dict keys stay those of the plain model.
             self.model.compile(mode=self.hparams.compile_mode)
+
+    def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
+        """bf16 under a bf16 precision (Lightning's or ``BF16Precision``), else keep float32."""
+        if self._trainer is None:
+            return None
+        from lightning_gpuopt.perf.precision import compute_dtype_name
+
+        return torch.bfloat16 if compute_dtype_name(self.trainer.precision_plugin) == "bf16" else None
 
     @override
     def setup(self, stage: str) -> None:

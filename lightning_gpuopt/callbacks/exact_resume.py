@@ -1,0 +1,107 @@
+"""`ExactResume`: a run resumed from a checkpoint continues as if it had never stopped."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_gpuopt.resume import (
+    capture_rng_state,
+    microbatches_since_step,
+    restore_rng_state,
+    rollback_fit_loop_state,
+)
+
+__all__ = ["ExactResume"]
+
+
+def _all_gather(obj: Any, world_size: int) -> list[Any]:
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        out: list[Any] = [None] * world_size
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+class ExactResume(Callback):
+    """Makes a resumed ``fit`` repeat the uninterrupted run's losses exactly: saves every rank's RNG
+    states, and rolls checkpoints written mid-accumulation back to the last optimizer step.
+
+    What Lightning already restores: weights, optimizer, LR schedulers, loop counters, and the
+    state of callbacks and of the datamodule (``TextDataModule`` saves its training position). What
+    this callback adds:
+
+    * **RNG** (dropout): the torch (CPU and CUDA), numpy and Python RNG states of every rank, as of the
+      start of the next optimizer step, put back just before the first resumed training batch
+      (after the sanity check and the DataLoader start-up, which could otherwise draw from them).
+    * **Mid-accumulation saves** (SIGTERM, an exception, a save in ``on_train_batch_end``): the
+      partial step's gradients are not in the checkpoint, so the loop counters, and with them the
+      data position, are rolled back to the step boundary and the step is replayed from its first
+      micro-batch, with the RNG states it started with.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ExactResume(), ModelCheckpoint(every_n_train_steps=100, save_last=True)])
+        trainer.fit(module, datamodule=data, ckpt_path="last")
+
+    Note:
+        Exactness assumes nothing else draws from the global RNG between two optimizer steps
+        than the training steps themselves (``TextDataModule``'s DataLoaders use their own
+        generators; Lightning isolates the sanity check's RNG). The checkpoint holds only tensors
+        and primitive types, so it loads with ``torch.load(weights_only=True)``. On a resume with a
+        different number of ranks the RNG states cannot be matched to ranks: they are left as seeded,
+        with a warning.
+
+        The ``gpuopt`` CLI always adds this callback (``--exact_resume.*``).
+    """
+
+    def __init__(self) -> None:
+        self._snapshot: Optional[dict[str, Any]] = None
+        self._snapshot_step: Optional[int] = None
+        self._pending: Optional[dict[str, Any]] = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._snapshot, self._snapshot_step = None, None
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._pending is not None:
+            self._restore(trainer)
+        if trainer.global_step != self._snapshot_step:  # first micro-batch of an optimizer step
+            self._snapshot, self._snapshot_step = capture_rng_state(), trainer.global_step
+
+    def _restore(self, trainer: pl.Trainer) -> None:
+        pending, self._pending = self._pending, None
+        states = pending["rng"]
+        if len(states) != trainer.world_size:
+            rank_zero_warn(
+                f"ExactResume: the checkpoint holds RNG states of {len(states)} ranks but this run has "
+                f"{trainer.world_size}, so they are not restored and dropout draws differ from the original run. "
+                f"Resume with {len(states)} processes for an exact continuation."
+            )
+            return
+        restore_rng_state(states[trainer.global_rank])
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn != "fit" or "loops" not in checkpoint:
+            return
+        partial = microbatches_since_step(trainer)
+        if partial and self._snapshot_step == trainer.global_step and self._snapshot is not None:
+            rng = self._snapshot  # the RNG as the unfinished step found it
+        else:
+            rng = capture_rng_state()
+        states = _all_gather(rng, trainer.world_size)
+        rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], partial)
+        checkpoint.setdefault("callbacks", {})[self.state_key] = {"rng": states, "rolled_back": partial}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = state_dict if "rng" in state_dict else None

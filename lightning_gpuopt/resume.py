@@ -1,0 +1,122 @@
+"""Plain functions behind exact resume: RNG snapshots, and rolling a checkpoint back to a step boundary.
+
+Design note: a checkpoint holds weights, optimizer and scheduler state as of the last optimizer
+step, but Lightning may write it mid-accumulation (a SIGTERM, an exception, a save in
+``on_train_batch_end``), when some micro-batches of the next step have already run. Their
+gradients are not in the checkpoint, so the only exact resume is to replay that step from its first
+micro-batch: the loop counters, the data position and the RNG states in the checkpoint are rolled
+back to the step boundary. ``ExactResume`` (a callback) applies these functions; they take plain
+values so they can be tested without a Trainer.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+
+__all__ = ["capture_rng_state", "microbatches_since_step", "restore_rng_state", "rollback_fit_loop_state"]
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's torch (CPU and every CUDA device), numpy and Python RNG states.
+
+    Only tensors and primitive types, so a checkpoint holding it loads with ``weights_only=True``.
+
+    Example::
+
+        state = capture_rng_state()
+        torch.rand(3)
+        restore_rng_state(state)  # the next torch.rand(3) repeats
+    """
+    np_state = np.random.get_state(legacy=False)
+    version, mt, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "python": {"version": version, "state": list(mt), "gauss": gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back the RNG states of :func:`capture_rng_state`.
+
+    Args:
+        state: What ``capture_rng_state`` returned (possibly after a checkpoint round trip).
+    """
+    torch.set_rng_state(state["torch"])
+    np_state = state["numpy"]
+    np.random.set_state({
+        "bit_generator": np_state["bit_generator"],
+        "state": {"key": np_state["key"].numpy().astype(np.uint32), "pos": np_state["pos"]},
+        "has_gauss": np_state["has_gauss"],
+        "gauss": np_state["gauss"],
+    })
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def microbatches_since_step(trainer: pl.Trainer) -> int:
+    """Micro-batches of this epoch run since the last optimizer step (0 at a step boundary).
+
+    Lightning aligns accumulation windows with the epoch's batch index and always steps on the
+    epoch's last batch, so the count is ``ready % accumulate_grad_batches`` unless the last batch
+    stepped.
+
+    Args:
+        trainer: A Trainer in (or just after) ``fit``.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    ready = loop.batch_progress.current.ready
+    if ready == 0 or not loop._should_accumulate():
+        return 0
+    return ready % trainer.accumulate_grad_batches
+
+
+def rollback_fit_loop_state(fit_loop_state: dict[str, Any], microbatches: int) -> None:
+    """Roll the fit loop's saved progress back by ``microbatches`` batches, to the step boundary.
+
+    The batch counters (``ready``/``started``/``processed``/``completed``, total and current) all
+    become the boundary's count, a state Lightning resumes from as "restarted after the last
+    batch": the next batch is the first micro-batch of the interrupted step. ``zero_grad`` counters
+    are set to the optimizer-step count they equal at a boundary. Changes ``fit_loop_state`` in place.
+
+    Example::
+
+        rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], microbatches_since_step(trainer))
+
+    Args:
+        fit_loop_state: ``checkpoint["loops"]["fit_loop"]``.
+        microbatches: Micro-batches run since the last optimizer step.
+    """
+    if microbatches <= 0:
+        return
+    batches = fit_loop_state["epoch_loop.batch_progress"]
+    for part in ("total", "current"):
+        boundary = batches[part]["completed"] - microbatches
+        # Saved in on_train_batch_end the in-flight batch is processed but not yet completed.
+        if batches[part]["processed"] > batches[part]["completed"]:
+            boundary += 1
+        if boundary < 0:
+            raise ValueError(f"Cannot roll back {microbatches} micro-batches from {batches[part]}.")
+        batches[part].update(ready=boundary, started=boundary, processed=boundary, completed=boundary)
+    batches["is_last_batch"] = False
+    optim = fit_loop_state.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer")
+    if optim is not None:
+        for part in ("total", "current"):
+            steps = optim["step"][part]["completed"]
+            optim["zero_grad"][part].update(ready=steps, started=steps, completed=steps)

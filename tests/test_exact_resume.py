@@ -1,0 +1,174 @@
+"""Exact resume: a real training process is stopped by a signal and resumed in a new process; the
+per-micro-batch losses must equal an uninterrupted run's bit for bit (CPU, deterministic kernels)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_gpuopt.data import RandomWindows, TextDataModule, write_tokens
+from lightning_gpuopt.data.sampler import ResumableSampler, stream_indices
+from lightning_gpuopt.resume import capture_rng_state, restore_rng_state, rollback_fit_loop_state
+
+SCRIPT = Path(__file__).parent / "scripts" / "resume_fit.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+# ------------------------------------------------------------------------------------ plain parts
+def test_stream_indices_split_ranks_and_resume_mid_epoch():
+    assert list(stream_indices(0, 8)) == list(range(8))
+    assert list(stream_indices(1, 8, start=2, rank=1, world_size=2)) == [11, 13, 15]
+    both = sorted(list(stream_indices(2, 9, world_size=2, rank=0)) + list(stream_indices(2, 9, world_size=2, rank=1)))
+    assert both == list(range(18, 26))  # the odd tail is dropped so ranks read as many
+    with pytest.raises(ValueError, match="multiple of num_replicas"):
+        ResumableSampler(range(10), num_replicas=2, rank=0, start=3)
+
+
+def test_sample_k_is_the_same_window_for_every_batch_size(tmp_path):
+    write_tokens(tmp_path / "t.bin", [np.arange(5000) % 300], np.dtype(np.uint16))
+    ds = RandomWindows(tmp_path / "t.bin", "uint16", 0, 5000, block_size=8, length=12, seed=1)
+    sampler = ResumableSampler(ds, epoch=1)
+    whole = [ds[i][0] for i in sampler]
+    assert len(sampler) == 12 and len(whole) == 12
+    sampler.load_state_dict({"epoch": 1, "start": 5})
+    tail = [ds[i][0] for i in sampler]
+    assert all(torch.equal(a, b) for a, b in zip(whole[5:], tail))
+    assert not torch.equal(ds[0][0], ds[12][0])  # epoch 1 draws new windows
+    sampler.set_epoch(1)
+    assert sampler.start == 5  # same epoch: a resume keeps its position
+    sampler.set_epoch(2)
+    assert sampler.start == 0 and next(iter(sampler)) == 24
+
+
+def test_datamodule_loader_does_not_touch_the_global_rng(text_dir, cache_dir):
+    dm = TextDataModule(source=str(text_dir), block_size=16, batch_size=2, vocab_size=300, num_workers=0)
+    dm.setup("fit")
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    first = next(iter(dm.train_dataloader()))[0]
+    next(iter(dm.val_dataloader()))
+    assert torch.equal(torch.rand(1), expected)
+    dm.load_state_dict({"train_epoch": 0, "train_position": 2})
+    assert torch.equal(next(iter(dm.train_dataloader()))[0][0], dm.datasets["train"][2][0])
+    assert torch.equal(first[0], dm.datasets["train"][0][0])
+
+
+def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    state = capture_rng_state()
+    torch.save({"rng": state}, tmp_path / "r.pt")
+    expected = (torch.rand(2), np.random.rand(), random.random())
+    restore_rng_state(torch.load(tmp_path / "r.pt", weights_only=True)["rng"])
+    assert torch.equal(torch.rand(2), expected[0]) and np.random.rand() == expected[1] and random.random() == expected[2]
+
+
+def test_rollback_to_the_step_boundary():
+    counts = lambda n: {"ready": n, "started": n, "processed": n, "completed": n}  # noqa: E731
+    state = {
+        "epoch_loop.batch_progress": {"total": counts(25), "current": counts(5), "is_last_batch": False},
+        "epoch_loop.automatic_optimization.optim_progress": {"optimizer": {
+            "step": {"total": {"ready": 12, "completed": 12}, "current": {"ready": 2, "completed": 2}},
+            "zero_grad": {"total": {"ready": 13, "started": 13, "completed": 13},
+                          "current": {"ready": 3, "started": 3, "completed": 3}},
+        }},
+    }
+    rollback_fit_loop_state(state, 1)
+    assert state["epoch_loop.batch_progress"]["total"] == counts(24)
+    assert state["epoch_loop.batch_progress"]["current"] == counts(4)
+    zero_grad = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["zero_grad"]
+    assert zero_grad["total"]["completed"] == 12 and zero_grad["current"]["started"] == 2
+
+
+# --------------------------------------------------------------------------- real processes + signals
+def _prepare(tmp_path: Path, text_dir: Path) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "texts").symlink_to(text_dir)
+    TextDataModule(source=str(data / "texts"), cache_dir=str(data / "cache"), block_size=16, vocab_size=300).prepare_data()
+    return data
+
+
+def _run(out: Path, data: Path, *args: str, timeout: float = 240) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "--data-dir", str(data), *args],
+        env=ENV, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _interrupt(out: Path, data: Path, pause_at: int, sig: int, *args: str) -> None:
+    """Start a fit that pauses after micro-batch ``pause_at``, send it ``sig``, wait for it to end."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(out), "--data-dir", str(data), "--pause-at", str(pause_at), *args],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "paused0").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-4000:] if proc.stderr else ""
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+
+
+def _losses(path: Path) -> dict[tuple[int, int], tuple[int, float]]:
+    rows = [line.split() for line in path.read_text().splitlines()]
+    return {(int(e), int(b)): (int(s), float.fromhex(v)) for e, b, s, v in rows}
+
+
+def _check_resumed(reference: Path, stopped: Path, resumed: Path, first: tuple[int, int]) -> None:
+    ref, before, after = _losses(reference), _losses(stopped), _losses(resumed)
+    assert min(after) == first  # the resumed run starts at the step boundary
+    assert set(before) | set(after) == set(ref)
+    for key, value in {**before, **after}.items():
+        assert value == ref[key], f"micro-batch {key}: {value} != uninterrupted {ref[key]}"
+
+
+def test_sigterm_mid_accumulation_then_resume_is_exact(tmp_path, text_dir):
+    data = _prepare(tmp_path, text_dir)
+    _run(tmp_path / "ref", data)
+    # Stop after 9 micro-batches with accumulate_grad_batches=2: step 5 is half done.
+    _interrupt(tmp_path / "stop", data, 9, signal.SIGTERM)
+    ckpt = tmp_path / "stop" / "ckpt" / "on_exception.ckpt"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["global_step"] == 4 and saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == 8
+    _run(tmp_path / "resume", data, "--ckpt", str(ckpt))
+    _check_resumed(tmp_path / "ref/losses_rank0.txt", tmp_path / "stop/losses_rank0.txt",
+                   tmp_path / "resume/losses_rank0.txt", first=(0, 8))
+    # MFUMonitor's totals continue: the same tokens as the uninterrupted run.
+    assert (tmp_path / "resume/mfu.txt").read_text().split()[1] == (tmp_path / "ref/mfu.txt").read_text().split()[1]
+
+    # SIGKILL: nothing is saved at the kill; resume from the last periodic checkpoint (step 9).
+    _interrupt(tmp_path / "kill", data, 21, signal.SIGKILL)
+    ckpt = tmp_path / "kill" / "ckpt" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 9
+    _run(tmp_path / "resume2", data, "--ckpt", str(ckpt))
+    after = _losses(tmp_path / "resume2/losses_rank0.txt")
+    ref = _losses(tmp_path / "ref/losses_rank0.txt")
+    assert min(after) == (1, 8)  # 18 micro-batches = 9 steps; epochs of 10 micro-batches
+    assert all(value == ref[key] for key, value in after.items())
+    assert max(after) == max(ref)
+
+
+def test_fsdp2_two_processes_sigterm_mid_accumulation_then_resume_is_exact(tmp_path, text_dir):
+    """ModelParallelStrategy (FSDP2, per-block fully_shard) on 2 gloo CPU processes, distributed checkpoint."""
+    data = _prepare(tmp_path, text_dir)
+    fsdp = ("--strategy", "fsdp", "--devices", "2")
+    _run(tmp_path / "ref", data, *fsdp)
+    _interrupt(tmp_path / "stop", data, 9, signal.SIGTERM, *fsdp)
+    ckpt = tmp_path / "stop" / "ckpt" / "on_exception.ckpt"
+    assert (ckpt / "meta.pt").is_file() and len(list(ckpt.glob("*.distcp"))) == 2  # a DCP folder
+    _run(tmp_path / "resume", data, "--ckpt", str(ckpt), *fsdp)
+    for rank in (0, 1):
+        _check_resumed(tmp_path / f"ref/losses_rank{rank}.txt", tmp_path / f"stop/losses_rank{rank}.txt",
+                       tmp_path / f"resume/losses_rank{rank}.txt", first=(0, 8))
+    ref0, ref1 = _losses(tmp_path / "ref/losses_rank0.txt"), _losses(tmp_path / "ref/losses_rank1.txt")
+    assert ref0[(0, 0)] != ref1[(0, 0)]  # the ranks read different samples
