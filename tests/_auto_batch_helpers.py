@@ -68,7 +68,7 @@ class TokenData(pl.LightningDataModule):
 
 
 class StepRecorder(pl.Callback):
-    """Per optimizer step: the mean loss of its micro-batches and the samples it saw (first token of each)."""
+    """Per optimizer step: the mean loss of its micro-batches and the samples it saw (first 8 tokens of each)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -85,7 +85,7 @@ class StepRecorder(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.batch_ends += 1
         self._buffer.append(float(outputs["loss"]))  # Lightning's loss here is divided by the accumulation
-        self._seen.extend(int(t) for t in batch[0][:, 0])
+        self._seen.extend(tuple(row) for row in batch[0][:, :8].tolist())
         self.micro_batches.append(batch[0].size(0))
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.losses.append(sum(self._buffer))

@@ -242,6 +242,27 @@ def test_oom_mid_training_redoes_the_step_with_a_smaller_micro_batch():
         torch.testing.assert_close(weights_a[key], weights_b[key], rtol=1e-4, atol=1e-5)
 
 
+def test_oom_recovery_keeps_the_data_order_of_text_datamodule(text_dir, cache_dir):
+    """TextDataModule positions its own loaders (resumable sampler): the redone step reads the same samples."""
+    from lightning_gpuopt.data import TextDataModule
+
+    def run(max_micro, later_limit):
+        recorder = StepRecorder()
+        torch.manual_seed(5)
+        data = TextDataModule(source=str(text_dir), vocab_size=300, block_size=16, batch_size=2, num_workers=0)
+        module = OOMAbove(limit=None, later_step=2, later_limit=later_limit, vocab_size=320)
+        search = AutoBatchSize(global_batch_size=8, max_micro_batch_size=max_micro)
+        _trainer([search, recorder], max_steps=4).fit(module, datamodule=data)
+        return search, recorder
+
+    recovered, rec_a = run(max_micro=8, later_limit=3)
+    _, rec_b = run(max_micro=2, later_limit=None)
+    # 8 fails at step 2, then 4 (over the limit of 3) too: the same step is redone twice
+    assert recovered.recoveries == [{"step": 2, "from": 8, "to": 4}, {"step": 2, "from": 4, "to": 2}]
+    assert rec_a.samples == rec_b.samples
+    np.testing.assert_allclose(rec_a.losses, rec_b.losses, rtol=1e-5)
+
+
 class _nothing:
     def __enter__(self):
         return self

@@ -348,13 +348,26 @@ class AutoBatchSize(Callback):
             raise RuntimeError(_stop_message(trainer, old, None, path) + f" (error: {message})")
         done_in_epoch = start["current"]["ready"] * old  # samples of this epoch before the redone step
         batches_before = done_in_epoch // new
+        # Back to the first micro-batch of the failed step, counted in the old micro-batches.
+        progress = epoch_loop.batch_progress
+        progress.load_state_dict(copy.deepcopy(start))
+        # A datamodule that positions its own loaders (TextDataModule: `train_position()`, saved in
+        # its state) is asked where the step started before anything changes; other loaders restart
+        # the epoch and are fast-forwarded below.
+        datamodule = trainer.datamodule
+        positions_itself = datamodule is not None and callable(getattr(datamodule, "train_position", None))
+        data_state = datamodule.state_dict() if positions_itself else None
         self.micro_batch_size, self.accumulate_grad_batches = new, per_device // new
         lightning_setattr(pl_module, self.batch_size_attr, new)
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
         if isinstance(trainer.val_check_interval, int) and (trainer.val_check_interval * old) % new == 0:
             trainer.val_check_interval = trainer.val_check_interval * old // new  # same samples between checks
-        # Rebuild the train loader with the new batch size and move the running fetcher onto it,
-        # positioned at the first sample of the redone step.
+        for name in ("ready", "started", "processed", "completed"):  # the same position, in new micro-batches
+            setattr(progress.total, name, getattr(progress.total, name) - getattr(progress.current, name) + batches_before)
+            setattr(progress.current, name, batches_before)
+        if data_state is not None:
+            datamodule.load_state_dict(data_state)
+        # Rebuild the train loader with the new batch size and move the running fetcher onto it.
         fit_loop = trainer.fit_loop
         fit_loop._combined_loader = None
         fit_loop.setup_data()
@@ -363,13 +376,8 @@ class AutoBatchSize(Callback):
         data_fetcher.setup(fit_loop._combined_loader)
         iter(data_fetcher)
         fit_loop._data_fetcher = data_fetcher
-        for _ in range(batches_before):
+        for _ in range(0 if positions_itself else batches_before):
             next(data_fetcher)
-        progress = epoch_loop.batch_progress
-        progress.load_state_dict(copy.deepcopy(start))
-        for name in ("ready", "started", "processed", "completed"):
-            setattr(progress.total, name, getattr(progress.total, name) - getattr(progress.current, name) + batches_before)
-            setattr(progress.current, name, batches_before)
         self.recoveries.append({"step": trainer.global_step, "from": old, "to": new})
         rank_zero_warn(
             f"AutoBatchSize: out of memory at step {trainer.global_step} with micro-batch {old} ({message}). "
