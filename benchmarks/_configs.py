@@ -129,13 +129,6 @@ def skip_reason(name: str, settings: BenchSettings, device: torch.device) -> Opt
     """
     if name not in CONFIGS:
         raise ValueError(f"Unknown configuration {name!r}: choose from {list(CONFIGS)}.")
-    if name in AUTO:
-        try:
-            _import_auto_batch_size()
-        except ImportError as err:
-            return f"{err}; update lightning_gpuopt to a version with the AutoBatchSize callback"
-        if device.type == "cpu" and settings.max_micro_batch_size is None:
-            return "AutoBatchSize on CPU needs a bound: pass --max-micro-batch-size"
     if name == "gpuopt-fp8-compile-auto":
         try:
             from lightning_gpuopt.plugins.float8_conversion import require_torchao
@@ -152,6 +145,13 @@ def skip_reason(name: str, settings: BenchSettings, device: torch.device) -> Opt
                     f"float8 matmuls need compute capability >= 8.9, {torch.cuda.get_device_name(device)} has "
                     f"{capability[0]}.{capability[1]} (--fp8-emulate runs the numerics emulated)"
                 )
+    if name in AUTO:
+        try:
+            _import_auto_batch_size()
+        except ImportError as err:
+            return f"{err}; update lightning_gpuopt to a version with the AutoBatchSize callback"
+        if device.type == "cpu" and settings.max_micro_batch_size is None:
+            return "AutoBatchSize on CPU needs a bound: pass --max-micro-batch-size"
     return None
 
 

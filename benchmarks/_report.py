@@ -138,8 +138,8 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
-    return "-" if value is None else format(value * scale, spec)
+def _fmt(value: Optional[float], spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "-" if value is None else format(value * scale, spec) + suffix
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -161,7 +161,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"(order alternates between repeats); data: {s['data']}; fixed micro-batch {s['micro_batch_size']}, "
         f"AutoBatchSize global batch {s['global_batch_size']}",
         f"- training GFLOPs/token {report['flops_per_token'] / 1e9:.3f}; peak: "
-        + ", ".join(f"{k} {_fmt(v, '.1f', 1e-12)} TFLOP/s" for k, v in report["peaks"].items()),
+        + ", ".join(f"{k} {_fmt(v, '.1f', 1e-12, ' TFLOP/s')}" for k, v in report["peaks"].items())
+        + (f" (MFU not reported: {report['mfu_note']})" if report["mfu_note"] else ""),
         "",
         "| configuration | micro-batch x accum | tokens/s | vs baseline | TFLOP/s | MFU | MFU (measured) "
         "| step median ms | step IQR % | repeat spread % | peak mem GiB | start-up s | warm-up s |",
@@ -176,13 +177,11 @@ def markdown(report: dict[str, Any]) -> str:
         st = e["step_time"]
         lines.append(
             f"| `{name}` | {e['micro_batch_size']} x {e['accumulate_grad_batches']} | {e['tokens_per_s']:,.0f} "
-            f"| {_fmt(e['speedup_vs_baseline'], '.2f')}x | {e['tflops']:.3g} | {_fmt(e['mfu'], '.1f', 100)}% "
-            f"| {_fmt(e['mfu_measured'], '.1f', 100)}% | {st['median_ms']:.1f} | {_fmt(st['spread_pct'], '.1f')} "
+            f"| {_fmt(e['speedup_vs_baseline'], '.2f', suffix='x')} | {e['tflops']:.3g} | {_fmt(e['mfu'], '.1%')} "
+            f"| {_fmt(e['mfu_measured'], '.1%')} | {st['median_ms']:.1f} | {_fmt(st['spread_pct'], '.1f')} "
             f"| {_fmt(e['repeat_spread_pct'], '.1f')} | {_fmt(e['peak_memory_gb'], '.1f')} "
             f"| {max(e['startup_s']):.1f} | {max(e['warmup_s']):.1f} |"
         )
-        if e.get("mfu_note"):
-            notes.append(f"- `{name}`: MFU not reported: {e['mfu_note']}")
         if e.get("mfu_fp8") is not None:
             notes.append(f"- `{name}`: MFU against the fp8 peak {100 * e['mfu_fp8']:.1f}%")
         if e.get("search_s"):

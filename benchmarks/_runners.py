@@ -266,7 +266,7 @@ def run_torch_loop(
                     loss = model.loss(model(x), y)
                 (loss / accumulate).backward()
                 if first_loss is None:
-                    first_loss = float(loss)
+                    first_loss = float(loss.detach())
                 tokens += x.numel()
             optimizer.step()
             scheduler.step()

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, get_args
 
 import torch
 
@@ -32,6 +32,7 @@ from benchmarks._configs import AUTO_BF16, CONFIGS, TORCH_LOOP, BenchSettings, s
 from benchmarks._report import check_targets, device_slug, markdown, plot, summarise, write_json
 from benchmarks._runners import make_data, run_config
 from lightning_gpuopt.model import PRESETS, GPTModule
+from lightning_gpuopt.model.module import CompileMode
 from lightning_gpuopt.perf.peaks import measure_peak_flops, peak_flops
 
 __all__ = ["main", "parse_args"]
@@ -90,7 +91,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     p.add_argument("--fp8-emulate", action="store_true", help="run the FP8 configuration emulated (CPU / GPUs below SM 8.9)")
-    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")
+    p.add_argument("--compile-mode", default=None, choices=list(get_args(CompileMode)), help="torch.compile mode (default: default)")
     p.add_argument("--no-measure-peak", action="store_true", help="skip the bf16 matmul ceiling (GPU)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG chart")
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device-slug>)")
@@ -183,7 +184,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ImportError(f"matplotlib is missing ({err}): pip install \"lightning-gpuopt[bench]\", or pass --no-plot.") from err
 
     log.info("tokenising %s (once, cached) ...", settings.data)
-    make_data(settings, settings.micro_batch_size).prepare_data()
+    data = make_data(settings, settings.micro_batch_size)
+    data.prepare_data()
+    data.setup("fit")  # a corpus too short for the block size fails here, before any configuration runs
+    del data
     peaks, mfu_note = _peaks(device, not args.no_measure_peak)
     flops_per_token = float(GPTModule(preset=settings.preset, vocab_size=settings.vocab_size,
                                       block_size=settings.block_size).flops_per_token(settings.block_size))
