@@ -138,7 +138,10 @@ def skip_reason(name: str, settings: BenchSettings, device: torch.device) -> Opt
             return str(err)
         if not settings.fp8_emulate:
             if device.type != "cuda":
-                return f"float8 matmuls need a CUDA GPU with compute capability >= 8.9, this is {device.type} (--fp8-emulate runs the numerics emulated)"
+                return (
+                    f"float8 matmuls need a CUDA GPU with compute capability >= 8.9, this is {device.type} "
+                    "(--fp8-emulate runs the numerics emulated)"
+                )
             capability = torch.cuda.get_device_capability(device)
             if capability < (8, 9):
                 return (
@@ -175,10 +178,13 @@ def lightning_parts(name: str, settings: BenchSettings) -> LightningParts:
     if name == BASELINE:
         return LightningParts("32-true", [], [], compile=False, auto_batch=None)
     if name == "lightning-bf16":
-        monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), length_fn=lambda batch: batch[0].numel())
+        monitor = ThroughputMonitor(
+            batch_size_fn=lambda batch: batch[0].size(0), length_fn=lambda batch: batch[0].numel()
+        )
         return LightningParts("bf16-mixed", [], [monitor], compile=False, auto_batch=None)
     if name not in CONFIGS or name == TORCH_LOOP:
-        raise ValueError(f"{name!r} is not a Lightning configuration: choose from {[c for c in CONFIGS if c != TORCH_LOOP]}.")
+        choices = [c for c in CONFIGS if c != TORCH_LOOP]
+        raise ValueError(f"{name!r} is not a Lightning configuration: choose from {choices}.")
     callbacks: list[Any] = [CUDASettings(), MFUMonitor(log_every_n_steps=10, report=False)]
     if name == "gpuopt-fp8-compile-auto":
         from lightning_gpuopt.plugins import Float8Precision

@@ -60,6 +60,20 @@ def _peak_memory_gb(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / _GB if device.type == "cuda" else None
 
 
+def _global_flags() -> tuple[Any, ...]:
+    return (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        torch.get_float32_matmul_precision(),
+    )
+
+
+def _restore_global_flags(flags: tuple[Any, ...]) -> None:
+    torch.set_float32_matmul_precision(flags[3])
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = flags[:3]
+
+
 def cleanup(device: torch.device) -> None:
     """Free what the previous configuration left: Python objects, compiled graphs, cached CUDA memory."""
     gc.collect()
@@ -292,6 +306,7 @@ def run_config(
         device: The training device.
         torch_loop_batch: ``(micro_batch_size, accumulate)`` for ``torch-loop``.
     """
+    flags = _global_flags()
     try:
         if name == "torch-loop":
             return run_torch_loop(settings, device, *torch_loop_batch)
@@ -299,4 +314,5 @@ def run_config(
     except Exception as err:  # recorded in the results with its message; the other configurations still run
         return {"status": "failed", "reason": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc()}
     finally:
+        _restore_global_flags(flags)  # e.g. TF32 left on by a run that failed before CUDASettings' teardown
         cleanup(device)

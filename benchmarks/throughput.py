@@ -1,4 +1,4 @@
-"""Training throughput of GPT configurations side by side: plain Lightning, Lightning bf16, lightning_gpuopt, plain PyTorch.
+"""Training throughput of GPT configurations side by side: plain Lightning, Lightning bf16, ours, plain PyTorch.
 
 Runs every configuration (see ``benchmarks/_configs.py``) in one process on one device, on the
 same model, sequence length and tokens, ``--repeats`` times in alternating order so drift of the
@@ -40,7 +40,8 @@ __all__ = ["main", "parse_args"]
 log = logging.getLogger("benchmarks.throughput")
 
 ROOT = Path(__file__).resolve().parents[1]
-WIKITEXT2 = ROOT.parent / "shared" / "data" / "wikitext-2"
+# WikiText-2 (validation and test splits) beside the project, or inside it on machines that carry shared/ along.
+WIKITEXT2_PLACES = (ROOT.parent / "shared" / "data" / "wikitext-2", ROOT / "shared" / "data" / "wikitext-2")
 GPT2_VOCAB = 50257
 
 
@@ -60,12 +61,13 @@ def _git_commit() -> Optional[str]:
 
 
 def _resolve_data(data: str) -> str:
-    """``auto``: the WikiText-2 text files next to the project if present, else the offline default corpus."""
+    """``auto``: the WikiText-2 text files beside the project if present, else the offline default corpus."""
     if data != "auto":
         return data
-    if WIKITEXT2.is_dir() and any(WIKITEXT2.glob("*.txt")):
-        return str(WIKITEXT2 / "*.txt")
-    log.info("--data auto: %s not found, using the offline default corpus (stdlib)", WIKITEXT2)
+    for folder in WIKITEXT2_PLACES:
+        if folder.is_dir() and any(folder.glob("*.txt")):
+            return str(folder / "*.txt")
+    log.warning("--data auto: no WikiText-2 at %s, using the offline default corpus (stdlib)", WIKITEXT2_PLACES[0])
     return "stdlib"
 
 
@@ -78,12 +80,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help=f"model vocabulary (default: GPT-2's {GPT2_VOCAB}; tiny: --tokenizer-vocab-size)")
     p.add_argument("--tokenizer-vocab-size", type=int, default=4096, help="BPE vocabulary trained on --data")
     p.add_argument("--data", default="auto",
-                   help=f"text: a file, folder, glob or 'stdlib'; 'auto' = {WIKITEXT2}/*.txt if present, else stdlib")
+                   help="text: a file, folder, glob or 'stdlib'; 'auto' = ../shared/data/wikitext-2/*.txt if present, "
+                   "else stdlib")
     p.add_argument("--cache-dir", default=None, help="token cache (default: $GPUOPT_CACHE_DIR or ~/.cache/lightning_gpuopt)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {','.join(CONFIGS)}")
     p.add_argument("--micro-batch-size", type=int, default=8, help="micro-batch of the fixed-batch configurations")
     p.add_argument("--global-batch-size", type=int, default=64, help="sequences per optimizer step for AutoBatchSize")
-    p.add_argument("--max-micro-batch-size", type=int, default=None, help="largest micro-batch AutoBatchSize tries (needed on CPU)")
+    p.add_argument("--max-micro-batch-size", type=int, default=None,
+                   help="largest micro-batch AutoBatchSize tries (needed on CPU)")
     p.add_argument("--steps", type=int, default=20, help="measured optimizer steps per configuration and repeat")
     p.add_argument("--warmup-steps", type=int, default=5, help="unmeasured optimizer steps first (compilation)")
     p.add_argument("--repeats", type=int, default=1, help="run the whole list this often, alternating the order")
@@ -91,10 +95,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     p.add_argument("--fp8-emulate", action="store_true", help="run the FP8 configuration emulated (CPU / GPUs below SM 8.9)")
-    p.add_argument("--compile-mode", default=None, choices=list(get_args(CompileMode)), help="torch.compile mode (default: default)")
+    p.add_argument("--compile-mode", default=None, choices=list(get_args(CompileMode)),
+                   help="torch.compile mode (default: torch's default)")
     p.add_argument("--no-measure-peak", action="store_true", help="skip the bf16 matmul ceiling (GPU)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG chart")
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device-slug>)")
+    p.add_argument("--tag", default=None, help="appended to the file names, for runs split over several commands")
     return p.parse_args(argv)
 
 
@@ -170,18 +176,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
         raise ValueError(f"--configs has unknown names {unknown}: choose from {','.join(CONFIGS)}.")
+    if args.tag is not None and not args.tag.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"--tag must be letters, digits, '-' or '_' (it goes into file names), got {args.tag!r}.")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}.")
     settings = _settings(args)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     env = _environment(device, argv)
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / device_slug(env["device"])
-    stem = f"throughput-{settings.preset}-T{settings.block_size}"
+    stem = f"throughput-{settings.preset}-T{settings.block_size}" + (f"-{args.tag}" if args.tag else "")
     if not args.no_plot:  # fail now, not after the runs, if the chart cannot be drawn
         try:
             import matplotlib  # noqa: F401
         except ImportError as err:
-            raise ImportError(f"matplotlib is missing ({err}): pip install \"lightning-gpuopt[bench]\", or pass --no-plot.") from err
+            raise ImportError(
+                f"matplotlib is missing ({err}): pip install \"lightning-gpuopt[bench]\", or pass --no-plot."
+            ) from err
 
     log.info("tokenising %s (once, cached) ...", settings.data)
     data = make_data(settings, settings.micro_batch_size)
@@ -211,7 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             if name == TORCH_LOOP:
                 result["compare_with"] = (
                     f"uses the micro-batch x accumulation {AUTO_BF16} chose: compare with it" if auto_batch else
-                    f"{AUTO_BF16} did not run first, so micro-batch {settings.micro_batch_size} x 1: compare with gpuopt-bf16-compile"
+                    f"{AUTO_BF16} did not run first, so micro-batch {settings.micro_batch_size} x 1: "
+                    "compare with gpuopt-bf16-compile"
                 )
             if name == AUTO_BF16 and result["status"] == "ok":
                 auto_batch = (result["micro_batch_size"], result["accumulate_grad_batches"])

@@ -1,4 +1,4 @@
-"""The throughput benchmark (``python -m benchmarks.throughput``): real runs on CPU at the tiny preset, and its arithmetic."""
+"""The throughput benchmark (``python -m benchmarks.throughput``): real CPU runs at the tiny preset, and its arithmetic."""
 
 from __future__ import annotations
 
@@ -174,3 +174,19 @@ def test_summary_mfu_speedup_and_targets():
     assert mfu["value"] == pytest.approx(auto["mfu"]) and mfu["met"] is False  # 52.6% < 55%
     assert targets["gpuopt-fp8-compile-auto >= 1.15x gpuopt-bf16-compile-auto tokens/s at 774m"]["met"] is True
     assert targets["torch-loop at most 3% faster than gpuopt-bf16-compile-auto"]["met"] is False  # 4% faster
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_run_reports_memory_and_mfu(text_dir, cache_dir, tmp_path):
+    out = tmp_path / "results"
+    assert throughput.main(_argv(text_dir, cache_dir, out, ["baseline", "gpuopt-bf16"], "--no-plot")) == 0
+    report = _load(out)
+    assert report["environment"]["device"] == torch.cuda.get_device_name()
+    assert report["peaks"]["measured"] > 1e12
+    for name in ("baseline", "gpuopt-bf16"):
+        entry = report["summary"][name]
+        assert entry["status"] == "ok" and entry["peak_memory_gb"] > 0
+        assert entry["mfu_measured"] == pytest.approx(entry["tflops"] * 1e12 / report["peaks"]["measured"])
+        if report["peaks"]["bf16"] is not None:
+            assert 0 < entry["mfu"] < 1
