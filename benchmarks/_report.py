@@ -221,6 +221,7 @@ def plot(path: Path, report: dict[str, Any]) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.5 * len(names) + 2), sharey=True)
     ax1.barh(names, [ok[n]["tokens_per_s"] for n in names], color="tab:blue")
     ax1.set_xlabel("tokens/s")
+    ax1.set_xlim(0, 1.3 * max((ok[n]["tokens_per_s"] for n in names), default=1))  # room for the labels
     for i, n in enumerate(names):
         speedup = ok[n]["speedup_vs_baseline"]
         ax1.text(ok[n]["tokens_per_s"], i, f" {ok[n]['tokens_per_s']:,.0f}" + (f" ({speedup:.2f}x)" if speedup else ""),
@@ -232,6 +233,7 @@ def plot(path: Path, report: dict[str, Any]) -> None:
     else:
         ax2.text(0.5, 0.5, "MFU not available:\n" + str(report["mfu_note"]), ha="center", va="center",
                  transform=ax2.transAxes, wrap=True)
+        ax2.set_xticks([])
     ax1.invert_yaxis()
     s, env = report["settings"], report["environment"]
     fig.suptitle(f"{s['preset']}, T={s['block_size']}, {env['device']}")
