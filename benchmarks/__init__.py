@@ -1,0 +1,1 @@
+"""Benchmarks of lightning_gpuopt: ``python -m benchmarks.throughput`` (see ``benchmarks/README.md``)."""

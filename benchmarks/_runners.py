@@ -1,0 +1,318 @@
+"""One measured training run of one configuration: through a Lightning ``Trainer``, or a hand-written loop.
+
+Both runners build a fresh model from the same seed, read the same ``TextDataModule`` training
+windows, run ``warmup_steps`` optimizer steps unmeasured and then ``steps`` measured ones, and
+return a dict of plain numbers (see ``_result``). Start-up (model building, float8 conversion,
+the ``AutoBatchSize`` search) and warm-up (compilation) are timed separately from the steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from benchmarks._configs import BenchSettings, lightning_parts
+from benchmarks._timing import StepClock
+from lightning_gpuopt.data import TextDataModule
+from lightning_gpuopt.model import GPT, GPTModule
+from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
+
+__all__ = ["cleanup", "make_data", "run_config", "run_lightning", "run_torch_loop"]
+
+_GB = 1024**3
+
+
+def make_data(settings: BenchSettings, batch_size: int) -> TextDataModule:
+    """The training data every configuration reads: same source, tokenizer, windows and seed.
+
+    Args:
+        settings: The shared settings.
+        batch_size: Micro-batch size of the DataLoader.
+    """
+    # Enough windows per "epoch" that no run crosses an epoch boundary (a new shuffle) while measured.
+    samples = (settings.warmup_steps + settings.steps + 4) * settings.global_batch_size
+    return TextDataModule(
+        source=settings.data,
+        block_size=settings.block_size,
+        batch_size=batch_size,
+        vocab_size=settings.tokenizer_vocab_size,
+        cache_dir=settings.cache_dir,
+        num_workers=settings.num_workers,
+        samples_per_epoch=samples,
+        seed=settings.seed,
+    )
+
+
+def _reset_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_memory_gb(device: torch.device) -> Optional[float]:
+    return torch.cuda.max_memory_allocated(device) / _GB if device.type == "cuda" else None
+
+
+def _global_flags() -> tuple[Any, ...]:
+    return (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        torch.get_float32_matmul_precision(),
+    )
+
+
+def _restore_global_flags(flags: tuple[Any, ...]) -> None:
+    torch.set_float32_matmul_precision(flags[3])
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = flags[:3]
+
+
+def cleanup(device: torch.device) -> None:
+    """Free what the previous configuration left: Python objects, compiled graphs, cached CUDA memory."""
+    gc.collect()
+    torch.compiler.reset()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _result(
+    name: str,
+    settings: BenchSettings,
+    device: torch.device,
+    clock: StepClock,
+    tokens_per_step: list[int],
+    begin: float,
+    train_start: float,
+    fit_start: Optional[float],
+    micro_batch_size: int,
+    accumulate: int,
+    first_batch_sum: Optional[int],
+    first_loss: Optional[float],
+) -> dict[str, Any]:
+    warmup = settings.warmup_steps
+    if len(clock) < warmup + settings.steps:
+        raise RuntimeError(f"{name} stopped after {len(clock)} optimizer steps, expected {warmup + settings.steps}.")
+    seconds = clock.intervals(start=warmup - 1)  # steps warmup+1 ... warmup+steps
+    tokens = tokens_per_step[warmup : warmup + len(seconds)]
+    return {
+        "status": "ok",
+        "micro_batch_size": micro_batch_size,
+        "accumulate_grad_batches": accumulate,
+        "tokens_per_step": tokens[0] if len(set(tokens)) == 1 else tokens,
+        "step_times_s": seconds,
+        "tokens_per_s": sum(tokens) / sum(seconds),
+        "startup_s": train_start - begin,
+        "search_s": None if fit_start is None else train_start - fit_start,
+        "warmup_s": clock.wall(warmup - 1) - train_start,
+        "peak_memory_gb": _peak_memory_gb(device),
+        "first_batch_token_sum": first_batch_sum,
+        "first_loss": first_loss,
+    }
+
+
+class _StepTimer(Callback):
+    """Marks every optimizer step and counts its tokens; notes the first batch and loss (checks that runs match)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.clock = StepClock(device)
+        self.tokens_per_step: list[int] = []
+        self.fit_start: Optional[float] = None
+        self.train_start: Optional[float] = None
+        self.first_batch_sum: Optional[int] = None
+        self.first_loss: Optional[float] = None
+        self._tokens = 0
+        self._last_step: Optional[int] = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.fit_start = time.perf_counter()  # first in the callback list: before AutoBatchSize's search
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.train_start = time.perf_counter()
+        self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.first_batch_sum is None:
+            self.first_batch_sum = int(batch[0].sum())  # one sync, in the warm-up
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.first_loss is None:
+            self.first_loss = float(outputs["loss"])  # the unscaled loss of the first micro-batch
+        self._tokens += batch[0].numel()
+        if trainer.global_step != self._last_step:  # this batch ended an optimizer step
+            self._last_step = trainer.global_step
+            self.clock.mark()
+            self.tokens_per_step.append(self._tokens)
+            self._tokens = 0
+
+
+def _accelerator(device: torch.device) -> str:
+    return "gpu" if device.type == "cuda" else "cpu"
+
+
+def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> dict[str, Any]:
+    """Train configuration ``name`` with a Lightning ``Trainer`` and measure it.
+
+    Example::
+
+        run_lightning("gpuopt-bf16", BenchSettings(preset="124m"), torch.device("cuda"))["tokens_per_s"]
+
+    Args:
+        name: A Lightning configuration (a key of ``CONFIGS`` other than ``torch-loop``).
+        settings: The shared settings.
+        device: The training device.
+    """
+    begin = time.perf_counter()
+    pl.seed_everything(settings.seed, verbose=False)
+    parts = lightning_parts(name, settings)
+    timer = _StepTimer(device)
+    data = make_data(settings, settings.micro_batch_size)
+    module = GPTModule(
+        preset=settings.preset,
+        vocab_size=settings.vocab_size,
+        block_size=settings.block_size,
+        learning_rate=settings.learning_rate,
+        warmup_steps=settings.warmup_steps,
+        compile=parts.compile,
+        compile_mode=settings.compile_mode if parts.compile else None,
+    )
+    trainer = pl.Trainer(
+        accelerator=_accelerator(device),
+        devices=1,
+        precision=parts.precision,
+        plugins=parts.plugins or None,
+        callbacks=[timer, *parts.callbacks],
+        max_steps=settings.warmup_steps + settings.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    _reset_memory(device)
+    trainer.fit(module, datamodule=data)
+    auto = parts.auto_batch
+    result = _result(
+        name, settings, device, timer.clock, timer.tokens_per_step, begin, timer.train_start,
+        timer.fit_start if auto is not None else None,
+        micro_batch_size=data.batch_size,
+        accumulate=trainer.accumulate_grad_batches,
+        first_batch_sum=timer.first_batch_sum,
+        first_loss=timer.first_loss,
+    )
+    if auto is not None:
+        result["auto_batch"] = {
+            "micro_batch_size": auto.micro_batch_size,
+            "accumulate_grad_batches": auto.accumulate_grad_batches,
+            "trials": len(getattr(auto, "trials", []) or []),
+        }
+    return result
+
+
+def run_torch_loop(
+    settings: BenchSettings, device: torch.device, micro_batch_size: int, accumulate: int
+) -> dict[str, Any]:
+    """Train with a hand-written PyTorch loop (bf16 autocast, ``torch.compile``, fused AdamW) and measure it.
+
+    The same model, optimizer, LR schedule and ``TextDataModule`` training DataLoader as the
+    Lightning configurations; TF32 and the SDPA / allocator settings of ``CUDASettings``.
+
+    Example::
+
+        run_torch_loop(BenchSettings(preset="124m"), torch.device("cuda"), micro_batch_size=16, accumulate=4)
+
+    Args:
+        settings: The shared settings.
+        device: The training device.
+        micro_batch_size: Sequences per forward/backward pass.
+        accumulate: Micro-batches per optimizer step.
+    """
+    from lightning_gpuopt.callbacks import CUDASettings
+
+    begin = time.perf_counter()
+    cuda_settings = CUDASettings()  # the same global flags as the gpuopt configurations; undone below
+    try:
+        pl.seed_everything(settings.seed, verbose=False)
+        data = make_data(settings, micro_batch_size)
+        config = GPTModule(preset=settings.preset, vocab_size=settings.vocab_size, block_size=settings.block_size).config
+        _reset_memory(device)
+        with torch.device(device):  # built on the device, as the Trainer does (same RNG stream)
+            model = GPT(config)
+        model.compile(mode=settings.compile_mode)
+        total = settings.warmup_steps + settings.steps
+        optimizer = build_adamw(model, settings.learning_rate)  # fused on CUDA
+        scheduler = warmup_cosine_schedule(optimizer, settings.warmup_steps, total)
+        data.prepare_data()
+        data.setup("fit")
+        loader = data.train_dataloader()
+        batches = iter(loader)
+        clock = StepClock(device)
+        tokens_per_step: list[int] = []
+        first_batch_sum = first_loss = None
+        train_start = time.perf_counter()
+        model.train()
+        for _ in range(total):
+            tokens = 0
+            for _ in range(accumulate):
+                try:
+                    x, y = next(batches)
+                except StopIteration:
+                    batches = iter(loader)
+                    x, y = next(batches)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                if first_batch_sum is None:
+                    first_batch_sum = int(x.sum())
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model.loss(model(x), y)
+                (loss / accumulate).backward()
+                if first_loss is None:
+                    first_loss = float(loss.detach())
+                tokens += x.numel()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            clock.mark()
+            tokens_per_step.append(tokens)
+        return _result(
+            "torch-loop", settings, device, clock, tokens_per_step, begin, train_start, None,
+            micro_batch_size, accumulate, first_batch_sum, first_loss,
+        )
+    finally:
+        cuda_settings.teardown(None, None, "fit")  # type: ignore[arg-type]  # restores the global flags
+
+
+def run_config(
+    name: str, settings: BenchSettings, device: torch.device, torch_loop_batch: tuple[int, int]
+) -> dict[str, Any]:
+    """Run one configuration; a failure (out of memory, a compile error) is recorded, not raised.
+
+    Args:
+        name: A key of ``CONFIGS``.
+        settings: The shared settings.
+        device: The training device.
+        torch_loop_batch: ``(micro_batch_size, accumulate)`` for ``torch-loop``.
+    """
+    flags = _global_flags()
+    try:
+        if name == "torch-loop":
+            return run_torch_loop(settings, device, *torch_loop_batch)
+        return run_lightning(name, settings, device)
+    except Exception as err:  # recorded in the results with its message; the other configurations still run
+        return {"status": "failed", "reason": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc()}
+    finally:
+        _restore_global_flags(flags)  # e.g. TF32 left on by a run that failed before CUDASettings' teardown
+        cleanup(device)

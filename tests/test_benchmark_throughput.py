@@ -1,0 +1,192 @@
+"""The throughput benchmark (``python -m benchmarks.throughput``): real CPU runs at the tiny preset, and its arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import throughput
+from benchmarks._configs import BenchSettings, skip_reason
+from benchmarks._report import check_targets, device_slug, summarise
+from benchmarks._runners import run_config
+from benchmarks._timing import step_stats
+
+FIXED = ["baseline", "lightning-bf16", "gpuopt-bf16"]
+
+
+def _argv(text_dir, cache_dir, out, configs, *extra):
+    return [
+        "--preset", "tiny", "--block-size", "32", "--micro-batch-size", "8", "--global-batch-size", "16",
+        "--steps", "3", "--warmup-steps", "1", "--tokenizer-vocab-size", "512", "--num-workers", "0",
+        "--data", str(text_dir), "--cache-dir", str(cache_dir), "--out", str(out), "--configs", ",".join(configs),
+        *extra,
+    ]
+
+
+def _load(out):
+    return json.loads((out / "throughput-tiny-T32.json").read_text())
+
+
+def test_cpu_run_writes_results_for_every_configuration(text_dir, cache_dir, tmp_path):
+    out = tmp_path / "results"
+    configs = [*FIXED, "gpuopt-fp8-compile-auto"]
+    status = throughput.main(_argv(text_dir, cache_dir, out, configs, "--repeats", "2"))
+    assert status == 0
+    report = _load(out)
+    summary = report["summary"]
+    assert list(summary) == configs  # nothing dropped, in the order asked for
+    # FP8 needs SM >= 8.9: on CPU without --fp8-emulate it is reported as skipped, with the reason.
+    fp8 = summary["gpuopt-fp8-compile-auto"]
+    assert fp8["status"] == "skipped" and "compute capability >= 8.9" in fp8["reason"]
+
+    for name in FIXED:
+        entry = summary[name]
+        assert entry["status"] == "ok", entry
+        assert (entry["micro_batch_size"], entry["accumulate_grad_batches"]) == (8, 1)
+        assert entry["tokens_per_step"] == 8 * 32
+        assert entry["mfu"] is None and report["mfu_note"] == "no datasheet peak FLOP/s for a CPU"
+        assert len(entry["tokens_per_s_repeats"]) == 2 and entry["repeat_spread_pct"] is not None
+        runs = report["runs"][name]
+        assert [r["repeat"] for r in runs] == [0, 1]
+        for run in runs:
+            assert len(run["step_times_s"]) == 3 and all(t > 0 for t in run["step_times_s"])
+            # tokens/s counts every token of the measured steps over their total time.
+            assert run["tokens_per_s"] == pytest.approx(3 * 8 * 32 / sum(run["step_times_s"]))
+        assert entry["tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in runs) / 2)
+        assert entry["tflops"] == pytest.approx(entry["tokens_per_s"] * report["flops_per_token"] / 1e12)
+        stats = entry["step_time"]
+        assert stats["min_ms"] <= stats["median_ms"] <= stats["max_ms"]
+        assert entry["speedup_vs_baseline"] == pytest.approx(entry["tokens_per_s"] / summary["baseline"]["tokens_per_s"])
+    assert summary["baseline"]["speedup_vs_baseline"] == pytest.approx(1.0)
+
+    # Every configuration built the same model from the same seed and read the same first batch.
+    sums = {summary[n]["first_batch_token_sum"] for n in FIXED}
+    assert len(sums) == 1
+    losses = [summary[n]["first_loss"] for n in FIXED]
+    assert max(losses) - min(losses) < 0.05  # fp32 vs bf16 autocast of the same forward
+    assert losses[0] == pytest.approx(math.log(512), rel=0.05)  # an untrained model: about uniform
+
+    # Second repeat runs in reverse order, so drift of the machine shows between repeats.
+    assert throughput._run_order(configs, 1) == configs[::-1]
+
+    env = report["environment"]
+    assert env["device"] == "cpu" and env["torch"] == torch.__version__ and env["lightning"]
+    assert env["command"].startswith("python -m benchmarks.throughput --preset tiny")
+    md = (out / "throughput-tiny-T32.md").read_text()
+    assert all(f"`{n}`" in md for n in configs) and "`gpuopt-fp8-compile-auto` skipped: float8 matmuls need" in md
+    assert "| `gpuopt-fp8-compile-auto` | skipped |" in md
+    assert (out / "throughput-tiny-T32.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_compiled_configurations_and_torch_loop_match_on_cpu(text_dir, cache_dir, tmp_path):
+    out = tmp_path / "results"
+    configs = ["baseline", "gpuopt-bf16-compile", "torch-loop"]
+    assert throughput.main(_argv(text_dir, cache_dir, out, configs, "--no-plot")) == 0
+    report = _load(out)
+    summary = report["summary"]
+    assert [summary[n]["status"] for n in configs] == ["ok"] * 3
+    loop = summary["torch-loop"]
+    # Without gpuopt-bf16-compile-auto in the run, the loop uses the fixed micro-batch and says what to compare with.
+    assert (loop["micro_batch_size"], loop["accumulate_grad_batches"], loop["tokens_per_step"]) == (8, 1, 256)
+    assert "compare with gpuopt-bf16-compile" in loop["compare_with"]
+    assert loop["first_batch_token_sum"] == summary["baseline"]["first_batch_token_sum"]
+    assert loop["first_loss"] == pytest.approx(summary["gpuopt-bf16-compile"]["first_loss"], abs=0.02)
+    assert not (out / "throughput-tiny-T32.png").exists()
+
+
+def test_failed_configuration_is_recorded_not_raised(text_dir, cache_dir):
+    settings = BenchSettings(preset="tiny", block_size=32, vocab_size=512, tokenizer_vocab_size=512, data=str(text_dir),
+                             cache_dir=str(cache_dir), steps=2, warmup_steps=1, num_workers=0)
+    # A real error inside the run (TextDataModule rejects a micro-batch of 0): recorded with its message.
+    result = run_config("torch-loop", settings, torch.device("cpu"), (0, 1))
+    assert result["status"] == "failed" and "batch_size must be an integer >= 1" in result["reason"]
+    assert "Traceback" in result["traceback"]
+    summary = summarise({"torch-loop": [result]}, 1e6, {"bf16": None, "fp8": None, "measured": None}, "cpu")
+    assert summary["torch-loop"]["status"] == "failed"
+
+
+def test_skip_reasons_on_cpu():
+    cpu = torch.device("cpu")
+    settings = BenchSettings(preset="tiny", block_size=32, vocab_size=512, tokenizer_vocab_size=512)
+    assert skip_reason("baseline", settings, cpu) is None
+    assert "compute capability >= 8.9" in skip_reason("gpuopt-fp8-compile-auto", settings, cpu)
+    auto = skip_reason("gpuopt-bf16-compile-auto", settings, cpu)
+    assert auto is not None and ("--max-micro-batch-size" in auto or "AutoBatchSize" in auto)
+    with pytest.raises(ValueError, match="Unknown configuration"):
+        skip_reason("fast", settings, cpu)
+
+
+def test_bad_settings_raise_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="multiple of --micro-batch-size"):
+        BenchSettings(micro_batch_size=8, global_batch_size=12)
+    with pytest.raises(ValueError, match="--steps"):
+        BenchSettings(steps=0)
+    with pytest.raises(ValueError, match="unknown names"):
+        throughput.main(["--configs", "baseline,turbo", "--out", str(tmp_path)])
+
+
+def test_step_stats_and_device_slug():
+    stats = step_stats([0.1, 0.2, 0.1, 0.1, 0.1])
+    assert stats["median_ms"] == pytest.approx(100.0)
+    assert stats["mean_ms"] == pytest.approx(120.0)
+    assert (stats["min_ms"], stats["max_ms"]) == (pytest.approx(100.0), pytest.approx(200.0))
+    assert step_stats([])["median_ms"] is None
+    assert device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert device_slug("cpu") == "cpu"
+
+
+def _run(tokens_per_s, micro=8, accum=1):
+    return {
+        "status": "ok", "micro_batch_size": micro, "accumulate_grad_batches": accum, "tokens_per_step": 8192,
+        "tokens_per_s": tokens_per_s, "step_times_s": [8192 / tokens_per_s] * 4, "peak_memory_gb": 10.0,
+        "startup_s": 1.0, "search_s": None, "warmup_s": 2.0, "first_batch_token_sum": 1, "first_loss": 10.8,
+    }
+
+
+def test_summary_mfu_speedup_and_targets():
+    runs = {
+        "baseline": [_run(20e3), _run(22e3)],
+        "gpuopt-bf16-compile-auto": [_run(100e3, 32, 2)],
+        "gpuopt-fp8-compile-auto": [_run(120e3, 32, 2)],
+        "torch-loop": [_run(104e3, 32, 2)],
+        "lightning-bf16": [{"status": "skipped", "reason": "not asked"}],
+    }
+    flops = 5.203e9
+    peaks = {"bf16": 989.4e12, "fp8": 1978.9e12, "measured": 750e12}
+    summary = summarise(runs, flops, peaks, None)
+    base = summary["baseline"]
+    assert base["tokens_per_s"] == pytest.approx(21e3)
+    assert base["repeat_spread_pct"] == pytest.approx(100 * 2e3 / 21e3)
+    auto = summary["gpuopt-bf16-compile-auto"]
+    assert auto["mfu"] == pytest.approx(100e3 * flops / 989.4e12)  # 52.6%
+    assert auto["mfu_measured"] == pytest.approx(100e3 * flops / 750e12)
+    assert auto["speedup_vs_baseline"] == pytest.approx(100 / 21)
+    assert summary["gpuopt-fp8-compile-auto"]["mfu_fp8"] == pytest.approx(120e3 * flops / 1978.9e12)
+    assert summary["lightning-bf16"] == {"description": summary["lightning-bf16"]["description"], "repeats": 1,
+                                         "status": "skipped", "reason": "not asked"}
+    targets = {t["target"]: t for t in check_targets(summary, "774m")}
+    assert targets["gpuopt-bf16-compile-auto >= 4x baseline tokens/s"]["met"] is True
+    mfu = targets["gpuopt-bf16-compile-auto MFU >= 55% at 774m"]
+    assert mfu["value"] == pytest.approx(auto["mfu"]) and mfu["met"] is False  # 52.6% < 55%
+    assert targets["gpuopt-fp8-compile-auto >= 1.15x gpuopt-bf16-compile-auto tokens/s at 774m"]["met"] is True
+    assert targets["torch-loop at most 3% faster than gpuopt-bf16-compile-auto"]["met"] is False  # 4% faster
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_run_reports_memory_and_mfu(text_dir, cache_dir, tmp_path):
+    out = tmp_path / "results"
+    assert throughput.main(_argv(text_dir, cache_dir, out, ["baseline", "gpuopt-bf16"], "--no-plot")) == 0
+    report = _load(out)
+    assert report["environment"]["device"] == torch.cuda.get_device_name()
+    assert report["peaks"]["measured"] > 1e12
+    for name in ("baseline", "gpuopt-bf16"):
+        entry = report["summary"][name]
+        assert entry["status"] == "ok" and entry["peak_memory_gb"] > 0
+        assert entry["mfu_measured"] == pytest.approx(entry["tflops"] * 1e12 / report["peaks"]["measured"])
+        if report["peaks"]["bf16"] is not None:
+            assert 0 < entry["mfu"] < 1
