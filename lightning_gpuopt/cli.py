@@ -11,12 +11,15 @@ Example::
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPTModule
+from lightning_gpuopt.plugins.checkpoint_io import AtomicCheckpointIO
 
 __all__ = ["GPTCLI", "main"]
 
@@ -26,8 +29,18 @@ class GPTCLI(LightningCLI):
 
     ``data.block_size`` sets ``model.block_size``, and the data's tokenizer vocabulary size sets
     ``model.vocab_size``, so the two can never disagree. After ``predict`` the generated samples
-    are decoded and printed.
+    are decoded and printed. Checkpoints are written with
+    :class:`~lightning_gpuopt.plugins.AtomicCheckpointIO` (atomic writes, ``weights_only=True``
+    reads) unless the config names another CheckpointIO plugin or the strategy brings its own.
     """
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        strategy = trainer.strategy
+        # Replace only Lightning's default single-file writer; a CheckpointIO the user or the strategy chose stays.
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.block_size", "model.block_size")

@@ -53,6 +53,13 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: MapLocation = "
         raise CheckpointError(f"Checkpoint {str(path)!r} does not exist: check the path (e.g. .../checkpoints/last.ckpt).")
     if path.stat().st_size == 0:
         raise CheckpointError(f"Checkpoint {str(path)!r} is empty (0 bytes): it was never written; use an earlier checkpoint.")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":  # torch.save has written zip archives since PyTorch 1.6
+        raise CheckpointError(
+            f"{str(path)!r} is not a PyTorch checkpoint (torch.save writes a zip archive; this file starts with "
+            f"{magic!r}): give a .ckpt file written by Lightning / lightning_gpuopt."
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
