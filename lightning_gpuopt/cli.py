@@ -10,8 +10,10 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -23,6 +25,24 @@ from lightning_gpuopt.plugins.checkpoint_io import AtomicCheckpointIO
 
 __all__ = ["GPTCLI", "main"]
 
+_UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
+
+
+class _SuggestingParser(LightningArgumentParser):
+    """Adds "did you mean ...?" to jsonargparse's unknown-option errors (a typo in YAML or on the command line)."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        match = _UNKNOWN_OPTION.search(message)
+        if match:
+            key = f"{match.group(1)}.{match.group(2)}" if match.group(1) else match.group(2)
+            parser = getattr(ex, "subcommand_parser", None) or self
+            known = [a.dest for a in parser._actions if a.dest and a.dest != "help"]
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+            if close:
+                message += f": did you mean '{close[0]}' (--{close[0]} on the command line)?"
+        super().error(message, ex)
+
+
 
 class GPTCLI(LightningCLI):
     """LightningCLI with the model's sequence length and vocabulary linked to the data's.
@@ -33,6 +53,11 @@ class GPTCLI(LightningCLI):
     :class:`~lightning_gpuopt.plugins.AtomicCheckpointIO` (atomic writes, ``weights_only=True``
     reads) unless the config names another CheckpointIO plugin or the strategy brings its own.
     """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        if self.parser_class is LightningArgumentParser:
+            self.parser_class = _SuggestingParser
+        return super().init_parser(**kwargs)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)
