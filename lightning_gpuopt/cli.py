@@ -32,14 +32,19 @@ class _SuggestingParser(LightningArgumentParser):
     """Adds "did you mean ...?" to jsonargparse's unknown-option errors (a typo in YAML or on the command line)."""
 
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        parser = getattr(ex, "subcommand_parser", None) or self
+        known = [a.dest for a in parser._actions if a.dest and a.dest != "help"]
         match = _UNKNOWN_OPTION.search(message)
         if match:
             key = f"{match.group(1)}.{match.group(2)}" if match.group(1) else match.group(2)
-            parser = getattr(ex, "subcommand_parser", None) or self
-            known = [a.dest for a in parser._actions if a.dest and a.dest != "help"]
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
             if close:
                 message += f": did you mean '{close[0]}' (--{close[0]} on the command line)?"
+        elif message.lower().startswith("unrecognized arguments:"):
+            for arg in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(arg.lstrip("-").split("=")[0], known, n=1, cutoff=0.75)
+                if arg.startswith("--") and close:
+                    message += f"; for {arg.split('=')[0]} did you mean --{close[0]}?"
         super().error(message, ex)
 
 
