@@ -10,19 +10,46 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPTModule
+from lightning_gpuopt.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy
 
 __all__ = ["GPTCLI", "main"]
+
+_UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
+
+
+class _SuggestingParser(LightningArgumentParser):
+    """Adds "did you mean ...?" to jsonargparse's unknown-option errors (a typo in YAML or on the command line)."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        parser = getattr(ex, "subcommand_parser", None) or self
+        known = [a.dest for a in parser._actions if a.dest and a.dest != "help"]
+        match = _UNKNOWN_OPTION.search(message)
+        if match:
+            key = f"{match.group(1)}.{match.group(2)}" if match.group(1) else match.group(2)
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+            if close:
+                message += f": did you mean '{close[0]}' (--{close[0]} on the command line)?"
+        elif message.lower().startswith("unrecognized arguments:"):
+            for arg in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(arg.lstrip("-").split("=")[0], known, n=1, cutoff=0.75)
+                if arg.startswith("--") and close:
+                    message += f"; for {arg.split('=')[0]} did you mean --{close[0]}?"
+        super().error(message, ex)
+
 
 
 class GPTCLI(LightningCLI):
@@ -30,13 +57,20 @@ class GPTCLI(LightningCLI):
 
     ``data.block_size`` sets ``model.block_size``, and the data's tokenizer vocabulary size sets
     ``model.vocab_size``, so the two can never disagree. After ``predict`` the generated samples
-    are decoded and printed.
+    are decoded and printed. Checkpoints are written with
+    :class:`~lightning_gpuopt.plugins.AtomicCheckpointIO` (atomic writes, ``weights_only=True``
+    reads) unless the config names another CheckpointIO plugin or the strategy brings its own.
 
     ``ExactResume`` is always added (a resumed ``fit --ckpt_path`` continues exactly). With
     ``trainer.strategy: gpuopt-auto`` the strategy is chosen for the model by
     :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP or FSDP2), and the reason is logged;
     ``--auto_strategy.device_memory_gb`` overrides the memory read from GPU 0.
     """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        if self.parser_class is LightningArgumentParser:
+            self.parser_class = _SuggestingParser
+        return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.block_size", "model.block_size")
@@ -52,7 +86,12 @@ class GPTCLI(LightningCLI):
         trainer_cfg = config.get("trainer", {})
         if trainer_cfg.get("strategy") == AUTO_STRATEGY and "strategy" not in kwargs:
             kwargs["strategy"] = self._auto_strategy(config, trainer_cfg)
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        strategy = trainer.strategy
+        # Replace only Lightning's default single-file writer; a CheckpointIO the user or the strategy chose stays.
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
     def _auto_strategy(self, config: Any, trainer_cfg: dict) -> Any:
         devices = trainer_cfg.get("devices", "auto")

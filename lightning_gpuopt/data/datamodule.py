@@ -162,13 +162,16 @@ class TextDataModule(pl.LightningDataModule):
         out = self.data_dir
         if (out / "meta.json").is_file():
             return
-        out.mkdir(parents=True, exist_ok=True)
         corpus = self._corpus
+        # Before any work or any file: an empty corpus (stops at the first document with text).
+        if not any(text.strip() for text in corpus.splits["train"]()):
+            raise ValueError(f"The corpus ({corpus.description}) is empty: data.source holds no text.")
         if self.tokenizer is None:
             rank_zero_info(f"Training a {self.vocab_size}-token byte-level BPE on {corpus.description} ...")
             tokenizer = train_bpe_tokenizer(corpus.splits["train"](), self.vocab_size)
         else:
             tokenizer = self.tokenizer
+        out.mkdir(parents=True, exist_ok=True)  # only once the corpus has been read in full
         tmp = out / f"tokenizer.json.tmp{os.getpid()}"
         tokenizer.save(str(tmp))
         os.replace(tmp, out / "tokenizer.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -87,6 +88,12 @@ class GPTConfig:
         if self.attention not in ("sdpa", "flash-attn"):
             raise ValueError(
                 f"GPTConfig.attention={self.attention!r} is not supported: use 'sdpa' (default) or 'flash-attn'."
+            )
+        if self.attention == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
+            # Checked here, when the config is built, not when the model is (after data preparation).
+            raise ImportError(
+                "GPTConfig(attention='flash-attn') needs the flash-attn package: "
+                'pip install "lightning-gpuopt[flash]" (CUDA only), or use attention="sdpa".'
             )
         self.head_size = self.n_embd // self.n_head
         self.padded_vocab_size = _round_up(self.vocab_size, self.padding_multiple)

@@ -33,10 +33,10 @@ from lightning_gpuopt.plugins.float8_conversion import (
     skip_reason,
 )
 
-__all__ = ["Float8Precision", "check_float8_device"]
+__all__ = ["Float8Precision", "check_float8_device", "check_float8_strategy"]
 
 
-def check_float8_device(device: torch.device, emulate: bool) -> None:
+def check_float8_device(device: torch.device, emulate: bool, capability: Optional[tuple[int, int]] = None) -> None:
     """Raise a ``RuntimeError`` if ``device`` is a CUDA GPU without FP8 tensor cores and ``emulate`` is off.
 
     FP8 matmuls (``torch._scaled_mm``) need compute capability 8.9 or newer (L4, L40, RTX 40xx, H100, B200).
@@ -44,15 +44,49 @@ def check_float8_device(device: torch.device, emulate: bool) -> None:
     Example::
 
         check_float8_device(torch.device("cuda", 0), emulate=False)
+        check_float8_device(torch.device("cuda"), emulate=False, capability=(8, 0))  # raises: an A100
+
+    Args:
+        device: The device training runs on.
+        emulate: Whether float8 matmuls are emulated (allowed on any device).
+        capability: The GPU's compute capability; ``None`` asks the driver.
     """
     if device.type != "cuda" or emulate:
         return
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < (8, 9):
         raise RuntimeError(
             f"Float8Precision needs a GPU with compute capability >= 8.9 (L4, L40, H100, ...) for float8 "
             f"matmuls, but {device} has {capability[0]}.{capability[1]}. Use Float8Precision(emulate=True) to "
             "test the float8 numerics (slowly) on this GPU, or BF16Precision() to train fast on it."
+        )
+
+
+def check_float8_strategy(strategy: Any) -> None:
+    """Raise a ``ValueError`` if ``strategy`` casts parameters or gradients to float16, which float8 training can't use.
+
+    Float8 training keeps master weights in float32 and runs the non-float8 ops under bfloat16
+    autocast; a ``FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.float16, ...))``
+    would hand float16 weights to the float8 layers (whose scales and amax history assume
+    bf16/fp32) and reduce gradients in float16, where they overflow.
+
+    Example::
+
+        check_float8_strategy(FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)))  # fine
+
+    Args:
+        strategy: The Trainer's strategy (any; only strategies with a ``mixed_precision`` setting are checked).
+    """
+    policy = getattr(strategy, "mixed_precision", None)
+    if policy is None:
+        return
+    bad = [f for f in ("param_dtype", "reduce_dtype", "buffer_dtype") if getattr(policy, f, None) == torch.float16]
+    if bad:
+        raise ValueError(
+            f"Float8Precision trains with bfloat16 autocast and float32 master weights, but the strategy's "
+            f"mixed_precision sets {', '.join(f'{f}=torch.float16' for f in bad)}. Use torch.bfloat16 there (or leave "
+            f"{type(strategy).__name__}(mixed_precision=None) and let the plugin set the precision)."
         )
 
 
@@ -133,6 +167,8 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
             from lightning.pytorch.strategies import ModelParallelStrategy
+
+            check_float8_strategy(trainer.strategy)
 
             self._fsdp_float8_all_gather = isinstance(trainer.strategy, ModelParallelStrategy) and self.recipe == "tensorwise"
 

@@ -1,0 +1,241 @@
+"""`NonFiniteGuard`: catch a NaN/Inf loss or gradient before the optimizer step, then skip the step or stop.
+
+Design note: the check runs in ``on_before_optimizer_step``, after the backward pass(es) of the step
+and before ``optimizer.step()`` (and before gradient clipping). The loss of each micro-batch is
+taken in ``on_before_backward``. All the checks of one step are one device-side reduction (a
+``torch._foreach_norm`` with ``ord=inf`` over every gradient, whose result is NaN/Inf exactly when a
+gradient holds one) read with one host sync per optimizer step; the per-parameter detail is only
+fetched on a bad step. A step is skipped by setting every gradient to ``None``: ``torch.optim``
+optimizers leave such parameters (and their state) untouched, so the weights stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+__all__ = ["NonFiniteError", "NonFiniteGuard", "find_nonfinite"]
+
+Policy = Literal["skip", "stop"]
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by :class:`NonFiniteGuard` to stop a run whose loss or gradients went NaN/Inf."""
+
+
+def _local(t: Tensor) -> Tensor:
+    # FSDP2 gradients are DTensors: check this rank's shard (ranks agree through an all-reduce).
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def find_nonfinite(optimizer: Optimizer) -> tuple[Tensor, list[tuple[int, Tensor]]]:
+    """Max-abs of every gradient the optimizer holds, in one device-side reduction (no host sync).
+
+    Example::
+
+        maxabs, params = find_nonfinite(optimizer)
+        bad = not bool(torch.isfinite(maxabs).all())   # the one host sync
+
+    Args:
+        optimizer: The optimizer about to step.
+
+    Returns:
+        ``(maxabs, params)``: a 1-D float32 tensor with ``max |grad|`` of each parameter that has a
+        gradient (NaN or Inf exactly when that gradient holds one; the infinity norm of finite values
+        cannot overflow), and the ``(param_group_index, parameter)`` pair of each entry.
+    """
+    params: list[tuple[int, Tensor]] = []
+    grads: list[Tensor] = []
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p.grad is not None:
+                params.append((i, p))
+                grads.append(_local(p.grad))
+    if not grads:
+        return torch.zeros(0), params
+    norms = torch._foreach_norm(grads, math.inf)
+    device = norms[0].device
+    return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]), params
+
+
+class NonFiniteGuard(Callback):
+    """Detects a NaN/Inf loss or gradient within the step, then skips that optimizer step or stops the run.
+
+    Every optimizer step, the loss of each micro-batch and (with ``check_gradients``) every gradient
+    are checked before ``optimizer.step()``. On a bad step a warning names the global step, the
+    optimizer's parameter group (index and weight decay) and the first parameter with a non-finite
+    gradient, then:
+
+    - ``policy="skip"``: the step is skipped (all gradients set to ``None``, so parameters and AdamW
+      state are bit-identical to before). After ``max_consecutive_skips`` bad steps in a row the run
+      stops with :class:`NonFiniteError`.
+    - ``policy="stop"``: the step is skipped and the run stops at once with :class:`NonFiniteError`.
+
+    Stopping raises inside the step, so no checkpoint is written after the bad step: the last
+    ``ModelCheckpoint`` file stays the last good state.
+
+    Example::
+
+        trainer = Trainer(callbacks=[NonFiniteGuard(policy="skip", max_consecutive_skips=5)])
+
+        # gpuopt YAML
+        trainer:
+          callbacks:
+            - class_path: lightning_gpuopt.callbacks.NonFiniteGuard
+              init_args: {policy: skip, max_consecutive_skips: 5}
+
+    Args:
+        policy: ``"skip"`` the bad step (stopping after ``max_consecutive_skips`` in a row) or
+            ``"stop"`` the run at the first one.
+        max_consecutive_skips: With ``policy="skip"``, how many bad steps in a row are skipped before
+            the run stops (a model that keeps producing NaN will not recover).
+        check_gradients: Also check every gradient, not only the loss.
+
+    Attributes:
+        skipped_steps: Bad steps skipped by this callback so far.
+        scaler_skips: Steps the fp16 ``GradScaler`` skipped itself (overflowing gradients, finite loss).
+        consecutive_skips: Bad steps in a row right now.
+        last_report: The message of the last bad or scaler-skipped step.
+
+    Note:
+        Cost: one ``foreach`` reduction over the gradients and one host sync (``.tolist()`` of two
+        numbers) per optimizer step; under multiple processes one all-reduce of two numbers, so that
+        every rank skips or stops together. Skipped steps still count: ``trainer.global_step`` and
+        the step-wise LR scheduler advance as for a normal step (the data of the bad batch is not
+        seen again). Under fp16 with a ``GradScaler``, overflowing gradients with a finite loss are
+        the scaler's business: it skips the step and lowers its scale. Those steps are reported in
+        ``scaler_skips`` and not counted towards ``max_consecutive_skips``. A non-finite loss is
+        always counted (Lightning hands callbacks the scaled loss; an fp32 loss overflows only above
+        ~1e33 / scale, so a non-finite scaled loss is a non-finite loss). Gradient clipping runs after this check, so it sees no gradients on a skipped step.
+    """
+
+    def __init__(self, policy: Policy = "skip", max_consecutive_skips: int = 5, check_gradients: bool = True) -> None:
+        if policy not in ("skip", "stop"):
+            raise ValueError(f"NonFiniteGuard.policy must be 'skip' or 'stop', got {policy!r}.")
+        if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
+            raise ValueError(
+                f"NonFiniteGuard.max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r} "
+                "(use policy='stop' to stop at the first bad step)."
+            )
+        self.policy = policy
+        self.max_consecutive_skips = max_consecutive_skips
+        self.check_gradients = check_gradients
+        self.skipped_steps = 0
+        self.scaler_skips = 0
+        self.consecutive_skips = 0
+        self.last_report: Optional[str] = None
+        self._loss_bad: Optional[Tensor] = None  # device-side flag over the step's micro-batches
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+
+    @override
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
+        loss_bad, self._loss_bad = self._loss_bad, None
+        if self.check_gradients:
+            maxabs, params = find_nonfinite(optimizer)
+            device = maxabs.device if maxabs.numel() else pl_module.device
+            grads_bad = (~torch.isfinite(maxabs)).sum(dtype=torch.float32)
+        else:
+            maxabs, params, device = torch.zeros(0), [], pl_module.device
+            grads_bad = torch.zeros((), device=device)
+        loss_flag = torch.zeros((), device=device) if loss_bad is None else loss_bad.to(device, torch.float32)
+        status = torch.stack([loss_flag, grads_bad.to(device)])
+        if trainer.world_size > 1:
+            status = trainer.strategy.reduce(status, reduce_op="sum")
+        n_loss_bad, n_grads_bad = status.tolist()  # the one host sync per optimizer step
+        if not n_loss_bad and not n_grads_bad:
+            self.consecutive_skips = 0
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        where = self._describe(trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad))
+        if scaler is not None and not n_loss_bad:
+            # fp16: the GradScaler skips steps with overflowing gradients and lowers its scale; not ours to count.
+            self.scaler_skips += 1
+            self.last_report = f"GradScaler skips {where} (scale {scaler.get_scale():g} -> lowered); not counted."
+            rank_zero_warn(f"NonFiniteGuard: {self.last_report}")
+            return
+        self._skip(optimizer, scaler)
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.last_report = where
+        if self.policy == "stop":
+            raise NonFiniteError(
+                f"NonFiniteGuard stopped the run: {where}. The step was not applied and no checkpoint was written "
+                "after it: resume from the last checkpoint with a lower learning_rate, gradient clipping "
+                "(trainer.gradient_clip_val) or bf16 instead of fp16, or use NonFiniteGuard(policy='skip')."
+            )
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteError(
+                f"NonFiniteGuard stopped the run after {self.consecutive_skips} non-finite steps in a row "
+                f"(max_consecutive_skips={self.max_consecutive_skips}); the last: {where}. The model is not "
+                "recovering: resume from the last checkpoint with a lower learning_rate or gradient clipping "
+                "(trainer.gradient_clip_val)."
+            )
+        rank_zero_warn(
+            f"NonFiniteGuard: skipped {where} ({self.consecutive_skips}/{self.max_consecutive_skips} in a row)."
+        )
+
+    def _describe(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        optimizer: Optimizer,
+        maxabs: Tensor,
+        params: list[tuple[int, Tensor]],
+        loss_bad: bool,
+    ) -> str:
+        what = "non-finite loss" if loss_bad else "non-finite gradients"
+        text = f"{what} at global step {trainer.global_step} (epoch {trainer.current_epoch})"
+        flags = (~torch.isfinite(maxabs)).tolist() if maxabs.numel() else []
+        bad = [params[i] for i, f in enumerate(flags) if f]
+        if bad:
+            names = {id(p): n for n, p in pl_module.named_parameters()}
+            group, param = bad[0]
+            groups = sorted({g for g, _ in bad})
+            wd = optimizer.param_groups[group].get("weight_decay")
+            text += (
+                f"; {len(bad)} parameter(s) with NaN/Inf gradients in param group(s) {groups}, first "
+                f"{names.get(id(param), '<unnamed>')!r} (param group {group}, weight_decay={wd})"
+            )
+        elif loss_bad and self.check_gradients:
+            text += "; gradients are finite"
+        return text
+
+    @staticmethod
+    def _skip(optimizer: Optimizer, scaler: Any) -> None:
+        if scaler is not None:
+            from torch.amp.grad_scaler import OptState
+
+            state = scaler._per_optimizer_states[id(optimizer)]
+            if state["stage"] is not OptState.UNSCALED:
+                # The scaler unscales inside step() (fused optimizers) and asserts it saw gradients:
+                # poison them instead, so its own inf check skips the step.
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.fill_(math.nan)
+                return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps, "scaler_skips": self.scaler_skips, "consecutive_skips": self.consecutive_skips}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.scaler_skips = int(state_dict.get("scaler_skips", 0))
+        self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))

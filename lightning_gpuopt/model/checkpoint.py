@@ -1,0 +1,154 @@
+"""Reading package checkpoints safely, and loading one into a plain PyTorch ``GPT`` (no Trainer needed).
+
+Checkpoints are read with ``torch.load(weights_only=True)``: tensors and primitive types only, no
+arbitrary code from the pickle. Everything the package writes into a checkpoint is of those types.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.model.gpt import GPT
+
+__all__ = ["CheckpointError", "gpt_state_dict", "load_gpt", "read_checkpoint"]
+
+MapLocation = Union[str, torch.device, Callable, dict, None]
+
+# GPTModule hyper-parameters that shape the GPT (the others are optimiser / sampling settings).
+_CONFIG_HPARAMS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "attention", "activation_checkpointing")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is missing, truncated, not a torch checkpoint, or not a ``GPTModule``'s."""
+
+
+def read_checkpoint(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", weights_only: bool = True) -> Any:
+    """``torch.load`` a checkpoint file, turning the ways it can be broken into a :class:`CheckpointError`.
+
+    Example::
+
+        ckpt = read_checkpoint("runs/x/checkpoints/last.ckpt")
+        ckpt["global_step"], ckpt["hyper_parameters"]["preset"]
+
+    Args:
+        path: The checkpoint file.
+        map_location: Where tensors are loaded (``torch.load``'s ``map_location``).
+        weights_only: Allow only tensors and primitive types in the pickle (safe for untrusted files).
+            Pass ``False`` only for a file you trust that holds other objects.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} is a directory (a sharded distributed checkpoint?): give a single .ckpt "
+            "file, or consolidate the shards first (torch.distributed.checkpoint.format_utils.dcp_to_torch_save)."
+        )
+    if not path.is_file():
+        raise CheckpointError(f"Checkpoint {str(path)!r} does not exist: check the path (e.g. .../checkpoints/last.ckpt).")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"Checkpoint {str(path)!r} is empty (0 bytes): it was never written; use an earlier checkpoint.")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":  # torch.save has written zip archives since PyTorch 1.6
+        raise CheckpointError(
+            f"{str(path)!r} is not a PyTorch checkpoint (torch.save writes a zip archive; this file starts with "
+            f"{magic!r}): give a .ckpt file written by Lightning / lightning_gpuopt."
+        )
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" in str(err):
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} holds objects other than tensors and primitive types, so it was not loaded "
+                f"with weights_only=True. If you trust the file, load it with weights_only=False. ({str(err).splitlines()[0]})"
+            ) from err
+        raise CheckpointError(
+            f"{str(path)!r} is not a PyTorch checkpoint (cannot unpickle it: {err}): give a .ckpt file written by "
+            "Lightning / lightning_gpuopt."
+        ) from err
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as err:
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} is truncated or corrupt ({type(err).__name__}: {str(err).splitlines()[0]}): the "
+            "write was probably interrupted. Use an earlier checkpoint; save with AtomicCheckpointIO to prevent this."
+        ) from err
+
+
+def gpt_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The plain ``GPT``'s state dict inside a ``GPTModule`` checkpoint.
+
+    Keeps the ``model.`` entries with that prefix removed, and drops ``_orig_mod.`` (left by
+    ``torch.compile`` wrappers) wherever it appears.
+
+    Args:
+        checkpoint: A loaded Lightning checkpoint (a dict with ``state_dict``).
+    """
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            "The checkpoint has no 'state_dict': it is not a Lightning checkpoint of a GPTModule "
+            f"(top-level keys: {sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__})."
+        )
+    out = {}
+    for key, value in state.items():
+        key = key.replace("_orig_mod.", "")
+        if key.startswith("model."):
+            out[key[len("model.") :]] = value
+    return out
+
+
+def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", **overrides: Any) -> GPT:
+    """Load a ``GPTModule`` checkpoint into a plain PyTorch :class:`GPT` for inference, without Lightning.
+
+    The ``GPTConfig`` is rebuilt from the checkpoint's hyper-parameters (``preset`` plus its overrides);
+    the file is read with ``weights_only=True``. The model is returned in eval mode.
+
+    Example::
+
+        gpt = load_gpt("runs/quickstart/lightning_logs/version_0/checkpoints/last.ckpt")
+        out = gpt.generate(torch.tensor([[0]]), max_new_tokens=20)
+
+    Args:
+        path: A ``.ckpt`` file written by a Trainer fitting a ``GPTModule``.
+        map_location: Where the weights are loaded (``"cpu"``, ``"cuda"``, ...).
+        **overrides: ``GPTConfig`` fields to change for inference, e.g. ``attention="sdpa"`` for a model
+            trained with flash-attn, or ``dropout=0.0``.
+
+    Raises:
+        CheckpointError: The file is missing, truncated, not a torch checkpoint, not a ``GPTModule``
+            checkpoint, or its weights do not match its own hyper-parameters.
+    """
+    checkpoint = read_checkpoint(path, map_location=map_location)
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
+    if not isinstance(hparams, dict) or "preset" not in hparams:
+        raise CheckpointError(
+            f"{str(path)!r} is not a GPTModule checkpoint (no 'preset' in its hyper_parameters): load_gpt reads "
+            "checkpoints written by a Trainer fitting lightning_gpuopt.GPTModule."
+        )
+    fields = {k: hparams[k] for k in _CONFIG_HPARAMS if hparams.get(k) is not None}
+    try:
+        config = GPTConfig.from_name(hparams["preset"], **{**fields, **overrides})
+    except ValueError as err:
+        raise CheckpointError(f"The hyper-parameters saved in {str(path)!r} do not make a valid GPTConfig: {err}") from err
+    model = GPT(config)
+    state = gpt_state_dict(checkpoint)
+    missing = sorted(set(model.state_dict()) - set(state))
+    unexpected = sorted(set(state) - set(model.state_dict()))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"The weights in {str(path)!r} do not match the GPT its hyper-parameters describe: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}. Was the checkpoint written by a modified model, or saved with "
+            "ModelCheckpoint(save_weights_only=...) of another module?"
+        )
+    try:
+        model.load_state_dict(state, strict=True)  # copies into the tied embedding / head as one tensor
+    except RuntimeError as err:  # shape mismatches
+        raise CheckpointError(f"The weights in {str(path)!r} do not fit the GPT its hyper-parameters describe: {err}") from err
+    if isinstance(map_location, (str, torch.device)):
+        model.to(map_location)
+    return model.eval()
