@@ -15,9 +15,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from lightning_gpuopt import GPT, GPTConfig, GPTModule, TextDataModule
-from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor, NonFiniteGuard
+from lightning_gpuopt.callbacks import AutoBatchSize, CUDASettings, MFUMonitor, NonFiniteGuard
 from lightning_gpuopt.cli import main
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
+from lightning_gpuopt.perf.batch_search import per_device_batch
 from lightning_gpuopt.plugins import Float8Precision
 from lightning_gpuopt.plugins.float8 import check_float8_device, check_float8_strategy
 
@@ -49,6 +50,17 @@ class Ctx:
         path = self.tmp / "bad.yaml"
         path.write_text(text)
         return str(path)
+
+
+class _NoBatchSizeModule(GPTModule):
+    """A module that builds its own loader with a hard-coded batch size: nothing for AutoBatchSize to set."""
+
+    def __init__(self):
+        super().__init__(vocab_size=64, block_size=16)
+
+    def train_dataloader(self):
+        tokens = torch.zeros(8, 17, dtype=torch.long)
+        return torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=4)
 
 
 def _prepare_leaves_nothing(ctx: Ctx, source: Path) -> None:
@@ -156,6 +168,14 @@ CASES = [
     Case("guard-unknown-policy", lambda c: NonFiniteGuard(policy="ignore"), ValueError, "policy must be 'skip' or 'stop'"),
     Case("guard-max-skips-zero", lambda c: NonFiniteGuard(max_consecutive_skips=0), ValueError, "use policy='stop' to stop at the first bad step"),
     # ---------------------------------------------------------------- CLI and YAML
+    Case("global-batch-not-divisible", lambda c: per_device_batch(100, 8), ValueError,
+         r"use a multiple of 8, e\.g\. global_batch_size=96 or 104"),
+    Case("negative-memory-margin", lambda c: AutoBatchSize(memory_margin=-0.1), ValueError,
+         r"memory_margin is the fraction of memory to keep free, in \[0, 1\)"),
+    Case("auto-batch-cpu-unbounded", lambda c: c.fit(GPTModule(vocab_size=300, block_size=32), c.data(), callbacks=[AutoBatchSize(global_batch_size=8)]),
+         ValueError, r"Set AutoBatchSize\(max_micro_batch_size=\.\.\.\)"),
+    Case("auto-batch-no-batch-size", lambda c: c.fit(_NoBatchSizeModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=4)]),
+         ValueError, r"AutoBatchSize\(batch_size_attr=\.\.\.\)"),
     Case("yaml-typo-in-key", lambda c: main(["fit", "--config", c.yaml("trainer:\n  max_step: 10\n")]), SystemExit,
          r"does not accept option 'trainer.max_step': did you mean 'trainer.max_steps'"),
     Case("yaml-typo-in-model-key", lambda c: main(["fit", "--config", c.yaml("model:\n  presett: tiny\n")]), SystemExit,
