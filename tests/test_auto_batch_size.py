@@ -338,10 +338,11 @@ def test_logs_the_decision_to_the_logger(tmp_path):
     assert float(logged["auto_batch_size/global_batch_size"]) == 16
 
 
-def test_two_process_ddp_agrees_on_the_smaller_limit(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_agree_on_the_smaller_limit(tmp_path, strategy):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, str(SCRIPT), str(tmp_path), strategy], env=env, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -351,7 +352,7 @@ def test_two_process_ddp_agrees_on_the_smaller_limit(tmp_path):
         assert res["global_step"] == 2
         assert res["micro_batches"] == [2] * 8
     assert results[0]["trials"] == results[1]["trials"] == [[1, True], [2, True], [4, False]]
-    assert results[0]["weights_sum"] == pytest.approx(results[1]["weights_sum"], rel=0, abs=0)  # DDP in sync
+    assert results[0]["weights_sum"] == pytest.approx(results[1]["weights_sum"], rel=0, abs=0)  # replicas in sync
 
 
 def test_epoch_based_schedule_is_rebuilt_for_a_new_global_batch():

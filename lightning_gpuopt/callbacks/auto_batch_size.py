@@ -212,13 +212,18 @@ class AutoBatchSize(Callback):
         device = trainer.strategy.root_device
         free_memory(device)
         fits, reason = True, ""
+        sync = _PeerSync(trainer, pl_module)
         try:
-            for _ in range(self.steps_per_trial):
-                _training_step(trainer, pl_module, batch)
+            with sync:
+                for _ in range(self.steps_per_trial):
+                    _training_step(trainer, pl_module, batch, sync)
+        except _PeerOutOfMemory:
+            fits, reason = False, "out of memory on another rank"
         except Exception as err:
             if not is_oom_error(err):
                 raise
             fits, reason = False, "out of memory"
+            sync.tell_peers()
         if fits is False:
             pl_module.zero_grad(set_to_none=True)
             for opt in trainer.optimizers:
@@ -471,7 +476,59 @@ def _no_sync(trainer: pl.Trainer) -> contextlib.AbstractContextManager:
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def _training_step(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+class _PeerOutOfMemory(RuntimeError):
+    """Another rank ran out of memory in this trial step."""
+
+
+class _PeerSync:
+    """Keeps ranks in step when a trial runs out of memory on some of them, under FSDP2.
+
+    FSDP2's forward all-gathers parameters, so a rank that fails in the middle of a forward would
+    leave the others waiting in a collective. Here every rank all-reduces an "out of memory" flag
+    before each FSDP module's forward (before its all-gather) and once after the loss; a rank that
+    runs out of memory sends the flag once, which meets the others at their next check, and they
+    stop too. Under DDP (trials run in ``no_sync``) and on one device it does nothing. Not covered:
+    an OOM on only some ranks inside the backward pass, whose reduce-scatters cannot be matched.
+    """
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.device = trainer.strategy.root_device
+        self.active = (
+            trainer.world_size > 1
+            and torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and not hasattr(trainer.strategy.model, "no_sync")
+        )
+        self.modules = []
+        if self.active:
+            from torch.distributed.fsdp import FSDPModule
+
+            self.modules = [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "_PeerSync":
+        self._handles = [m.register_forward_pre_hook(lambda *_: self.check(), prepend=True) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _all_reduce(self, value: float) -> float:
+        flag = torch.tensor([value], device=self.device)
+        torch.distributed.all_reduce(flag)
+        return float(flag.item())
+
+    def check(self) -> None:
+        if self.active and self._all_reduce(0.0) > 0:
+            raise _PeerOutOfMemory("out of memory on another rank")
+
+    def tell_peers(self) -> None:
+        if self.active:
+            self._all_reduce(1.0)
+
+
+def _training_step(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, sync: Optional[_PeerSync] = None) -> None:
     """One real training step through the run's strategy and precision plugin."""
     pl_module.train()
     optimizer = trainer.optimizers[0]
@@ -483,6 +540,8 @@ def _training_step(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
             loss = output["loss"] if isinstance(output, dict) else output
             if loss is None:
                 raise ValueError("AutoBatchSize needs training_step to return the loss; it returned None.")
+            if sync is not None:
+                sync.check()  # the logits and loss, after the last block, are where memory peaks
             scaler = getattr(precision, "scaler", None)
             precision.backward(scaler.scale(loss) if scaler is not None else loss, pl_module, optimizer)
         precision.optimizer_step(optimizer, model=pl_module, closure=lambda: loss)

@@ -1,4 +1,5 @@
-"""2-process DDP on CPU: AutoBatchSize with a different memory limit on each rank (run by test_auto_batch_size)."""
+"""2 processes on CPU (DDP, or FSDP2 with `fsdp2` as the second argument): AutoBatchSize with a different
+memory limit on each rank (run by test_auto_batch_size)."""
 
 import json
 import sys
@@ -18,15 +19,23 @@ class RankLimited(OOMAbove):
         return 6 if self.trainer.global_rank == 0 else 3
 
 
-def main(out: Path) -> None:
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def main(out: Path, strategy: str) -> None:
     torch.manual_seed(0)
+    if strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     search = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)
     recorder = StepRecorder()
     data = TokenData(batch_size=1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=strategy,
         max_steps=2,
         logger=False,
         enable_checkpointing=False,
@@ -43,10 +52,10 @@ def main(out: Path) -> None:
         global_step=trainer.global_step,
         micro_batches=recorder.micro_batches,
         trials=[[t.micro_batch_size, t.fits] for t in search.trials],
-        weights_sum=float(sum(p.double().sum() for p in module.parameters())),
+        weights_sum=float(sum(_full(p).double().sum() for p in module.parameters())),
     )
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp")
