@@ -81,7 +81,7 @@ def test_cpu_run_writes_results_for_every_configuration(text_dir, cache_dir, tmp
     assert (out / "throughput-tiny-T32.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # compiles three models: 35 s warm, ~110 s on a fresh machine
 def test_compiled_configurations_and_torch_loop_match_on_cpu(text_dir, cache_dir, tmp_path):
     out = tmp_path / "results"
     configs = ["baseline", "gpuopt-bf16-compile", "torch-loop"]

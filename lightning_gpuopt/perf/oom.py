@@ -52,16 +52,17 @@ def is_oom_error(error: BaseException) -> bool:
 
 
 def free_memory(device: Optional[torch.device] = None) -> None:
-    """Collect garbage and return cached blocks to the device, so the next try starts clean.
+    """Collect garbage and return cached blocks to the GPU, so the next try starts clean.
 
     Call it after the exception (and its traceback, which holds the failed step's activations)
-    is out of scope.
+    is out of scope. Without CUDA it does nothing: host memory is returned as tensors are freed,
+    and a full garbage collection of a process holding torch and Lightning takes seconds.
 
     Args:
         device: The CUDA device whose peak-memory counters are reset too; ``None`` only frees.
     """
-    gc.collect()
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
         if device is not None and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
