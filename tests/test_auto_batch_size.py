@@ -402,3 +402,29 @@ data:
     search = next(c for c in cli.trainer.callbacks if isinstance(c, AutoBatchSize))
     assert (search.micro_batch_size, search.accumulate_grad_batches) == (4, 3)  # largest divisor of 12 <= 4
     assert cli.datamodule.batch_size == 4 and cli.trainer.global_step == 2
+
+
+def test_resumed_run_with_auto_batch_size_continues_exactly(text_dir, cache_dir, tmp_path):
+    """Stop after step 2, resume: the AutoBatchSize decision, data position and RNG come back, losses match."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gpuopt.callbacks import ExactResume
+    from lightning_gpuopt.data import TextDataModule
+
+    def run(max_steps, ckpt_path=None):
+        recorder = StepRecorder()
+        torch.manual_seed(11)
+        data = TextDataModule(source=str(text_dir), vocab_size=300, block_size=16, batch_size=1, num_workers=0)
+        module = OOMAbove(limit=5, dropout=0.1, vocab_size=320)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+        callbacks = [AutoBatchSize(global_batch_size=8, max_micro_batch_size=8), ExactResume(), checkpoints, recorder]
+        trainer = _trainer(callbacks, max_steps=max_steps, enable_checkpointing=True, default_root_dir=tmp_path)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return recorder, data
+
+    full, _ = run(max_steps=4)
+    step2 = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
+    resumed, data = run(max_steps=4, ckpt_path=step2)
+    assert data.batch_size == 4  # the saved decision (4 x 2), not the configured 1
+    assert resumed.samples == full.samples[2:]
+    assert resumed.losses == full.losses[2:]
