@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import copy
-import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from torch import Tensor
+
+from lightning_gpuopt.resume import capture_rng_state, restore_rng_state
 
 __all__ = ["TrainingState"]
 
@@ -52,12 +52,7 @@ class TrainingState:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             state.scaler = copy.deepcopy(scaler.state_dict())
-        state.rng = {
-            "torch": torch.get_rng_state(),
-            "numpy": np.random.get_state(),
-            "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        }
+        state.rng = capture_rng_state()
         return state
 
     def restore(self, trainer: pl.Trainer, module: torch.nn.Module) -> None:
@@ -77,10 +72,6 @@ class TrainingState:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(self.scaler)
-        torch.set_rng_state(self.rng["torch"])
-        np.random.set_state(self.rng["numpy"])
-        random.setstate(self.rng["python"])
-        if self.rng["cuda"] is not None:
-            torch.cuda.set_rng_state_all(self.rng["cuda"])
+        restore_rng_state(self.rng)
         for m, mode in zip(module.modules(), self.modes):
             m.training = mode

@@ -10,8 +10,9 @@ from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -30,6 +31,7 @@ from lightning_gpuopt.perf.batch_search import (
     per_device_batch,
 )
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
+from lightning_gpuopt.plugins.float8_conversion import is_compiled
 
 __all__ = ["AutoBatchSize"]
 
@@ -194,7 +196,7 @@ class AutoBatchSize(Callback):
             state.restore(trainer, pl_module)
             del batches
             free_memory(trainer.strategy.root_device)
-            if _is_compiled(pl_module):
+            if is_compiled(pl_module):
                 # Drop the graphs compiled for the trial shapes: training compiles once, statically, for its own.
                 torch.compiler.reset()
         if best is None:
@@ -447,11 +449,7 @@ def _stop_message(trainer: pl.Trainer, micro: int, smaller: Optional[int], path:
 
 def _is_sharded(trainer: pl.Trainer) -> bool:
     """Whether the weights are sharded across ranks (one rank alone cannot save them)."""
-    return type(trainer.strategy).__name__ in ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
-
-
-def _is_compiled(module: torch.nn.Module) -> bool:
-    return any(getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod") for m in module.modules())
+    return isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy))
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_gpuopt.perf.flops import measure_training_flops, model_flops_per_token
 from lightning_gpuopt.perf.peaks import measure_peak_flops, peak_flops as table_peak_flops
 from lightning_gpuopt.perf.precision import compute_dtype_name, is_fp8
+from lightning_gpuopt.plugins.float8_conversion import is_compiled
 
 __all__ = ["MFUMonitor"]
 
@@ -51,12 +52,6 @@ def _input_ids(batch: Any) -> Optional[Tensor]:
     if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
         return batch["input_ids"]
     return None
-
-
-def _is_compiled(module: torch.nn.Module) -> bool:
-    return any(
-        getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod") for m in module.modules()
-    )
 
 
 class MFUMonitor(Callback):
@@ -385,7 +380,7 @@ class MFUMonitor(Callback):
             advice.append(
                 "Matmuls run in fp32 without TF32: add CUDASettings(tf32=True) or train with precision='bf16-mixed'."
             )
-        if self._dtype == "fp8" and not _is_compiled(pl_module):
+        if self._dtype == "fp8" and not is_compiled(pl_module):
             advice.append("FP8 without torch.compile leaves most of its speed-up unused: compile the model.")
         lines += [f"  advice: {a}" for a in advice]
         return {"text": "\n".join(lines), "advice": advice, "mean": mean}
