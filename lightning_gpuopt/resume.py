@@ -11,14 +11,50 @@ values so they can be tested without a Trainer.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "microbatches_since_step", "restore_rng_state", "rollback_fit_loop_state"]
+__all__ = [
+    "capture_rng_state",
+    "collectives_allowed",
+    "microbatches_since_step",
+    "no_collectives",
+    "restore_rng_state",
+    "rollback_fit_loop_state",
+    "step_boundary",
+]
+
+
+_NO_COLLECTIVES = 0
+
+
+@contextlib.contextmanager
+def no_collectives() -> Iterator[None]:
+    """Within it, checkpoint hooks must not call collectives: one rank saves alone (an emergency
+    checkpoint after an OOM) while the others may be waiting in another collective.
+
+    Example::
+
+        with no_collectives():
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+    """
+    global _NO_COLLECTIVES
+    _NO_COLLECTIVES += 1
+    try:
+        yield
+    finally:
+        _NO_COLLECTIVES -= 1
+
+
+def collectives_allowed() -> bool:
+    """False inside :func:`no_collectives`."""
+    return _NO_COLLECTIVES == 0
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -70,50 +106,68 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def microbatches_since_step(trainer: pl.Trainer) -> int:
-    """Micro-batches of this epoch run since the last optimizer step (0 at a step boundary).
+def step_boundary(trainer: pl.Trainer) -> int:
+    """Training batches of this epoch up to the end of the last optimizer step.
 
+    Counted from Lightning's ``processed`` batches (forward, backward and, when due, the optimizer
+    step finished), so it is right wherever the count is taken: between batches, in
+    ``on_train_batch_end``, or after an exception inside a batch (that batch is not processed).
     Lightning aligns accumulation windows with the epoch's batch index and always steps on the
-    epoch's last batch, so the count is ``ready % accumulate_grad_batches`` unless the last batch
-    stepped.
+    epoch's last batch.
+
+    Example::
+
+        boundary = step_boundary(trainer)  # 4 after batches 0-4 with accumulate_grad_batches=2
 
     Args:
         trainer: A Trainer in (or just after) ``fit``.
     """
     loop = trainer.fit_loop.epoch_loop
-    ready = loop.batch_progress.current.ready
-    if ready == 0 or not loop._should_accumulate():
-        return 0
-    return ready % trainer.accumulate_grad_batches
+    progress = loop.batch_progress.current
+    done = progress.processed
+    last_batch_stepped = (
+        done > 0 and done == progress.ready and loop._num_ready_batches_reached()
+        and not trainer.strategy.handles_gradient_accumulation
+    )
+    return done if last_batch_stepped else done - done % trainer.accumulate_grad_batches
 
 
-def rollback_fit_loop_state(fit_loop_state: dict[str, Any], microbatches: int) -> None:
-    """Roll the fit loop's saved progress back by ``microbatches`` batches, to the step boundary.
+def microbatches_since_step(trainer: pl.Trainer) -> int:
+    """Micro-batches of this epoch processed since the last optimizer step (0 at a step boundary).
+
+    Args:
+        trainer: A Trainer in (or just after) ``fit``.
+    """
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed - step_boundary(trainer)
+
+
+def rollback_fit_loop_state(fit_loop_state: dict[str, Any], boundary: int) -> None:
+    """Roll the fit loop's saved progress back to ``boundary`` batches of the epoch (a step boundary).
 
     The batch counters (``ready``/``started``/``processed``/``completed``, total and current) all
     become the boundary's count, a state Lightning resumes from as "restarted after the last
     batch": the next batch is the first micro-batch of the interrupted step. ``zero_grad`` counters
-    are set to the optimizer-step count they equal at a boundary. Changes ``fit_loop_state`` in place.
+    are set to the optimizer-step count they equal at a boundary. Changes ``fit_loop_state`` in
+    place; applying it twice changes nothing more. Nothing is changed when no batch was processed
+    past the boundary (Lightning itself resumes an unprocessed batch from its start).
 
     Example::
 
-        rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], microbatches_since_step(trainer))
+        rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], step_boundary(trainer))
 
     Args:
         fit_loop_state: ``checkpoint["loops"]["fit_loop"]``.
-        microbatches: Micro-batches run since the last optimizer step.
+        boundary: Batches of the current epoch up to the last optimizer step (:func:`step_boundary`).
     """
-    if microbatches <= 0:
-        return
     batches = fit_loop_state["epoch_loop.batch_progress"]
-    for part in ("total", "current"):
-        boundary = batches[part]["completed"] - microbatches
-        # Saved in on_train_batch_end the in-flight batch is processed but not yet completed.
-        if batches[part]["processed"] > batches[part]["completed"]:
-            boundary += 1
-        if boundary < 0:
-            raise ValueError(f"Cannot roll back {microbatches} micro-batches from {batches[part]}.")
-        batches[part].update(ready=boundary, started=boundary, processed=boundary, completed=boundary)
+    processed = batches["current"]["processed"]
+    if boundary < 0 or boundary > processed:
+        raise ValueError(f"Cannot roll back to batch {boundary} from {batches['current']}.")
+    if boundary == processed:
+        return
+    epoch_start = batches["total"]["processed"] - processed
+    for part, count in (("total", epoch_start + boundary), ("current", boundary)):
+        batches[part].update(ready=count, started=count, processed=count, completed=count)
     batches["is_last_batch"] = False
     optim = fit_loop_state.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer")
     if optim is not None:

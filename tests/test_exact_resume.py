@@ -81,11 +81,15 @@ def test_rollback_to_the_step_boundary():
                           "current": {"ready": 3, "started": 3, "completed": 3}},
         }},
     }
-    rollback_fit_loop_state(state, 1)
+    rollback_fit_loop_state(state, 4)
     assert state["epoch_loop.batch_progress"]["total"] == counts(24)
     assert state["epoch_loop.batch_progress"]["current"] == counts(4)
     zero_grad = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["zero_grad"]
     assert zero_grad["total"]["completed"] == 12 and zero_grad["current"]["started"] == 2
+    rollback_fit_loop_state(state, 4)  # a second application changes nothing
+    assert state["epoch_loop.batch_progress"]["total"] == counts(24)
+    with pytest.raises(ValueError, match="Cannot roll back to batch 5"):
+        rollback_fit_loop_state(state, 5)
 
 
 # --------------------------------------------------------------------------- real processes + signals
@@ -156,6 +160,27 @@ def test_sigterm_mid_accumulation_then_resume_is_exact(tmp_path, text_dir):
     assert min(after) == (1, 8)  # 18 micro-batches = 9 steps; epochs of 10 micro-batches
     assert all(value == ref[key] for key, value in after.items())
     assert max(after) == max(ref)
+
+
+@pytest.mark.parametrize("fail_at", [9, 10], ids=["first-micro-batch", "last-micro-batch"])
+def test_exception_inside_a_batch_then_resume_is_exact(tmp_path, text_dir, fail_at):
+    """An error raised in the forward of micro-batch 9 or 10 (step 5 = micro-batches 9 and 10): the
+    on-exception checkpoint is rolled back to the end of step 4, and the resumed run repeats step 5 whole."""
+    data = _prepare(tmp_path, text_dir)
+    _run(tmp_path / "ref", data)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "stop"), "--data-dir", str(data), "--fail-at", str(fail_at)],
+        env=ENV, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode != 0 and "injected failure" in proc.stderr
+    ckpt = tmp_path / "stop" / "ckpt" / "on_exception.ckpt"
+    saved = torch.load(ckpt, weights_only=True)
+    progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    assert saved["global_step"] == 4 and progress["processed"] == progress["completed"] == 8
+    assert saved["TextDataModule"]["train_position"] == 16
+    _run(tmp_path / "resume", data, "--ckpt", str(ckpt))
+    _check_resumed(tmp_path / "ref/losses_rank0.txt", tmp_path / "stop/losses_rank0.txt",
+                   tmp_path / "resume/losses_rank0.txt", first=(0, 8))
 
 
 def test_fsdp2_two_processes_sigterm_mid_accumulation_then_resume_is_exact(tmp_path, text_dir):

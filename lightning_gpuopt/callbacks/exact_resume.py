@@ -13,18 +13,24 @@ from typing_extensions import override
 
 from lightning_gpuopt.resume import (
     capture_rng_state,
+    collectives_allowed,
     microbatches_since_step,
     restore_rng_state,
     rollback_fit_loop_state,
+    step_boundary,
 )
 
 __all__ = ["ExactResume"]
 
 
-def _all_gather(obj: Any, world_size: int) -> list[Any]:
+def _all_gather(obj: Any, rank: int, world_size: int) -> list[Any]:
+    """Every rank's ``obj``; only this rank's (``None`` for the others) where collectives are unsafe."""
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         out: list[Any] = [None] * world_size
-        dist.all_gather_object(out, obj)
+        if collectives_allowed():
+            dist.all_gather_object(out, obj)
+        else:
+            out[rank] = obj
         return out
     return [obj]
 
@@ -40,7 +46,7 @@ class ExactResume(Callback):
     * **RNG** (dropout): the torch (CPU and CUDA), numpy and Python RNG states of every rank, as of the
       start of the next optimizer step, put back just before the first resumed training batch
       (after the sanity check and the DataLoader start-up, which could otherwise draw from them).
-    * **Mid-accumulation saves** (SIGTERM, an exception, a save in ``on_train_batch_end``): the
+    * **Mid-accumulation saves** (SIGTERM, an exception inside a batch, a save in ``on_train_batch_end``): the
       partial step's gradients are not in the checkpoint, so the loop counters, and with them the
       data position, are rolled back to the step boundary and the step is replayed from its first
       micro-batch, with the RNG states it started with.
@@ -87,6 +93,12 @@ class ExactResume(Callback):
                 f"Resume with {len(states)} processes for an exact continuation."
             )
             return
+        if states[trainer.global_rank] is None:
+            rank_zero_warn(
+                "ExactResume: the checkpoint was saved by one rank alone (an emergency save), so the other ranks' "
+                "RNG states are not in it and their dropout draws differ from the original run."
+            )
+            return
         restore_rng_state(states[trainer.global_rank])
 
     @override
@@ -94,12 +106,12 @@ class ExactResume(Callback):
         if trainer.state.fn != "fit" or "loops" not in checkpoint:
             return
         partial = microbatches_since_step(trainer)
-        if partial and self._snapshot_step == trainer.global_step and self._snapshot is not None:
-            rng = self._snapshot  # the RNG as the unfinished step found it
+        if self._snapshot_step == trainer.global_step and self._snapshot is not None:
+            rng = self._snapshot  # a step has started since the last optimizer step: the RNG as it found it
         else:
             rng = capture_rng_state()
-        states = _all_gather(rng, trainer.world_size)
-        rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], partial)
+        states = _all_gather(rng, trainer.global_rank, trainer.world_size)
+        rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], step_boundary(trainer))
         checkpoint.setdefault("callbacks", {})[self.state_key] = {"rng": states, "rolled_back": partial}
 
     @override

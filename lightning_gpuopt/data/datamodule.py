@@ -21,7 +21,7 @@ from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import EOT_TOKEN, MIN_VOCAB_SIZE as _MIN_VOCAB, load_tokenizer, train_bpe_tokenizer
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows, token_dtype, write_tokens
-from lightning_gpuopt.resume import microbatches_since_step
+from lightning_gpuopt.resume import step_boundary
 
 __all__ = ["TextDataModule", "default_cache_dir"]
 
@@ -274,7 +274,7 @@ class TextDataModule(pl.LightningDataModule):
         trainer = self.trainer
         if trainer is None or trainer.state.fn != "fit":
             return 0
-        return trainer.fit_loop.epoch_loop.batch_progress.current.ready - microbatches_since_step(trainer)
+        return step_boundary(trainer)
 
     def train_position(self) -> tuple[int, int]:
         """``(epoch, position)``: the samples all ranks together have consumed in ``epoch``, counted

@@ -1,12 +1,14 @@
 """A tiny GPT fit that writes every micro-batch's loss, for the exact-resume tests.
 
-    python resume_fit.py OUT --data-dir D [--ckpt PATH] [--pause-at N] [--devices 2 --strategy ddp|fsdp]
+    python resume_fit.py OUT --data-dir D [--ckpt PATH] [--pause-at N | --fail-at N] [--devices 2 --strategy ddp|fsdp]
 
 Each rank appends ``epoch batch_idx global_step loss`` (loss as float.hex) to ``OUT/losses_rank{r}.txt``
 after every micro-batch, flushed, so a killed run leaves what it did. With ``--pause-at N`` the run
 stops after micro-batch N (counted from the start of this process), writes ``OUT/paused``, and waits
 for a signal (SIGTERM: Lightning sets ``trainer.received_sigterm`` and ``OnExceptionCheckpoint``
-saves; SIGKILL: nothing is saved). ModelCheckpoint saves ``OUT/ckpt/last`` every 3 optimizer steps.
+saves; SIGKILL: nothing is saved). With ``--fail-at N`` the model's forward raises in micro-batch N
+(after the dropout draws), and ``OnExceptionCheckpoint`` saves. ModelCheckpoint saves ``OUT/ckpt/last``
+every 3 optimizer steps.
 """
 
 import argparse
@@ -26,9 +28,20 @@ from lightning_gpuopt.data import TextDataModule  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
 
 
+class InjectedFailure(RuntimeError):
+    pass
+
+
 class LossWriter(Callback):
-    def __init__(self, out: Path, pause_at: int) -> None:
-        self.out, self.pause_at, self.seen = out, pause_at, 0
+    def __init__(self, out: Path, pause_at: int, fail_at: int = 0) -> None:
+        self.out, self.pause_at, self.fail_at, self.seen = out, pause_at, fail_at, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.fail_at and self.seen + 1 == self.fail_at:
+            def fail(module, args, output):
+                raise InjectedFailure(f"injected failure in micro-batch {batch_idx}")
+
+            pl_module.model.lm_head.register_forward_hook(fail)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = float(outputs["loss"].detach())
@@ -48,6 +61,7 @@ def main() -> None:
     p.add_argument("--data-dir", required=True)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--pause-at", type=int, default=0)
+    p.add_argument("--fail-at", type=int, default=0)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--strategy", default="auto")
     p.add_argument("--max-steps", type=int, default=12)
@@ -71,7 +85,7 @@ def main() -> None:
         accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=1,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out,
         callbacks=[
-            ExactResume(), monitor, LossWriter(args.out, args.pause_at),
+            ExactResume(), monitor, LossWriter(args.out, args.pause_at, args.fail_at),
             ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=3, save_last=True, save_top_k=0),
             OnExceptionCheckpoint(args.out / "ckpt", filename="on_exception"),
         ],
