@@ -287,6 +287,82 @@ def test_oom_at_micro_batch_one_stops_with_a_checkpoint_of_the_last_step(tmp_pat
     assert checkpoint["callbacks"]["AutoBatchSize"]["micro_batch_size"] == 1
 
 
+class _OOMInBatch(OOMAbove):
+    """Runs out of memory in micro-batch ``batch`` of optimizer step ``step`` (never in a trial step)."""
+
+    def __init__(self, step: int, batch: int, **kw):
+        super().__init__(**kw)
+        self.oom_step, self.oom_batch = step, batch
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == self.oom_step and batch_idx == self.oom_batch and not self.trainer.sanity_checking:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return super().training_step(batch, batch_idx)
+
+
+def test_emergency_checkpoint_is_at_the_step_boundary_without_in_process_recovery(tmp_path):
+    """recover_oom=False (as in every multi-process run): the OOM in the 2nd micro-batch of step 3 is
+    not redone, and the checkpoint holds the loop position of the end of step 2, not of the half step."""
+    search = AutoBatchSize(global_batch_size=4, max_micro_batch_size=2, recover_oom=False)
+    trainer = _trainer([search], max_steps=5, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"Saved the last completed step \(global step 2\)"):
+        with pytest.raises(torch.OutOfMemoryError):
+            trainer.fit(_OOMInBatch(step=2, batch=5), datamodule=TokenData())
+    assert (search.micro_batch_size, search.accumulate_grad_batches) == (2, 2)
+    checkpoint = torch.load(tmp_path / "oom-step=2-rank=0.ckpt", weights_only=True)
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    assert checkpoint["global_step"] == 2
+    assert progress == {"ready": 4, "started": 4, "processed": 4, "completed": 4}  # batch 4 is redone on resume
+
+
+def test_oom_in_the_fp16_optimizer_step_is_a_failed_trial_not_a_crash():
+    """Under fp16 Lightning unscales the gradients before the optimizer step; an OOM in the step
+    (Adam allocating its state) must not leave the scaler unusable for the next trial."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class OOMInOptimizerStep(OOMAbove):
+        def training_step(self, batch, batch_idx):
+            self.micro_batch = batch[0].size(0)
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            config = super().configure_optimizers()
+
+            def step_pre_hook(optimizer, args, kwargs):
+                if self.micro_batch > 4:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+            config["optimizer"].register_step_pre_hook(step_pre_hook)
+            return config
+
+    search = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)
+    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = _trainer([search], max_steps=2, plugins=[fp16])
+    trainer.fit(OOMInOptimizerStep(), datamodule=TokenData())
+    assert [(t.micro_batch_size, t.fits) for t in search.trials] == [(1, True), (2, True), (4, True), (8, False)]
+    assert search.micro_batch_size == 4 and trainer.global_step == 2
+
+
+class _IterableTokens(TokenData):
+    def train_dataloader(self):
+        dataset = self.dataset
+
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return (dataset[i] for i in range(len(dataset)))
+
+        return torch.utils.data.DataLoader(Stream(), batch_size=self.batch_size)
+
+
+def test_search_over_an_iterable_dataset_leaves_the_rng_untouched():
+    before, after = _Probe(), _Probe()
+    search = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)
+    trainer = _trainer([before, search, after], max_steps=1)
+    trainer.fit(OOMAbove(limit=5), datamodule=_IterableTokens(batch_size=16))
+    assert search.micro_batch_size == 4
+    assert torch.equal(before.snapshot["torch_rng"], after.snapshot["torch_rng"])
+
+
 def test_resume_reuses_the_decision_without_searching(tmp_path):
     search, counter = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16), _CountSteps()
     trainer = _trainer([counter, search], max_steps=2, enable_checkpointing=True, default_root_dir=tmp_path)

@@ -12,7 +12,19 @@ from torch import Tensor
 
 from lightning_gpuopt.resume import capture_rng_state, restore_rng_state
 
-__all__ = ["TrainingState"]
+__all__ = ["TrainingState", "forget_unfinished_scaler_step"]
+
+
+def forget_unfinished_scaler_step(trainer: pl.Trainer) -> None:
+    """Forget a grad-scaler step that an error cut short.
+
+    Lightning's fp16 step calls ``scaler.unscale_`` before ``scaler.step``; an OOM in between leaves
+    the optimizer marked "unscaled", and the next ``unscale_`` would raise. ``update`` is what
+    normally clears it, and cannot run without a finished step.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        scaler._per_optimizer_states.clear()  # a defaultdict: each optimizer starts fresh
 
 
 def _local(t: Tensor) -> Tensor:
@@ -72,6 +84,7 @@ class TrainingState:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(self.scaler)
+        forget_unfinished_scaler_step(trainer)
         restore_rng_state(self.rng)
         for m, mode in zip(module.modules(), self.modes):
             m.training = mode

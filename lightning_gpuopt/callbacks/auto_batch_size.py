@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer import call
@@ -22,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 from typing_extensions import override
 
-from lightning_gpuopt.callbacks._training_state import TrainingState
+from lightning_gpuopt.callbacks._training_state import TrainingState, forget_unfinished_scaler_step
 from lightning_gpuopt.perf.batch_search import (
     Trial,
     fallback_micro_batch,
@@ -32,6 +34,7 @@ from lightning_gpuopt.perf.batch_search import (
 )
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
 from lightning_gpuopt.plugins.float8_conversion import is_compiled
+from lightning_gpuopt.resume import no_collectives, rollback_fit_loop_state, step_boundary
 
 __all__ = ["AutoBatchSize"]
 
@@ -185,8 +188,8 @@ class AutoBatchSize(Callback):
         if self._restored is not None and self._apply_restored(trainer, pl_module):
             return
         candidates = micro_batch_candidates(self._per_device, self.max_micro_batch_size)
+        state = TrainingState.capture(trainer, pl_module)  # first: building the sample batches may draw from the RNG
         batches = _SampleBatches(trainer, pl_module)
-        state = TrainingState.capture(trainer, pl_module)
         try:
             with _quiet_trainer(trainer):
                 best, self.trials = largest_fitting(
@@ -230,6 +233,7 @@ class AutoBatchSize(Callback):
             pl_module.zero_grad(set_to_none=True)
             for opt in trainer.optimizers:
                 opt.zero_grad(set_to_none=True)
+            forget_unfinished_scaler_step(trainer)
         peak = None
         if device.type == "cuda":
             peak = torch.cuda.max_memory_reserved(device)
@@ -333,7 +337,11 @@ class AutoBatchSize(Callback):
         # Multi-process runs (no in-process recovery): keep the last completed step where we can.
         smaller = fallback_micro_batch(self.micro_batch_size, self._per_device or self.micro_batch_size)
         path = self._emergency_checkpoint(trainer) if not _is_sharded(trainer) else None
-        rank_zero_warn(_stop_message(trainer, self.micro_batch_size, smaller, path))
+        message = _stop_message(trainer, self.micro_batch_size, smaller, path)
+        if trainer.world_size > 1:  # the rank that ran out of memory may not be rank 0
+            warnings.warn(rank_prefixed_message(message, trainer.global_rank))
+        else:
+            rank_zero_warn(message)
 
     def _unwrap(self, trainer: pl.Trainer) -> None:
         if self._original_advance is not None:
@@ -343,6 +351,7 @@ class AutoBatchSize(Callback):
     def _recover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data_fetcher: Any, message: str) -> None:
         for opt in trainer.optimizers:  # the partial step's gradients are discarded; the step is redone
             opt.zero_grad(set_to_none=True)
+        forget_unfinished_scaler_step(trainer)
         free_memory(trainer.strategy.root_device)
         old = self.micro_batch_size or int(lightning_getattr(pl_module, self.batch_size_attr))
         per_device = self._per_device or old * trainer.accumulate_grad_batches
@@ -393,15 +402,19 @@ class AutoBatchSize(Callback):
         )
 
     def _emergency_checkpoint(self, trainer: pl.Trainer) -> Optional[str]:
-        """Save the last completed step from this rank alone (no collectives: the others may be stuck)."""
-        if self._step_start is not None:
-            trainer.fit_loop.epoch_loop.batch_progress.load_state_dict(copy.deepcopy(self._step_start))
+        """Save the last completed step from this rank alone (no collectives: the others may be stuck).
+
+        Weights, optimizer and scheduler are as of the last optimizer step; the loop counters and the
+        data position are rolled back to it, so a resume redoes the step that ran out of memory.
+        """
         ckpt_cb = trainer.checkpoint_callback
         directory = getattr(ckpt_cb, "dirpath", None) or trainer.default_root_dir
         path = os.path.join(directory, f"oom-step={trainer.global_step}-rank={trainer.global_rank}.ckpt")
         try:
             os.makedirs(directory, exist_ok=True)
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            with no_collectives():
+                checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], step_boundary(trainer))
             trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, path)
         except Exception as err:  # never hide the OOM behind a failed save
             rank_zero_warn(f"AutoBatchSize: could not save the emergency checkpoint {path}: {err}")
