@@ -152,6 +152,18 @@ def test_without_global_batch_keeps_the_configured_one():
     assert (search.micro_batch_size, search.accumulate_grad_batches) == (4, 4)  # 8 x 2 = 16 = 4 x 4
 
 
+def test_integer_val_check_interval_keeps_the_samples_between_validations():
+    search = AutoBatchSize(global_batch_size=32, max_micro_batch_size=32)
+    trainer = _trainer([search], max_steps=1, val_check_interval=12)  # every 12 x 4 = 48 samples
+    trainer.fit(OOMAbove(limit=10), datamodule=TokenData(batch_size=4))
+    assert search.micro_batch_size == 8 and trainer.val_check_interval == 6  # 6 x 8 = 48 samples
+    search = AutoBatchSize(global_batch_size=32, max_micro_batch_size=32)
+    trainer = _trainer([search], max_steps=1, val_check_interval=3)  # 3 x 4 = 12 samples: no whole count of 8
+    with pytest.warns(UserWarning, match="val_check_interval=3 .* multiple of 2"):
+        trainer.fit(OOMAbove(limit=10), datamodule=TokenData(batch_size=4))
+    assert trainer.val_check_interval == 3
+
+
 def test_nothing_fits_names_the_fixes():
     trainer = _trainer([AutoBatchSize(global_batch_size=8, max_micro_batch_size=8)])
     with pytest.raises(RuntimeError, match="even a micro-batch of 1 runs out of memory.*activation_checkpointing"):
@@ -412,6 +424,8 @@ def test_logs_the_decision_to_the_logger(tmp_path):
     assert float(logged["auto_batch_size/micro_batch_size"]) == 4
     assert float(logged["auto_batch_size/accumulate_grad"]) == 4
     assert float(logged["auto_batch_size/global_batch_size"]) == 16
+    hparams = (Path(logger.log_dir) / "hparams.yaml").read_text()
+    assert "auto_batch_size/search: 1 fits; 2 fits; 4 fits; 8 no (out of memory)" in hparams
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

@@ -29,8 +29,12 @@ def test_stream_indices_split_ranks_and_resume_mid_epoch():
     assert list(stream_indices(1, 8, start=2, rank=1, world_size=2)) == [11, 13, 15]
     both = sorted(list(stream_indices(2, 9, world_size=2, rank=0)) + list(stream_indices(2, 9, world_size=2, rank=1)))
     assert both == list(range(18, 26))  # the odd tail is dropped so ranks read as many
-    with pytest.raises(ValueError, match="multiple of num_replicas"):
-        ResumableSampler(range(10), num_replicas=2, rank=0, start=3)
+    # A resume with another number of ranks: any start, and every rank still reads as many.
+    ranks = [list(stream_indices(0, 10, start=3, rank=r, world_size=2)) for r in (0, 1)]
+    assert ranks == [[3, 5, 7], [4, 6, 8]]
+    assert [list(ResumableSampler(range(10), num_replicas=3, rank=r, start=4)) for r in range(3)] == [[4, 7], [5, 8], [6, 9]]
+    with pytest.raises(ValueError, match="start=-1"):
+        ResumableSampler(range(10), start=-1)
 
 
 def test_sample_k_is_the_same_window_for_every_batch_size(tmp_path):

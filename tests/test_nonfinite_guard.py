@@ -17,16 +17,22 @@ from lightning_gpuopt.model.checkpoint import load_gpt
 
 
 class PoisonedGPT(GPTModule):
-    """Multiplies the loss by NaN (or adds Inf, which leaves the gradients finite) at the given global steps."""
+    """At the given global steps: multiplies the loss by NaN (``"nan"``), adds Inf to it (``"inf"``: the
+    gradients stay finite), or leaves it finite and makes one weight's gradient NaN (``"grad"``)."""
 
     def __init__(self, bad_steps=(), mode="nan", **kw):
         super().__init__(**kw)
         self.bad_steps = set(bad_steps)
         self.mode = mode
+        self._hooked = False
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        if self.trainer.global_step in self.bad_steps:
+        if self.mode == "grad" and not self._hooked:
+            bad = lambda grad: grad * math.nan if self.trainer.global_step in self.bad_steps else grad  # noqa: E731
+            self.model.transformer.h[1].mlp.c_proj.weight.register_hook(bad)
+            self._hooked = True
+        elif self.mode != "grad" and self.trainer.global_step in self.bad_steps:
             loss = loss * math.nan if self.mode == "nan" else loss + math.inf
         return loss
 
@@ -118,6 +124,15 @@ def test_loss_only_nonfinite_with_finite_gradients_is_caught():
     with pytest.warns(UserWarning, match="non-finite loss at global step 1 .*gradients are finite"):
         trainer.fit(_model(bad_steps={1}, mode="inf"), _loader())
     assert guard.skipped_steps == 1 and _equal(snap.before[1], snap.before[2])
+
+
+def test_nonfinite_gradient_with_a_finite_loss_is_caught_and_named():
+    guard, snap = NonFiniteGuard(policy="skip"), Snapshots()
+    trainer = _trainer(callbacks=[guard, snap], max_steps=5)
+    with pytest.warns(UserWarning, match=r"global step 2 .*'model\.transformer\.h\.1\.mlp\.c_proj\.weight'"):
+        trainer.fit(_model(bad_steps={2}, mode="grad"), _loader())
+    assert guard.skipped_steps == 1 and _equal(snap.before[2], snap.before[3])
+    assert not _equal(snap.before[1], snap.before[2]) and not _equal(snap.before[3], snap.before[4])
 
 
 def test_without_guard_the_nan_reaches_the_weights():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -51,7 +52,7 @@ class AutoBatchSize(Callback):
     ``memory_margin`` of the device's memory free. Only sizes that divide the per-device batch
     are tried, so that
 
-        ``global_batch_size = micro_batch_size * accumulate_grad_batches * world_size``
+        ``global_batch_size = micro_batch_size * accumulate_grad_batches * data-parallel ranks``
 
     holds exactly: the optimisation (global batch, learning-rate schedule) is what you
     configured, whatever the GPU. The datamodule's (or module's) ``batch_size`` is set to the
@@ -83,6 +84,7 @@ class AutoBatchSize(Callback):
     ``auto_batch_size/global_batch_size``  Samples per optimizer step, all devices
     ``auto_batch_size/peak_memory_gb``     Peak reserved memory of the chosen size (CUDA)
     ``auto_batch_size/trials``             Number of sizes tried
+    ``auto_batch_size/search``             The trace, as a hyperparameter: ``"1 fits; 2 fits; 4 no (out of memory)"``
     =====================================  ==========================================
 
     Example::
@@ -101,8 +103,9 @@ class AutoBatchSize(Callback):
         mode: ``"binsearch"`` doubles until a size fails, then bisects; ``"power"`` only doubles.
         memory_margin: Fraction of the device's memory to leave free (CUDA only), as headroom
             for fragmentation and longer sequences.
-        steps_per_trial: Training steps per tried size; two or more, so the optimizer state
-            created by the first step is counted.
+        steps_per_trial: Training steps per tried size. The default 2 runs the second step with
+            the optimizer state the first one created, as every training step after the first
+            does; 1 measures less memory than training needs.
         batch_size_attr: Name of the batch-size attribute on the datamodule or module.
         recover_oom: Recover from out-of-memory errors later in training.
 
@@ -152,6 +155,7 @@ class AutoBatchSize(Callback):
         self._original_advance: Optional[Callable] = None
         self._step_start: Optional[dict] = None
         self._stopped = False  # this callback already stopped the run (and said why)
+        self._searched_in_this_fit = False
 
     # ------------------------------------------------------------------------------------ checks
     @override
@@ -176,15 +180,16 @@ class AutoBatchSize(Callback):
                 "in train_dataloader()), or name yours with AutoBatchSize(batch_size_attr=...)."
             )
         if self.global_batch_size is not None:
-            per_device_batch(self.global_batch_size, trainer.world_size)  # fails now, not after the data prep
+            per_device_batch(self.global_batch_size, _data_parallel_size(trainer))  # fails now, not after the data prep
 
     # ----------------------------------------------------------------------------------- search
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         configured = int(lightning_getattr(pl_module, self.batch_size_attr))
-        configured_global = configured * trainer.accumulate_grad_batches * trainer.world_size
+        replicas = _data_parallel_size(trainer)
+        configured_global = configured * trainer.accumulate_grad_batches * replicas
         global_batch = self.global_batch_size or configured_global
-        self._per_device = per_device_batch(global_batch, trainer.world_size)
+        self._per_device = per_device_batch(global_batch, replicas)
         if self._restored is not None and self._apply_restored(trainer, pl_module):
             return
         candidates = micro_batch_candidates(self._per_device, self.max_micro_batch_size)
@@ -211,6 +216,11 @@ class AutoBatchSize(Callback):
             )
         self._apply(trainer, pl_module, best, global_batch != configured_global)
         self._report(trainer)
+        self._searched_in_this_fit = True
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._searched_in_this_fit = False
 
     def _try(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, size: int) -> Trial:
         """Run the trial steps at one size on every rank; fits only if it fits on all of them."""
@@ -249,10 +259,12 @@ class AutoBatchSize(Callback):
     def _apply(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: int, global_batch_changed: bool
     ) -> None:
+        old = int(lightning_getattr(pl_module, self.batch_size_attr))
         self.micro_batch_size = micro
         self.accumulate_grad_batches = self._per_device // micro
         lightning_setattr(pl_module, self.batch_size_attr, micro)
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
+        _keep_validation_cadence(trainer, old, micro)
         # `estimated_stepping_batches` (read by configure_optimizers) may have built the train loader
         # with the old batch size: drop it so the fit loop builds it with the new one.
         trainer.fit_loop._combined_loader = None
@@ -277,23 +289,30 @@ class AutoBatchSize(Callback):
 
     def _report(self, trainer: pl.Trainer) -> None:
         lines = [f"  {t.micro_batch_size:>6}  {'fits' if t.fits else 'no':>4}  " + _format_peak(t) for t in self.trials]
+        replicas = _data_parallel_size(trainer)
+        global_batch = self.micro_batch_size * self.accumulate_grad_batches * replicas
         rank_zero_info(
             f"AutoBatchSize: micro-batch {self.micro_batch_size} x {self.accumulate_grad_batches} accumulation "
-            f"x {trainer.world_size} devices = global batch {self.micro_batch_size * self.accumulate_grad_batches * trainer.world_size}\n"
+            f"x {replicas} data-parallel devices = global batch {global_batch}\n"
             "  micro  fits  peak memory\n" + "\n".join(lines)
         )
         chosen = next(t for t in self.trials if t.micro_batch_size == self.micro_batch_size and t.fits)
         metrics = {
             "auto_batch_size/micro_batch_size": self.micro_batch_size,
             "auto_batch_size/accumulate_grad": self.accumulate_grad_batches,
-            "auto_batch_size/global_batch_size": self.micro_batch_size * self.accumulate_grad_batches * trainer.world_size,
+            "auto_batch_size/global_batch_size": global_batch,
             "auto_batch_size/trials": len(self.trials),
         }
         if chosen.peak_memory is not None:
             metrics["auto_batch_size/peak_memory_gb"] = chosen.peak_memory / _GB
+        # The trace as one readable string, e.g. "1 fits; 2 fits; 4 no (out of memory)".
+        trace = "; ".join(
+            f"{t.micro_batch_size} {'fits' if t.fits else 'no'}" + (f" ({t.reason})" if t.reason else "") for t in self.trials
+        )
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_hyperparams({"auto_batch_size/search": trace})
 
     # ------------------------------------------------------------------ OOM later in training
     @override
@@ -376,8 +395,7 @@ class AutoBatchSize(Callback):
         self.micro_batch_size, self.accumulate_grad_batches = new, per_device // new
         lightning_setattr(pl_module, self.batch_size_attr, new)
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
-        if isinstance(trainer.val_check_interval, int) and (trainer.val_check_interval * old) % new == 0:
-            trainer.val_check_interval = trainer.val_check_interval * old // new  # same samples between checks
+        _keep_validation_cadence(trainer, old, new)
         for name in ("ready", "started", "processed", "completed"):  # the same position, in new micro-batches
             setattr(progress.total, name, getattr(progress.total, name) - getattr(progress.current, name) + batches_before)
             setattr(progress.current, name, batches_before)
@@ -436,6 +454,13 @@ class AutoBatchSize(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("micro_batch_size") is None:
             return
+        if self._searched_in_this_fit:
+            # FSDP/FSDP2/DeepSpeed restore callbacks after on_fit_start: this run has searched already.
+            rank_zero_info(
+                "AutoBatchSize: the checkpoint's micro-batch arrived after this run's search (the strategy restores "
+                f"callbacks after fit start); keeping the search's micro-batch {self.micro_batch_size}."
+            )
+            return
         self._restored = dict(state_dict)
         self.trials = [Trial(*t) for t in state_dict.get("trials", [])]
         self.recoveries = [dict(r) for r in state_dict.get("recoveries", [])]
@@ -458,6 +483,28 @@ def _stop_message(trainer: pl.Trainer, micro: int, smaller: Optional[int], path:
     else:
         fix = f"Run again with AutoBatchSize(max_micro_batch_size={smaller}){resume}"
     return f"AutoBatchSize: out of memory during training with micro-batch {micro}. {where}{fix}."
+
+
+def _keep_validation_cadence(trainer: pl.Trainer, old: int, new: int) -> None:
+    """An integer ``val_check_interval`` counts micro-batches: rescale it from micro-batch ``old`` to
+    ``new`` so validation still runs every as many samples, or say why it cannot be."""
+    interval = trainer.val_check_interval
+    if not isinstance(interval, int) or old == new:
+        return
+    if (interval * old) % new == 0:
+        trainer.val_check_interval = interval * old // new
+    else:
+        rank_zero_warn(
+            f"AutoBatchSize: val_check_interval={interval} batches of {old} samples is not a whole number of "
+            f"micro-batches of {new}, so it is left as is and validation runs every {interval * new} samples instead "
+            f"of {interval * old}. Use a val_check_interval that is a multiple of {new // math.gcd(old, new)}."
+        )
+
+
+def _data_parallel_size(trainer: pl.Trainer) -> int:
+    """Ranks that read different samples: the world size, less any tensor-parallel dimension."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", trainer.world_size))
 
 
 def _is_sharded(trainer: pl.Trainer) -> bool:

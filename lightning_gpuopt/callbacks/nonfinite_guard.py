@@ -113,8 +113,8 @@ class NonFiniteGuard(Callback):
         seen again). Under fp16 with a ``GradScaler``, overflowing gradients with a finite loss are
         the scaler's business: it skips the step and lowers its scale. Those steps are reported in
         ``scaler_skips`` and not counted towards ``max_consecutive_skips``. A non-finite loss is
-        always counted (Lightning hands callbacks the scaled loss; an fp32 loss overflows only above
-        ~1e33 / scale, so a non-finite scaled loss is a non-finite loss). Gradient clipping runs after this check, so it sees no gradients on a skipped step.
+        always counted (Lightning hands callbacks the scaled loss; an fp32 loss overflows only when
+        ``loss * scale`` passes ~3.4e38, so a non-finite scaled loss is a non-finite loss). Gradient clipping runs after this check, so it sees no gradients on a skipped step.
     """
 
     def __init__(self, policy: Policy = "skip", max_consecutive_skips: int = 5, check_gradients: bool = True) -> None:

@@ -5,8 +5,8 @@ Design note: the training stream is numbered. Position ``p`` of epoch ``e`` is s
 seeded by ``(seed, index)``. Nothing reads the global RNG, so the order survives a restart, a
 different number of DataLoader workers, and a different batch size: sample ``k`` of an epoch is
 the same window whatever the batch size. Under data parallelism rank ``r`` of ``W`` takes the
-positions ``r, r + W, r + 2W, ...``; a resume at global position ``start`` (a multiple of ``W``)
-continues each rank exactly where it stopped.
+positions ``r, r + W, r + 2W, ...``; a resume at global position ``start`` continues each rank
+exactly where it stopped (with the same ``W``; with another, the ranks split the rest of the epoch).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ __all__ = ["ResumableSampler", "stream_indices"]
 def stream_indices(epoch: int, num_samples: int, start: int = 0, rank: int = 0, world_size: int = 1) -> range:
     """Stream indices one rank reads in ``epoch``, from global position ``start`` on.
 
-    The tail of ``num_samples % world_size`` positions is dropped so every rank reads as many.
+    The tail of fewer than ``world_size`` positions left after ``start`` is dropped so every rank
+    reads as many.
 
     Example::
 
@@ -35,7 +36,7 @@ def stream_indices(epoch: int, num_samples: int, start: int = 0, rank: int = 0, 
         rank: This process's data-parallel rank.
         world_size: Number of data-parallel ranks.
     """
-    end = (num_samples // world_size) * world_size
+    end = start + max(0, num_samples - start) // world_size * world_size
     base = epoch * num_samples
     return range(base + start + rank, base + end, world_size)
 
@@ -61,18 +62,14 @@ class ResumableSampler(DistributedSampler):
         num_replicas: Data-parallel world size.
         rank: This process's data-parallel rank.
         epoch: Epoch to read.
-        start: Global position in ``epoch`` to start from (all ranks together); a multiple of
-            ``num_replicas``.
+        start: Global position in ``epoch`` to start from (all ranks together).
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, epoch: int = 0, start: int = 0) -> None:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"ResumableSampler needs 0 <= rank < num_replicas, got rank={rank}, num_replicas={num_replicas}.")
-        if start < 0 or start % num_replicas:
-            raise ValueError(
-                f"ResumableSampler.start={start} must be a non-negative multiple of num_replicas={num_replicas} "
-                "(every rank consumes the same number of samples)."
-            )
+        if start < 0:
+            raise ValueError(f"ResumableSampler.start={start} must be a position in the epoch (0 or more).")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=True)
         self.epoch = epoch
         self.start = start
