@@ -392,6 +392,28 @@ def test_resume_reuses_the_decision_without_searching(tmp_path):
     assert trainer.global_step == 3
 
 
+def test_a_decision_restored_after_the_search_does_not_override_it(tmp_path):
+    """FSDP/FSDP2/DeepSpeed restore callbacks after on_fit_start (restore_checkpoint_after_setup):
+    there the resumed run has searched already, and keeps what it found."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class RestoresAfterSetup(SingleDeviceStrategy):
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
+    first = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)
+    _trainer([first], max_steps=2, enable_checkpointing=True, default_root_dir=tmp_path).fit(
+        OOMAbove(limit=5), datamodule=TokenData()
+    )
+    assert first.micro_batch_size == 4
+    resumed = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)
+    trainer = _trainer([resumed], max_steps=3, strategy=RestoresAfterSetup(torch.device("cpu")))
+    trainer.fit(OOMAbove(limit=3), datamodule=TokenData(), ckpt_path=next(tmp_path.rglob("*.ckpt")))
+    assert trainer.global_step == 3 and resumed.micro_batch_size == 2
+    assert [(t.micro_batch_size, t.fits) for t in resumed.trials] == [(1, True), (2, True), (4, False)]
+
+
 class _CountSteps(pl.Callback):
     def __init__(self):
         self.count = None
