@@ -24,7 +24,7 @@ from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.plugins.checkpoint_io import AtomicCheckpointIO
-from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy
+from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
 
 __all__ = ["GPTCLI", "main"]
 
@@ -134,6 +134,7 @@ def main(args: Optional[list[str]] = None) -> None:
         parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt"},
         args=args if args is not None else sys.argv[1:],
     )
+    end_distributed()  # Lightning does this at exit for NCCL only; gloo groups can abort at shutdown
 
 
 if __name__ == "__main__":

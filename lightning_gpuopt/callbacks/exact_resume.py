@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
