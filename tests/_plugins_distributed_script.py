@@ -2,6 +2,8 @@
 
 Run by tests/test_plugins_distributed.py as ``python _plugins_distributed_script.py PLUGIN STRATEGY OUT``
 with PLUGIN in {bf16, fp8} and STRATEGY in {ddp, fsdp2}; rank 0 writes a JSON summary to OUT.
+bf16 under FSDP2 also turns on activation checkpointing, and the summary counts how often the first
+block's forward runs (twice per step when the backward recomputes it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,19 @@ from lightning_gpuopt.plugins import BF16Precision, Float8Precision  # noqa: E40
 from tests._plugins_helpers import LossRecorder, token_loader  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
 from lightning_gpuopt.strategies import end_distributed  # noqa: E402
+
+
+class BlockCalls(pl.Callback):
+    """Counts the first block's forward calls (the model exists from configure_model on)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.model.transformer.h[0].register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
 
 
 def main(plugin_name: str, strategy_name: str, out: str) -> None:
@@ -46,14 +61,18 @@ def main(plugin_name: str, strategy_name: str, out: str) -> None:
 
         torchao.float8.precompute_float8_dynamic_scale_for_fsdp = counting
 
-    module = cls(preset="tiny", vocab_size=256, block_size=32, warmup_steps=2, learning_rate=3e-3)
+    recompute = plugin_name == "bf16" and strategy_name == "fsdp2"
+    module = cls(preset="tiny", vocab_size=256, block_size=32, warmup_steps=2, learning_rate=3e-3,
+                 activation_checkpointing=recompute)
+    block_calls = BlockCalls()
     rec = LossRecorder()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], max_steps=8, callbacks=[rec],
+        accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], max_steps=8, callbacks=[rec, block_calls],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(module, train_dataloaders=token_loader(n_seq=128, batch_size=4))
 
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     summary = {
@@ -64,6 +83,9 @@ def main(plugin_name: str, strategy_name: str, out: str) -> None:
         "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
         "sharded": all(isinstance(p, DTensor) for p in module.model.transformer.h.parameters()),
         "precompute_calls": len(precomputed),
+        "fsdp_modules": [isinstance(m, FSDPModule) for m in (module.model, *module.model.transformer.h)],
+        "activation_checkpointing": recompute,
+        "block_forward_calls": block_calls.calls,
     }
     if plugin_name == "fp8":
         from torchao.float8.float8_linear import Float8Linear

@@ -39,6 +39,10 @@ def test_plugins_on_two_cpu_processes(plugin, strategy, tmp_path):
     assert s["param_dtypes"] == ["torch.float32"]
     assert len(s["losses"]) == 8 and s["losses"][-1] < s["losses"][0]
     assert s["sharded"] == (strategy == "fsdp2")
+    # FSDP2: the root and every block are their own FSDP module (per-block sharding), not the root alone.
+    assert s["fsdp_modules"] == [strategy == "fsdp2"] * 3
+    # Activation checkpointing (bf16-fsdp2): the backward recomputes every block, so block 0 runs twice a step.
+    assert s["block_forward_calls"] == 8 * (2 if s["activation_checkpointing"] else 1)
     if strategy == "ddp":
         assert s["ranks_agree"]
     if plugin == "fp8":

@@ -10,7 +10,7 @@ from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.cli import GPTCLI
 from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.model.config import GPTConfig
-from lightning_gpuopt.strategies import choose_strategy, estimate_memory
+from lightning_gpuopt.strategies import choose_strategy, end_distributed, estimate_memory
 
 
 def test_memory_estimate_follows_the_stated_formula():
@@ -61,3 +61,18 @@ def test_cli_gpuopt_auto_strategy(text_dir, cache_dir, caplog, memory_gb, expect
     cli = GPTCLI(GPTModule, TextDataModule, run=False, args=args)
     assert type(cli.trainer.strategy) is expected
     assert any(isinstance(c, ExactResume) for c in cli.trainer.callbacks)  # always added by the CLI
+
+
+def test_end_distributed_destroys_the_group_and_is_a_no_op_without_one():
+    import torch.distributed as dist
+
+    end_distributed()  # nothing started: nothing to do
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        sub = dist.new_group([0])
+        assert dist.is_initialized() and dist.get_world_size(sub) == 1
+        end_distributed()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
