@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # n
 from lightning_gpuopt.plugins import BF16Precision, Float8Precision  # noqa: E402
 from tests._plugins_helpers import LossRecorder, token_loader  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
-from lightning_gpuopt.strategies import end_distributed  # noqa: E402
+from tests._process_exit import finish  # noqa: E402
 
 
 class BlockCalls(pl.Callback):
@@ -114,4 +114,4 @@ def main(plugin_name: str, strategy_name: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
-    end_distributed()  # Lightning leaves gloo groups to interpreter shutdown, which can abort
+    finish()  # process group destroyed, no interpreter teardown (tests/_process_exit.py)

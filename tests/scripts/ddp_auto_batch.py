@@ -11,7 +11,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_gpuopt.callbacks import AutoBatchSize  # noqa: E402
-from lightning_gpuopt.strategies import end_distributed  # noqa: E402
+from tests._process_exit import finish  # noqa: E402
 from tests._auto_batch_helpers import OOMAbove, StepRecorder, TokenData  # noqa: E402
 
 
@@ -60,4 +60,4 @@ def main(out: Path, strategy: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp")
-    end_distributed()  # Lightning leaves gloo groups to interpreter shutdown, which can abort
+    finish()  # process group destroyed, no interpreter teardown (tests/_process_exit.py)

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
 from helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader  # noqa: E402
 from lightning_gpuopt.callbacks import MFUMonitor  # noqa: E402
-from lightning_gpuopt.strategies import end_distributed  # noqa: E402
+from tests._process_exit import finish  # noqa: E402
 
 
 def main(out: Path) -> None:
@@ -35,4 +35,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    end_distributed()  # Lightning leaves gloo groups to interpreter shutdown, which can abort
+    finish()  # process group destroyed, no interpreter teardown (tests/_process_exit.py)

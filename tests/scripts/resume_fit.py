@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 from lightning_gpuopt.callbacks import ExactResume, MFUMonitor  # noqa: E402
 from lightning_gpuopt.data import TextDataModule  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
-from lightning_gpuopt.strategies import end_distributed  # noqa: E402
+from tests._process_exit import finish  # noqa: E402
 
 
 class InjectedFailure(RuntimeError):
@@ -98,4 +98,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_distributed()  # Lightning leaves gloo groups to interpreter shutdown, which can abort
+    finish()  # process group destroyed, no interpreter teardown (tests/_process_exit.py)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 from lightning_gpuopt.callbacks import ExactResume  # noqa: E402
 from lightning_gpuopt.data import TextDataModule  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
-from lightning_gpuopt.strategies import end_distributed  # noqa: E402
+from tests._process_exit import finish  # noqa: E402
 
 WARMUP = 200  # steps before the first measurement: allocator pools, first checkpoints, caches
 
@@ -60,4 +60,4 @@ def main(out: Path, data_dir: Path, steps: int, every: int) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-    end_distributed()  # Lightning leaves gloo groups to interpreter shutdown, which can abort
+    finish()  # process group destroyed, no interpreter teardown (tests/_process_exit.py)
