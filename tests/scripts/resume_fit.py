@@ -1,6 +1,7 @@
 """A tiny GPT fit that writes every micro-batch's loss, for the exact-resume tests.
 
     python resume_fit.py OUT --data-dir D [--ckpt PATH] [--pause-at N | --fail-at N] [--devices 2 --strategy ddp|fsdp]
+                         [--accelerator gpu --bf16]
 
 Each rank appends ``epoch batch_idx global_step loss`` (loss as float.hex) to ``OUT/losses_rank{r}.txt``
 after every micro-batch, flushed, so a killed run leaves what it did. With ``--pause-at N`` the run
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 from lightning_gpuopt.callbacks import ExactResume, MFUMonitor  # noqa: E402
 from lightning_gpuopt.data import TextDataModule  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
+from lightning_gpuopt.plugins import BF16Precision  # noqa: E402
 from tests._process_exit import finish  # noqa: E402
 
 
@@ -66,6 +68,8 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--strategy", default="auto")
     p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--bf16", action="store_true", help="train under BF16Precision")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.use_deterministic_algorithms(True)
@@ -82,7 +86,8 @@ def main() -> None:
     module = GPTModule(n_layer=2, n_head=2, n_embd=32, vocab_size=320, dropout=0.1, warmup_steps=3, learning_rate=1e-2)
     monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12, prog_bar=False)
     trainer = Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+        plugins=[BF16Precision()] if args.bf16 else None,
         accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=1,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out,
         callbacks=[
