@@ -148,8 +148,9 @@ def rollback_fit_loop_state(fit_loop_state: dict[str, Any], boundary: int) -> No
     become the boundary's count, a state Lightning resumes from as "restarted after the last
     batch": the next batch is the first micro-batch of the interrupted step. ``zero_grad`` counters
     are set to the optimizer-step count they equal at a boundary. Changes ``fit_loop_state`` in
-    place; applying it twice changes nothing more. Nothing is changed when no batch was processed
-    past the boundary (Lightning itself resumes an unprocessed batch from its start).
+    place; applying it twice changes nothing more. When no batch was processed past the boundary,
+    only the counters of a batch that was started but not processed (an exception inside it) are
+    lowered to the processed count.
 
     Example::
 
@@ -164,6 +165,11 @@ def rollback_fit_loop_state(fit_loop_state: dict[str, Any], boundary: int) -> No
     if boundary < 0 or boundary > processed:
         raise ValueError(f"Cannot roll back to batch {boundary} from {batches['current']}.")
     if boundary == processed:
+        # An exception in the step's first micro-batch: that batch was fetched and started but not
+        # processed. Lightning resets only the epoch's counters on restart; the totals must agree too.
+        for part in ("total", "current"):
+            done = batches[part]["processed"]
+            batches[part].update(ready=min(batches[part]["ready"], done), started=min(batches[part]["started"], done))
         return
     epoch_start = batches["total"]["processed"] - processed
     for part, count in (("total", epoch_start + boundary), ("current", boundary)):

@@ -409,7 +409,8 @@ def test_a_decision_restored_after_the_search_does_not_override_it(tmp_path):
     assert first.micro_batch_size == 4
     resumed = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)
     trainer = _trainer([resumed], max_steps=3, strategy=RestoresAfterSetup(torch.device("cpu")))
-    trainer.fit(OOMAbove(limit=3), datamodule=TokenData(), ckpt_path=next(tmp_path.rglob("*.ckpt")))
+    with pytest.warns(UserWarning, match=r"checkpoint's micro-batch \(4\).*keeping the search's micro-batch 2"):
+        trainer.fit(OOMAbove(limit=3), datamodule=TokenData(), ckpt_path=next(tmp_path.rglob("*.ckpt")))
     assert trainer.global_step == 3 and resumed.micro_batch_size == 2
     assert [(t.micro_batch_size, t.fits) for t in resumed.trials] == [(1, True), (2, True), (4, False)]
 

@@ -95,6 +95,12 @@ def test_rollback_to_the_step_boundary():
     assert state["epoch_loop.batch_progress"]["total"] == counts(24)
     with pytest.raises(ValueError, match="Cannot roll back to batch 5"):
         rollback_fit_loop_state(state, 5)
+    # An exception inside the first micro-batch of a step: batch 4 started, not processed.
+    state["epoch_loop.batch_progress"]["total"].update(ready=25, started=25)
+    state["epoch_loop.batch_progress"]["current"].update(ready=5, started=5)
+    rollback_fit_loop_state(state, 4)
+    assert state["epoch_loop.batch_progress"]["total"] == counts(24)
+    assert state["epoch_loop.batch_progress"]["current"] == counts(4)
 
 
 # --------------------------------------------------------------------------- real processes + signals
@@ -185,6 +191,8 @@ def test_exception_inside_a_batch_then_resume_is_exact(tmp_path, text_dir, fail_
     saved = torch.load(ckpt, weights_only=True)
     progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
     assert saved["global_step"] == 4 and progress["processed"] == progress["completed"] == 8
+    total = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert total == {"ready": 8, "started": 8, "processed": 8, "completed": 8}  # a later resume counts right too
     assert saved["TextDataModule"]["train_position"] == 16
     _run(tmp_path / "resume", data, "--ckpt", str(ckpt))
     _check_resumed(tmp_path / "ref/losses_rank0.txt", tmp_path / "stop/losses_rank0.txt",

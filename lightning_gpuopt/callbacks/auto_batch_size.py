@@ -162,6 +162,7 @@ class AutoBatchSize(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._searched_in_this_fit = False  # before any checkpoint is restored (also after a failed fit)
         if trainer.strategy.root_device.type == "cpu" and self.max_micro_batch_size is None:
             raise ValueError(
                 "AutoBatchSize on CPU needs max_micro_batch_size: running out of host memory kills the process "
@@ -217,10 +218,6 @@ class AutoBatchSize(Callback):
         self._apply(trainer, pl_module, best, global_batch != configured_global)
         self._report(trainer)
         self._searched_in_this_fit = True
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._searched_in_this_fit = False
 
     def _try(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, size: int) -> Trial:
         """Run the trial steps at one size on every rank; fits only if it fits on all of them."""
@@ -456,10 +453,19 @@ class AutoBatchSize(Callback):
             return
         if self._searched_in_this_fit:
             # FSDP/FSDP2/DeepSpeed restore callbacks after on_fit_start: this run has searched already.
-            rank_zero_info(
-                "AutoBatchSize: the checkpoint's micro-batch arrived after this run's search (the strategy restores "
-                f"callbacks after fit start); keeping the search's micro-batch {self.micro_batch_size}."
+            saved = state_dict["micro_batch_size"]
+            message = (
+                f"AutoBatchSize: the checkpoint's micro-batch ({saved}) arrived after this run's search (the strategy "
+                f"restores callbacks after fit start); keeping the search's micro-batch {self.micro_batch_size}."
             )
+            if saved == self.micro_batch_size:
+                rank_zero_info(message)
+            else:
+                rank_zero_warn(
+                    message + " The checkpoint's loop counters count micro-batches of "
+                    f"{saved}, so Lightning's batch count in this epoch is off (the data position, kept in samples, is "
+                    f"not). To resume exactly, run with AutoBatchSize(max_micro_batch_size={saved}) if that fits."
+                )
             return
         self._restored = dict(state_dict)
         self.trials = [Trial(*t) for t in state_dict.get("trials", [])]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -92,11 +94,11 @@ class ExactResume(Callback):
                 f"Resume with {len(states)} processes for an exact continuation."
             )
             return
-        if states[trainer.global_rank] is None:
-            rank_zero_warn(
-                "ExactResume: the checkpoint was saved by one rank alone (an emergency save), so the other ranks' "
-                "RNG states are not in it and their dropout draws differ from the original run."
-            )
+        if states[trainer.global_rank] is None:  # every rank without a state says so (rank 0 may have one)
+            warnings.warn(rank_prefixed_message(
+                "ExactResume: the checkpoint was saved by one rank alone (an emergency save), so this rank's RNG "
+                "state is not in it and its dropout draws differ from the original run.", trainer.global_rank,
+            ))
             return
         restore_rng_state(states[trainer.global_rank])
 
@@ -105,12 +107,14 @@ class ExactResume(Callback):
         if trainer.state.fn != "fit" or "loops" not in checkpoint:
             return
         partial = microbatches_since_step(trainer)
-        if self._snapshot_step == trainer.global_step and self._snapshot is not None:
+        boundary = step_boundary(trainer)
+        step_started = trainer.fit_loop.epoch_loop.batch_progress.current.ready > boundary
+        if step_started and self._snapshot_step == trainer.global_step and self._snapshot is not None:
             rng = self._snapshot  # a step has started since the last optimizer step: the RNG as it found it
         else:
             rng = capture_rng_state()
         states = _all_gather(rng, trainer.global_rank, trainer.world_size)
-        rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], step_boundary(trainer))
+        rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], boundary)
         checkpoint.setdefault("callbacks", {})[self.state_key] = {"rng": states, "rolled_back": partial}
 
     @override
