@@ -86,3 +86,21 @@ def test_typo_in_option_is_reported():
 def test_python_dash_m_is_the_gpuopt_command():
     out = subprocess.run([sys.executable, "-m", "lightning_gpuopt", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "{fit,validate,test,predict}" in out.stdout and "gpuopt" in out.stdout
+
+
+def test_main_ends_the_process_group_after_a_successful_run(text_dir, cache_dir, tmp_path, monkeypatch):
+    """`gpuopt` destroys a gloo process group itself (Lightning does so at exit only for NCCL)."""
+    import torch.distributed as dist
+
+    from lightning_gpuopt.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        main(["fit", "--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0",
+              "--data.block_size", "16", "--data.batch_size", "2", "--model.preset", "tiny",
+              "--trainer.fast_dev_run", "true", "--trainer.accelerator", "cpu", "--trainer.devices", "1"])
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
