@@ -4,7 +4,7 @@ Example::
 
     gpuopt fit --config examples/configs/quickstart.yaml
     gpuopt fit --model.preset 124m --data.source data/wikitext-103-raw --trainer.max_steps 3000
-    GPUOPT_FIT__TRAINER__MAX_STEPS=100 gpuopt fit --config examples/configs/quickstart.yaml
+    GPUOPT_FIT__TRAINER__MAX_STEPS=100 gpuopt fit   # a --config file or a flag takes precedence over the environment
     gpuopt predict --config examples/configs/quickstart.yaml --ckpt_path last.ckpt
 """
 
@@ -125,7 +125,8 @@ class GPTCLI(LightningCLI):
 
 def main(args: Optional[list[str]] = None) -> None:
     """Run the ``gpuopt`` CLI. Every option can also come from an environment variable,
-    ``GPUOPT_<SUBCOMMAND>__<GROUP>__<OPTION>`` (e.g. ``GPUOPT_FIT__TRAINER__MAX_STEPS=100``)."""
+    ``GPUOPT_<SUBCOMMAND>__<GROUP>__<OPTION>`` (e.g. ``GPUOPT_FIT__TRAINER__MAX_STEPS=100``); a value in a
+    ``--config`` file or a command-line flag takes precedence over it."""
     GPTCLI(
         GPTModule,
         TextDataModule,

@@ -69,6 +69,16 @@ def test_environment_variables_set_options(cache_dir):
     assert out.returncode == 0, out.stderr
     config = yaml.safe_load(out.stdout)
     assert config["trainer"]["max_steps"] == 7 and config["model"]["learning_rate"] == 0.01
+    # A --config file takes precedence: the quickstart's max_steps stays; a key it does not set comes from the env.
+    env["GPUOPT_FIT__TRAINER__NUM_SANITY_VAL_STEPS"] = "5"
+    quickstart = [c for c in CONFIGS if c.stem == "quickstart"][0]
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_gpuopt", "fit", "--config", str(quickstart), "--print_config"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+    assert config["trainer"]["max_steps"] == 300 and config["trainer"]["num_sanity_val_steps"] == 5
 
 
 def test_vocab_size_is_linked_from_the_data(tmp_path, cache_dir):
