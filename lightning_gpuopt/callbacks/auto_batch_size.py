@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 import warnings
@@ -153,7 +152,6 @@ class AutoBatchSize(Callback):
         self._per_device: Optional[int] = None
         self._restored: Optional[dict[str, Any]] = None
         self._original_advance: Optional[Callable] = None
-        self._step_start: Optional[dict] = None
         self._stopped = False  # this callback already stopped the run (and said why)
         self._searched_in_this_fit = False
 
@@ -321,9 +319,6 @@ class AutoBatchSize(Callback):
 
         def advance(data_fetcher: Any) -> None:
             while True:
-                progress = epoch_loop.batch_progress
-                if progress.current.ready % trainer.accumulate_grad_batches == 0:  # a new optimizer step starts
-                    self._step_start = copy.deepcopy(progress.state_dict())
                 oom_message = None
                 try:
                     return original(data_fetcher)
@@ -373,16 +368,15 @@ class AutoBatchSize(Callback):
         per_device = self._per_device or old * trainer.accumulate_grad_batches
         new = fallback_micro_batch(old, per_device)
         epoch_loop = trainer.fit_loop.epoch_loop
-        start = self._step_start
         if new is None:
             self._stopped = True
             path = None if _is_sharded(trainer) else self._emergency_checkpoint(trainer)
             raise RuntimeError(_stop_message(trainer, old, None, path) + f" (error: {message})")
-        done_in_epoch = start["current"]["ready"] * old  # samples of this epoch before the redone step
+        # The failed micro-batch was not processed, so the step boundary is where the failed step started.
+        done_in_epoch = step_boundary(trainer) * old  # samples of this epoch before the redone step
         batches_before = done_in_epoch // new
-        # Back to the first micro-batch of the failed step, counted in the old micro-batches.
         progress = epoch_loop.batch_progress
-        progress.load_state_dict(copy.deepcopy(start))
+        progress.is_last_batch = False
         # A datamodule that positions its own loaders (TextDataModule: `train_position()`, saved in
         # its state) is asked where the step started before anything changes; other loaders restart
         # the epoch and are fast-forwarded below.
