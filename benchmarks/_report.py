@@ -157,6 +157,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"python {env['python']}, CUDA {env['cuda'] or '-'}",
         f"- commit {env['git_commit'] or 'unknown'}, {env['date']}",
         f"- command: `{env['command']}`",
+        *([] if report.get("complete", True) else [
+            "- **partial results**: written while the run was still going (or after it was stopped); the "
+            "configurations missing from the table had not finished",
+        ]),
         f"- {s['steps']} measured optimizer steps after {s['warmup_steps']} warm-up steps, {s['repeats']} repeat(s) "
         f"(order alternates between repeats); data: {s['data']}; fixed micro-batch {s['micro_batch_size']}, "
         f"AutoBatchSize global batch {s['global_batch_size']}",

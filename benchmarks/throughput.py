@@ -22,6 +22,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional, get_args
@@ -101,6 +102,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG chart")
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device-slug>)")
     p.add_argument("--tag", default=None, help="appended to the file names, for runs split over several commands")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: start no configuration after this much time has passed; the rest are reported "
+                   "as skipped (for machines that stop a command after a fixed time)")
     return p.parse_args(argv)
 
 
@@ -180,6 +184,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise ValueError(f"--tag must be letters, digits, '-' or '_' (it goes into file names), got {args.tag!r}.")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}.")
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise ValueError(f"--time-budget must be a positive number of seconds, got {args.time_budget}.")
+    began = time.perf_counter()
     settings = _settings(args)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     env = _environment(device, argv)
@@ -203,10 +210,32 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       block_size=settings.block_size).flops_per_token(settings.block_size))
 
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+
+    def report(complete: bool) -> dict[str, Any]:
+        done = {n: r for n, r in runs.items() if r}
+        summary = summarise(done, flops_per_token, peaks, mfu_note)
+        return {
+            "environment": env,
+            "settings": {**asdict(settings), "repeats": args.repeats, "configs": names},
+            # False while the runs go on: the files are rewritten after every configuration, so a
+            # command stopped from outside still leaves the results of the configurations that finished.
+            "complete": complete,
+            "flops_per_token": flops_per_token,
+            "peaks": peaks,
+            "mfu_note": mfu_note,
+            "summary": summary,
+            "targets": check_targets(summary, settings.preset),
+            "notes": [],  # findings of a profile where a target is missed, added by whoever ran it
+            "runs": done,
+        }
+
     auto_batch: Optional[tuple[int, int]] = None  # (micro-batch, accumulation) AutoBatchSize chose
     for repeat in range(args.repeats):
         for name in _run_order(names, repeat):
             reason = skip_reason(name, settings, device)
+            spent = time.perf_counter() - began
+            if reason is None and args.time_budget is not None and spent > args.time_budget:
+                reason = f"--time-budget={args.time_budget:g} s was spent ({spent:.0f} s) before it could start"
             if reason is not None:
                 log.warning("%s skipped: %s", name, reason)
                 runs[name].append({"status": "skipped", "reason": reason, "repeat": repeat})
@@ -231,29 +260,25 @@ def main(argv: Optional[list[str]] = None) -> int:
             else:
                 log.info("%s: %.0f tokens/s", name, result["tokens_per_s"])
             runs[name].append(result)
+            _write(out / stem, report(complete=False))
 
-    summary = summarise(runs, flops_per_token, peaks, mfu_note)
-    report = {
-        "environment": env,
-        "settings": {**asdict(settings), "repeats": args.repeats, "configs": names},
-        "flops_per_token": flops_per_token,
-        "peaks": peaks,
-        "mfu_note": mfu_note,
-        "summary": summary,
-        "targets": check_targets(summary, settings.preset),
-        "notes": [],  # findings of a profile where a target is missed, added by whoever ran it
-        "runs": runs,
-    }
-    write_json(out / f"{stem}.json", report)
-    text = markdown(report)
-    (out / f"{stem}.md").write_text(text)
+    final = report(complete=True)
+    text = _write(out / stem, final)
     if args.no_plot:
         log.info("--no-plot: no PNG written")
     else:
-        plot(out / f"{stem}.png", report)
+        plot(out / f"{stem}.png", final)
     print(text)
     log.info("results in %s", out / stem)
-    return 1 if any(e["status"] == "failed" for e in summary.values()) else 0
+    return 1 if any(e["status"] == "failed" for e in final["summary"].values()) else 0
+
+
+def _write(stem: Path, report: dict[str, Any]) -> str:
+    """Write ``<stem>.json`` and ``<stem>.md``; return the Markdown."""
+    write_json(stem.with_name(stem.name + ".json"), report)
+    text = markdown(report)
+    stem.with_name(stem.name + ".md").write_text(text)
+    return text
 
 
 if __name__ == "__main__":

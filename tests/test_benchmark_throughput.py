@@ -81,6 +81,40 @@ def test_cpu_run_writes_results_for_every_configuration(text_dir, cache_dir, tmp
     assert (out / "throughput-tiny-T32.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_results_are_written_after_each_configuration(text_dir, cache_dir, tmp_path, monkeypatch):
+    # A machine that stops a command after a fixed time: the configurations that finished are on disk.
+    out = tmp_path / "results"
+    real_run = throughput.run_config
+
+    def stopped_in_second(name, *args):
+        if name == "gpuopt-bf16":
+            raise KeyboardInterrupt  # what the stop looks like from inside the process
+        return real_run(name, *args)
+
+    monkeypatch.setattr(throughput, "run_config", stopped_in_second)
+    with pytest.raises(KeyboardInterrupt):
+        throughput.main(_argv(text_dir, cache_dir, out, ["baseline", "gpuopt-bf16"], "--no-plot"))
+    report = _load(out)
+    assert report["complete"] is False
+    assert list(report["summary"]) == ["baseline"] and report["summary"]["baseline"]["status"] == "ok"
+    assert len(report["runs"]["baseline"][0]["step_times_s"]) == 3
+    assert "partial results" in (out / "throughput-tiny-T32.md").read_text()
+
+
+def test_time_budget_skips_configurations_that_would_start_late(text_dir, cache_dir, tmp_path):
+    out = tmp_path / "results"
+    # Tokenising alone takes longer than a microsecond: nothing may start, and each says why.
+    assert throughput.main(_argv(text_dir, cache_dir, out, ["baseline", "gpuopt-bf16"], "--time-budget", "1e-6")) == 0
+    report = _load(out)
+    assert report["complete"] is True
+    for name in ("baseline", "gpuopt-bf16"):
+        entry = report["summary"][name]
+        assert entry["status"] == "skipped" and "--time-budget=1e-06 s was spent" in entry["reason"]
+    assert "partial results" not in (out / "throughput-tiny-T32.md").read_text()
+    with pytest.raises(ValueError, match="--time-budget must be a positive"):
+        throughput.main(_argv(text_dir, cache_dir, out, ["baseline"], "--time-budget", "0"))
+
+
 @pytest.mark.extended  # compiles three models: 35 s warm, ~110 s on a fresh machine
 def test_compiled_configurations_and_torch_loop_match_on_cpu(text_dir, cache_dir, tmp_path):
     out = tmp_path / "results"
