@@ -25,6 +25,8 @@ def _known_state(monkeypatch):
 
 def test_applies_at_construction(monkeypatch):
     _known_state(monkeypatch)
+    # On a GPU machine an earlier test may have initialised CUDA; this test is about the path before that.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     before = _capture()
     cb = CUDASettings(tf32=True, cudnn_benchmark=True, sdpa_backends=["efficient", "math"], expandable_segments=True)
     now = _capture()
@@ -74,10 +76,52 @@ def test_none_leaves_settings_alone(monkeypatch):
     assert _capture() == before and cb.report == []
 
 
+def test_construction_does_not_initialise_cuda(monkeypatch):
+    # Built before a fork-based launch (strategy="ddp_fork"/"ddp_notebook"), the callback must leave CUDA
+    # uninitialised; the Flash capability check waits for setup, on the training device.
+    _known_state(monkeypatch)
+    before = _capture()
+
+    def initialises_cuda():
+        raise AssertionError("CUDASettings initialised CUDA at construction")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", initialises_cuda)
+    cb = CUDASettings(sdpa_backends=["flash", "efficient", "math"])
+    assert dict((r[0], r[2]) for r in cb.report)["sdpa_backends"] == "applied"
+    assert dict((r[0], r[2]) for r in cb.report)["expandable_segments"].startswith("applied via PYTORCH_CUDA_ALLOC_CONF")
+    cb._restore()
+    assert _capture() == before
+
+
+def test_runtime_allocator_update_keeps_the_other_options(monkeypatch):
+    # CUDA already initialised: the allocator gets the whole configuration, not just expandable_segments.
+    _known_state(monkeypatch)
+    sent = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr("lightning_gpuopt.callbacks.cuda_settings._set_allocator_settings", sent.append)
+    cb = CUDASettings(expandable_segments=True)
+    assert sent == ["max_split_size_mb:128,expandable_segments:True"]
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"  # the variable itself is left alone
+    cb._restore()
+    assert sent[-1] == "max_split_size_mb:128,expandable_segments:False"
+
+    def refuses(conf):
+        raise ValueError("Unrecognized key 'bogus' in Accelerator allocator config.")
+
+    monkeypatch.setattr("lightning_gpuopt.callbacks.cuda_settings._set_allocator_settings", refuses)
+    cb = CUDASettings(expandable_segments=True)  # a bad user setting is reported, not raised
+    status = dict((r[0], r[2]) for r in cb.report)["expandable_segments"]
+    assert status.startswith("not applied") and "Unrecognized key" in status
+    cb._restore()
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(sdpa_backends=["flash", "fast"]), dict(sdpa_backends=[]), dict(sdpa_backends=["math", "math"]),
-     dict(matmul_precision="low"), dict(tf32=True, matmul_precision="highest")],
+     dict(matmul_precision="low"), dict(tf32=True, matmul_precision="highest"),
+     dict(tf32=False, matmul_precision="high")],
 )
 def test_bad_arguments_raise(kwargs):
     with pytest.raises(ValueError, match="CUDASettings"):

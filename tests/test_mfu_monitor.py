@@ -122,6 +122,18 @@ def test_flops_of_a_foreign_model_match_a_hand_count():
     assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())  # untouched
 
 
+def test_flops_of_a_model_with_tied_embeddings():
+    # GPT ties lm_head to the token embedding: one tensor under two names.
+    from lightning_gpuopt.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=512, block_size=T))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    flops = measure_training_flops(model, torch.zeros(B, T, dtype=torch.long)) / (B * T)
+    # PaLM's 6N counts the biases and LayerNorm weights too, as if they were matmul weights.
+    vectors = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    assert flops == model.flops_per_token(T) - 6 * vectors
+
+
 def test_monitor_measures_flops_of_a_module_without_flops_per_token(tmp_path):
     from lightning.pytorch import LightningModule
 

@@ -100,6 +100,24 @@ def test_bf16_autocasts_on_the_trainer_device_and_keeps_fp32_state():
     assert module.seen["norm_after_clip"] <= 1.0 + 1e-4
 
 
+def test_plugins_are_built_without_initialising_cuda(monkeypatch):
+    # A Trainer with strategy="ddp_fork"/"ddp_notebook" forks after the plugins are built: had they
+    # initialised CUDA (current device, bf16 capability), every child would fail to use the GPU.
+    def initialises_cuda():
+        raise AssertionError("initialised CUDA while building a precision plugin")
+
+    monkeypatch.setattr("lightning_gpuopt.plugins._autocast.num_cuda_devices", lambda: 1)  # a GPU machine
+    monkeypatch.setattr(torch.cuda, "_lazy_init", initialises_cuda)
+    for plugin in (BF16Precision(), Float8Precision()):
+        assert (plugin.device, plugin.precision, plugin.scaler) == ("cuda", "bf16-mixed", None)
+    # The real device decides at setup (here the CPU a Trainer attaches).
+    plugin = BF16Precision()
+    monkeypatch.undo()
+    trainer = _trainer(plugin, max_steps=1)
+    trainer.fit(ProbeGPT(), train_dataloaders=token_loader(n_seq=8))
+    assert (plugin.device, plugin.precision) == ("cpu", "bf16-mixed")
+
+
 def test_bf16_falls_back_to_fp16_with_grad_scaler_where_bf16_is_missing(monkeypatch):
     # Simulates a T4/V100 on CPU: the capability check says "no bf16".
     monkeypatch.setattr("lightning_gpuopt.plugins.bf16.supports_bf16", lambda device: False)

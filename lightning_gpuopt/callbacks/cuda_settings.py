@@ -32,6 +32,14 @@ def _with_option(conf: str, key: str, value: str) -> str:
     return ",".join([*options, f"{key}:{value}"])
 
 
+def _set_allocator_settings(conf: str) -> None:
+    """Update the CUDA caching allocator's configuration at runtime (``conf`` as in ``PYTORCH_CUDA_ALLOC_CONF``)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings  # older torch (deprecated in newer ones)
+    setter(conf)
+
+
 def _capture() -> dict[str, Any]:
     """The global state this callback may change."""
     return {
@@ -80,7 +88,7 @@ class CUDASettings(Callback):
     Note:
         With CUDA not yet initialised, the allocator option goes into ``PYTORCH_CUDA_ALLOC_CONF``
         (or ``PYTORCH_ALLOC_CONF`` if that is set), keeping its other options; afterwards it is set
-        through ``torch.cuda.memory._set_allocator_settings``, which affects new memory segments.
+        at runtime with the variable's other options, which affects new memory segments.
         Construct the callback before anything allocates CUDA memory. A ``Trainer(benchmark=...)``
         given explicitly overrides ``cudnn_benchmark``.
     """
@@ -106,6 +114,11 @@ class CUDASettings(Callback):
             raise ValueError(f"CUDASettings.matmul_precision must be one of {_MATMUL_PRECISIONS} or None, got {matmul_precision!r}.")
         if matmul_precision == "highest" and tf32:
             raise ValueError("CUDASettings(tf32=True, matmul_precision='highest') contradict each other: drop one.")
+        if matmul_precision in ("high", "medium") and tf32 is False:
+            raise ValueError(
+                f"CUDASettings(tf32=False, matmul_precision={matmul_precision!r}) contradict each other: "
+                f"matmul_precision={matmul_precision!r} turns TF32 matmuls on. Drop one."
+            )
         self.tf32 = tf32
         self.cudnn_benchmark = cudnn_benchmark
         self.sdpa_backends = list(sdpa_backends) if sdpa_backends is not None else None
@@ -123,6 +136,8 @@ class CUDASettings(Callback):
         cuda = torch.cuda.is_available()
         no_cuda = "set, no effect: no CUDA device"
         rows = []
+        if self.expandable_segments is not None:  # first: nothing below may initialise CUDA before it
+            rows.append(("expandable_segments", str(self.expandable_segments), self._apply_allocator(cuda)))
         if self.tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
             torch.backends.cudnn.allow_tf32 = self.tf32
@@ -138,24 +153,23 @@ class CUDASettings(Callback):
             from torch.nn.attention import SDPBackend, _sdpa_kernel
 
             _sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[b]) for b in self.sdpa_backends], set_priority=True)
-            status = "applied" if cuda else no_cuda
-            if cuda and "flash" in self.sdpa_backends and torch.cuda.get_device_capability()[0] < 8:
-                status = "applied; flash needs compute capability >= 8.0, so it is skipped on this GPU"
-            rows.append(("sdpa_backends", ",".join(self.sdpa_backends), status))
-        if self.expandable_segments is not None:
-            rows.append(("expandable_segments", str(self.expandable_segments), self._apply_allocator(cuda)))
+            # The GPU's capability (flash needs >= 8.0) is read at setup, on the training device: reading
+            # it here would initialise CUDA in the process that builds the Trainer (fatal for fork launches).
+            rows.append(("sdpa_backends", ",".join(self.sdpa_backends), "applied" if cuda else no_cuda))
         self.report = rows
 
     def _apply_allocator(self, cuda: bool) -> str:
         value = "True" if self.expandable_segments else "False"
+        var = _alloc_conf_var()
+        conf = _with_option(os.environ.get(var, ""), "expandable_segments", value)
         if torch.cuda.is_initialized():
             try:
-                torch.cuda.memory._set_allocator_settings(f"expandable_segments:{value}")
-            except (RuntimeError, AttributeError) as err:
+                # The whole configuration, so the variable's other options stay in force.
+                _set_allocator_settings(conf)
+            except (RuntimeError, ValueError, AttributeError) as err:
                 return f"not applied: CUDA was already initialised and the allocator refused ({err})"
             return "applied at runtime (CUDA already initialised): affects new memory segments"
-        var = _alloc_conf_var()
-        os.environ[var] = _with_option(os.environ.get(var, ""), "expandable_segments", value)
+        os.environ[var] = conf
         return f"applied via {var} before CUDA initialisation" if cuda else f"{var} set, no effect: no CUDA device"
 
     def _restore(self) -> None:
@@ -176,10 +190,11 @@ class CUDASettings(Callback):
             else:
                 os.environ[name] = value
         if self.expandable_segments is not None and torch.cuda.is_initialized():
-            before = any("expandable_segments:true" in (v or "").lower().replace(" ", "") for v in saved["env"].values())
+            conf = saved["env"][_alloc_conf_var()] or ""
+            before = "expandable_segments:true" in conf.lower().replace(" ", "")
             try:
-                torch.cuda.memory._set_allocator_settings(f"expandable_segments:{before}")
-            except (RuntimeError, AttributeError):
+                _set_allocator_settings(_with_option(conf, "expandable_segments", str(before)))
+            except (RuntimeError, ValueError, AttributeError):
                 pass
 
     def table(self) -> str:
@@ -193,6 +208,14 @@ class CUDASettings(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._apply()  # after a previous fit restored the state
+        device = trainer.strategy.root_device
+        if self.sdpa_backends is not None and "flash" in self.sdpa_backends and device.type == "cuda":
+            if torch.cuda.get_device_capability(device)[0] < 8:
+                self.report = [
+                    (name, value, status + "; flash needs compute capability >= 8.0, so it is skipped on this GPU")
+                    if name == "sdpa_backends" else (name, value, status)
+                    for name, value, status in self.report
+                ]
         if self.cudnn_benchmark is not None and torch.backends.cudnn.benchmark != self.cudnn_benchmark:
             self.report = [r for r in self.report if r[0] != "cudnn_benchmark"]
             self.report.append(

@@ -67,7 +67,8 @@ def measure_training_flops(model: nn.Module, *args: Any, forward: Optional[Calla
     """
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
     params = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+    # Each shared tensor once (tied embeddings): functional_call ties the other names to it.
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
         params[name] = meta.requires_grad_(tensor.requires_grad and tensor.is_floating_point())
     meta_args = _to_meta(args)

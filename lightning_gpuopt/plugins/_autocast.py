@@ -3,7 +3,8 @@
 Lightning's ``MixedPrecision`` takes the autocast ``device`` as a constructor argument. Ours learn it
 from the Trainer they are attached to (``trainer.strategy.root_device``) the first time they see the
 LightningModule (in ``module_init_context``'s hooks or in ``convert_module``), so a YAML config never
-names a device. Until then they assume the device a Trainer would pick by default (CUDA if present).
+names a device. Until then they assume bfloat16 on the device a Trainer would pick by default (CUDA if
+present), without initialising CUDA.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 import torch
+from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.nn import Module
 from typing_extensions import override
@@ -45,17 +47,22 @@ def trainer_device(module: Module) -> Optional[torch.device]:
     return trainer.strategy.root_device
 
 
-def _default_device() -> torch.device:
-    # What a Trainer with accelerator="auto" picks; replaced by the real device at setup.
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def _default_device_type() -> str:
+    # What a Trainer with accelerator="auto" picks; replaced by the real device at setup. Lightning's
+    # device count does not initialise CUDA (NVML), so a plugin built before a fork-based launch
+    # (strategy="ddp_fork" / "ddp_notebook") leaves the children free to use the GPU.
+    return "cuda" if num_cuda_devices() > 0 else "cpu"
 
 
 class _TrainerDeviceMixedPrecision(MixedPrecision):
-    """``MixedPrecision`` that takes its autocast device from the Trainer at setup (private base)."""
+    """``MixedPrecision`` that takes its autocast device from the Trainer at setup (private base).
+
+    Until then it assumes bfloat16, without asking the GPU (that would initialise CUDA in the
+    process that builds the Trainer); ``_bind`` decides with the real device.
+    """
 
     def __init__(self) -> None:
-        device = _default_device()
-        super().__init__(precision=self._precision_for(device), device=device.type)
+        super().__init__(precision="bf16-mixed", device=_default_device_type())
         self._bound_device: Optional[torch.device] = None
 
     def _precision_for(self, device: torch.device) -> _AutocastPrecision:
