@@ -215,10 +215,14 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
         first_loss=timer.first_loss,
     )
     if auto is not None:
+        trials = list(getattr(auto, "trials", []) or [])
+        peaks = [t.peak_memory for t in trials if t.peak_memory is not None]
         result["auto_batch"] = {
             "micro_batch_size": auto.micro_batch_size,
             "accumulate_grad_batches": auto.accumulate_grad_batches,
-            "trials": len(getattr(auto, "trials", []) or []),
+            "trials": len(trials),
+            # The search resets CUDA's peak statistics, so peak_memory_gb is training only; this is the search's.
+            "search_peak_reserved_gb": max(peaks) / _GB if peaks else None,
         }
     return result
 

@@ -132,6 +132,28 @@ def test_compiled_configurations_and_torch_loop_match_on_cpu(text_dir, cache_dir
     assert not (out / "throughput-tiny-T32.png").exists()
 
 
+@pytest.mark.extended  # compiles for every AutoBatchSize trial shape and for training: ~2-3 min on 2 cores
+def test_auto_batch_configurations_and_the_torch_loop_that_follows_them_on_cpu(text_dir, cache_dir, tmp_path):
+    out = tmp_path / "results"
+    configs = ["baseline", "gpuopt-bf16-compile-auto", "gpuopt-fp8-compile-auto", "torch-loop"]
+    argv = _argv(text_dir, cache_dir, out, configs, "--max-micro-batch-size", "8", "--fp8-emulate", "--no-plot")
+    assert throughput.main(argv) == 0
+    summary = _load(out)["summary"]
+    assert [summary[n]["status"] for n in configs] == ["ok"] * 4
+    for name in ("gpuopt-bf16-compile-auto", "gpuopt-fp8-compile-auto"):
+        entry = summary[name]
+        # No memory limit on CPU: the largest candidate <= 8 that divides the global batch of 16.
+        assert (entry["micro_batch_size"], entry["accumulate_grad_batches"], entry["tokens_per_step"]) == (8, 2, 512)
+        assert entry["auto_batch"]["trials"] == 4  # 1, 2, 4, 8
+        assert entry["auto_batch"]["search_peak_reserved_gb"] is None  # no CUDA statistics
+        assert entry["search_s"] and entry["search_s"][0] > 0
+    loop = summary["torch-loop"]
+    assert (loop["micro_batch_size"], loop["accumulate_grad_batches"], loop["tokens_per_step"]) == (8, 2, 512)
+    assert "compare with it" in loop["compare_with"]
+    sums = {summary[n]["first_batch_token_sum"] for n in configs}
+    assert len(sums) == 1  # every configuration read the same first micro-batch
+
+
 def test_failed_configuration_is_recorded_not_raised(text_dir, cache_dir):
     settings = BenchSettings(preset="tiny", block_size=32, vocab_size=512, tokenizer_vocab_size=512, data=str(text_dir),
                              cache_dir=str(cache_dir), steps=2, warmup_steps=1, num_workers=0)
