@@ -59,6 +59,7 @@ class BenchSettings:
             tests the path, measures nothing useful.
         compile_mode: ``torch.compile`` mode of the compiled configurations (``None``: default).
         learning_rate: Peak learning rate (warm-up over ``warmup_steps``).
+        profile_steps: Optimizer steps run under ``torch.profiler`` after the measured ones (0: none).
     """
 
     preset: str = "124m"
@@ -78,12 +79,15 @@ class BenchSettings:
     fp8_emulate: bool = False
     compile_mode: Optional[str] = None
     learning_rate: float = 6e-4
+    profile_steps: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "micro_batch_size", "global_batch_size", "steps", "warmup_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+        if isinstance(self.profile_steps, bool) or not isinstance(self.profile_steps, int) or self.profile_steps < 0:
+            raise ValueError(f"--profile-steps must be an integer >= 0, got {self.profile_steps!r}.")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"--global-batch-size={self.global_batch_size} must be a multiple of --micro-batch-size="

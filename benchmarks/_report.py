@@ -91,6 +91,8 @@ def summarise(
             entry["mfu_note"] = mfu_note
         if "auto_batch" in results[0]:
             entry["auto_batch"] = results[0]["auto_batch"]
+        if "profile" in results[0]:
+            entry["profile"] = results[0]["profile"]  # of the first repeat
         if name == TORCH_LOOP:
             entry["compare_with"] = results[0].get("compare_with")
         summary[name] = entry
@@ -196,6 +198,22 @@ def markdown(report: dict[str, Any]) -> str:
               "unmeasured first steps (compilation). Neither is in tokens/s.", ""]
     if notes:
         lines += ["## Notes", "", *dict.fromkeys(notes), ""]
+    profiled = {name: e["profile"] for name, e in report["summary"].items() if e.get("profile")}
+    if profiled:
+        lines += ["## Profiles", "",
+                  "Device time per optimizer step by kernel category (CPU: operator self time), over "
+                  f"{s.get('profile_steps')} steps run after the measured ones; idle: the device waiting between kernels.", ""]
+        for name, prof in profiled.items():
+            if "error" in prof:
+                lines.append(f"- `{name}`: the profile could not be summarised: {prof['error']}")
+                continue
+            parts = [f"{c} {v['pct']:.0f}%" for c, v in prof["categories"].items()]
+            idle = "" if prof["idle_pct"] is None else f"; idle {prof['idle_pct']:.1f}% of the span"
+            lines.append(f"- `{name}` ({prof['source']}): busy {prof['busy_ms_per_step']:.1f} ms/step{idle}: "
+                         + ", ".join(parts))
+            for kernel, ms, pct, calls in prof["top"][:5]:
+                lines.append(f"  - {ms:.2f} ms ({pct:.0f}%, {calls:g} calls/step) `{kernel[:100]}`")
+        lines.append("")
     lines += ["## Targets (H100, sequence length 1024)", "", "| target | value | met |", "|---|---:|---|"]
     for t in report["targets"]:
         met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")

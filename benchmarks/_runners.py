@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from benchmarks._configs import BenchSettings, lightning_parts
+from benchmarks._profile import StepProfiler
 from benchmarks._timing import StepClock
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPT, GPTModule
@@ -100,7 +101,7 @@ def _result(
     warmup = settings.warmup_steps
     if len(clock) < warmup + settings.steps:
         raise RuntimeError(f"{name} stopped after {len(clock)} optimizer steps, expected {warmup + settings.steps}.")
-    seconds = clock.intervals(start=warmup - 1)  # steps warmup+1 ... warmup+steps
+    seconds = clock.intervals(start=warmup - 1)[: settings.steps]  # steps warmup+1 ... warmup+steps
     tokens = tokens_per_step[warmup : warmup + len(seconds)]
     return {
         "status": "ok",
@@ -121,8 +122,9 @@ def _result(
 class _StepTimer(Callback):
     """Marks every optimizer step and counts its tokens; notes the first batch and loss (checks that runs match)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, profiler: StepProfiler) -> None:
         self.clock = StepClock(device)
+        self.profiler = profiler
         self.tokens_per_step: list[int] = []
         self.fit_start: Optional[float] = None
         self.train_start: Optional[float] = None
@@ -157,6 +159,7 @@ class _StepTimer(Callback):
             self.clock.mark()
             self.tokens_per_step.append(self._tokens)
             self._tokens = 0
+            self.profiler.tick(len(self.clock))
 
 
 def _accelerator(device: torch.device) -> str:
@@ -178,7 +181,9 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
     begin = time.perf_counter()
     pl.seed_everything(settings.seed, verbose=False)
     parts = lightning_parts(name, settings)
-    timer = _StepTimer(device)
+    measured = settings.warmup_steps + settings.steps
+    profiler = StepProfiler(device, first_step=measured, steps=settings.profile_steps)
+    timer = _StepTimer(device, profiler)
     data = make_data(settings, settings.micro_batch_size)
     module = GPTModule(
         preset=settings.preset,
@@ -195,7 +200,7 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
         precision=parts.precision,
         plugins=parts.plugins or None,
         callbacks=[timer, *parts.callbacks],
-        max_steps=settings.warmup_steps + settings.steps,
+        max_steps=measured + settings.profile_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -204,7 +209,10 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
         num_sanity_val_steps=0,
     )
     _reset_memory(device)
-    trainer.fit(module, datamodule=data)
+    try:
+        trainer.fit(module, datamodule=data)
+    finally:
+        profiler.close()
     auto = parts.auto_batch
     result = _result(
         name, settings, device, timer.clock, timer.tokens_per_step, begin, timer.train_start,
@@ -214,6 +222,8 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
         first_batch_sum=timer.first_batch_sum,
         first_loss=timer.first_loss,
     )
+    if profiler.summary is not None:
+        result["profile"] = profiler.summary
     if auto is not None:
         trials = list(getattr(auto, "trials", []) or [])
         peaks = [t.peak_memory for t in trials if t.peak_memory is not None]
@@ -249,6 +259,8 @@ def run_torch_loop(
 
     begin = time.perf_counter()
     cuda_settings = CUDASettings()  # the same global flags as the gpuopt configurations; undone below
+    measured = settings.warmup_steps + settings.steps
+    profiler = StepProfiler(device, first_step=measured, steps=settings.profile_steps)
     try:
         pl.seed_everything(settings.seed, verbose=False)
         data = make_data(settings, micro_batch_size)
@@ -257,7 +269,7 @@ def run_torch_loop(
         with torch.device(device):  # built on the device, as the Trainer does (same RNG stream)
             model = GPT(config)
         model.compile(mode=settings.compile_mode)
-        total = settings.warmup_steps + settings.steps
+        total = measured + settings.profile_steps
         optimizer = build_adamw(model, settings.learning_rate)  # fused on CUDA
         scheduler = warmup_cosine_schedule(optimizer, settings.warmup_steps, total)
         data.prepare_data()
@@ -291,11 +303,16 @@ def run_torch_loop(
             optimizer.zero_grad(set_to_none=True)
             clock.mark()
             tokens_per_step.append(tokens)
-        return _result(
+            profiler.tick(len(clock))
+        result = _result(
             "torch-loop", settings, device, clock, tokens_per_step, begin, train_start, None,
             micro_batch_size, accumulate, first_batch_sum, first_loss,
         )
+        if profiler.summary is not None:
+            result["profile"] = profiler.summary
+        return result
     finally:
+        profiler.close()
         cuda_settings.teardown(None, None, "fit")  # type: ignore[arg-type]  # restores the global flags
 
 

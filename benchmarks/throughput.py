@@ -102,6 +102,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG chart")
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device-slug>)")
     p.add_argument("--tag", default=None, help="appended to the file names, for runs split over several commands")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the measured steps, profile this many more with torch.profiler: device time per "
+                   "kernel category, idle time and the longest kernels, in the results (0: off)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds: start no configuration after this much time has passed; the rest are reported "
                    "as skipped (for machines that stop a command after a fixed time)")
@@ -128,6 +131,7 @@ def _settings(args: argparse.Namespace) -> BenchSettings:
         fp8_recipe=args.fp8_recipe,
         fp8_emulate=args.fp8_emulate,
         compile_mode=args.compile_mode,
+        profile_steps=args.profile_steps,
     )
 
 

@@ -163,6 +163,7 @@ CASES = [
     Case("sdpa-unknown-backend", lambda c: CUDASettings(sdpa_backends=["flash", "fast"]), ValueError,
          r"distinct names from \['cudnn', 'flash', 'efficient', 'math'\]"),
     Case("tf32-vs-highest-precision", lambda c: CUDASettings(tf32=True, matmul_precision="highest"), ValueError, "contradict each other: drop one"),
+    Case("no-tf32-vs-tf32-precision", lambda c: CUDASettings(tf32=False, matmul_precision="high"), ValueError, "turns TF32 matmuls on. Drop one"),
     Case("mfu-peak-in-tflops", lambda c: MFUMonitor(peak_flops=-1.0), ValueError, r"must be > 0 FLOP/s \(e.g. 989.4e12\)"),
     Case("mfu-log-every-zero", lambda c: MFUMonitor(log_every_n_steps=0), ValueError, "must be a positive integer or None"),
     Case("guard-unknown-policy", lambda c: NonFiniteGuard(policy="ignore"), ValueError, "policy must be 'skip' or 'stop'"),

@@ -136,7 +136,8 @@ def test_compiled_configurations_and_torch_loop_match_on_cpu(text_dir, cache_dir
 def test_auto_batch_configurations_and_the_torch_loop_that_follows_them_on_cpu(text_dir, cache_dir, tmp_path):
     out = tmp_path / "results"
     configs = ["baseline", "gpuopt-bf16-compile-auto", "gpuopt-fp8-compile-auto", "torch-loop"]
-    argv = _argv(text_dir, cache_dir, out, configs, "--max-micro-batch-size", "8", "--fp8-emulate", "--no-plot")
+    argv = _argv(text_dir, cache_dir, out, configs, "--max-micro-batch-size", "8", "--fp8-emulate", "--no-plot",
+                 "--profile-steps", "1")
     assert throughput.main(argv) == 0
     summary = _load(out)["summary"]
     assert [summary[n]["status"] for n in configs] == ["ok"] * 4
@@ -150,6 +151,7 @@ def test_auto_batch_configurations_and_the_torch_loop_that_follows_them_on_cpu(t
     loop = summary["torch-loop"]
     assert (loop["micro_batch_size"], loop["accumulate_grad_batches"], loop["tokens_per_step"]) == (8, 2, 512)
     assert "compare with it" in loop["compare_with"]
+    assert all(summary[n]["profile"]["categories"]["matmul"]["ms_per_step"] > 0 for n in configs)
     sums = {summary[n]["first_batch_token_sum"] for n in configs}
     assert len(sums) == 1  # every configuration read the same first micro-batch
 

@@ -7,7 +7,7 @@ from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor
 
 CONFIG = """
 cuda:
-  tf32: false
+  tf32: true
   cudnn_benchmark: true
   sdpa_backends: [flash, efficient, math]
   expandable_segments: true
@@ -29,6 +29,6 @@ def test_yaml_config_builds_both_callbacks():
     init = parser.instantiate_classes(cfg)
     cuda, mfu = init.cuda, init.mfu
     assert isinstance(cuda, CUDASettings) and cuda.sdpa_backends == ["flash", "efficient", "math"]
-    assert cuda.matmul_precision == "medium" and cuda.tf32 is False
+    assert cuda.matmul_precision == "medium" and cuda.tf32 is True
     assert isinstance(mfu, MFUMonitor) and mfu.peak_flops == 989.4e12 and mfu.log_every_n_steps == 10
     cuda._restore()
