@@ -392,9 +392,8 @@ def test_resume_reuses_the_decision_without_searching(tmp_path):
     assert trainer.global_step == 3
 
 
-def test_a_decision_restored_after_the_search_does_not_override_it(tmp_path):
-    """FSDP/FSDP2/DeepSpeed restore callbacks after on_fit_start (restore_checkpoint_after_setup):
-    there the resumed run has searched already, and keeps what it found."""
+def _restores_after_setup():
+    """A one-device strategy that restores checkpoints as FSDP/FSDP2/DeepSpeed do: after on_fit_start."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     class RestoresAfterSetup(SingleDeviceStrategy):
@@ -402,17 +401,53 @@ def test_a_decision_restored_after_the_search_does_not_override_it(tmp_path):
         def restore_checkpoint_after_setup(self) -> bool:
             return True
 
+    return RestoresAfterSetup(torch.device("cpu"))
+
+
+def test_a_decision_restored_after_the_search_that_does_not_fit_is_not_used(tmp_path):
+    """FSDP/FSDP2/DeepSpeed restore callbacks after on_fit_start (restore_checkpoint_after_setup):
+    there the resumed run has searched already; a checkpoint micro-batch larger than what fits now is not used."""
     first = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)
     _trainer([first], max_steps=2, enable_checkpointing=True, default_root_dir=tmp_path).fit(
         OOMAbove(limit=5), datamodule=TokenData()
     )
     assert first.micro_batch_size == 4
     resumed = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)
-    trainer = _trainer([resumed], max_steps=3, strategy=RestoresAfterSetup(torch.device("cpu")))
+    trainer = _trainer([resumed], max_steps=3, strategy=_restores_after_setup())
     with pytest.warns(UserWarning, match=r"checkpoint's micro-batch \(4\).*keeping the search's micro-batch 2"):
         trainer.fit(OOMAbove(limit=3), datamodule=TokenData(), ckpt_path=next(tmp_path.rglob("*.ckpt")))
     assert trainer.global_step == 3 and resumed.micro_batch_size == 2
     assert [(t.micro_batch_size, t.fits) for t in resumed.trials] == [(1, True), (2, True), (4, False)]
+
+
+def test_a_decision_restored_after_the_search_that_fits_is_used_and_resumes_exactly(text_dir, cache_dir, tmp_path):
+    """Restored after the search (as under FSDP2), a checkpoint micro-batch no larger than what the search
+    found to fit is adopted, so the resumed run continues exactly as the uninterrupted one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gpuopt.callbacks import ExactResume
+    from lightning_gpuopt.data import TextDataModule
+
+    def run(limit, ckpt_path=None, strategy="auto"):
+        recorder = StepRecorder()
+        torch.manual_seed(11)
+        data = TextDataModule(source=str(text_dir), vocab_size=300, block_size=16, batch_size=1, num_workers=0)
+        module = OOMAbove(limit=limit, dropout=0.1, vocab_size=320)
+        search = AutoBatchSize(global_batch_size=8, max_micro_batch_size=8)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+        trainer = _trainer([search, ExactResume(), checkpoints, recorder], max_steps=4, enable_checkpointing=True,
+                           default_root_dir=tmp_path, strategy=strategy)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return search, recorder, data
+
+    _, full, _ = run(limit=5)  # micro-batch 4 x 2
+    step2 = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
+    search, resumed, data = run(limit=9, ckpt_path=step2, strategy=_restores_after_setup())
+    assert [(t.micro_batch_size, t.fits) for t in search.trials][-1] == (8, True)  # 8 fits on this "device"
+    assert (search.micro_batch_size, search.accumulate_grad_batches, data.batch_size) == (4, 2, 4)
+    assert resumed.micro_batches == [4] * 4
+    assert resumed.samples == full.samples[2:]
+    assert resumed.losses == full.losses[2:]  # bit for bit
 
 
 class _CountSteps(pl.Callback):

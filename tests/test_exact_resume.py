@@ -200,14 +200,18 @@ def test_exception_inside_a_batch_then_resume_is_exact(tmp_path, text_dir, fail_
 
 
 def test_fsdp2_two_processes_sigterm_mid_accumulation_then_resume_is_exact(tmp_path, text_dir):
-    """ModelParallelStrategy (FSDP2, per-block fully_shard) on 2 gloo CPU processes, distributed checkpoint."""
+    """ModelParallelStrategy (FSDP2, per-block fully_shard) on 2 gloo CPU processes, distributed checkpoint.
+
+    With AutoBatchSize: FSDP2 restores callbacks only after the resumed run's search, which here finds a
+    larger micro-batch (4, its bound) than the checkpoint's (2); the run continues with the checkpoint's."""
     data = _prepare(tmp_path, text_dir)
     fsdp = ("--strategy", "fsdp", "--devices", "2")
-    _run(tmp_path / "ref", data, *fsdp)
-    _interrupt(tmp_path / "stop", data, 9, signal.SIGTERM, *fsdp)
+    _run(tmp_path / "ref", data, *fsdp, "--auto-batch", "2")
+    _interrupt(tmp_path / "stop", data, 9, signal.SIGTERM, *fsdp, "--auto-batch", "2")
     ckpt = tmp_path / "stop" / "ckpt" / "on_exception.ckpt"
     assert (ckpt / "meta.pt").is_file() and len(list(ckpt.glob("*.distcp"))) == 2  # a DCP folder
-    _run(tmp_path / "resume", data, "--ckpt", str(ckpt), *fsdp)
+    _run(tmp_path / "resume", data, "--ckpt", str(ckpt), *fsdp, "--auto-batch", "4")
+    assert (tmp_path / "resume" / "micro_batch.txt").read_text().split() == ["2", "2"]
     for rank in (0, 1):
         _check_resumed(tmp_path / f"ref/losses_rank{rank}.txt", tmp_path / f"stop/losses_rank{rank}.txt",
                        tmp_path / f"resume/losses_rank{rank}.txt", first=(0, 8))

@@ -154,6 +154,7 @@ class AutoBatchSize(Callback):
         self._original_advance: Optional[Callable] = None
         self._stopped = False  # this callback already stopped the run (and said why)
         self._searched_in_this_fit = False
+        self._fit: Optional[tuple[pl.Trainer, pl.LightningModule]] = None  # the fit that searched, until teardown
 
     # ------------------------------------------------------------------------------------ checks
     @override
@@ -161,6 +162,7 @@ class AutoBatchSize(Callback):
         if stage != "fit":
             return
         self._searched_in_this_fit = False  # before any checkpoint is restored (also after a failed fit)
+        self._fit = None
         if trainer.strategy.root_device.type == "cpu" and self.max_micro_batch_size is None:
             raise ValueError(
                 "AutoBatchSize on CPU needs max_micro_batch_size: running out of host memory kills the process "
@@ -216,6 +218,7 @@ class AutoBatchSize(Callback):
         self._apply(trainer, pl_module, best, global_batch != configured_global)
         self._report(trainer)
         self._searched_in_this_fit = True
+        self._fit = (trainer, pl_module)
 
     def _try(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, size: int) -> Trial:
         """Run the trial steps at one size on every rank; fits only if it fits on all of them."""
@@ -354,6 +357,10 @@ class AutoBatchSize(Callback):
         else:
             rank_zero_warn(message)
 
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._fit = None  # no reference to the Trainer outlives its fit
+
     def _unwrap(self, trainer: pl.Trainer) -> None:
         if self._original_advance is not None:
             trainer.fit_loop.epoch_loop.advance = self._original_advance
@@ -448,17 +455,33 @@ class AutoBatchSize(Callback):
         if self._searched_in_this_fit:
             # FSDP/FSDP2/DeepSpeed restore callbacks after on_fit_start: this run has searched already.
             saved = state_dict["micro_batch_size"]
+            searched = self.micro_batch_size
+            if (
+                saved < searched
+                and state_dict.get("per_device_batch") == self._per_device
+                and self._fit is not None
+            ):
+                # Smaller than what the search found to fit, so it fits: continue as the checkpoint's run did
+                # (Lightning's loop counters count its micro-batches). The train loader is not built yet.
+                self._apply(*self._fit, saved, global_batch_changed=False)
+                self.recoveries = [dict(r) for r in state_dict.get("recoveries", [])]
+                rank_zero_info(
+                    f"AutoBatchSize: continuing with the checkpoint's micro-batch {saved} x "
+                    f"{self.accumulate_grad_batches} accumulation, which arrived after this run's search (the "
+                    f"strategy restores callbacks after fit start; the search found {searched} to fit)."
+                )
+                return
             message = (
                 f"AutoBatchSize: the checkpoint's micro-batch ({saved}) arrived after this run's search (the strategy "
-                f"restores callbacks after fit start); keeping the search's micro-batch {self.micro_batch_size}."
+                f"restores callbacks after fit start); keeping the search's micro-batch {searched}."
             )
-            if saved == self.micro_batch_size:
+            if saved == searched:
                 rank_zero_info(message)
             else:
                 rank_zero_warn(
-                    message + " The checkpoint's loop counters count micro-batches of "
-                    f"{saved}, so Lightning's batch count in this epoch is off (the data position, kept in samples, is "
-                    f"not). To resume exactly, run with AutoBatchSize(max_micro_batch_size={saved}) if that fits."
+                    message + f" The checkpoint's micro-batch does not fit here, and its loop counters count "
+                    f"micro-batches of {saved}, so Lightning's batch count in this epoch is off (the data position, "
+                    "kept in samples, is not)."
                 )
             return
         self._restored = dict(state_dict)

@@ -1,7 +1,7 @@
 """A tiny GPT fit that writes every micro-batch's loss, for the exact-resume tests.
 
     python resume_fit.py OUT --data-dir D [--ckpt PATH] [--pause-at N | --fail-at N] [--devices 2 --strategy ddp|fsdp]
-                         [--accelerator gpu --bf16]
+                         [--accelerator gpu --bf16] [--auto-batch MAX_MICRO_BATCH]
 
 Each rank appends ``epoch batch_idx global_step loss`` (loss as float.hex) to ``OUT/losses_rank{r}.txt``
 after every micro-batch, flushed, so a killed run leaves what it did. With ``--pause-at N`` the run
@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from lightning_gpuopt.callbacks import ExactResume, MFUMonitor  # noqa: E402
+from lightning_gpuopt.callbacks import AutoBatchSize, ExactResume, MFUMonitor  # noqa: E402
 from lightning_gpuopt.data import TextDataModule  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
 from lightning_gpuopt.plugins import BF16Precision  # noqa: E402
@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--bf16", action="store_true", help="train under BF16Precision")
+    p.add_argument("--auto-batch", type=int, default=0, help="add AutoBatchSize(max_micro_batch_size=N)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.use_deterministic_algorithms(True)
@@ -94,11 +95,13 @@ def main() -> None:
             ExactResume(), monitor, LossWriter(args.out, args.pause_at, args.fail_at),
             ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=3, save_last=True, save_top_k=0),
             OnExceptionCheckpoint(args.out / "ckpt", filename="on_exception"),
+            *([AutoBatchSize(max_micro_batch_size=args.auto_batch)] if args.auto_batch else []),
         ],
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.ckpt)
     if trainer.is_global_zero:
         (args.out / "mfu.txt").write_text(f"{len(monitor.history)} {monitor.total_tokens}\n")
+        (args.out / "micro_batch.txt").write_text(f"{data.batch_size} {trainer.accumulate_grad_batches}\n")
 
 
 if __name__ == "__main__":
