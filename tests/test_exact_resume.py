@@ -219,6 +219,34 @@ def test_fsdp2_two_processes_sigterm_mid_accumulation_then_resume_is_exact(tmp_p
     assert ref0[(0, 0)] != ref1[(0, 0)]  # the ranks read different samples
 
 
+def test_fsdp2_killed_while_saving_keeps_the_previous_checkpoint_whole(tmp_path, text_dir):
+    """AtomicModelParallelStrategy on 2 gloo processes: every rank is SIGKILLed right after writing its shard of
+    the second last.ckpt (step 6); last.ckpt is still the complete step-3 checkpoint, and resuming from it
+    reproduces the uninterrupted run bit for bit."""
+    data = _prepare(tmp_path, text_dir)
+    fsdp = ("--strategy", "fsdp-atomic", "--devices", "2")
+    _run(tmp_path / "ref", data, *fsdp)
+    killed = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "kill"), "--data-dir", str(data), "--kill-on-save", "2", *fsdp],
+        env=ENV, capture_output=True, text=True, timeout=240,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    ckpt = tmp_path / "kill" / "ckpt"
+    last, partial = ckpt / "last.ckpt", ckpt / ".last.ckpt.partial"
+    assert len(list(partial.glob("*.distcp"))) == 2 and not (partial / "meta.pt").exists()  # the cut-off save
+    assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == 3
+    stale = tmp_path / "resume" / "ckpt" / ".last.ckpt.partial"  # as a kill leaves it: the next save clears it
+    stale.mkdir(parents=True)
+    (stale / "__0_0.distcp").write_bytes(b"cut off")
+    _run(tmp_path / "resume", data, "--ckpt", str(last), *fsdp)
+    assert not stale.exists() and sorted(p.name for p in stale.parent.iterdir()) == ["last.ckpt"]
+    assert torch.load(stale.parent / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 12
+    for rank in (0, 1):
+        ref, resumed = _losses(tmp_path / f"ref/losses_rank{rank}.txt"), _losses(tmp_path / f"resume/losses_rank{rank}.txt")
+        assert min(resumed) == (0, 6)  # step 3 x 2 micro-batches
+        assert resumed == {k: v for k, v in ref.items() if k >= (0, 6)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_sigterm_mid_accumulation_then_resume_within_bf16_tolerance(tmp_path, text_dir):

@@ -10,7 +10,7 @@ from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.cli import GPTCLI
 from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.model.config import GPTConfig
-from lightning_gpuopt.strategies import choose_strategy, end_distributed, estimate_memory
+from lightning_gpuopt.strategies import AtomicModelParallelStrategy, choose_strategy, end_distributed, estimate_memory
 
 
 def test_memory_estimate_follows_the_stated_formula():
@@ -32,8 +32,8 @@ def test_1_5b_on_80gb_is_ddp_and_on_16gb_is_fsdp2():
     assert isinstance(strategy, DDPStrategy) and not isinstance(strategy, ModelParallelStrategy)
     assert "24.9 GB weights+grads+AdamW" in reason and "80.0 GB" in reason and reason.startswith("DDP")
     strategy, reason = choose_strategy(cfg, devices=8, device_memory=16e9, micro_batch=1, block_size=1024)
-    assert isinstance(strategy, ModelParallelStrategy)
-    assert strategy._data_parallel_size == 8 and strategy._tensor_parallel_size == 1
+    assert isinstance(strategy, AtomicModelParallelStrategy)  # a ModelParallelStrategy with atomic checkpoints
+    assert isinstance(strategy, ModelParallelStrategy) and strategy._data_parallel_size == 8 and strategy._tensor_parallel_size == 1
     assert reason.startswith("FSDP2") and "16.0 GB" in reason and "sharded over 8 devices" in reason and "fits" in reason
     assert "NOT" not in reason  # 24.9/8 GB state + 2.7 GB activations + 0.5 GB logits < 13.6 GB
     _, reason = choose_strategy(cfg, devices=8, device_memory=16e9, micro_batch=8, block_size=1024)
@@ -52,7 +52,7 @@ def test_bad_input_names_the_fix():
             choose_strategy(GPTConfig.from_name("tiny"), devices=2)
 
 
-@pytest.mark.parametrize(("memory_gb", "expected"), [(80, DDPStrategy), (0.001, ModelParallelStrategy)])
+@pytest.mark.parametrize(("memory_gb", "expected"), [(80, DDPStrategy), (0.001, AtomicModelParallelStrategy)])
 def test_cli_gpuopt_auto_strategy(text_dir, cache_dir, caplog, memory_gb, expected):
     args = ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0",
             "--data.block_size", "16", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2",

@@ -23,10 +23,11 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.strategies.atomic_checkpoint import AtomicModelParallelStrategy
 
 __all__ = ["AUTO_STRATEGY", "MemoryEstimate", "choose_strategy", "estimate_memory"]
 
@@ -99,7 +100,7 @@ def choose_strategy(
     Example::
 
         strategy, reason = choose_strategy(GPTConfig.from_name("1.5b"), devices=8, device_memory=16e9)
-        trainer = Trainer(devices=8, strategy=strategy)   # ModelParallelStrategy; reason says why
+        trainer = Trainer(devices=8, strategy=strategy)   # AtomicModelParallelStrategy; reason says why
 
         # YAML / CLI: trainer.strategy: gpuopt-auto   (gpuopt fit --trainer.strategy gpuopt-auto)
 
@@ -113,9 +114,10 @@ def choose_strategy(
         headroom: Fraction of ``device_memory`` the estimate may use.
 
     Returns:
-        ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or a
-        ``ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)`` (FSDP2, which
-        ``GPTModule.configure_model`` shards per block), and one line with the numbers behind it.
+        ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or an
+        ``AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)`` (FSDP2,
+        which ``GPTModule.configure_model`` shards per block; Lightning's ``ModelParallelStrategy``
+        with checkpoints replaced atomically), and one line with the numbers behind it.
     """
     config = _config_of(model)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
@@ -152,4 +154,4 @@ def choose_strategy(
         f"FSDP2 (ModelParallelStrategy): a full replica needs {est.total / _GB:.1f} GB, over the budget: {numbers}; "
         f"sharded over {devices} devices it needs {sharded / _GB:.1f} GB per device and {fits}."
     )
-    return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), reason
+    return AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), reason

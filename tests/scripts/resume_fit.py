@@ -2,6 +2,7 @@
 
     python resume_fit.py OUT --data-dir D [--ckpt PATH] [--pause-at N | --fail-at N] [--devices 2 --strategy ddp|fsdp]
                          [--accelerator gpu --bf16] [--auto-batch MAX_MICRO_BATCH]
+                         [--strategy fsdp-atomic --kill-on-save N]
 
 Each rank appends ``epoch batch_idx global_step loss`` (loss as float.hex) to ``OUT/losses_rank{r}.txt``
 after every micro-batch, flushed, so a killed run leaves what it did. With ``--pause-at N`` the run
@@ -58,6 +59,23 @@ class LossWriter(Callback):
                 time.sleep(0.02)
 
 
+def kill_after_writing(n: int) -> None:
+    """A power cut in the middle of the n-th distributed checkpoint save: after the shards, before anything else."""
+    import signal
+
+    from lightning.pytorch.strategies import model_parallel
+
+    original, calls = model_parallel._distributed_checkpoint_save, []
+
+    def save(state, path):
+        original(state, path)  # every rank's shard and the .metadata are on disk when this returns
+        calls.append(path)
+        if len(calls) == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model_parallel._distributed_checkpoint_save = save
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -71,6 +89,8 @@ def main() -> None:
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--bf16", action="store_true", help="train under BF16Precision")
     p.add_argument("--auto-batch", type=int, default=0, help="add AutoBatchSize(max_micro_batch_size=N)")
+    p.add_argument("--kill-on-save", type=int, default=0,
+                   help="SIGKILL every rank once its shard of the N-th distributed checkpoint is written")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.use_deterministic_algorithms(True)
@@ -80,6 +100,12 @@ def main() -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    elif strategy == "fsdp-atomic":
+        from lightning_gpuopt.strategies import AtomicModelParallelStrategy
+
+        strategy = AtomicModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    if args.kill_on_save:
+        kill_after_writing(args.kill_on_save)
     data = TextDataModule(
         source=str(Path(args.data_dir) / "texts"), cache_dir=str(Path(args.data_dir) / "cache"), block_size=16,
         batch_size=2, vocab_size=300, num_workers=0, samples_per_epoch=20 * args.devices,
