@@ -71,7 +71,9 @@ def summarise_profile(prof: profile, steps: int, device: torch.device, top: int 
         "top": [[name, ms_per_step, pct, calls_per_step], ...]}``; ``idle_pct`` is ``None`` off CUDA.
     """
     cuda = device.type == "cuda"
-    rows = list(prof.key_averages())
+    # GPU user annotations (record_function ranges such as "Optimizer.step#AdamW.step" or Inductor's
+    # "## Call CompiledFxGraph ##") are device-side events too; they span kernels, they are not kernels.
+    rows = [r for r in prof.key_averages() if not getattr(r, "is_user_annotation", False)]
     kernel_rows = [r for r in rows if r.device_type == DeviceType.CUDA]
     if cuda and kernel_rows:
         # Kernel rows only: an operator row's device time repeats the time of the kernels it launched.
@@ -90,7 +92,9 @@ def summarise_profile(prof: profile, steps: int, device: torch.device, top: int 
     idle_pct: Optional[float] = None
     if cuda:
         spans = [
-            (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA
+            (e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
         ]
         if spans:
             span = max(end for _, end in spans) - min(start for start, _ in spans)

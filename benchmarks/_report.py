@@ -9,6 +9,7 @@ spread, peak memory and the speed-up over the baseline.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Optional
 from benchmarks._configs import AUTO_BF16, BASELINE, CONFIGS, TORCH_LOOP
 from benchmarks._timing import step_stats
 
-__all__ = ["check_targets", "device_slug", "markdown", "plot", "summarise", "write_json"]
+__all__ = ["check_targets", "device_slug", "markdown", "plot", "summarise", "write_json", "write_text"]
 
 FP8 = "gpuopt-fp8-compile-auto"
 
@@ -134,10 +135,17 @@ def check_targets(summary: dict[str, dict[str, Any]], preset: str) -> list[dict[
     return targets
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a stop mid-write keeps the previous version."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, report: dict[str, Any]) -> None:
     """Write the whole report (environment, settings, per-run and per-configuration results) as JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_text(path, json.dumps(report, indent=2, default=str) + "\n")
 
 
 def _fmt(value: Optional[float], spec: str, scale: float = 1.0, suffix: str = "") -> str:

@@ -38,7 +38,7 @@ def make_data(settings: BenchSettings, batch_size: int) -> TextDataModule:
         batch_size: Micro-batch size of the DataLoader.
     """
     # Enough windows per "epoch" that no run crosses an epoch boundary (a new shuffle) while measured.
-    samples = (settings.warmup_steps + settings.steps + 4) * settings.global_batch_size
+    samples = (settings.warmup_steps + settings.steps + settings.profile_steps + 4) * settings.global_batch_size
     return TextDataModule(
         source=settings.data,
         block_size=settings.block_size,
@@ -226,13 +226,14 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
         result["profile"] = profiler.summary
     if auto is not None:
         trials = list(getattr(auto, "trials", []) or [])
-        peaks = [t.peak_memory for t in trials if t.peak_memory is not None]
+        chosen = [t.peak_memory for t in trials if t.fits and t.micro_batch_size == auto.micro_batch_size]
         result["auto_batch"] = {
             "micro_batch_size": auto.micro_batch_size,
             "accumulate_grad_batches": auto.accumulate_grad_batches,
             "trials": len(trials),
-            # The search resets CUDA's peak statistics, so peak_memory_gb is training only; this is the search's.
-            "search_peak_reserved_gb": max(peaks) / _GB if peaks else None,
+            # The search resets CUDA's peak statistics, so peak_memory_gb is training only; this is the
+            # reserved memory of the trial steps at the chosen micro-batch (what the margin was checked on).
+            "chosen_trial_reserved_gb": chosen[0] / _GB if chosen and chosen[0] is not None else None,
         }
     return result
 

@@ -30,7 +30,7 @@ from typing import Any, Optional, get_args
 import torch
 
 from benchmarks._configs import AUTO_BF16, CONFIGS, TORCH_LOOP, BenchSettings, skip_reason
-from benchmarks._report import check_targets, device_slug, markdown, plot, summarise, write_json
+from benchmarks._report import check_targets, device_slug, markdown, plot, summarise, write_json, write_text
 from benchmarks._runners import make_data, run_config
 from lightning_gpuopt.model import PRESETS, GPTModule
 from lightning_gpuopt.model.module import CompileMode
@@ -281,7 +281,7 @@ def _write(stem: Path, report: dict[str, Any]) -> str:
     """Write ``<stem>.json`` and ``<stem>.md``; return the Markdown."""
     write_json(stem.with_name(stem.name + ".json"), report)
     text = markdown(report)
-    stem.with_name(stem.name + ".md").write_text(text)
+    write_text(stem.with_name(stem.name + ".md"), text)
     return text
 
 

@@ -41,14 +41,15 @@ def test_summary_of_a_real_cpu_profile():
             model.loss(model(x), x).backward()
             optimizer.step()
             optimizer.zero_grad()
-    summary = summarise_profile(prof, steps=2, device=torch.device("cpu"), top=5)
+    summary = summarise_profile(prof, steps=2, device=torch.device("cpu"), top=100)  # every operator
     assert summary["source"] == "CPU operators" and summary["idle_pct"] is None
     categories = summary["categories"]
     assert {"matmul", "attention", "norm"} <= set(categories)
     assert sum(c["pct"] for c in categories.values()) == pytest.approx(100)
     assert sum(c["ms_per_step"] for c in categories.values()) == pytest.approx(summary["busy_ms_per_step"])
     top = summary["top"]
-    assert len(top) == 5 and [t[1] for t in top] == sorted((t[1] for t in top), reverse=True)
+    assert len(top) > 5 and [t[1] for t in top] == sorted((t[1] for t in top), reverse=True)
+    assert sum(t[1] for t in top) == pytest.approx(summary["busy_ms_per_step"])  # all of them
     mm = next(t for t in summary["top"] if t[0] == "aten::mm")
     # 9 linears (4 per block x 2 blocks, and the head): 2 matmuls each in backward, and the bias-free
     # head's forward (the others run addmm forward).
@@ -90,3 +91,46 @@ def test_benchmark_profiles_after_the_measured_steps(text_dir, cache_dir, tmp_pa
     assert "## Profiles" in md and "- `baseline` (CPU operators): busy" in md
     with pytest.raises(ValueError, match="--profile-steps"):
         throughput.main([*argv[:-3], "--profile-steps", "-1"])
+
+
+class _Row:
+    """What the profiler gives for one kernel or operator (FunctionEventAvg / FunctionEvent), for the CUDA path."""
+
+    def __init__(self, key, device_type, us, count=1, start=0.0, annotation=False, self_cpu=0.0):
+        self.key, self.device_type, self.count, self.is_user_annotation = key, device_type, count, annotation
+        self.self_device_time_total, self.self_cpu_time_total = us, self_cpu
+        self.time_range = type("Interval", (), {"start": start, "end": start + us})()
+
+
+class _FakeCudaProfile:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def key_averages(self):
+        return self.rows
+
+    def events(self):
+        return self.rows
+
+
+def test_cuda_summary_counts_kernels_not_annotations_or_operators():
+    from torch.autograd import DeviceType
+
+    cuda, cpu = DeviceType.CUDA, DeviceType.CPU
+    prof = _FakeCudaProfile([
+        _Row("sm90_xmma_gemm_bf16bf16_bf16f32", cuda, 600.0, count=4, start=0.0),
+        _Row("flash_fwd_kernel", cuda, 200.0, count=2, start=700.0),
+        _Row("triton_poi_fused_add_0", cuda, 100.0, count=2, start=900.0),
+        # An annotation spanning all of it and the CPU operator that launched the gemm: neither is kernel time.
+        _Row("Optimizer.step#AdamW.step", cuda, 1000.0, start=0.0, annotation=True),
+        _Row("aten::mm", cpu, 600.0, count=4, self_cpu=50.0),
+    ])
+    summary = summarise_profile(prof, steps=2, device=torch.device("cuda"))
+    assert summary["source"] == "CUDA kernels"
+    assert summary["busy_ms_per_step"] == pytest.approx(0.45)  # 900 us over 2 steps
+    assert {c: v["pct"] for c, v in summary["categories"].items()} == pytest.approx(
+        {"matmul": 600 / 9, "attention": 200 / 9, "other": 100 / 9}
+    )
+    assert summary["idle_pct"] == pytest.approx(10.0)  # 900 us of kernels in a 1000 us span: the gap 600-700
+    assert [t[0] for t in summary["top"]] == ["sm90_xmma_gemm_bf16bf16_bf16f32", "flash_fwd_kernel", "triton_poi_fused_add_0"]
+    assert summary["top"][0][3] == 2  # 4 calls over 2 steps

@@ -146,7 +146,7 @@ def test_auto_batch_configurations_and_the_torch_loop_that_follows_them_on_cpu(t
         # No memory limit on CPU: the largest candidate <= 8 that divides the global batch of 16.
         assert (entry["micro_batch_size"], entry["accumulate_grad_batches"], entry["tokens_per_step"]) == (8, 2, 512)
         assert entry["auto_batch"]["trials"] == 4  # 1, 2, 4, 8
-        assert entry["auto_batch"]["search_peak_reserved_gb"] is None  # no CUDA statistics
+        assert entry["auto_batch"]["chosen_trial_reserved_gb"] is None  # no CUDA statistics
         assert entry["search_s"] and entry["search_s"][0] > 0
     loop = summary["torch-loop"]
     assert (loop["micro_batch_size"], loop["accumulate_grad_batches"], loop["tokens_per_step"]) == (8, 2, 512)
