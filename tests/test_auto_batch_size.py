@@ -576,34 +576,3 @@ def test_resumed_run_with_auto_batch_size_continues_exactly(text_dir, cache_dir,
     assert data.batch_size == 4  # the saved decision (4 x 2), not the configured 1
     assert resumed.samples == full.samples[2:]
     assert resumed.losses == full.losses[2:]
-
-
-def test_training_state_keeps_existing_optimizer_state_in_host_memory():
-    # An optimizer that already has state (a user's configure_optimizers may hand one over): the search's
-    # copy must not sit on the device it measures, and restoring brings back the exact values.
-    from types import SimpleNamespace
-
-    from lightning_gpuopt.callbacks._training_state import TrainingState
-
-    torch.manual_seed(0)
-    module = torch.nn.Linear(16, 16)
-    opt = torch.optim.AdamW(module.parameters(), lr=0.1)
-
-    def step():
-        module(torch.randn(4, 16)).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    trainer = SimpleNamespace(optimizers=[opt], lr_scheduler_configs=[], precision_plugin=None)
-    saved = {k: v.clone() for k, v in opt.state[module.weight].items()}
-    state = TrainingState.capture(trainer, module)
-    copied = state.optimizers[0]["state"][0]
-    assert all(t.device.type == "cpu" for t in copied.values())
-    assert copied["exp_avg"].data_ptr() != opt.state[module.weight]["exp_avg"].data_ptr()  # a copy, not the live tensor
-    step()
-    step()
-    assert not torch.equal(opt.state[module.weight]["exp_avg"], saved["exp_avg"])
-    state.restore(trainer, module)
-    for key, value in saved.items():
-        assert torch.equal(opt.state[module.weight][key], value), key

@@ -32,26 +32,13 @@ def _local(t: Tensor) -> Tensor:
     return getattr(t, "_local_tensor", t)  # DTensor: the shard's storage itself, so copy_ writes through
 
 
-def _host_copy(value: Any) -> Any:
-    """A copy of an optimizer state dict with its plain tensors in host memory (sharded DTensors stay put)."""
-    if isinstance(value, Tensor) and not hasattr(value, "_local_tensor"):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _host_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_host_copy(v) for v in value)
-    return copy.deepcopy(value)
-
-
 @dataclass
 class TrainingState:
     """Weights, optimizer and LR-scheduler state, grad-scaler state, RNG states and module modes.
 
-    Weights and optimizer state are copied to host memory, so the copy does not take the device
-    memory the search measures (a resumed run searching again would otherwise see Adam's state
-    twice and pick too small a micro-batch). Optimizer state is copied only when it exists (it is
-    empty at the start of a fresh run; trial steps create it and ``restore`` drops it again); a
-    restored optimizer moves it back to its parameters' device.
+    Weights are copied to host memory so the copy does not take the device memory the search
+    measures. Optimizer state is copied only when it exists (it is empty at the start of a fresh
+    run; trial steps create it and ``restore`` drops it again).
     """
 
     weights: list[Tensor] = field(default_factory=list)
@@ -69,7 +56,7 @@ class TrainingState:
             weights=[_local(t.detach()).to("cpu", copy=True) for t in tensors],
             grads_were_none=all(p.grad is None for p in module.parameters()),
             optimizers=[
-                _host_copy(opt.state_dict()) if len(opt.state) else None for opt in trainer.optimizers
+                copy.deepcopy(opt.state_dict()) if len(opt.state) else None for opt in trainer.optimizers
             ],
             schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
             modes=[m.training for m in module.modules()],
