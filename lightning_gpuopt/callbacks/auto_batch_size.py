@@ -478,10 +478,15 @@ class AutoBatchSize(Callback):
             if saved == searched:
                 rank_zero_info(message)
             else:
+                why = (
+                    "the per-device batch changed since the checkpoint (another global batch or number of devices)"
+                    if state_dict.get("per_device_batch") != self._per_device
+                    else f"{saved} is larger than what fits here"
+                )
                 rank_zero_warn(
-                    message + f" The checkpoint's micro-batch does not fit here, and its loop counters count "
-                    f"micro-batches of {saved}, so Lightning's batch count in this epoch is off (the data position, "
-                    "kept in samples, is not)."
+                    f"{message} Not the checkpoint's, because {why}. Its loop counters count micro-batches of "
+                    f"{saved}, so Lightning's batch count in this epoch is off (the data position, kept in samples, "
+                    "is not)."
                 )
             return
         self._restored = dict(state_dict)
