@@ -118,6 +118,21 @@ def test_plugins_are_built_without_initialising_cuda(monkeypatch):
     assert (plugin.device, plugin.precision) == ("cpu", "bf16-mixed")
 
 
+def test_precision_is_decided_for_the_gpu_once_the_trainer_has_initialised_it(monkeypatch):
+    # Callbacks' setup and configure_model (FSDP2's parameter dtype) read the precision before convert_module.
+    # Before CUDA is initialised (the process that builds the Trainer) the plugin answers bf16 without
+    # asking; once the Trainer has set its GPU, the first read asks that GPU: here a V100-like one.
+    monkeypatch.setattr("lightning_gpuopt.plugins.bf16.supports_bf16", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    plugin = BF16Precision()
+    assert plugin.precision == "bf16-mixed" and plugin._bound_device is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="float16 autocast with a GradScaler"):
+        assert plugin.precision == "16-mixed"
+    assert plugin.device == "cuda" and plugin.compute_dtype == torch.float16 and plugin.scaler is not None
+
+
 def test_bf16_falls_back_to_fp16_with_grad_scaler_where_bf16_is_missing(monkeypatch):
     # Simulates a T4/V100 on CPU: the capability check says "no bf16".
     monkeypatch.setattr("lightning_gpuopt.plugins.bf16.supports_bf16", lambda device: False)

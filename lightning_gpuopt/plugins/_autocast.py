@@ -58,12 +58,26 @@ class _TrainerDeviceMixedPrecision(MixedPrecision):
     """``MixedPrecision`` that takes its autocast device from the Trainer at setup (private base).
 
     Until then it assumes bfloat16, without asking the GPU (that would initialise CUDA in the
-    process that builds the Trainer); ``_bind`` decides with the real device.
+    process that builds the Trainer); ``_bind`` decides with the real device, at ``convert_module`` or
+    at the first read of ``precision`` once the Trainer has initialised its GPU, whichever comes first.
     """
 
     def __init__(self) -> None:
-        super().__init__(precision="bf16-mixed", device=_default_device_type())
         self._bound_device: Optional[torch.device] = None
+        super().__init__(precision="bf16-mixed", device=_default_device_type())
+
+    @property  # type: ignore[override]
+    def precision(self) -> _AutocastPrecision:
+        """``"bf16-mixed"`` or ``"16-mixed"``: decided by the training device's bf16 support."""
+        if self._bound_device is None and torch.cuda.is_initialized():
+            # The Trainer has set its GPU (setup_environment) but not yet called convert_module: callbacks'
+            # setup and configure_model (FSDP2's parameter dtype) read the precision now, for this GPU.
+            self._bind(torch.device("cuda", torch.cuda.current_device()))
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: _AutocastPrecision) -> None:
+        self._precision = value
 
     def _precision_for(self, device: torch.device) -> _AutocastPrecision:
         """The autocast precision to use on ``device``; subclasses decide."""
