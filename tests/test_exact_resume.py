@@ -18,6 +18,7 @@ import torch
 from lightning_gpuopt.data import RandomWindows, TextDataModule, write_tokens
 from lightning_gpuopt.data.sampler import ResumableSampler, stream_indices
 from lightning_gpuopt.resume import capture_rng_state, restore_rng_state, rollback_fit_loop_state
+from lightning_gpuopt.strategies.atomic_checkpoint import partial_path
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_fit.py"
 # CUBLAS_WORKSPACE_CONFIG: deterministic cuBLAS for the GPU variant (the script turns on deterministic algorithms).
@@ -232,10 +233,11 @@ def test_fsdp2_killed_while_saving_keeps_the_previous_checkpoint_whole(tmp_path,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     ckpt = tmp_path / "kill" / "ckpt"
-    last, partial = ckpt / "last.ckpt", ckpt / ".last.ckpt.partial"
+    last = ckpt / "last.ckpt"
+    partial = partial_path(last)
     assert len(list(partial.glob("*.distcp"))) == 2 and not (partial / "meta.pt").exists()  # the cut-off save
     assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == 3
-    stale = tmp_path / "resume" / "ckpt" / ".last.ckpt.partial"  # as a kill leaves it: the next save clears it
+    stale = partial_path(tmp_path / "resume" / "ckpt" / "last.ckpt")  # as a kill leaves it: the next save clears it
     stale.mkdir(parents=True)
     (stale / "__0_0.distcp").write_bytes(b"cut off")
     _run(tmp_path / "resume", data, "--ckpt", str(last), *fsdp)

@@ -2,22 +2,29 @@
 
 Lightning's ``ModelParallelStrategy`` writes a distributed checkpoint (a folder: one ``.distcp``
 file per rank, ``.metadata`` and ``meta.pt``) into the target folder in place. A run killed while
-it overwrites ``last.ckpt`` leaves a folder that mixes the new step's files with the old one's,
-which loads as neither. This subclass writes every rank's files into a sibling folder
-``.<name>.partial`` and, once all ranks are done, rank 0 swaps it in with two renames:
+it overwrites ``last.ckpt`` leaves a folder that mixes the new step's files with the old one's:
+killed after the shards and before ``meta.pt``, it loads without an error, with new weights and
+old loop counters. This subclass writes every rank's files into a hidden sibling folder and, once
+all ranks are done, rank 0 swaps it in (:func:`swap_in`):
 
-1. ``<name>`` (the previous checkpoint, if any) -> ``.<name>.old``
-2. ``.<name>.partial`` -> ``<name>``; then ``.<name>.old`` is deleted.
+* on Linux file systems that support it (ext4, XFS, Btrfs, tmpfs), one ``renameat2`` call with
+  ``RENAME_EXCHANGE`` swaps the two folders atomically, and the old one is deleted;
+* elsewhere (e.g. NFS), two renames: the old folder to ``.gpuopt-old-<id>``, the new one to the
+  target. A kill between them (microseconds) leaves the old checkpoint under that name, which
+  ``load_checkpoint`` falls back to with a warning when given the target path (``ckpt_path="last"``
+  does not look for it: rename it back by hand).
 
-A kill at any point leaves a complete checkpoint: the old ``<name>`` until step 1, the new
-``<name>`` after step 2, and between the two renames (microseconds) the old one as
-``.<name>.old``, which ``load_checkpoint`` falls back to with a warning. A partial folder left by
-a kill is deleted by the next save. Single-file checkpoints (``save_distributed_checkpoint=False``)
-go through Lightning's path unchanged (``AtomicCheckpointIO`` covers those on one device and DDP).
+A hidden folder a killed save left is deleted by the next save of the same name. The hidden names
+do not contain the target's name, so Lightning's scans for ``last*.ckpt`` and ``hpc_ckpt_<n>``
+never see them. Single-file checkpoints (``save_distributed_checkpoint=False``) go through
+Lightning's path unchanged (``AtomicCheckpointIO`` covers those on one device and DDP).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -28,21 +35,43 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-__all__ = ["AtomicModelParallelStrategy", "partial_path", "previous_path"]
+__all__ = ["AtomicModelParallelStrategy", "checkpoint_to_load", "partial_path", "previous_path", "swap_in"]
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _hidden(path: Path, kind: str) -> Path:
+    digest = hashlib.sha1(path.name.encode()).hexdigest()[:16]
+    return path.with_name(f".gpuopt-{kind}-{digest}")
 
 
 def partial_path(path: Path) -> Path:
     """Where a distributed checkpoint for ``path`` is written before it is swapped in."""
-    return path.with_name(f".{path.name}.partial")
+    return _hidden(path, "partial")
 
 
 def previous_path(path: Path) -> Path:
-    """Where the checkpoint ``path`` replaces is kept while the new one is swapped in."""
-    return path.with_name(f".{path.name}.old")
+    """Where the checkpoint ``path`` replaces waits while a two-rename swap is under way."""
+    return _hidden(path, "old")
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # not Linux / glibc < 2.28
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False  # the file system cannot exchange
+    raise OSError(err, os.strerror(err), str(a), str(b))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -56,12 +85,56 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def swap_in(new: Path, path: Path) -> None:
+    """Make the complete folder ``new`` the checkpoint ``path``, so that a kill at any moment leaves a whole one.
+
+    Example::
+
+        swap_in(partial_path(Path("ckpt/last.ckpt")), Path("ckpt/last.ckpt"))
+
+    Args:
+        new: The written checkpoint (a sibling of ``path``, on the same file system).
+        path: The checkpoint to replace, or to create.
+    """
+    if not (path.exists() or path.is_symlink()):
+        os.replace(new, path)
+        _fsync(path.parent)
+    elif _exchange(new, path):
+        _fsync(path.parent)  # the exchange is durable before the old copy (now at `new`) goes
+        _remove(new)
+    else:
+        previous = previous_path(path)
+        _remove(previous)
+        os.replace(path, previous)
+        os.replace(new, path)
+        _fsync(path.parent)
+        _remove(previous)
+
+
+def checkpoint_to_load(path: Path) -> Path:
+    """``path``, or the previous checkpoint a two-rename swap left aside when a kill came between the renames.
+
+    Args:
+        path: The checkpoint asked for.
+    """
+    previous = previous_path(path)
+    if not (path.exists() or path.is_symlink()) and previous.is_dir():
+        rank_zero_warn(
+            f"{path} is missing but {previous} holds the checkpoint it replaced: a save was stopped between its "
+            f"two renames. Loading {previous}."
+        )
+        return previous
+    return path
+
+
 class AtomicModelParallelStrategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 with Lightning) whose distributed checkpoints are replaced atomically.
 
     Same arguments and behaviour as Lightning's ``ModelParallelStrategy``; only saving differs (see
     the module docstring), and loading falls back to the previous checkpoint if a kill came between
-    the two renames of a save. ``choose_strategy`` and ``trainer.strategy: gpuopt-auto`` use it.
+    the two renames of a save where the file system cannot exchange folders atomically. An error
+    while swapping on rank 0 is raised on every rank. ``choose_strategy`` and
+    ``trainer.strategy: gpuopt-auto`` use it.
 
     Example::
 
@@ -76,7 +149,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
 
     Note:
         The folder must be on a file system all ranks share (as for Lightning's own distributed
-        checkpoints); the renames are atomic on one POSIX file system, not across file systems.
+        checkpoints); the hidden folder is created beside the target, so the swap stays on one file system.
     """
 
     @override
@@ -93,27 +166,23 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         self.barrier("atomic_checkpoint_begin")
         super().save_checkpoint(checkpoint, partial, storage_options)  # every rank writes its shard
         self.barrier("atomic_checkpoint_written")
+        error: Optional[BaseException] = None
         if self.global_rank == 0:
-            previous = previous_path(path)
-            _remove(previous)
-            if path.exists() or path.is_symlink():
-                os.replace(path, previous)
-            os.replace(partial, path)
-            _fsync_dir(path.parent)
-            _remove(previous)
-        self.barrier("atomic_checkpoint_done")
+            try:
+                _fsync(partial / "meta.pt")  # the shards are fsynced by the distributed-checkpoint writer
+                _fsync(partial)
+                swap_in(partial, path)
+            except Exception as err:  # every rank must learn of it, or the others would wait forever
+                error = err
+        if not self.reduce_boolean_decision(error is None, all=True):
+            raise RuntimeError(
+                f"Could not swap the checkpoint written to {partial} in as {path}"
+                + (f": {type(error).__name__}: {error}" if error is not None else " (the error is on rank 0).")
+            ) from error
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        previous = previous_path(path)
-        if not path.exists() and previous.is_dir():
-            rank_zero_warn(
-                f"{path} is missing but {previous.name} is complete: a save was stopped between its two renames. "
-                f"Loading {previous}."
-            )
-            checkpoint_path = previous
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return super().load_checkpoint(checkpoint_to_load(Path(checkpoint_path)), weights_only=weights_only)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -60,7 +60,7 @@ class LossWriter(Callback):
 
 
 def kill_after_writing(n: int) -> None:
-    """A power cut in the middle of the n-th distributed checkpoint save: after the shards, before anything else."""
+    """A kill in the middle of the n-th distributed checkpoint save: after the shards, before anything else."""
     import signal
 
     from lightning.pytorch.strategies import model_parallel
