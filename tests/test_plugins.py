@@ -131,6 +131,10 @@ def test_precision_is_decided_for_the_gpu_once_the_trainer_has_initialised_it(mo
     with pytest.warns(UserWarning, match="float16 autocast with a GradScaler"):
         assert plugin.precision == "16-mixed"
     assert plugin.device == "cuda" and plugin.compute_dtype == torch.float16 and plugin.scaler is not None
+    # Built after CUDA was initialised (a notebook that used the GPU first): the same answer, scaler included.
+    with pytest.warns(UserWarning, match="float16 autocast with a GradScaler"):
+        late = BF16Precision()
+        assert late.precision == "16-mixed" and isinstance(late.scaler, torch.amp.GradScaler)
 
 
 def test_bf16_falls_back_to_fp16_with_grad_scaler_where_bf16_is_missing(monkeypatch):

@@ -64,12 +64,14 @@ class _TrainerDeviceMixedPrecision(MixedPrecision):
 
     def __init__(self) -> None:
         self._bound_device: Optional[torch.device] = None
+        self._built = False  # MixedPrecision.__init__ reads and then overwrites what a bind would set
         super().__init__(precision="bf16-mixed", device=_default_device_type())
+        self._built = True
 
     @property  # type: ignore[override]
     def precision(self) -> _AutocastPrecision:
         """``"bf16-mixed"`` or ``"16-mixed"``: decided by the training device's bf16 support."""
-        if self._bound_device is None and torch.cuda.is_initialized():
+        if self._built and self._bound_device is None and torch.cuda.is_initialized():
             # The Trainer has set its GPU (setup_environment) but not yet called convert_module: callbacks'
             # setup and configure_model (FSDP2's parameter dtype) read the precision now, for this GPU.
             self._bind(torch.device("cuda", torch.cuda.current_device()))
