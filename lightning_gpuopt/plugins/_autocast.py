@@ -71,7 +71,7 @@ class _TrainerDeviceMixedPrecision(MixedPrecision):
     @property  # type: ignore[override]
     def precision(self) -> _AutocastPrecision:
         """``"bf16-mixed"`` or ``"16-mixed"``: decided by the training device's bf16 support."""
-        if self._built and self._bound_device is None and torch.cuda.is_initialized():
+        if getattr(self, "_built", False) and self._bound_device is None and torch.cuda.is_initialized():
             # The Trainer has set its GPU (setup_environment) but not yet called convert_module: callbacks'
             # setup and configure_model (FSDP2's parameter dtype) read the precision now, for this GPU.
             self._bind(torch.device("cuda", torch.cuda.current_device()))

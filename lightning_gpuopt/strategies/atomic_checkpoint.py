@@ -27,6 +27,8 @@ import errno
 import hashlib
 import os
 import shutil
+import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -58,9 +60,11 @@ def previous_path(path: Path) -> Path:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):  # not Linux / glibc < 2.28
+    except (AttributeError, OSError):  # glibc < 2.28, or a libc without it
         return False
     if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
@@ -71,6 +75,8 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _fsync(path: Path) -> None:
+    if os.name != "posix":  # Windows cannot open a folder to fsync it
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -83,6 +89,14 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def _remove_old(path: Path) -> None:
+    """Delete the replaced checkpoint; the new one is in place, so a failure only leaves it for the next save."""
+    try:
+        _remove(path)
+    except OSError as err:  # e.g. NFS ".nfs*" files of a shard another process still has open
+        warnings.warn(f"Could not delete the replaced checkpoint {path} ({err}); the next save of this name retries.")
 
 
 def swap_in(new: Path, path: Path) -> None:
@@ -101,14 +115,14 @@ def swap_in(new: Path, path: Path) -> None:
         _fsync(path.parent)
     elif _exchange(new, path):
         _fsync(path.parent)  # the exchange is durable before the old copy (now at `new`) goes
-        _remove(new)
+        _remove_old(new)
     else:
         previous = previous_path(path)
         _remove(previous)
         os.replace(path, previous)
         os.replace(new, path)
         _fsync(path.parent)
-        _remove(previous)
+        _remove_old(previous)
 
 
 def checkpoint_to_load(path: Path) -> Path:
@@ -160,24 +174,32 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(filepath))
         partial = partial_path(path)
-        if self.global_rank == 0:
+
+        def prepare() -> None:
             _remove(partial)  # what a killed save left
             partial.parent.mkdir(parents=True, exist_ok=True)
-        self.barrier("atomic_checkpoint_begin")
+
+        def commit() -> None:
+            _fsync(partial / "meta.pt")  # the shards are fsynced by the distributed-checkpoint writer
+            _fsync(partial)
+            swap_in(partial, path)
+
+        self._on_rank_zero(prepare, f"Could not prepare {partial} for the checkpoint {path}")
         super().save_checkpoint(checkpoint, partial, storage_options)  # every rank writes its shard
         self.barrier("atomic_checkpoint_written")
+        self._on_rank_zero(commit, f"Could not swap the checkpoint written to {partial} in as {path}")
+
+    def _on_rank_zero(self, work: Any, failure: str) -> None:
+        """Run ``work`` on rank 0; all ranks agree on the outcome, so an error is raised on every rank, none waits."""
         error: Optional[BaseException] = None
         if self.global_rank == 0:
             try:
-                _fsync(partial / "meta.pt")  # the shards are fsynced by the distributed-checkpoint writer
-                _fsync(partial)
-                swap_in(partial, path)
-            except Exception as err:  # every rank must learn of it, or the others would wait forever
+                work()
+            except Exception as err:
                 error = err
         if not self.reduce_boolean_decision(error is None, all=True):
             raise RuntimeError(
-                f"Could not swap the checkpoint written to {partial} in as {path}"
-                + (f": {type(error).__name__}: {error}" if error is not None else " (the error is on rank 0).")
+                failure + (f": {type(error).__name__}: {error}" if error is not None else " (the error is on rank 0).")
             ) from error
 
     @override
