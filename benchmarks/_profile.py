@@ -60,6 +60,13 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 def summarise_profile(prof: profile, steps: int, device: torch.device, top: int = 10) -> dict[str, Any]:
     """Per-step device time by category, idle time between kernels, and the longest kernels.
 
+    Example::
+
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                train_step()
+        summarise_profile(prof, steps=3, device=torch.device("cuda"))["categories"]["matmul"]["pct"]
+
     Args:
         prof: A stopped ``torch.profiler.profile``.
         steps: Optimizer steps it covered.

@@ -49,12 +49,28 @@ def _hidden(path: Path, kind: str) -> Path:
 
 
 def partial_path(path: Path) -> Path:
-    """Where a distributed checkpoint for ``path`` is written before it is swapped in."""
+    """Where a distributed checkpoint for ``path`` is written before it is swapped in: a hidden sibling.
+
+    Example::
+
+        partial_path(Path("ckpt/last.ckpt"))  # Path("ckpt/.gpuopt-partial-<16 hex digits>")
+
+    Args:
+        path: The checkpoint to write.
+    """
     return _hidden(path, "partial")
 
 
 def previous_path(path: Path) -> Path:
-    """Where the checkpoint ``path`` replaces waits while a two-rename swap is under way."""
+    """Where the checkpoint ``path`` replaces waits while a two-rename swap is under way: a hidden sibling.
+
+    Example::
+
+        previous_path(Path("ckpt/last.ckpt"))  # Path("ckpt/.gpuopt-old-<16 hex digits>")
+
+    Args:
+        path: The checkpoint being replaced.
+    """
     return _hidden(path, "old")
 
 
@@ -127,6 +143,10 @@ def swap_in(new: Path, path: Path) -> None:
 
 def checkpoint_to_load(path: Path) -> Path:
     """``path``, or the previous checkpoint a two-rename swap left aside when a kill came between the renames.
+
+    Example::
+
+        trainer.strategy.load_checkpoint(checkpoint_to_load(Path("ckpt/last.ckpt")))  # what load_checkpoint does
 
     Args:
         path: The checkpoint asked for.
