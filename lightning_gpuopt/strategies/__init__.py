@@ -1,4 +1,4 @@
-"""Distributed strategies: pick DDP or FSDP2 for a model, the GPT's FSDP2 sharding, atomic FSDP2 checkpoints, a clean end."""
+"""Distributed strategies: DDP or FSDP2 for a model, FSDP2 sharding, atomic FSDP2 checkpoints, a clean end."""
 
 from lightning_gpuopt.strategies.atomic_checkpoint import AtomicModelParallelStrategy
 from lightning_gpuopt.strategies.choose import AUTO_STRATEGY, MemoryEstimate, choose_strategy, estimate_memory
