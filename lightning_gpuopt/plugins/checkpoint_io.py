@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_gpuopt.model.checkpoint import read_checkpoint
 
-__all__ = ["AtomicCheckpointIO", "atomic_save"]
+__all__ = ["AtomicCheckpointIO", "atomic_save", "fsync_path"]
 
 
 def _is_local(path: _PATH) -> bool:
@@ -58,12 +58,27 @@ def atomic_save(obj: Any, path: _PATH) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable (POSIX)
-        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_path(path.parent)  # make the rename itself durable
+
+
+def fsync_path(path: _PATH) -> None:
+    """Flush a file's data, or a folder's entries (renames, new files), to disk. A no-op off POSIX.
+
+    Example::
+
+        os.replace(tmp, target)
+        fsync_path(Path(target).parent)  # the rename survives a power loss
+
+    Args:
+        path: A local file or folder.
+    """
+    if os.name != "posix":  # Windows cannot open a folder to fsync it
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -37,6 +37,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_gpuopt.plugins.checkpoint_io import fsync_path
+
 __all__ = ["AtomicModelParallelStrategy", "checkpoint_to_load", "partial_path", "previous_path", "swap_in"]
 
 _AT_FDCWD = -100
@@ -90,16 +92,6 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a), str(b))
 
 
-def _fsync(path: Path) -> None:
-    if os.name != "posix":  # Windows cannot open a folder to fsync it
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -128,16 +120,16 @@ def swap_in(new: Path, path: Path) -> None:
     """
     if not (path.exists() or path.is_symlink()):
         os.replace(new, path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     elif _exchange(new, path):
-        _fsync(path.parent)  # the exchange is durable before the old copy (now at `new`) goes
+        fsync_path(path.parent)  # the exchange is durable before the old copy (now at `new`) goes
         _remove_old(new)
     else:
         previous = previous_path(path)
         _remove(previous)
         os.replace(path, previous)
         os.replace(new, path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
         _remove_old(previous)
 
 
@@ -200,8 +192,8 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             partial.parent.mkdir(parents=True, exist_ok=True)
 
         def commit() -> None:
-            _fsync(partial / "meta.pt")  # the shards are fsynced by the distributed-checkpoint writer
-            _fsync(partial)
+            fsync_path(partial / "meta.pt")  # the shards are fsynced by the distributed-checkpoint writer
+            fsync_path(partial)
             swap_in(partial, path)
 
         self._on_rank_zero(prepare, f"Could not prepare {partial} for the checkpoint {path}")
