@@ -82,13 +82,19 @@ def test_module_argument_errors():
         GPTModule(compile_mode="max-autotune")
 
 
-def test_configure_model_is_idempotent_and_compiles_in_place():
-    module = GPTModule(preset="tiny", compile=True, compile_mode="default")
+@pytest.mark.parametrize("scope", ["block", "model"])
+def test_configure_model_is_idempotent_and_compiles_in_place(scope):
+    module = GPTModule(preset="tiny", compile=True, compile_mode="default", compile_scope=scope)
     module.configure_model()
     model = module.model
     module.configure_model()
     assert module.model is model
-    assert model._compiled_call_impl is not None
+    if scope == "block":  # each block on its own; the model itself runs eagerly between them
+        assert model._compiled_call_impl is None
+        assert all(block._compiled_call_impl is not None for block in model.transformer.h)
+    else:
+        assert model._compiled_call_impl is not None
+    assert model.compile_loss
     # in-place compile keeps the plain model's state-dict keys (checkpoints load without prefixes)
     assert list(model.state_dict()) == list(GPT(module.config).state_dict())
 

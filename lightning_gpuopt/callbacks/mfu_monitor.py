@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_gpuopt.lightning_internals import show_in_progress_bar
 from lightning_gpuopt.perf.flops import measure_training_flops, model_flops_per_token
 from lightning_gpuopt.perf.peaks import measure_peak_flops, peak_flops as table_peak_flops
 from lightning_gpuopt.perf.precision import compute_dtype_name, is_fp8
@@ -327,13 +328,12 @@ class MFUMonitor(Callback):
 
     @staticmethod
     def _show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-        # Plain floats in the progress-bar dict persist until the next window. (`self.log(prog_bar=True)`
-        # would store device tensors that the bar reads with `.item()`, a GPU sync on every refresh.)
-        bar = getattr(getattr(trainer, "_logger_connector", None), "_progress_bar_metrics", None)
-        if isinstance(bar, dict):
-            bar["tok/s"] = round(metrics["perf/tokens_per_sec"])
-            if "perf/mfu" in metrics:
-                bar["mfu"] = round(metrics["perf/mfu"], 4)
+        # Plain floats, shown until the next window. (`self.log(prog_bar=True)` would store device
+        # tensors that the bar reads with `.item()`, a GPU sync on every refresh.)
+        shown = {"tok/s": round(metrics["perf/tokens_per_sec"])}
+        if "perf/mfu" in metrics:
+            shown["mfu"] = round(metrics["perf/mfu"], 4)
+        show_in_progress_bar(trainer, shown)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 __all__ = ["GPTConfig", "PRESETS"]
 
 Attention = Literal["sdpa", "flash-attn"]
+LossImpl = Literal["auto", "chunked", "liger", "plain"]
 
 # Named architectures. The GPT-2 family sizes (124m ... 1.5b) follow Radford et al. (2019); 175m is
 # the GPT-3 "small-wide" shape used by many recipes (d1024 with 12 layers). `tiny` is for tests and
@@ -53,6 +54,12 @@ class GPTConfig:
         activation_checkpointing: Recompute each block's activations in the backward pass,
             trading about a third more compute for far less activation memory.
         padding_multiple: The multiple ``vocab_size`` is rounded up to.
+        loss_impl: How the training/evaluation loss is computed from the hidden states:
+            ``"chunked"`` (the head matmul and cross-entropy together, ``loss_chunk_size`` tokens at a
+            time, no full logits; any device), ``"liger"`` (Liger-Kernel's fused linear
+            cross-entropy, CUDA, the ``liger`` extra), ``"plain"`` (full float32 logits, the
+            reference) or ``"auto"`` (``"chunked"``).
+        loss_chunk_size: Tokens per chunk of the chunked loss.
 
     Note:
         ``padded_vocab_size`` and ``head_size`` are derived in ``__post_init__``; don't pass them.
@@ -68,12 +75,14 @@ class GPTConfig:
     attention: Attention = "sdpa"
     activation_checkpointing: bool = False
     padding_multiple: int = 64
+    loss_impl: LossImpl = "auto"
+    loss_chunk_size: int = 8192
     # Derived in __post_init__.
     padded_vocab_size: int = dataclasses.field(init=False)
     head_size: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padding_multiple"):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padding_multiple", "loss_chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
@@ -94,6 +103,16 @@ class GPTConfig:
             raise ImportError(
                 "GPTConfig(attention='flash-attn') needs the flash-attn package: "
                 'pip install "lightning-gpuopt[flash]" (CUDA only), or use attention="sdpa".'
+            )
+        if self.loss_impl not in ("auto", "chunked", "liger", "plain"):
+            raise ValueError(
+                f"GPTConfig.loss_impl={self.loss_impl!r} is not supported: use 'auto' (default), 'chunked', "
+                "'liger' or 'plain'."
+            )
+        if self.loss_impl == "liger" and importlib.util.find_spec("liger_kernel") is None:
+            raise ImportError(
+                "GPTConfig(loss_impl='liger') needs Liger-Kernel: pip install \"lightning-gpuopt[liger]\" "
+                "(CUDA only), or use loss_impl='chunked'."
             )
         self.head_size = self.n_embd // self.n_head
         self.padded_vocab_size = _round_up(self.vocab_size, self.padding_multiple)

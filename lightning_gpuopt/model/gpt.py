@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.model.loss import linear_cross_entropy
 
 __all__ = ["GPT", "KVCache"]
 
@@ -167,6 +168,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         # Weight tying (Press & Wolf, 2017): the output head reuses the token embedding.
         self.lm_head.weight = self.transformer.wte.weight
+        # Compile the loss's per-chunk kernel (set by compile_blocks, or by hand).
+        self.compile_loss = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -214,12 +217,17 @@ class GPT(nn.Module):
         N = self.num_params() - self.transformer.wpe.weight.numel()
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * T
 
-    def forward(self, idx: Tensor, caches: Optional[list[KVCache]] = None) -> Tensor:
-        """Logits of shape (B, T, padded_vocab_size) for token ids ``idx`` of shape (B, T).
+    def forward(
+        self, idx: Tensor, caches: Optional[list[KVCache]] = None, targets: Optional[Tensor] = None
+    ) -> Tensor:
+        """Logits of shape (B, T, padded_vocab_size) for token ids ``idx`` of shape (B, T), or, given
+        ``targets``, the mean next-token loss (see :meth:`loss_from_hidden`).
 
         Args:
             idx: Token ids.
             caches: One ``KVCache`` per block, for incremental decoding (see ``generate``).
+            targets: Token ids of shape (B, T) to predict; -1 marks a position without a target.
+                With targets the full logits are never materialised.
         """
         B, T = idx.shape
         start = caches[0].pos if caches else 0
@@ -236,11 +244,50 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x, cache)
-        return self.lm_head(self.transformer.ln_f(x))
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.lm_head(x)
+        return self.loss_from_hidden(x, targets)
+
+    def loss_from_hidden(self, hidden: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy from the final (normed) hidden states; targets of -1 are ignored.
+
+        The head matmul and the loss run together, ``config.loss_chunk_size`` tokens at a time
+        (:func:`~lightning_gpuopt.model.loss.linear_cross_entropy`, ``config.loss_impl``), so no
+        (B, T, vocab) float32 tensor is ever alive. A head that is no longer a plain ``nn.Linear``
+        (replaced by a user's conversion) is called as it is, on the full logits.
+
+        Args:
+            hidden: (B, T, n_embd), the output of ``transformer.ln_f``.
+            targets: (B, T) token ids.
+        """
+        if type(self.lm_head) is not nn.Linear:
+            return self.loss(self.lm_head(hidden), targets)
+        return linear_cross_entropy(
+            hidden, self.lm_head.weight, targets, ignore_index=-1, chunk_size=self.config.loss_chunk_size,
+            impl=self.config.loss_impl, compile_chunk=self.compile_loss,
+        )
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy; targets equal to -1 are ignored."""
+        """Mean next-token cross-entropy of full logits; targets equal to -1 are ignored (the reference
+        that ``forward(idx, targets=targets)`` matches without materialising the logits)."""
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+
+    def compile_blocks(self, mode: Optional[str] = None) -> None:
+        """Compile each ``Block`` on its own (in place, so state-dict keys stay plain) and the loss's
+        per-chunk kernel: the blocks share one graph, so compile time does not grow with depth.
+
+        Example::
+
+            model = GPT(GPTConfig.from_name("124m"))
+            model.compile_blocks()  # or model.compile() for one whole-model graph
+
+        Args:
+            mode: ``torch.compile`` mode (``None``: the default).
+        """
+        for block in self.transformer.h:
+            block.compile(mode=mode)
+        self.compile_loss = True
 
     @torch.no_grad()
     def generate(

@@ -12,13 +12,15 @@ from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
-from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.lightning_internals import show_in_progress_bar
+from lightning_gpuopt.model.config import GPTConfig, LossImpl
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
 
 __all__ = ["GPTModule"]
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+CompileScope = Literal["block", "model"]
 
 
 class GPTModule(pl.LightningModule):
@@ -28,6 +30,11 @@ class GPTModule(pl.LightningModule):
     Logs ``{stage}/loss`` and ``{stage}/ppl`` (perplexity) for ``train``, ``val`` and ``test``;
     ``val``/``test`` perplexity is the exponential of the token-weighted mean loss over the whole
     split (torchmetrics ``MeanMetric``, synchronised across processes).
+
+    The loss is computed from the final hidden states and the tied head weight together, in chunks
+    (``loss_impl``), so the (B, T, vocab) logits never exist in float32. Training steps that do not
+    log never wait for the GPU: ``train/loss`` reaches the logger at ``log_every_n_steps`` and the
+    progress bar shows the loss of the last logged step.
 
     Example::
 
@@ -53,6 +60,11 @@ class GPTModule(pl.LightningModule):
         min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
         compile: Compile the model with ``torch.compile`` in ``configure_model``.
         compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None`` is the default mode.
+        compile_scope: ``"block"`` compiles each transformer block on its own (one graph shared by
+            all blocks: compile time does not grow with depth) and the loss kernel; ``"model"``
+            compiles the whole model as one graph.
+        loss_impl: ``"auto"``/``"chunked"``, ``"liger"`` or ``"plain"``; see ``GPTConfig.loss_impl``.
+        loss_chunk_size: Tokens per chunk of the chunked loss.
         max_new_tokens: Tokens generated per prompt by ``predict_step``.
         temperature: Sampling temperature for ``predict_step`` (0 is greedy).
         top_k: Top-k sampling for ``predict_step``.
@@ -81,6 +93,9 @@ class GPTModule(pl.LightningModule):
         min_lr_ratio: float = 0.1,
         compile: bool = False,
         compile_mode: Optional[CompileMode] = None,
+        compile_scope: CompileScope = "block",
+        loss_impl: LossImpl = "auto",
+        loss_chunk_size: int = 8192,
         max_new_tokens: int = 64,
         temperature: float = 0.8,
         top_k: Optional[int] = 50,
@@ -101,6 +116,8 @@ class GPTModule(pl.LightningModule):
             dropout=dropout,
             attention=attention,
             activation_checkpointing=activation_checkpointing,
+            loss_impl=loss_impl,
+            loss_chunk_size=loss_chunk_size,
         )
         if learning_rate <= 0:
             raise ValueError(f"GPTModule.learning_rate must be > 0, got {learning_rate}.")
@@ -108,7 +125,11 @@ class GPTModule(pl.LightningModule):
             raise ValueError(f"GPTModule.warmup_steps must be >= 0, got {warmup_steps}.")
         if compile_mode is not None and not compile:
             raise ValueError(f"GPTModule.compile_mode={compile_mode!r} has no effect: also set compile=True.")
+        if compile_scope not in ("block", "model"):
+            raise ValueError(f"GPTModule.compile_scope must be 'block' or 'model', got {compile_scope!r}.")
         self.model: Optional[GPT] = None
+        self._last_train_loss: Optional[Tensor] = None
+        self._progress_bar_step = 0
         self._flops_per_token: dict[int, int] = {}
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
@@ -140,7 +161,11 @@ class GPTModule(pl.LightningModule):
             shard_gpt(self.model, mesh, param_dtype=self._fsdp_param_dtype())
         if self.hparams.compile:  # after sharding: the compiled graph sees FSDP2's hooks
             # Module.compile() compiles in place: state-dict keys stay those of the plain model.
-            self.model.compile(mode=self.hparams.compile_mode)
+            if self.hparams.get("compile_scope", "block") == "block":
+                self.model.compile_blocks(mode=self.hparams.compile_mode)
+            else:
+                self.model.compile(mode=self.hparams.compile_mode)
+                self.model.compile_loss = True
 
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
         """bf16 under a bf16 precision (Lightning's or ``BF16Precision``), else keep float32."""
@@ -172,7 +197,7 @@ class GPTModule(pl.LightningModule):
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         idx, targets = batch
-        return self.model.loss(self.model(idx), targets)
+        return self.model(idx, targets=targets)
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -181,10 +206,23 @@ class GPTModule(pl.LightningModule):
             self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len)
         self._flops_per_batch = self._flops_per_token[seq_len] * batch[0].numel()
         loss = self._loss(batch)
-        # Per-batch perplexity is exp of the batch loss; no extra pass over the logits.
-        self.log("train/loss", loss, prog_bar=True)
+        # Per-batch perplexity is exp of the batch loss; no extra pass over the logits. Not in the
+        # progress bar: it would read the tensor every batch (a GPU sync); on_train_batch_end shows it.
+        self.log("train/loss", loss)
         self.log("train/ppl", torch.exp(loss.detach()))
+        self._last_train_loss = loss.detach()
         return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer = self.trainer
+        step = trainer.global_step
+        # Once per logging optimizer step (after its last micro-batch): the one host sync is there.
+        if step == self._progress_bar_step or step % max(1, trainer.log_every_n_steps) != 0:
+            return
+        self._progress_bar_step = step
+        if trainer.progress_bar_callback is not None and trainer.is_global_zero and self._last_train_loss is not None:
+            show_in_progress_bar(trainer, {"train/loss": round(self._last_train_loss.float().item(), 4)})
 
     def _eval_step(self, batch: tuple[Tensor, Tensor], stage: str, metric: MeanMetric) -> Tensor:
         loss = self._loss(batch)
