@@ -95,7 +95,7 @@ class GPTModule(pl.LightningModule):
         compile_mode: Optional[CompileMode] = None,
         compile_scope: CompileScope = "block",
         loss_impl: LossImpl = "auto",
-        loss_chunk_size: int = 8192,
+        loss_chunk_size: int = 4096,
         max_new_tokens: int = 64,
         temperature: float = 0.8,
         top_k: Optional[int] = 50,
