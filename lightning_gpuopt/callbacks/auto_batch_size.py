@@ -33,7 +33,6 @@ from lightning_gpuopt.perf.batch_search import (
     per_device_batch,
 )
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
-from lightning_gpuopt.plugins.float8_conversion import is_compiled
 from lightning_gpuopt.resume import no_collectives, rollback_fit_loop_state, step_boundary
 
 __all__ = ["AutoBatchSize"]
@@ -205,9 +204,10 @@ class AutoBatchSize(Callback):
             state.restore(trainer, pl_module)
             del batches
             free_memory(trainer.strategy.root_device)
-            if is_compiled(pl_module):
-                # Drop the graphs compiled for the trial shapes: training compiles once, statically, for its own.
-                torch.compiler.reset()
+            # Compiled graphs are kept: the trial at micro-batch 1 compiles one (Dynamo specialises size 1),
+            # the next size a second with a dynamic batch dimension, which every larger trial and then
+            # training reuse. So the search and training compile twice in all, and the trials measured
+            # the memory of the very graph that trains.
         if best is None:
             raise RuntimeError(
                 "AutoBatchSize: even a micro-batch of 1 runs out of memory"

@@ -249,6 +249,9 @@ class GPT(nn.Module):
             return self.lm_head(x)
         return self.loss_from_hidden(x, targets)
 
+    # A whole-model compile ends its graph at the hidden states: the chunk loop runs eagerly (its length
+    # follows the token count) around its own compiled kernel, so a new batch size recompiles nothing here.
+    @torch.compiler.disable
     def loss_from_hidden(self, hidden: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy from the final (normed) hidden states; targets of -1 are ignored.
 

@@ -80,7 +80,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if needs_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_grad[1] else None
         for start in range(0, h.size(0), chunk_size):
-            h_c, t_c = h[start : start + chunk_size], targets[start : start + chunk_size]
+            # The targets' slice as a tensor of its own: a view would make the compiled kernel guard on
+            # the size of the whole batch's targets and compile again for each batch size.
+            h_c, t_c = h[start : start + chunk_size], targets[start : start + chunk_size].clone()
             logits = h_c @ w.t()  # (n, V): the only vocabulary-sized tensor, one chunk of it
             if grad_h is None and grad_w is None:
                 loss_sum += loss_fn(logits, t_c, ignore_index)
