@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 
 from helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
 from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor
+from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.callbacks.cuda_settings import _capture
 
 
@@ -155,3 +156,57 @@ print("OK")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_auto_attention_order_leaves_the_cpu_as_it_is(tmp_path):
+    before = _capture()
+    cb = CUDASettings(tf32=None, cudnn_benchmark=None, expandable_segments=None)  # sdpa_backends="auto"
+    assert cb.sdpa_backends == "auto" and _capture() == before  # decided at setup, on the training device
+    seen = {}
+
+    class Probe(LearningRateMonitor):
+        def on_train_start(self, trainer, pl_module):
+            seen.update(_capture())
+
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=16, warmup_steps=1)
+    trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, Probe()],
+                      default_root_dir=tmp_path)
+    trainer.fit(module, loader(TokenBatches(2, 2, 16, vocab=64)))
+    assert seen["sdpa_priority"] == before["sdpa_priority"]
+    assert dict((r[0], r[2]) for r in cb.report)["sdpa_backends"] == "left as PyTorch orders them: no CUDA device"
+    assert _capture() == before
+
+
+def test_attention_kernel_names_a_backend():
+    from lightning_gpuopt.callbacks.cuda_settings import attention_kernel
+
+    assert attention_kernel(torch.device("cpu"), 64, 128, torch.float32) in ("cudnn", "flash", "efficient", "math")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_puts_cudnn_first_on_hopper_and_reports_the_kernel(tmp_path):
+    from lightning_gpuopt.callbacks.cuda_settings import attention_kernel
+    from lightning_gpuopt.plugins import BF16Precision
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention goes first on compute capability >= 9.0 only")
+    before = _capture()
+    cb = CUDASettings()
+    kernels = {}
+
+    class Probe(LearningRateMonitor):
+        def on_train_start(self, trainer, pl_module):
+            kernels["picked"] = attention_kernel(torch.device("cuda"), 64, 1024, torch.bfloat16, 12)
+
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=16, warmup_steps=1)
+    trainer = Trainer(accelerator="cuda", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, Probe()],
+                      plugins=[BF16Precision()], default_root_dir=tmp_path)
+    trainer.fit(module, loader(TokenBatches(2, 2, 16, vocab=64)))
+    assert kernels["picked"] == "cudnn"
+    report = {r[0]: r for r in cb.report}
+    assert report["sdpa_backends"][2].startswith("priority cudnn,flash,efficient,math")
+    assert report["attention_kernel"][1] == "cudnn"
+    assert _capture()["sdpa_priority"] == before["sdpa_priority"]  # restored at teardown

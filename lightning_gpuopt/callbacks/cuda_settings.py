@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-__all__ = ["CUDASettings"]
+__all__ = ["CUDASettings", "attention_kernel"]
 
 # Our names -> torch.nn.attention.SDPBackend member names.
 _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -53,6 +53,64 @@ def _capture() -> dict[str, Any]:
     }
 
 
+# cuDNN attention first on Hopper and newer; the rest in PyTorch's own order, nothing disabled.
+_HOPPER_SDPA_ORDER = ("cudnn", "flash", "efficient", "math")
+
+
+def _auto_sdpa_order(device: torch.device) -> tuple[str, str, str]:
+    """Apply ``sdpa_backends="auto"`` on the training device; return the report row."""
+    if device.type != "cuda":
+        return ("sdpa_backends", "auto", "left as PyTorch orders them: no CUDA device")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (9, 0):
+        return ("sdpa_backends", "auto", f"left as PyTorch orders them (compute capability {capability[0]}.{capability[1]})")
+    from torch.nn.attention import SDPBackend
+
+    order = [int(getattr(SDPBackend, _SDPA_BACKENDS[b])) for b in _HOPPER_SDPA_ORDER]
+    rest = [b for b in torch._C._get_sdp_priority_order() if b not in order]
+    torch._C._set_sdp_priority_order(order + rest)  # priorities only: which kernels are enabled is unchanged
+    return ("sdpa_backends", "auto", f"priority {','.join(_HOPPER_SDPA_ORDER)} (compute capability {capability[0]}.{capability[1]})")
+
+
+def attention_kernel(device: torch.device, head_dim: int, seq_len: int, dtype: torch.dtype, n_head: int = 1) -> str:
+    """The SDPA kernel PyTorch picks for causal self-attention of this shape, under the current
+    backend flags and priorities: ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"``.
+
+    Example::
+
+        >>> attention_kernel(torch.device("cpu"), head_dim=64, seq_len=128, dtype=torch.float32) in _SDPA_BACKENDS
+        True
+
+    Args:
+        device: Where attention runs.
+        head_dim: Size of one head.
+        seq_len: Sequence length.
+        dtype: The dtype attention runs in (bf16 under bf16 autocast).
+        n_head: Number of heads.
+    """
+    from torch.nn.attention import SDPBackend
+
+    q = torch.zeros(1, n_head, seq_len, head_dim, device=device, dtype=dtype)
+    choice = SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True))
+    names = {getattr(SDPBackend, v): k for k, v in _SDPA_BACKENDS.items()}
+    return names.get(choice, choice.name.lower())
+
+
+def _attention_row(pl_module: pl.LightningModule, trainer: pl.Trainer, device: torch.device) -> tuple[str, str, str]:
+    from lightning_gpuopt.perf.precision import compute_dtype_name
+
+    config = getattr(pl_module, "config", None)
+    head_dim, seq_len, n_head = (getattr(config, k, None) for k in ("head_size", "block_size", "n_head"))
+    shape = "the model's" if head_dim and seq_len else "an assumed"
+    head_dim, seq_len, n_head = head_dim or 64, seq_len or 1024, n_head or 1
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(
+        compute_dtype_name(trainer.precision_plugin), torch.float32
+    )
+    kernel = attention_kernel(device, head_dim, seq_len, dtype, n_head)
+    dtype_name = str(dtype).removeprefix("torch.")
+    return ("attention_kernel", kernel, f"what SDPA runs for {shape} head dim {head_dim}, T {seq_len}, {dtype_name}, causal")
+
+
 class CUDASettings(Callback):
     """Turns on the fast CUDA defaults for transformer training, early enough to count, and restores them at teardown.
 
@@ -79,7 +137,10 @@ class CUDASettings(Callback):
         cudnn_benchmark: Autotune cuDNN convolution algorithms (``torch.backends.cudnn.benchmark``);
             ``None`` leaves it.
         sdpa_backends: Scaled-dot-product-attention kernels allowed, in priority order, from
-            ``cudnn``, ``flash``, ``efficient``, ``math``; the others are disabled. ``None`` leaves them.
+            ``cudnn``, ``flash``, ``efficient``, ``math``; the others are disabled. ``"auto"`` (the
+            default) puts cuDNN attention first on GPUs of compute capability 9.0 and newer (H100,
+            H200, B200: its forward is ~25% faster than FlashAttention-2 at head dim 64, FA3 paper)
+            and leaves PyTorch's order elsewhere, disabling nothing. ``None`` leaves them.
         expandable_segments: Use the caching allocator's expandable segments (less fragmentation,
             fewer out-of-memory errors with varying shapes); ``None`` leaves it.
         matmul_precision: ``torch.set_float32_matmul_precision`` value (``highest``, ``high``,
@@ -97,11 +158,11 @@ class CUDASettings(Callback):
         self,
         tf32: Optional[bool] = True,
         cudnn_benchmark: Optional[bool] = True,
-        sdpa_backends: Optional[list[str]] = None,
+        sdpa_backends: Union[None, Literal["auto"], list[str]] = "auto",
         expandable_segments: Optional[bool] = True,
         matmul_precision: Optional[str] = None,
     ) -> None:
-        if sdpa_backends is not None:
+        if sdpa_backends is not None and sdpa_backends != "auto":
             if isinstance(sdpa_backends, str):
                 sdpa_backends = [sdpa_backends]
             unknown = [b for b in sdpa_backends if b not in _SDPA_BACKENDS]
@@ -121,7 +182,7 @@ class CUDASettings(Callback):
             )
         self.tf32 = tf32
         self.cudnn_benchmark = cudnn_benchmark
-        self.sdpa_backends = list(sdpa_backends) if sdpa_backends is not None else None
+        self.sdpa_backends = list(sdpa_backends) if sdpa_backends not in (None, "auto") else sdpa_backends
         self.expandable_segments = expandable_segments
         self.matmul_precision = matmul_precision
         self.report: list[tuple[str, str, str]] = []  # (setting, value, status)
@@ -149,7 +210,7 @@ class CUDASettings(Callback):
         if self.cudnn_benchmark is not None:
             torch.backends.cudnn.benchmark = self.cudnn_benchmark
             rows.append(("cudnn_benchmark", str(self.cudnn_benchmark), "applied" if cuda else no_cuda))
-        if self.sdpa_backends is not None:
+        if isinstance(self.sdpa_backends, list):
             from torch.nn.attention import SDPBackend, _sdpa_kernel
 
             _sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[b]) for b in self.sdpa_backends], set_priority=True)
@@ -209,7 +270,11 @@ class CUDASettings(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._apply()  # after a previous fit restored the state
         device = trainer.strategy.root_device
-        if self.sdpa_backends is not None and "flash" in self.sdpa_backends and device.type == "cuda":
+        if self.sdpa_backends == "auto":
+            self.report = [r for r in self.report if r[0] != "sdpa_backends"] + [_auto_sdpa_order(device)]
+        if device.type == "cuda":
+            self.report = [r for r in self.report if r[0] != "attention_kernel"] + [_attention_row(pl_module, trainer, device)]
+        if isinstance(self.sdpa_backends, list) and "flash" in self.sdpa_backends and device.type == "cuda":
             if torch.cuda.get_device_capability(device)[0] < 8:
                 self.report = [
                     (name, value, status + "; flash needs compute capability >= 8.0, so it is skipped on this GPU")
