@@ -7,6 +7,11 @@ taken in ``on_before_backward``. All the checks of one step are one device-side 
 gradient holds one) read with one host sync per optimizer step; the per-parameter detail is only
 fetched on a bad step. A step is skipped by setting every gradient to ``None``: ``torch.optim``
 optimizers leave such parameters (and their state) untouched, so the weights stay bit-identical.
+
+``mode="deferred"`` removes that sync: the same reduction sets the optimizer's ``found_inf``, which
+fused ``torch.optim`` kernels (the ones ``GradScaler`` drives) read on the device to skip the whole
+update (moments and step counts included); counters stay on the device and are read at logging
+steps, before every checkpoint save and at the end of training.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -25,6 +30,7 @@ from typing_extensions import override
 __all__ = ["NonFiniteError", "NonFiniteGuard", "find_nonfinite"]
 
 Policy = Literal["skip", "stop"]
+Mode = Literal["auto", "step", "deferred"]
 
 
 class NonFiniteError(RuntimeError):
@@ -82,6 +88,14 @@ class NonFiniteGuard(Callback):
     Stopping raises inside the step, so no checkpoint is written after the bad step: the last
     ``ModelCheckpoint`` file stays the last good state.
 
+    With ``mode="deferred"`` nothing waits for the GPU on a step: the bad step is skipped on the
+    device, and the guard reads its counters at the next logging step (``log_every_n_steps``),
+    before every checkpoint save and at the end of training; it then warns (or stops) naming the
+    bad steps, without the per-parameter detail. A stop raised before a save keeps that save from
+    being written. ``mode="auto"`` is deferred when the optimizer can skip on the device (fused
+    ``torch.optim`` Adam/AdamW/SGD, as ``GPTModule`` builds on CUDA) and no fp16 ``GradScaler``
+    is in use, and checks every step otherwise; it says which at the first step.
+
     Example::
 
         trainer = Trainer(callbacks=[NonFiniteGuard(policy="skip", max_consecutive_skips=5)])
@@ -98,12 +112,16 @@ class NonFiniteGuard(Callback):
         max_consecutive_skips: With ``policy="skip"``, how many bad steps in a row are skipped before
             the run stops (a model that keeps producing NaN will not recover).
         check_gradients: Also check every gradient, not only the loss.
+        mode: ``"step"`` (one host sync per optimizer step; names the first bad parameter),
+            ``"deferred"`` (no sync on steps that do not log; needs a fused optimizer and no fp16
+            scaler) or ``"auto"``.
 
     Attributes:
         skipped_steps: Bad steps skipped by this callback so far.
         scaler_skips: Steps the fp16 ``GradScaler`` skipped itself (overflowing gradients, finite loss).
         consecutive_skips: Bad steps in a row right now.
         last_report: The message of the last bad or scaler-skipped step.
+        active_mode: ``"step"`` or ``"deferred"``: what ``mode`` resolved to at the first step of the last fit.
 
     Note:
         Cost: one ``foreach`` reduction over the gradients and one host sync (``.tolist()`` of two
@@ -117,9 +135,13 @@ class NonFiniteGuard(Callback):
         ``loss * scale`` passes ~3.4e38, so a non-finite scaled loss is a non-finite loss). Gradient clipping runs after this check, so it sees no gradients on a skipped step.
     """
 
-    def __init__(self, policy: Policy = "skip", max_consecutive_skips: int = 5, check_gradients: bool = True) -> None:
+    def __init__(
+        self, policy: Policy = "skip", max_consecutive_skips: int = 5, check_gradients: bool = True, mode: Mode = "auto"
+    ) -> None:
         if policy not in ("skip", "stop"):
             raise ValueError(f"NonFiniteGuard.policy must be 'skip' or 'stop', got {policy!r}.")
+        if mode not in ("auto", "step", "deferred"):
+            raise ValueError(f"NonFiniteGuard.mode must be 'auto', 'step' or 'deferred', got {mode!r}.")
         if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
             raise ValueError(
                 f"NonFiniteGuard.max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r} "
@@ -132,15 +154,42 @@ class NonFiniteGuard(Callback):
         self.scaler_skips = 0
         self.consecutive_skips = 0
         self.last_report: Optional[str] = None
+        self.mode = mode
         self._loss_bad: Optional[Tensor] = None  # device-side flag over the step's micro-batches
+        self._deferred: Optional[bool] = None  # decided at the first optimizer step
+        self._pending: Optional[Tensor] = None  # deferred: [bad steps, consecutive, worst consecutive, first bad step]
+        self._last_step = -1
+        self.active_mode: Optional[str] = None  # "step" or "deferred", once the first step decided it
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
         bad = ~torch.isfinite(loss.detach()).all()
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
 
+    def _decide_mode(self, trainer: "pl.Trainer", optimizer: Optimizer) -> bool:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        can = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and scaler is None
+        if self.mode == "deferred" and not can:
+            raise ValueError(
+                "NonFiniteGuard(mode='deferred') skips a step on the device through the optimizer's found_inf, which "
+                f"needs a fused torch.optim optimizer (e.g. AdamW(fused=True)) and no fp16 GradScaler; got "
+                f"{type(optimizer).__name__}{' with a GradScaler' if scaler is not None else ''}. Use mode='step'."
+            )
+        deferred = self.mode == "deferred" or (self.mode == "auto" and can)
+        rank_zero_info(
+            "NonFiniteGuard: checking on the device, read at logging steps and before checkpoint saves (no sync per step)."
+            if deferred else "NonFiniteGuard: checking every optimizer step (one host sync per step)."
+        )
+        return deferred
+
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
+        if self._deferred is None:
+            self._deferred = self._decide_mode(trainer, optimizer)
+            self.active_mode = "deferred" if self._deferred else "step"
+        if self._deferred:
+            self._flag_on_device(trainer, pl_module, optimizer)
+            return
         loss_bad, self._loss_bad = self._loss_bad, None
         if self.check_gradients:
             maxabs, params = find_nonfinite(optimizer)
@@ -185,6 +234,69 @@ class NonFiniteGuard(Callback):
         rank_zero_warn(
             f"NonFiniteGuard: skipped {where} ({self.consecutive_skips}/{self.max_consecutive_skips} in a row)."
         )
+
+    def _flag_on_device(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
+        loss_bad, self._loss_bad = self._loss_bad, None
+        maxabs, _ = find_nonfinite(optimizer) if self.check_gradients else (torch.zeros(0), [])
+        device = maxabs.device if maxabs.numel() else pl_module.device
+        bad = (~torch.isfinite(maxabs)).any().to(torch.float32) if maxabs.numel() else torch.zeros((), device=device)
+        if loss_bad is not None:
+            bad = torch.maximum(bad, loss_bad.to(device, torch.float32))
+        if trainer.world_size > 1:
+            bad = trainer.strategy.reduce(bad, reduce_op="sum").clamp(max=1.0)  # a collective, not a host sync
+        optimizer.found_inf = bad  # the fused kernel skips the whole update when it is non-zero
+        if self._pending is None:
+            self._pending = torch.tensor([0.0, float(self.consecutive_skips), 0.0, -1.0], device=device)
+        count, consecutive, worst, first = self._pending.unbind()
+        consecutive = (consecutive + 1) * bad
+        step = torch.full((), float(trainer.global_step), device=device)
+        first = torch.where((first < 0) & (bad > 0), step, first)
+        self._pending = torch.stack([count + bad, consecutive, torch.maximum(worst, consecutive), first])
+
+    def _read_deferred(self, trainer: Optional["pl.Trainer"], when: str) -> None:
+        """The host sync of deferred mode: report (or stop on) the bad steps since the last read."""
+        if self._pending is None:
+            return
+        count, consecutive, worst, first = (int(v) for v in self._pending.tolist())
+        self._pending = None
+        self.consecutive_skips = consecutive
+        if not count:
+            return
+        self.skipped_steps += count
+        self.last_report = (
+            f"{count} optimizer step(s) with a non-finite loss or gradients skipped since the last check, the first "
+            f"at global step {first}; {consecutive} in a row now (read {when})"
+        )
+        if self.policy == "stop" or worst >= self.max_consecutive_skips:
+            why = "" if self.policy == "stop" else f" ({worst} in a row >= max_consecutive_skips={self.max_consecutive_skips})"
+            raise NonFiniteError(
+                f"NonFiniteGuard stopped the run{why}: {self.last_report}. The bad steps were not applied and no "
+                "checkpoint was written after them: resume from the last checkpoint with a lower learning_rate or "
+                "gradient clipping (trainer.gradient_clip_val); NonFiniteGuard(mode='step') names the first bad parameter."
+            )
+        rank_zero_warn(f"NonFiniteGuard: {self.last_report}.")
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self._deferred and step != self._last_step and step % max(1, trainer.log_every_n_steps) == 0:
+            self._last_step = step
+            self._read_deferred(trainer, f"at logging step {step}")
+
+    @override
+    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
+        self._read_deferred(trainer, "before a checkpoint save")
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._read_deferred(trainer, "at the end of training")
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        for optimizer in trainer.optimizers:
+            if hasattr(optimizer, "found_inf"):
+                del optimizer.found_inf
+        self._deferred, self._pending, self._loss_bad = None, None, None
 
     def _describe(
         self,
@@ -232,6 +344,7 @@ class NonFiniteGuard(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        self._read_deferred(None, "before a checkpoint save")  # Lightning asks for this before on_save_checkpoint
         return {"skipped_steps": self.skipped_steps, "scaler_skips": self.scaler_skips, "consecutive_skips": self.consecutive_skips}
 
     @override
