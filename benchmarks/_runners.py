@@ -22,7 +22,7 @@ from benchmarks._configs import BenchSettings, lightning_parts
 from benchmarks._profile import StepProfiler
 from benchmarks._timing import StepClock
 from lightning_gpuopt.data import TextDataModule
-from lightning_gpuopt.model import GPT, GPTModule
+from lightning_gpuopt.model import GPT, GPTConfig, GPTModule
 from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
 
 __all__ = ["cleanup", "make_data", "run_config", "run_lightning", "run_torch_loop"]
@@ -265,11 +265,11 @@ def run_torch_loop(
     try:
         pl.seed_everything(settings.seed, verbose=False)
         data = make_data(settings, micro_batch_size)
-        config = GPTModule(preset=settings.preset, vocab_size=settings.vocab_size, block_size=settings.block_size).config
+        config = GPTConfig.from_name(settings.preset, vocab_size=settings.vocab_size, block_size=settings.block_size)
         _reset_memory(device)
         with torch.device(device):  # built on the device, as the Trainer does (same RNG stream)
             model = GPT(config)
-        model.compile(mode=settings.compile_mode)
+        model.compile_blocks(mode=settings.compile_mode)  # GPTModule(compile=True)'s default
         total = measured + settings.profile_steps
         optimizer = build_adamw(model, settings.learning_rate)  # fused on CUDA
         scheduler = warmup_cosine_schedule(optimizer, settings.warmup_steps, total)
@@ -294,7 +294,7 @@ def run_torch_loop(
                 if first_batch_sum is None:
                     first_batch_sum = int(x.sum())
                 with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = model.loss(model(x), y)
+                    loss = model(x, targets=y)  # the chunked loss, as GPTModule trains
                 (loss / accumulate).backward()
                 if first_loss is None:
                     first_loss = float(loss.detach())

@@ -102,6 +102,12 @@ class Case:
 
 
 
+def _liger_on_cpu():
+    from lightning_gpuopt.model.loss import linear_cross_entropy
+
+    return linear_cross_entropy(torch.zeros(2, 16), torch.zeros(32, 16), torch.zeros(2, dtype=torch.long), impl="liger")
+
+
 def _fsdp_fp16_strategy():
     from lightning.pytorch.strategies import FSDPStrategy
     from torch.distributed.fsdp import MixedPrecision
@@ -124,6 +130,9 @@ CASES = [
          ValueError, r"set trainer.max_steps \(or max_epochs\)"),
     Case("data-longer-than-model-context", lambda c: c.fit(GPTModule(vocab_size=300, block_size=16), c.data()), ValueError,
          "set model.block_size >= 32 or data.block_size <= 16"),
+    Case("unknown-loss-impl", lambda c: GPTModule(loss_impl="fused"), ValueError, "use 'auto' \\(default\\), 'chunked', 'liger' or 'plain'"),
+    Case("liger-on-cpu", lambda c: _liger_on_cpu(), ValueError, "runs on CUDA only, not on cpu: use loss_impl='chunked'"),
+    Case("unknown-compile-scope", lambda c: GPTModule(compile=True, compile_scope="layer"), ValueError, "must be 'block' or 'model'"),
     Case("generate-top-k", lambda c: GPT(GPTConfig.from_name("tiny")).generate(torch.zeros(1, 1, dtype=torch.long), 2, top_k=0),
          ValueError, "top_k must be >= 1 or None"),
     # ---------------------------------------------------------------- data
@@ -166,6 +175,10 @@ CASES = [
     Case("no-tf32-vs-tf32-precision", lambda c: CUDASettings(tf32=False, matmul_precision="high"), ValueError, "turns TF32 matmuls on. Drop one"),
     Case("mfu-peak-in-tflops", lambda c: MFUMonitor(peak_flops=-1.0), ValueError, r"must be > 0 FLOP/s \(e.g. 989.4e12\)"),
     Case("mfu-log-every-zero", lambda c: MFUMonitor(log_every_n_steps=0), ValueError, "must be a positive integer or None"),
+    Case("guard-unknown-mode", lambda c: NonFiniteGuard(mode="lazy"), ValueError, "mode must be 'auto', 'step' or 'deferred'"),
+    Case("guard-deferred-without-fused-optimizer",
+         lambda c: c.fit(GPTModule(vocab_size=300, block_size=32), c.data(), callbacks=[NonFiniteGuard(mode="deferred")]),
+         ValueError, r"fused torch.optim optimizer \(e.g. AdamW\(fused=True\)\) and no fp16 GradScaler; got AdamW. Use mode='step'"),
     Case("guard-unknown-policy", lambda c: NonFiniteGuard(policy="ignore"), ValueError, "policy must be 'skip' or 'stop'"),
     Case("guard-max-skips-zero", lambda c: NonFiniteGuard(max_consecutive_skips=0), ValueError, "use policy='stop' to stop at the first bad step"),
     # ---------------------------------------------------------------- CLI and YAML
