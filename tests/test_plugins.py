@@ -468,3 +468,21 @@ def test_plugins_are_configurable_from_yaml():
     fp8, bf16 = parser.instantiate(config).plugins
     assert (fp8.recipe, fp8.module_filter, fp8.emulate) == ("rowwise", ["lm_head"], True)
     assert isinstance(bf16, BF16Precision)
+
+
+def test_float8_with_per_block_compile_trains_like_uncompiled():
+    """GPTModule(compile=True)'s default (each block compiled on its own) over Float8Linear layers."""
+    losses = {}
+    for compile_ in (False, True):
+        torch.manual_seed(0)
+        plugin = Float8Precision(emulate=True, module_filter=["lm_head"])
+        module = tiny_gpt_module(compile=compile_)
+        rec = LossRecorder()
+        trainer = _trainer(plugin, max_steps=3, callbacks=[rec])
+        trainer.fit(module, train_dataloaders=token_loader(n_seq=32))
+        losses[compile_] = rec.losses
+        assert isinstance(module.model.transformer.h[0].attn.c_attn, Float8Linear)
+    blocks = module.model.transformer.h
+    assert all(b._compiled_call_impl is not None for b in blocks) and module.model.compile_loss
+    assert list(module.model.state_dict()) == [k.removeprefix("model.") for k in module.state_dict() if k.startswith("model.")]
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=1e-3, atol=1e-3)
