@@ -59,9 +59,8 @@ def file_fingerprint(path: Path) -> str:
             while block := f.read(_BLOCK):
                 digest.update(block)
         else:
-            step = (size - _BLOCK) // (_SAMPLES - 1)
             for i in range(_SAMPLES):  # the first and the last block are always among them
-                f.seek(i * step)
+                f.seek(i * (size - _BLOCK) // (_SAMPLES - 1))
                 digest.update(f.read(_BLOCK))
     return digest.hexdigest()
 
