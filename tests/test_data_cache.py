@@ -104,7 +104,7 @@ def test_sigkill_mid_preparation_leaves_nothing_reused(tmp_path, text_dir):
     corpus.write_text(((text_dir / "doc0.txt").read_text() + (text_dir / "doc1.txt").read_text()) * 40)  # ~1.5 MB
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(corpus), str(cache)], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(corpus), str(cache)], env=env, cwd=tmp_path)
     deadline = time.monotonic() + 120
     try:
         while not list(cache.glob("*/*.bin.tmp*")):  # encoding has started: train.bin is half-written
