@@ -171,3 +171,17 @@ def test_concurrent_preparations_share_one_result(tmp_path, text_dir, caplog):
     assert not errors
     assert sum("Training a 300-token" in r.getMessage() for r in caplog.records) == 1  # tokenised once
     assert check_cache(modules[0].data_dir, modules[0]._expected_meta())[1] is None
+
+
+@pytest.mark.extended  # ~60 s: the timeout must leave time for rank 1 to start
+def test_ddp_preparation_longer_than_the_process_group_timeout(tmp_path, text_dir):
+    """Rank 0 prepares for longer than the process group's timeout; rank 1 waits, prepares nothing, reads the same files."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    script = Path(__file__).parent / "scripts" / "ddp_prepare.py"
+    proc = subprocess.run([sys.executable, str(script), str(text_dir), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["prepared"] for r in ranks] == [1, 0]  # only local rank 0 ran prepare_data
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    assert ranks[0]["data_dir"] == ranks[1]["data_dir"] and ranks[0]["splits"] == ranks[1]["splits"]
