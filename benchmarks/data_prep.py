@@ -73,7 +73,7 @@ def _reset_peak() -> None:
 
 def _child(corpus: Path, vocab_size: int, out: Path) -> dict:
     """One measurement, in this (pinned) process."""
-    from lightning_gpuopt.data.prepare import _encode
+    from lightning_gpuopt.data.prepare import encode_documents
     from lightning_gpuopt.data.sources import resolve_source
     from lightning_gpuopt.data.tokenizer import EOT_TOKEN, train_bpe_tokenizer
     from lightning_gpuopt.data.tokens import token_dtype, write_tokens
@@ -91,7 +91,7 @@ def _child(corpus: Path, vocab_size: int, out: Path) -> dict:
     stats = {"documents": 0}
     eot = tokenizer.token_to_id(EOT_TOKEN)
     dtype = token_dtype(tokenizer.get_vocab_size())
-    tokens = write_tokens(out / "train.bin", _encode(tokenizer, source.splits["train"](), eot, stats), dtype)
+    tokens = write_tokens(out / "train.bin", encode_documents(tokenizer, source.splits["train"](), eot, stats), dtype)
     result["encode"] = {"s": time.perf_counter() - t, "peak_rss_gib": _rss("VmHWM") / _GIB, "tokens": tokens}
     for phase in ("train", "encode"):
         result[phase]["mb_per_s"] = mb / result[phase]["s"]

@@ -25,7 +25,7 @@ from lightning_gpuopt.data.sources import Corpus
 from lightning_gpuopt.data.tokenizer import EOT_TOKEN, train_bpe_tokenizer
 from lightning_gpuopt.data.tokens import token_dtype, write_tokens
 
-__all__ = ["encode_batch_size", "prepare_tokens"]
+__all__ = ["encode_batch_size", "encode_documents", "prepare_tokens"]
 
 
 def encode_batch_size() -> int:
@@ -43,8 +43,22 @@ def _empty(corpus: Corpus) -> ValueError:
     return ValueError(f"The corpus ({corpus.description}) is empty: data.source holds no text.")
 
 
-def _encode(tokenizer: Tokenizer, documents: Iterator[Iterator[str]], eot: int, stats: dict[str, int]) -> Iterator[np.ndarray]:
-    """Token ids of every document, an EOT after each, in batches of pieces."""
+def encode_documents(
+    tokenizer: Tokenizer, documents: Iterator[Iterator[str]], eot: int, stats: Optional[dict[str, int]] = None
+) -> Iterator[np.ndarray]:
+    """Token ids of every document, an EOT after each, encoded in batches of pieces on every core.
+
+    Example::
+
+        ids = np.concatenate(list(encode_documents(tok, (text_pieces(t) for t in texts), eot)))
+
+    Args:
+        tokenizer: The tokenizer.
+        documents: Each document as an iterator of consecutive text pieces.
+        eot: The id written after every document.
+        stats: If given, ``stats["documents"]`` is increased by the number of documents read.
+    """
+    stats = {"documents": 0} if stats is None else stats
     batch: list[str] = []
     ends: list[bool] = []  # whether batch[i] is the last piece of its document
     size = encode_batch_size()
@@ -120,7 +134,7 @@ def prepare_tokens(
     train_docs = 0
     for split, documents in corpus.splits.items():
         stats = {"documents": 0}
-        n = write_tokens(out / f"{split}.bin", _encode(tokenizer, documents(), eot, stats), dtype)
+        n = write_tokens(out / f"{split}.bin", encode_documents(tokenizer, documents(), eot, stats), dtype)
         splits[split] = {"file": f"{split}.bin", "start": 0, "end": n}
         if split == "train":
             train_docs = stats["documents"]
