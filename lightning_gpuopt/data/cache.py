@@ -32,7 +32,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["cache_lock", "check_cache", "check_writable", "file_fingerprint", "remove_leftovers", "write_meta"]
+__all__ = [
+    "cache_lock",
+    "check_cache",
+    "check_writable",
+    "default_cache_dir",
+    "file_fingerprint",
+    "remove_leftovers",
+    "write_meta",
+]
 
 META = "meta.json"
 TOKENIZER = "tokenizer.json"
@@ -40,6 +48,29 @@ _BLOCK = 1 << 20
 _SAMPLES = 16
 _TMP = re.compile(r"\.tmp\d+$")
 _FIX = "set data.cache_dir (or the GPUOPT_CACHE_DIR environment variable) to a folder this process can write"
+
+
+def default_cache_dir() -> Path:
+    """``$GPUOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_gpuopt``, else ``~/.cache/lightning_gpuopt``.
+
+    Raises:
+        ValueError: ``GPUOPT_CACHE_DIR`` is set but empty, or no home folder is known (e.g. a service
+            user without ``HOME``); the message names ``data.cache_dir`` and ``GPUOPT_CACHE_DIR``.
+    """
+    if "GPUOPT_CACHE_DIR" in os.environ:
+        if not os.environ["GPUOPT_CACHE_DIR"].strip():
+            raise ValueError("GPUOPT_CACHE_DIR is set but empty: set it (or data.cache_dir) to the token cache folder.")
+        return Path(os.environ["GPUOPT_CACHE_DIR"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "lightning_gpuopt"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError) as err:  # no HOME and no password-database entry
+        raise ValueError(
+            f"No home folder for the token cache ({err}): set data.cache_dir, or the GPUOPT_CACHE_DIR "
+            "environment variable, to a writable folder."
+        ) from err
+    return home / ".cache" / "lightning_gpuopt"
 
 
 def file_fingerprint(path: Path) -> str:

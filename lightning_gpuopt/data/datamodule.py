@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,40 +14,25 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_gpuopt.data.cache import cache_lock, check_cache, check_writable, remove_leftovers, write_meta
+from lightning_gpuopt.data.cache import (
+    cache_lock,
+    check_cache,
+    check_writable,
+    default_cache_dir,
+    remove_leftovers,
+    write_meta,
+)
 from lightning_gpuopt.data.prepare import prepare_tokens
 from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
-from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB, load_tokenizer
+from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
+from lightning_gpuopt.data.tokenizer import load_tokenizer
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
 from lightning_gpuopt.resume import step_boundary
 
 __all__ = ["TextDataModule", "default_cache_dir"]
 
 _FORMAT_VERSION = 2  # bump when the on-disk layout or the tokenisation changes (2: meta.json with fingerprints)
-
-
-def default_cache_dir() -> Path:
-    """``$GPUOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_gpuopt``, else ``~/.cache/lightning_gpuopt``.
-
-    Raises:
-        ValueError: ``GPUOPT_CACHE_DIR`` is set but empty, or no home folder is known (e.g. a service
-            user without ``HOME``); the message names ``data.cache_dir`` and ``GPUOPT_CACHE_DIR``.
-    """
-    if "GPUOPT_CACHE_DIR" in os.environ:
-        if not os.environ["GPUOPT_CACHE_DIR"].strip():
-            raise ValueError("GPUOPT_CACHE_DIR is set but empty: set it (or data.cache_dir) to the token cache folder.")
-        return Path(os.environ["GPUOPT_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "lightning_gpuopt"
-    try:
-        home = Path.home()
-    except (RuntimeError, KeyError) as err:  # no HOME and no password-database entry
-        raise ValueError(
-            f"No home folder for the token cache ({err}): set data.cache_dir, or the GPUOPT_CACHE_DIR "
-            "environment variable, to a writable folder."
-        ) from err
-    return home / ".cache" / "lightning_gpuopt"
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -204,10 +188,12 @@ class TextDataModule(pl.LightningDataModule):
                 self.prepare_data()  # a check when already done; covers use without a Trainer
             meta, reason = check_cache(self.data_dir, self._expected_meta())
             if meta is None:  # under a multi-process Trainer, prepare_data ran on local rank 0 only
+                rank = trainer.global_rank if trainer is not None else 0
                 raise ValueError(
-                    f"The token cache {self.data_dir} cannot be used on global rank {trainer.global_rank}: {reason}. "
-                    "Local rank 0 of each node prepares it in prepare_data; if the nodes share data.cache_dir, keep "
-                    "TextDataModule.prepare_data_per_node=True, else delete the folder and start again."
+                    f"The token cache {self.data_dir} is not usable on global rank {rank}: {reason}. Only local rank 0 "
+                    "of each node prepares it (global rank 0 with prepare_data_per_node=False): keep "
+                    "TextDataModule.prepare_data_per_node=True or point data.cache_dir at a folder all nodes share, "
+                    "and let the nodes that share it read the same corpus files."
                 )
             self._meta = meta
             self.tokenizer = Tokenizer.from_file(str(self.data_dir / "tokenizer.json"))

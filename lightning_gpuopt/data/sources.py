@@ -7,8 +7,8 @@ import glob
 import hashlib
 import json
 import os
-import sysconfig
 import stat
+import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
