@@ -96,3 +96,19 @@ def test_memory_does_not_grow_with_a_single_file_corpus(tmp_path):
     # Whole-document tokenisation grew ~180 MB per MB of text here (+720 MB for 4 MB). Streaming: ~40 MB, flat.
     assert growth_large < growth_small + 64 * 2**20, (growth_small, growth_large)
     assert growth_large < 256 * 2**20, growth_large
+
+
+def test_token_files_equal_whole_document_encoding(tmp_path, text_dir):
+    """A file several pieces long is tokenised exactly as one document: its ids, then one EOT."""
+    import numpy as np
+
+    from lightning_gpuopt import TextDataModule
+    from lightning_gpuopt.data import EOT_TOKEN
+
+    text = "".join((text_dir / f"doc{i}.txt").read_text() for i in range(4)) * 3  # ~190 K characters: 3 pieces
+    assert len(list(text_pieces(text))) >= 3
+    (tmp_path / "one.txt").write_text(text)
+    dm = TextDataModule(source=str(tmp_path / "one.txt"), vocab_size=400, block_size=32, cache_dir=str(tmp_path / "c"))
+    dm.setup("fit")
+    tokens = np.fromfile(dm.data_dir / "train.bin", dtype=np.uint16).tolist()
+    assert tokens == dm.tokenizer.encode(text).ids + [dm.tokenizer.token_to_id(EOT_TOKEN)]
