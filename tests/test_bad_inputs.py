@@ -4,6 +4,7 @@ message names the fix. Cases that run data preparation also check nothing was wr
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,12 +64,23 @@ class _NoBatchSizeModule(GPTModule):
         return torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=4)
 
 
-def _prepare_leaves_nothing(ctx: Ctx, source: Path) -> None:
-    data = ctx.data(source)
+def _prepare_leaves_nothing(ctx: Ctx, source: Path, **kw) -> None:
+    data = ctx.data(source, **kw)
+    (ctx.tmp / "a-file").write_text("")  # a file where a cache folder would have to go
     try:
         data.prepare_data()
     finally:
         assert not data.data_dir.exists(), "an error after writing part of the cache"
+
+
+def _fifo(ctx: Ctx) -> str:
+    os.mkfifo(ctx.tmp / "pipe")
+    return str(ctx.tmp / "pipe")
+
+
+def _cache_env_empty(ctx: Ctx) -> None:
+    os.environ["GPUOPT_CACHE_DIR"] = ""  # the autouse fixture restores the environment
+    TextDataModule(source=str(ctx.text_dir), vocab_size=300)
 
 
 def _tokenizer_without_eot(ctx: Ctx) -> str:
@@ -157,6 +169,11 @@ CASES = [
     Case("val-fraction-out-of-range", lambda c: c.data(val_fraction=0.6), ValueError, r"val_fraction must be in \(0, 0.5\)"),
     Case("batch-size-zero", lambda c: c.data(batch_size=0), ValueError, "batch_size must be an integer >= 1"),
     Case("empty-prompt", lambda c: c.data(prompts=[""]).predict_dataloader(), ValueError, "give each prompt some text"),
+    Case("source-is-a-fifo", lambda c: c.data(source=_fifo(c)), ValueError, "is a FIFO \\(named pipe\\), not a regular file or folder: .*copy it into a file"),
+    Case("source-is-a-device", lambda c: c.data(source="/dev/null"), ValueError, "is a character device, not a regular file or folder"),
+    Case("cache-dir-cannot-be-created", lambda c: _prepare_leaves_nothing(c, c.text_dir, cache_dir=str(c.tmp / "a-file" / "cache")), ValueError,
+         r"cannot be created .*set data.cache_dir \(or the GPUOPT_CACHE_DIR environment variable\) to a folder this process can write"),
+    Case("cache-dir-env-empty", lambda c: _cache_env_empty(c), ValueError, r"GPUOPT_CACHE_DIR is set but empty: set it \(or data.cache_dir\)"),
     Case("hf-without-datasets", lambda c: c.data(source="hf:wikitext:wikitext-2-raw-v1"), ImportError,
          "pip install datasets", skip=_requires_missing("datasets")),
     # ---------------------------------------------------------------- plugins, strategies, hardware

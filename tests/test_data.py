@@ -95,13 +95,20 @@ def test_datamodule_tokenises_once_and_round_trips(text_dir, cache_dir):
     assert (dm.data_dir / "train.bin").stat().st_mtime_ns == mtime  # reused, not rewritten
 
 
-def test_cache_key_changes_with_inputs(text_dir, cache_dir):
-    base = _module(text_dir, cache_dir).data_dir
+def test_cache_key_changes_with_settings_and_an_edit_rebuilds(text_dir, cache_dir):
+    first = _module(text_dir, cache_dir)
+    base = first.data_dir
     assert _module(text_dir, cache_dir, vocab_size=320).data_dir != base
     assert _module(text_dir, cache_dir, val_fraction=0.1).data_dir != base
+    first.prepare_data()
+    before = json.loads((base / "meta.json").read_text())["splits"]["test"]["end"]
     with open(text_dir / "doc1.txt", "a") as f:
         f.write("an edit\n")
-    assert _module(text_dir, cache_dir).data_dir != base
+    edited = _module(text_dir, cache_dir)
+    assert edited.data_dir == base  # the same folder, rebuilt: stale copies do not pile up
+    with pytest.warns(UserWarning, match=f"Rebuilding the token cache {base}: the corpus changed"):
+        edited.prepare_data()
+    assert json.loads((base / "meta.json").read_text())["splits"]["test"]["end"] > before
 
 
 def test_split_folder_uses_its_own_splits(tmp_path, text_dir, cache_dir):

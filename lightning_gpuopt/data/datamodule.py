@@ -4,47 +4,35 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_gpuopt.data.cache import (
+    cache_lock,
+    check_cache,
+    check_writable,
+    default_cache_dir,
+    remove_leftovers,
+    write_meta,
+)
+from lightning_gpuopt.data.prepare import prepare_tokens
 from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
-from lightning_gpuopt.data.tokenizer import EOT_TOKEN, MIN_VOCAB_SIZE as _MIN_VOCAB, load_tokenizer, train_bpe_tokenizer
-from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows, token_dtype, write_tokens
+from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
+from lightning_gpuopt.data.tokenizer import load_tokenizer
+from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
 from lightning_gpuopt.resume import step_boundary
 
 __all__ = ["TextDataModule", "default_cache_dir"]
 
-_FORMAT_VERSION = 1  # bump when the on-disk layout or the tokenisation changes
-_ENCODE_BATCH = 256  # documents per tokenizer.encode_batch call (parallel in Rust)
-
-
-def default_cache_dir() -> Path:
-    """``$GPUOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_gpuopt``, else ``~/.cache/lightning_gpuopt``."""
-    if "GPUOPT_CACHE_DIR" in os.environ:
-        return Path(os.environ["GPUOPT_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_gpuopt"
-
-
-def _batched(texts: Iterator[str], n: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for text in texts:
-        batch.append(text)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+_FORMAT_VERSION = 2  # bump when the on-disk layout or the tokenisation changes (2: meta.json with fingerprints)
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -52,8 +40,11 @@ class TextDataModule(pl.LightningDataModule):
 
     On first use (``prepare_data``, once per node) the text is tokenised with a byte-level BPE
     (trained on the training split, or ``tokenizer``) into a ``uint16``/``uint32`` token file with a
-    small ``meta.json``, under ``cache_dir/<key>``; the key changes when the inputs or the
-    tokenizer change, so the files are reused otherwise. Training batches are random windows of
+    small ``meta.json``, under ``cache_dir/<key>``, streaming with bounded memory on every core
+    (:mod:`~lightning_gpuopt.data.prepare`). The key names the input files, the tokenizer and the
+    split; ``meta.json`` records fingerprints of the text and of the token files, so the files are
+    reused while the corpus is unchanged and rebuilt, with a warning, when it or they changed
+    (``docs/data.md``). Training batches are random windows of
     ``block_size + 1`` tokens; validation and test batches cover their split in order.
 
     The training order is a pure function of ``(seed, epoch, position)`` (see
@@ -151,80 +142,60 @@ class TextDataModule(pl.LightningDataModule):
             tok = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
         else:
             tok = f"bpe-{vocab_size}"
-        key = json.dumps([_FORMAT_VERSION, self._corpus.fingerprint, tok, val_fraction])
+        # The corpus's identity (its files' paths), not its content: an edited corpus is rebuilt in the same
+        # folder (meta.json records the content's fingerprint), so stale copies do not pile up.
+        key = json.dumps([_FORMAT_VERSION, self._corpus.identity, tok, val_fraction])
         self.data_dir = self.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]
         """The folder holding this configuration's tokenizer, token files and metadata."""
 
     # ------------------------------------------------------------------------------ preparation
+    def _expected_meta(self) -> dict[str, Any]:
+        return {"format_version": _FORMAT_VERSION, "inputs": self._corpus.fingerprint}
+
     @override
     def prepare_data(self) -> None:
-        """Tokenise the corpus into ``data_dir`` unless an identical run already did (once per node)."""
+        """Tokenise the corpus into ``data_dir`` unless it already holds a complete, current copy.
+
+        Safe to call from several processes at once: one prepares (under a file lock), the others
+        wait and reuse its files. A stale or damaged folder (see ``docs/data.md``) is rebuilt with a
+        warning naming it; leftovers of killed runs are removed.
+        """
         out = self.data_dir
-        if (out / "meta.json").is_file():
-            return
-        corpus = self._corpus
-        # Before any work or any file: an empty corpus (stops at the first document with text).
-        if not any(text.strip() for text in corpus.splits["train"]()):
-            raise ValueError(f"The corpus ({corpus.description}) is empty: data.source holds no text.")
-        if self.tokenizer is None:
-            rank_zero_info(f"Training a {self.vocab_size}-token byte-level BPE on {corpus.description} ...")
-            tokenizer = train_bpe_tokenizer(corpus.splits["train"](), self.vocab_size)
-        else:
-            tokenizer = self.tokenizer
-        out.mkdir(parents=True, exist_ok=True)  # only once the corpus has been read in full
-        tmp = out / f"tokenizer.json.tmp{os.getpid()}"
-        tokenizer.save(str(tmp))
-        os.replace(tmp, out / "tokenizer.json")
-        vocab = tokenizer.get_vocab_size()
-        dtype = token_dtype(vocab)
-        eot = tokenizer.token_to_id(EOT_TOKEN)
-
-        num_docs = 0
-
-        def encode(texts: Iterator[str]) -> Iterator[np.ndarray]:
-            nonlocal num_docs
-            for batch in _batched(texts, _ENCODE_BATCH):
-                num_docs += len(batch)
-                for enc in tokenizer.encode_batch(batch):
-                    yield np.asarray(enc.ids + [eot], dtype=np.int64)  # EOT after every document
-
-        rank_zero_info(f"Tokenising {corpus.description} into {out} ...")
-        splits = {}
-        for split, reader in corpus.splits.items():
-            num_docs = 0
-            n = write_tokens(out / f"{split}.bin", encode(reader()), dtype)
-            splits[split] = {"file": f"{split}.bin", "start": 0, "end": n}
-            if split == "train":
-                train_docs = num_docs
-        total = splits["train"]["end"]
-        if total <= train_docs:  # nothing but the document separators
-            raise ValueError(f"The corpus ({corpus.description}) is empty: data.source holds no text.")
-        # Sources without their own val/test split: hold out the tail of the token stream, test last.
-        n_hold = int(total * self.val_fraction)
-        end = total
-        for split in ("test", "val"):
-            if split not in splits:
-                splits[split] = {"file": "train.bin", "start": end - n_hold, "end": end}
-                end -= n_hold
-        splits["train"]["end"] = end
-        meta = {
-            "format_version": _FORMAT_VERSION,
-            "source": self.source,
-            "vocab_size": vocab,
-            "dtype": dtype.name,
-            "eot_token_id": eot,
-            "splits": splits,
-        }
-        tmp = out / f"meta.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, out / "meta.json")  # written last: its presence means the folder is complete
+        if check_cache(out, self._expected_meta())[0] is not None:
+            return  # complete and current: also fine in a read-only cache folder
+        check_writable(self.cache_dir)  # before any work
+        with cache_lock(self.cache_dir / f"{out.name}.lock"):
+            meta, reason = check_cache(out, self._expected_meta())
+            if meta is not None:
+                return  # another process prepared it while this one waited
+            if out.exists():
+                rank_zero_warn(f"Rebuilding the token cache {out}: {reason}.")
+                remove_leftovers(out)
+                (out / "meta.json").unlink(missing_ok=True)  # a kill from here on leaves an incomplete folder
+            meta = prepare_tokens(self._corpus, out, self.tokenizer, self.vocab_size, self.val_fraction, rank_zero_info)
+            write_meta(out, {**self._expected_meta(), "source": self.source, **meta})
 
     @override
     def setup(self, stage: str) -> None:
-        """Open the token files (after ``prepare_data``) and check every split is long enough."""
+        """Open the token files (after ``prepare_data``) and check every split is long enough.
+
+        The cache folder is checked first (sizes, fingerprints, ``meta.json``'s checksum), so a damaged
+        or stale folder fails here, before any step, and not in the middle of ``fit`` or ``test``.
+        """
         if self._meta is None:
-            self.prepare_data()  # no-op when done; covers use without a Trainer
-            self._meta = json.loads((self.data_dir / "meta.json").read_text())
+            trainer = self.trainer
+            if trainer is None or trainer.world_size == 1:
+                self.prepare_data()  # a check when already done; covers use without a Trainer
+            meta, reason = check_cache(self.data_dir, self._expected_meta())
+            if meta is None:  # under a multi-process Trainer, prepare_data ran on local rank 0 only
+                rank = trainer.global_rank if trainer is not None else 0
+                raise ValueError(
+                    f"The token cache {self.data_dir} is not usable on global rank {rank}: {reason}. Only local rank 0 "
+                    "of each node prepares it (global rank 0 with prepare_data_per_node=False): keep "
+                    "TextDataModule.prepare_data_per_node=True or point data.cache_dir at a folder all nodes share, "
+                    "and let the nodes that share it read the same corpus files."
+                )
+            self._meta = meta
             self.tokenizer = Tokenizer.from_file(str(self.data_dir / "tokenizer.json"))
             self.vocab_size = self._meta["vocab_size"]
         meta, out = self._meta, self.data_dir

@@ -7,11 +7,14 @@ import glob
 import hashlib
 import json
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+
+from lightning_gpuopt.data.streaming import file_pieces, text_pieces
 
 __all__ = ["Corpus", "resolve_source", "stdlib_files"]
 
@@ -27,17 +30,24 @@ _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", 
 
 @dataclass
 class Corpus:
-    """A text corpus: a reader of documents per split, and a fingerprint that changes with the inputs.
+    """A text corpus: a reader of documents per split, its identity, and a fingerprint of its content.
+
+    Documents are streamed: each is an iterator of consecutive text pieces of bounded size (see
+    :mod:`~lightning_gpuopt.data.streaming`), so no document is ever held in memory whole.
 
     Args:
         description: What the corpus is, for logs and errors.
         splits: Split name (``train``, and optionally ``val`` and ``test``) to a function yielding
-            that split's documents as strings.
-        fingerprint: Changes whenever the text may have changed (paths, sizes, modification times).
+            that split's documents, each an iterator of text pieces.
+        identity: Names the inputs (the files' resolved paths per split, or the dataset's name):
+            part of the cache folder's name.
+        fingerprint: Changes whenever the text may have changed: for files, their paths, sizes,
+            modification times and inode change times (see ``docs/data.md``, "unchanged corpus").
     """
 
     description: str
-    splits: dict[str, Callable[[], Iterator[str]]]
+    splits: dict[str, Callable[[], Iterator[Iterator[str]]]]
+    identity: str
     fingerprint: str
 
 
@@ -51,37 +61,51 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(
-            f"Cannot read training text from {path}: {err}. Fix its permissions or encoding (UTF-8 is "
-            "expected), or leave it out of data.source."
-        ) from err
-
-
-def _file_fingerprint(files: dict[str, list[Path]]) -> str:
-    digest = hashlib.sha256()
+def _file_fingerprints(files: dict[str, list[Path]]) -> tuple[str, str]:
+    """(identity, fingerprint): a hash of the resolved paths, and one of the paths with their stat."""
+    names, stats = hashlib.sha256(), hashlib.sha256()
     for split, paths in sorted(files.items()):
         for path in paths:
             try:
-                stat = path.stat()
+                st = path.stat()
             except OSError as err:
                 raise ValueError(f"Cannot read training text from {path}: {err}.") from err
-            digest.update(f"{split}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
+            line = f"{split}\0{path.resolve()}\0"
+            names.update(line.encode())
+            # st_ctime_ns (inode change time) moves on every write, also when the modification time is
+            # put back afterwards (touch -r, cp -p, rsync -t): an in-place edit of the same size is seen.
+            stats.update(f"{line}{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
+    return names.hexdigest(), stats.hexdigest()
 
 
 def _file_corpus(description: str, files: dict[str, list[Path]]) -> Corpus:
-    def reader(paths: list[Path]) -> Callable[[], Iterator[str]]:
-        return lambda: (_read(p) for p in paths)
+    def reader(paths: list[Path]) -> Callable[[], Iterator[Iterator[str]]]:
+        return lambda: (file_pieces(p) for p in paths)
 
+    identity, fingerprint = _file_fingerprints(files)
     return Corpus(
         description=description,
         splits={split: reader(paths) for split, paths in files.items()},
-        fingerprint=_file_fingerprint(files),
+        identity=identity,
+        fingerprint=fingerprint,
     )
+
+
+def _special_kind(path: Path) -> Optional[str]:
+    """What ``path`` is when it exists but is neither a regular file nor a folder (a FIFO, a device...)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return None
 
 
 def _split_folder(folder: Path) -> Optional[dict[str, list[Path]]]:
@@ -118,11 +142,12 @@ def _hf_corpus(spec: str) -> Corpus:
                 raise ValueError(
                     f"Hugging Face dataset {name!r} has no 'text' column (columns: {ds[hf_split].column_names})."
                 )
-            splits[split] = (lambda d=ds[hf_split]: (row["text"] for row in d))
+            splits[split] = (lambda d=ds[hf_split]: (text_pieces(row["text"]) for row in d))
     if "train" not in splits:
         raise ValueError(f"Hugging Face dataset {name!r} has no 'train' split (splits: {list(ds)}).")
+    # The Hub's datasets are versioned by name: the name is both the identity and the fingerprint.
     fingerprint = hashlib.sha256(json.dumps(["hf", name, config]).encode()).hexdigest()
-    return Corpus(description=f"Hugging Face dataset {spec}", splits=splits, fingerprint=fingerprint)
+    return Corpus(description=f"Hugging Face dataset {spec}", splits=splits, identity=fingerprint, fingerprint=fingerprint)
 
 
 def resolve_source(source: str) -> Corpus:
@@ -173,6 +198,12 @@ def resolve_source(source: str) -> Corpus:
         if not files:
             raise ValueError(f"data.source={source!r} matches no files: check the pattern.")
         return _file_corpus(f"{len(files)} files matching {source}", {"train": files})
+    kind = _special_kind(path)
+    if kind is not None:
+        raise ValueError(
+            f"data.source={source!r} is {kind}, not a regular file or folder: training text is read more than "
+            "once (tokenizer training, then encoding), so copy it into a file and point data.source there."
+        )
     raise ValueError(
         f"data.source={source!r} does not exist: use 'stdlib' (offline default), an existing folder, file or glob, "
         "or 'hf:NAME[:CONFIG]' for a Hugging Face dataset."

@@ -1,0 +1,237 @@
+"""The token cache folder: what makes it complete and current, and how it is written safely.
+
+Design note: a cache folder holds ``tokenizer.json``, one ``<split>.bin`` per split the corpus
+has, and ``meta.json``, written last. ``meta.json`` records
+
+- the input fingerprint (:attr:`Corpus.fingerprint`) and the format version: a changed corpus, or a
+  changed on-disk layout, makes the folder stale;
+- each token file's exact size and a sampled fingerprint (BLAKE2b of the size and of up to
+  ``_SAMPLES`` blocks of ``_BLOCK`` bytes spread evenly over the file, which is the whole file up to
+  16 MiB): reading ~16 MiB per file costs milliseconds at start-up whatever the corpus size, and
+  catches truncation, appending, replacement and any corruption inside the sampled blocks (for
+  small files, any corruption at all); a full checksum of a multi-GB file would cost seconds on
+  every start of every rank;
+- the SHA-256 of ``tokenizer.json``;
+- its own SHA-256 (``checksum``), so a hand-edited or half-written ``meta.json`` is rejected.
+
+:func:`check_cache` returns the first reason the folder cannot be used (``None`` when it can).
+Writers hold :func:`cache_lock` (an ``flock`` on ``<cache_dir>/<folder>.lock``, released by the
+kernel when a process dies), so under the lock any ``*.tmp<pid>`` file is a leftover of a killed
+run and :func:`remove_leftovers` deletes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = [
+    "cache_lock",
+    "check_cache",
+    "check_writable",
+    "default_cache_dir",
+    "file_fingerprint",
+    "remove_leftovers",
+    "write_meta",
+]
+
+META = "meta.json"
+TOKENIZER = "tokenizer.json"
+_BLOCK = 1 << 20
+_SAMPLES = 16
+_TMP = re.compile(r"\.tmp\d+$")
+_FIX = "set data.cache_dir (or the GPUOPT_CACHE_DIR environment variable) to a folder this process can write"
+
+
+def default_cache_dir() -> Path:
+    """``$GPUOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_gpuopt``, else ``~/.cache/lightning_gpuopt``.
+
+    Raises:
+        ValueError: ``GPUOPT_CACHE_DIR`` is set but empty, or no home folder is known (e.g. a service
+            user without ``HOME``); the message names ``data.cache_dir`` and ``GPUOPT_CACHE_DIR``.
+    """
+    if "GPUOPT_CACHE_DIR" in os.environ:
+        if not os.environ["GPUOPT_CACHE_DIR"].strip():
+            raise ValueError("GPUOPT_CACHE_DIR is set but empty: set it (or data.cache_dir) to the token cache folder.")
+        return Path(os.environ["GPUOPT_CACHE_DIR"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "lightning_gpuopt"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError) as err:  # no HOME and no password-database entry
+        raise ValueError(
+            f"No home folder for the token cache ({err}): set data.cache_dir, or the GPUOPT_CACHE_DIR "
+            "environment variable, to a writable folder."
+        ) from err
+    return home / ".cache" / "lightning_gpuopt"
+
+
+def file_fingerprint(path: Path) -> str:
+    """BLAKE2b of a file's size and of ``_SAMPLES`` evenly spaced 1 MiB blocks (the whole file up to 16 MiB).
+
+    Example::
+
+        file_fingerprint(Path("cache/3f2a.../train.bin"))  # 'c0ffee...'
+
+    Args:
+        path: The file.
+    """
+    size = path.stat().st_size
+    digest = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as f:
+        if size <= _BLOCK * _SAMPLES:
+            while block := f.read(_BLOCK):
+                digest.update(block)
+        else:
+            for i in range(_SAMPLES):  # the first and the last block are always among them
+                f.seek(i * (size - _BLOCK) // (_SAMPLES - 1))
+                digest.update(f.read(_BLOCK))
+    return digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _meta_checksum(meta: dict[str, Any]) -> str:
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def write_meta(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Complete ``meta`` with the token files' and the tokenizer's fingerprints and write ``meta.json`` atomically.
+
+    Example::
+
+        write_meta(folder, {"format_version": 2, "inputs": corpus.fingerprint, "splits": {...}, ...})
+
+    Args:
+        folder: The cache folder, holding ``tokenizer.json`` and every file named in ``meta["splits"]``.
+        meta: The metadata; ``files``, ``tokenizer_sha256`` and ``checksum`` are added.
+    """
+    names = sorted({span["file"] for span in meta["splits"].values()})
+    meta = dict(meta)
+    meta["files"] = {n: {"bytes": (folder / n).stat().st_size, "fingerprint": file_fingerprint(folder / n)} for n in names}
+    meta["tokenizer_sha256"] = _sha256(folder / TOKENIZER)
+    meta["checksum"] = _meta_checksum(meta)
+    tmp = folder / f"{META}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, folder / META)  # written last: its presence means the folder is complete
+    return meta
+
+
+def check_cache(folder: Path, expected: dict[str, Any]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """``(meta, None)`` when ``folder`` is complete and current, else ``(None, reason)``.
+
+    Example::
+
+        meta, reason = check_cache(folder, {"format_version": 2, "inputs": corpus.fingerprint})
+
+    Args:
+        folder: The cache folder.
+        expected: Entries ``meta.json`` must hold with these values (format version, input fingerprint).
+    """
+    if not (folder / META).is_file():
+        return None, "it is incomplete (no meta.json: never finished, or interrupted)"
+    try:
+        meta = json.loads((folder / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, f"meta.json cannot be read ({err})"
+    if not isinstance(meta, dict) or meta.get("checksum") != _meta_checksum(meta):
+        return None, "meta.json was changed after it was written (its checksum does not match)"
+    for key, value in expected.items():
+        if meta.get(key) != value:
+            what = "the corpus changed" if key == "inputs" else f"its {key} is {meta.get(key)!r}, not {value!r}"
+            return None, f"{what} since it was written"
+    try:
+        if _sha256(folder / TOKENIZER) != meta["tokenizer_sha256"]:
+            return None, f"{TOKENIZER} differs from the one the tokens were written with"
+        for name, want in meta["files"].items():
+            path = folder / name
+            size = path.stat().st_size
+            if size != want["bytes"]:
+                return None, f"{name} holds {size} bytes, not the {want['bytes']} written"
+            if file_fingerprint(path) != want["fingerprint"]:
+                return None, f"{name} does not match its fingerprint (the file was changed or damaged)"
+    except FileNotFoundError as err:
+        return None, f"{Path(err.filename).name} is missing"
+    except OSError as err:
+        return None, f"a file cannot be read ({err})"
+    return meta, None
+
+
+def check_writable(cache_dir: Path) -> None:
+    """Create ``cache_dir`` if needed and check this process can write there, before any work.
+
+    Example::
+
+        check_writable(Path("~/.cache/lightning_gpuopt").expanduser())
+
+    Args:
+        cache_dir: The token cache's root folder (``data.cache_dir``).
+
+    Raises:
+        ValueError: It cannot be created or written; the message names ``data.cache_dir`` and
+            ``GPUOPT_CACHE_DIR``.
+    """
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"The token cache folder {cache_dir} cannot be created ({err}): {_FIX}.") from err
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"The token cache folder {cache_dir} is not writable: {_FIX}.")
+
+
+@contextlib.contextmanager
+def cache_lock(lock_file: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_file`` (waits while another process holds it).
+
+    Where ``fcntl`` is missing (Windows) there is no lock, and a warning says that concurrent
+    preparations of the same folder must be avoided.
+
+    Example::
+
+        with cache_lock(cache_dir / f"{folder.name}.lock"):
+            ...  # check, clean and (re)write the folder
+
+    Args:
+        lock_file: The lock's file (created if needed; never deleted, so waiting processes stay safe).
+    """
+    try:
+        import fcntl
+    except ImportError:
+        warnings.warn("No file locking on this platform: prepare one token cache folder from one process at a time.")
+        yield
+        return
+    with open(lock_file, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def remove_leftovers(folder: Path) -> list[str]:
+    """Delete the ``*.tmp<pid>`` files of interrupted runs in ``folder`` (call under :func:`cache_lock`).
+
+    Example::
+
+        remove_leftovers(folder)  # ['train.bin.tmp4242']
+
+    Args:
+        folder: The cache folder.
+    """
+    removed = []
+    if folder.is_dir():
+        for path in sorted(folder.iterdir()):
+            if _TMP.search(path.name) and path.is_file():
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+    return removed

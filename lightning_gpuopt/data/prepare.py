@@ -1,0 +1,152 @@
+"""Tokenise a corpus into a cache folder with bounded memory: BPE training, encoding, token files.
+
+Design note: nothing holds a document whole. The BPE is trained with ``train_from_iterator`` on
+the corpus's pieces (:mod:`~lightning_gpuopt.data.streaming`; the library keeps only word
+counts, whose size depends on the vocabulary of the text, not its length). Encoding takes
+``encode_batch_fast`` batches of pieces, which the ``tokenizers`` library spreads over every core
+(its Rayon thread pool; ``RAYON_NUM_THREADS`` limits it), and appends each batch's token ids to the
+split's file as it goes. The EOT token follows the last piece of every document, so the token
+files are those of whole-document encoding. Peak memory is the tokenizer, the word counts and one
+batch: independent of the size of the corpus and of its files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from lightning_gpuopt.data.cache import TOKENIZER
+from lightning_gpuopt.data.sources import Corpus
+from lightning_gpuopt.data.tokenizer import EOT_TOKEN, train_bpe_tokenizer
+from lightning_gpuopt.data.tokens import token_dtype, write_tokens
+
+__all__ = ["encode_batch_size", "encode_documents", "prepare_tokens"]
+
+
+def encode_batch_size() -> int:
+    """Pieces per ``encode_batch_fast`` call: four per core, so every core has work (~4 MiB of text per core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(8, 4 * cores)
+
+
+def _pieces(corpus: Corpus, split: str) -> Iterator[str]:
+    for document in corpus.splits[split]():
+        yield from document
+
+
+def _empty(corpus: Corpus) -> ValueError:
+    return ValueError(f"The corpus ({corpus.description}) is empty: data.source holds no text.")
+
+
+def encode_documents(
+    tokenizer: Tokenizer, documents: Iterator[Iterator[str]], eot: int, stats: Optional[dict[str, int]] = None
+) -> Iterator[np.ndarray]:
+    """Token ids of every document, an EOT after each, encoded in batches of pieces on every core.
+
+    Example::
+
+        ids = np.concatenate(list(encode_documents(tok, (text_pieces(t) for t in texts), eot)))
+
+    Args:
+        tokenizer: The tokenizer.
+        documents: Each document as an iterator of consecutive text pieces.
+        eot: The id written after every document.
+        stats: If given, ``stats["documents"]`` is increased by the number of documents read.
+    """
+    stats = {"documents": 0} if stats is None else stats
+    batch: list[str] = []
+    ends: list[bool] = []  # whether batch[i] is the last piece of its document
+    size = encode_batch_size()
+
+    def flush() -> Iterator[np.ndarray]:
+        for enc, last in zip(tokenizer.encode_batch_fast(batch), ends):
+            ids = np.asarray(enc.ids, dtype=np.int64)
+            yield np.append(ids, eot) if last else ids
+        batch.clear()
+        ends.clear()
+
+    for document in documents:
+        stats["documents"] += 1
+        previous: Optional[str] = None
+        for piece in document:
+            if previous is not None:
+                batch.append(previous)
+                ends.append(False)
+                if len(batch) >= size:
+                    yield from flush()
+            previous = piece
+        batch.append(previous or "")
+        ends.append(True)
+        if len(batch) >= size:
+            yield from flush()
+    if batch:
+        yield from flush()
+
+
+def prepare_tokens(
+    corpus: Corpus,
+    out: Path,
+    tokenizer: Optional[Tokenizer],
+    vocab_size: int,
+    val_fraction: float,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Write ``tokenizer.json`` and one token file per split of ``corpus`` into ``out``; return the metadata.
+
+    Token files are ``uint16`` (``uint32`` above 65,536 tokens) ids, an EOT after every document.
+    A corpus without its own validation and test splits has them cut from the end of its token
+    stream (``val_fraction`` each, test last). ``meta.json`` is not written here
+    (:func:`~lightning_gpuopt.data.cache.write_meta` does, last).
+
+    Example::
+
+        meta = prepare_tokens(resolve_source("stdlib"), Path("/tmp/tok"), None, 4096, 0.05)
+
+    Args:
+        corpus: The text.
+        out: The cache folder; created once the tokenizer is trained (after a first read of the text).
+        tokenizer: A tokenizer to use, or ``None`` to train a byte-level BPE of ``vocab_size`` tokens.
+        vocab_size: Vocabulary size to train.
+        val_fraction: Fraction of the tokens held out for validation, and again for test.
+        log: Where progress messages go.
+    """
+    # Before any work or any file: an empty corpus (reads up to the first piece with text).
+    if not any(piece.strip() for piece in _pieces(corpus, "train")):
+        raise _empty(corpus)
+    if tokenizer is None:
+        log(f"Training a {vocab_size}-token byte-level BPE on {corpus.description} ...")
+        tokenizer = train_bpe_tokenizer(_pieces(corpus, "train"), vocab_size)
+    out.mkdir(parents=True, exist_ok=True)  # only once the corpus has been read in full
+    tmp = out / f"{TOKENIZER}.tmp{os.getpid()}"
+    tokenizer.save(str(tmp))
+    os.replace(tmp, out / TOKENIZER)
+    vocab = tokenizer.get_vocab_size()
+    dtype = token_dtype(vocab)
+    eot = tokenizer.token_to_id(EOT_TOKEN)
+
+    log(f"Tokenising {corpus.description} into {out} ...")
+    splits: dict[str, dict[str, Any]] = {}
+    train_docs = 0
+    for split, documents in corpus.splits.items():
+        stats = {"documents": 0}
+        n = write_tokens(out / f"{split}.bin", encode_documents(tokenizer, documents(), eot, stats), dtype)
+        splits[split] = {"file": f"{split}.bin", "start": 0, "end": n}
+        if split == "train":
+            train_docs = stats["documents"]
+    total = splits["train"]["end"]
+    if total <= train_docs:  # nothing but the document separators
+        raise _empty(corpus)
+    # Sources without their own val/test split: hold out the tail of the token stream, test last.
+    n_hold = int(total * val_fraction)
+    end = total
+    for split in ("test", "val"):
+        if split not in splits:
+            splits[split] = {"file": "train.bin", "start": end - n_hold, "end": end}
+            end -= n_hold
+    splits["train"]["end"] = end
+    return {"vocab_size": vocab, "dtype": dtype.name, "eot_token_id": eot, "splits": splits}
