@@ -15,6 +15,7 @@ from typing_extensions import override
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
+from lightning_gpuopt.option_checks import check_module_options
 
 __all__ = ["GPTModule"]
 
@@ -102,10 +103,7 @@ class GPTModule(pl.LightningModule):
             attention=attention,
             activation_checkpointing=activation_checkpointing,
         )
-        if learning_rate <= 0:
-            raise ValueError(f"GPTModule.learning_rate must be > 0, got {learning_rate}.")
-        if warmup_steps < 0:
-            raise ValueError(f"GPTModule.warmup_steps must be >= 0, got {warmup_steps}.")
+        check_module_options(learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, max_new_tokens, temperature, top_k)
         if compile_mode is not None and not compile:
             raise ValueError(f"GPTModule.compile_mode={compile_mode!r} has no effect: also set compile=True.")
         self.model: Optional[GPT] = None
