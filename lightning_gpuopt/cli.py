@@ -154,7 +154,7 @@ def main(args: Optional[list[str]] = None) -> None:
             args=args,  # None: sys.argv[1:]
         )
         if cli.subcommand == "fit":
-            check_fit_ended_finite(cli.trainer)  # a diverged run does not exit 0
+            check_fit_ended_finite(cli.trainer, cli.model)  # a diverged run does not exit 0
 
     run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)
     end_distributed()  # Lightning does this at exit for NCCL only; gloo groups can abort at shutdown

@@ -4,19 +4,18 @@
   ``ImportError`` naming a missing extra) prints ``gpuopt: error: <message>`` and exits with 2, the
   status of the parser's own errors.
 * A run stopped because training diverged (``NonFiniteError``, ``NonFiniteCheckpointError``, or a
-  ``fit`` that ended with a non-finite loss) or a full disk prints its message and exits with 1.
+  ``fit`` that ended with non-finite weights) or a full disk prints its message and exits with 1.
 * ``GPUOPT_TRACEBACK=1`` re-raises instead, with the full traceback. Any other error keeps its traceback.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from typing import Any, Callable, Optional, TypeVar
 
 from lightning_gpuopt.callbacks.nonfinite_guard import NonFiniteError
-from lightning_gpuopt.plugins.checkpoint_safety import NonFiniteCheckpointError, is_disk_full
+from lightning_gpuopt.plugins.checkpoint_safety import NonFiniteCheckpointError, is_disk_full, nonfinite_weights
 
 __all__ = ["TRACEBACK_ENV", "check_fit_ended_finite", "explain_parser_error", "run_reporting_errors"]
 
@@ -50,23 +49,31 @@ def explain_parser_error(message: str) -> str:
     )
 
 
-def check_fit_ended_finite(trainer: Any) -> None:
-    """Raise :class:`NonFiniteError` if the last logged training loss of a finished ``fit`` is NaN/Inf.
+def check_fit_ended_finite(trainer: Any, module: Any) -> None:
+    """Raise :class:`NonFiniteError` if a finished ``fit`` left weights that hold NaN/Inf (this rank's shards).
+
+    The weights are checked, not the last loss: a step ``NonFiniteGuard`` skipped logs a NaN loss
+    but leaves the weights as they were.
 
     Example::
 
         trainer.fit(model, datamodule=data)
-        check_fit_ended_finite(trainer)
+        check_fit_ended_finite(trainer, model)
 
     Args:
         trainer: The Trainer after ``fit``.
+        module: The trained LightningModule.
     """
-    loss = trainer.callback_metrics.get("train/loss")
-    if loss is not None and not math.isfinite(float(loss)):
+    params = dict(module.named_parameters())
+    bad = nonfinite_weights(params)
+    if bad:
+        loss = trainer.callback_metrics.get("train/loss")
+        loss_text = f"train/loss={float(loss)}, " if loss is not None else ""
         raise NonFiniteError(
-            f"Training ended with a non-finite loss (train/loss={float(loss)} at step {trainer.global_step}). The "
-            "weights are not usable: resume from the last good checkpoint with a lower model.learning_rate or "
-            "trainer.gradient_clip_val, and add lightning_gpuopt.callbacks.NonFiniteGuard to stop at the first bad step."
+            f"Training ended with non-finite weights ({len(bad)} of {len(params)} parameters hold NaN/Inf, first "
+            f"{bad[0]!r}; {loss_text}step {trainer.global_step}): the model diverged. Resume from the last good "
+            "checkpoint with a lower model.learning_rate or trainer.gradient_clip_val, and add "
+            "lightning_gpuopt.callbacks.NonFiniteGuard to stop at the first bad step."
         )
 
 

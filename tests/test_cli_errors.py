@@ -49,7 +49,8 @@ def test_a_diverged_fit_exits_1(tmp_path, text_dir, cache_dir, capsys, monkeypat
               "--model.warmup_steps", "0", "--trainer.enable_checkpointing", "false"])
     assert info.value.code == 1
     err = capsys.readouterr().err
-    assert "gpuopt: training stopped: Training ended with a non-finite loss (train/loss=nan at step 12)" in err
+    assert "gpuopt: training stopped: Training ended with non-finite weights (28 of 28 parameters hold NaN/Inf" in err
+    assert "train/loss=nan, step 12): the model diverged" in err
 
 
 def test_an_empty_or_non_mapping_config_gets_a_real_message():
