@@ -64,7 +64,10 @@ class GPTCLI(LightningCLI):
     :class:`~lightning_gpuopt.plugins.AtomicCheckpointIO` (atomic writes, ``weights_only=True``
     reads) unless the config names another CheckpointIO plugin or the strategy brings its own.
 
-    ``ExactResume`` is always added (a resumed ``fit --ckpt_path`` continues exactly). With
+    With ``--ckpt_path``, the checkpoint's hyper-parameters are merged with what the command line
+    and config ask for by :mod:`lightning_gpuopt.resume_settings` (architecture changes refused,
+    other settings applied and reported). ``ExactResume`` is always added (a resumed ``fit
+    --ckpt_path`` continues exactly). With
     ``trainer.strategy: gpuopt-auto`` the strategy is chosen for the model by
     :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP or FSDP2), and the reason is logged;
     ``--auto_strategy.device_memory_gb`` overrides the memory read from GPU 0.

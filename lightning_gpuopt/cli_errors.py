@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 def explain_parser_error(message: str) -> str:
-    """A clearer parser message for a ``--config`` file that is empty or not a mapping (jsonargparse says "Unexpected config: ...").
+    """A clear message for a ``--config`` file that is empty or not a mapping (jsonargparse: "Unexpected config: ...").
 
     Example::
 

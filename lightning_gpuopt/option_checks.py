@@ -64,7 +64,7 @@ def check_module_options(
         raise ValueError(f"GPTModule.betas must be two numbers in [0, 1), e.g. (0.9, 0.95), got {betas!r}.")
     for i, beta in enumerate(betas):
         if not _number(beta) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"GPTModule.betas[{i}] must be in [0, 1), got {beta!r} (the usual values are (0.9, 0.95)).")
+            raise ValueError(f"GPTModule.betas[{i}] must be in [0, 1), got {beta!r} (the usual values: (0.9, 0.95)).")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"GPTModule.warmup_steps must be >= 0, got {warmup_steps!r}.")
     if not _number(min_lr_ratio) or not 0.0 <= min_lr_ratio <= 1.0:

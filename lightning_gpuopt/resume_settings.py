@@ -13,6 +13,10 @@ checkpoint's before anything is built:
   :class:`~lightning_gpuopt.callbacks.resumed_settings.ResumedOptimizerSettings`, which applies the
   optimizer settings over the restored optimizer state.
 
+Lightning internals used (``tests/test_resume_settings.py`` fails if an upgrade renames them): the CLI
+replaces ``LightningCLI._parse_ckpt_path`` with :func:`merge_checkpoint_settings`, and
+:func:`prepare_resumed_fit` sets ``ModelCheckpoint._enable_version_counter`` (no public setter).
+
 The data's settings (``data.batch_size`` ...) are never taken from the checkpoint. The tokenizer
 itself is compared when the data module's state is restored (``TextDataModule.load_state_dict``).
 """
@@ -99,7 +103,7 @@ class CheckpointSettings:
         """Say which asked settings replace the checkpoint's (logged once, rank 0)."""
         if self.applied:
             changes = ", ".join(f"model.{k} {old!r} -> {new!r}" for k, (old, new) in self.applied.items())
-            rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: applied over the checkpoint's settings: {changes}.")
+            rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: applied over the checkpoint's: {changes}.")
         if self.kept:
             kept = ", ".join(f"model.{k}={old!r} (default {new!r})" for k, (old, new) in self.kept.items())
             rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: from the checkpoint: {kept}.")

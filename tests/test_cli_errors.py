@@ -24,9 +24,10 @@ def _gpuopt(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProce
 
 
 def _data(text_dir: Path) -> list[str]:
-    return ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.block_size", "32", "--data.batch_size", "4",
-            "--data.num_workers", "0", "--model.preset", "tiny", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0"]
+    return ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.block_size", "32",
+            "--data.batch_size", "4", "--data.num_workers", "0", "--model.preset", "tiny",
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0"]
 
 
 def test_a_configuration_error_is_one_message_and_exit_2(tmp_path, text_dir, cache_dir):

@@ -3,6 +3,7 @@ no `-vN` copies on a resumed fit (real Trainers through the CLI)."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,9 @@ from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
 def _args(text_dir: Path, ckpt_dir: Path, *extra: str) -> list[str]:
     return [
         "--data.source", str(text_dir), "--data.vocab_size", "300", "--data.block_size", "32", "--data.batch_size", "4",
-        "--data.num_workers", "0", "--trainer.default_root_dir", str(ckpt_dir.parent / "run"), "--model.preset", "tiny", "--model.warmup_steps", "2", "--trainer.accelerator", "cpu",
-        "--trainer.devices", "1", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--data.num_workers", "0", "--trainer.default_root_dir", str(ckpt_dir.parent / "run"),
+        "--model.preset", "tiny", "--model.warmup_steps", "2", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "0",
         "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath", str(ckpt_dir),
         "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_top_k", "-1", *extra,
@@ -64,7 +66,8 @@ def test_resume_applies_the_asked_learning_rate_and_writes_no_version_copies(six
 def test_predict_applies_the_asked_sampling_settings(six_steps, text_dir):
     cli = _cli([
         "predict", *_args(text_dir, six_steps), "--ckpt_path", str(six_steps / "epoch=0-step=6.ckpt"),
-        "--model.max_new_tokens", "3", "--model.temperature", "0", "--data.prompts", "[the model]", "--data.samples_per_prompt", "2",
+        "--model.max_new_tokens", "3", "--model.temperature", "0", "--data.prompts", "[the model]",
+        "--data.samples_per_prompt", "2",
     ])
     samples = [s for batch in cli.trainer.predict_loop.predictions for s in batch]
     prompt = len(cli.datamodule.encode("the model"))
@@ -98,3 +101,13 @@ def test_apply_optimizer_settings_scales_the_schedule_exactly():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2 * before, rel=1e-12)
     assert optimizer.param_groups[0]["weight_decay"] == 0.05 and optimizer.param_groups[1]["weight_decay"] == 0.0
     assert all(g["betas"] == (0.8, 0.9) for g in optimizer.param_groups)
+
+
+def test_the_lightning_internals_used_are_there():
+    """resume_settings replaces LightningCLI._parse_ckpt_path and turns off ModelCheckpoint._enable_version_counter:
+    fail here, not silently, if a Lightning upgrade renames them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI
+
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)
+    assert ModelCheckpoint(enable_version_counter=True)._enable_version_counter is True

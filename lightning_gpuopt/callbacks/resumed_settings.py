@@ -41,7 +41,9 @@ def apply_optimizer_settings(
 
     Example::
 
-        scheduler = apply_optimizer_settings(optimizer, 3e-4, 0.1, (0.9, 0.95), 100, 0.1, total_steps=3000, steps_done=1200)
+        scheduler = apply_optimizer_settings(
+            optimizer, 3e-4, 0.1, (0.9, 0.95), 100, 0.1, total_steps=3000, steps_done=1200
+        )
 
     Args:
         optimizer: The restored optimizer.

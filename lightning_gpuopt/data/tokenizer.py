@@ -9,7 +9,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-__all__ = ["EOT_TOKEN", "MIN_VOCAB_SIZE", "check_same_tokenizer", "load_tokenizer", "tokenizer_fingerprint", "train_bpe_tokenizer"]
+__all__ = [
+    "EOT_TOKEN",
+    "MIN_VOCAB_SIZE",
+    "check_same_tokenizer",
+    "load_tokenizer",
+    "tokenizer_fingerprint",
+    "train_bpe_tokenizer",
+]
 
 EOT_TOKEN = "<|endoftext|>"  # separates documents in the token stream, as in GPT-2
 MIN_VOCAB_SIZE = 257  # the 256 byte tokens and <|endoftext|>
@@ -79,7 +86,8 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
         tokenizer: A ``tokenizers`` tokenizer.
     """
     model = json.loads(tokenizer.to_str()).get("model", {})
-    content = json.dumps([model.get("vocab"), model.get("merges"), tokenizer.get_vocab(with_added_tokens=True)], sort_keys=True)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    content = json.dumps([model.get("vocab"), model.get("merges"), vocab], sort_keys=True)
     return hashlib.sha256(content.encode()).hexdigest()
 
 
@@ -100,8 +108,9 @@ def check_same_tokenizer(saved: dict, tokenizer: Tokenizer, where: str) -> None:
         return
     actual = tokenizer_fingerprint(tokenizer)
     if actual != expected:
+        file = saved.get("tokenizer_file", "<the training run's tokenizer.json>")
         raise ValueError(
             f"The data's tokenizer ({where}, sha256 {actual[:12]}) is not the one the checkpoint was trained with "
             f"(sha256 {expected[:12]}): its token ids would mean other text to the model. Use the training run's "
-            f"data.source and data.vocab_size, or set data.tokenizer {saved.get('tokenizer_file', '<the training run s tokenizer.json>')}."
+            f"data.source and data.vocab_size, or set data.tokenizer {file}."
         )

@@ -103,7 +103,9 @@ class GPTModule(pl.LightningModule):
             attention=attention,
             activation_checkpointing=activation_checkpointing,
         )
-        check_module_options(learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, max_new_tokens, temperature, top_k)
+        check_module_options(
+            learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, max_new_tokens, temperature, top_k
+        )
         if compile_mode is not None and not compile:
             raise ValueError(f"GPTModule.compile_mode={compile_mode!r} has no effect: also set compile=True.")
         self.model: Optional[GPT] = None
