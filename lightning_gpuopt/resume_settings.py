@@ -78,6 +78,8 @@ class CheckpointSettings:
         applied: Settings asked for that differ from the checkpoint's: ``{name: (checkpoint's, asked)}``.
         kept: Settings not asked for, whose configured default differs from the checkpoint's value,
             which is used: ``{name: (checkpoint's, configured)}``.
+        data: ``data`` options that differ from the training run's (used as given):
+            ``{name: (checkpoint's, configured)}``.
     """
 
     path: str
@@ -85,6 +87,7 @@ class CheckpointSettings:
     saved: dict[str, Any]
     applied: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     kept: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    data: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
     def check_model(self, model: Any) -> None:
         """Refuse a built model whose data-linked shape (``block_size``, ``vocab_size``) is not the checkpoint's."""
@@ -107,6 +110,9 @@ class CheckpointSettings:
         if self.kept:
             kept = ", ".join(f"model.{k}={old!r} (default {new!r})" for k, (old, new) in self.kept.items())
             rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: from the checkpoint: {kept}.")
+        if self.data:
+            data = ", ".join(f"data.{k} {old!r} -> {new!r}" for k, (old, new) in self.data.items())
+            rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: data settings unlike the training run's: {data}.")
 
 
 def _resolved(saved: dict[str, Any], name: str) -> Any:
@@ -184,6 +190,12 @@ def merge_checkpoint_settings(parser: Any, config: Any, model_class: type) -> tu
         if k not in asked and k not in ("block_size", "vocab_size") and configured != v:
             settings.kept[k] = (v, configured)
     merged = {k: list(v) if isinstance(v, tuple) else v for k, v in merged.items()}
+    saved_data = checkpoint.get("datamodule_hyper_parameters") or {}
+    data_config = config[subcommand].get("data")
+    data_config = data_config.as_dict() if hasattr(data_config, "as_dict") else dict(data_config or {})
+    for k, v in data_config.items():
+        if k in saved_data and _norm(saved_data[k]) != _norm(v):
+            settings.data[k] = (_norm(saved_data[k]), _norm(v))
     config = parser.parse_object({subcommand: {"model": merged}}, config)
     return config, settings
 

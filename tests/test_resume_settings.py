@@ -44,12 +44,14 @@ def six_steps(tmp_path, cache_dir, text_dir, monkeypatch):
 def test_resume_applies_the_asked_learning_rate_and_writes_no_version_copies(six_steps, text_dir, caplog):
     # Resume from step 4 as after a kill that left the step-6 file of the abandoned run behind.
     cli = _cli(["fit", *_args(text_dir, six_steps, "--trainer.max_steps", "8"),
-                                                  "--ckpt_path", str(six_steps / "epoch=0-step=4.ckpt"),
-                                                  "--model.learning_rate", "0.02"])
+                "--ckpt_path", str(six_steps / "epoch=0-step=4.ckpt"), "--model.learning_rate", "0.02",
+                "--data.batch_size", "2"])
     assert sorted(p.name for p in six_steps.iterdir()) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)]  # no -v1
     resumed = [c for c in cli.trainer.callbacks if isinstance(c, ResumedOptimizerSettings)][0]
     assert resumed.applied["learning_rate"] == (6e-4, 0.02) and resumed.applied["decay_steps"] == (4, 6)
-    assert cli.model.hparams.learning_rate == 0.02
+    assert cli.model.hparams.learning_rate == 0.02 and cli.datamodule.batch_size == 2
+    assert cli.checkpoint_settings.applied == {"learning_rate": (6e-4, 0.02)}
+    assert cli.checkpoint_settings.data == {"batch_size": (4, 2)}  # reported; the data's settings are used as given
     optimizer = cli.trainer.optimizers[0]
     assert optimizer.param_groups[0]["initial_lr"] == 0.02
     # The learning rate is the new schedule's (peak 0.02, warm-up 2, 8 steps) at step 8.
