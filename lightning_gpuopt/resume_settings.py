@@ -112,7 +112,7 @@ class CheckpointSettings:
             rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: from the checkpoint: {kept}.")
         if self.data:
             data = ", ".join(f"data.{k} {old!r} -> {new!r}" for k, (old, new) in self.data.items())
-            rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: data settings unlike the training run's: {data}.")
+            rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: data unlike the training run's: {data}.")
 
 
 def _resolved(saved: dict[str, Any], name: str) -> Any:
