@@ -92,10 +92,11 @@ def check_finite_weights(checkpoint: dict[str, Any], path: Any) -> None:
 
 def non_finite_message(path: Any, n_bad: int, n_total: int, first: str, kept: bool) -> str:
     """The message of a refused non-finite save (shared with the distributed writer)."""
+    path = Path(str(path))
     return (
         f"Not writing the checkpoint {str(path)!r}: {n_bad} of {n_total} weight tensors hold NaN/Inf (first: "
         f"{first!r}), the run has diverged. "
-        + (f"The previous {Path(str(path)).name} is kept. " if kept else "")
+        + (f"The previous {path.name} is kept. " if kept else f"The checkpoints already in {path.parent} are kept. ")
         + "Resume from the last good checkpoint with a lower model.learning_rate or trainer.gradient_clip_val, "
         "and add lightning_gpuopt.callbacks.NonFiniteGuard to catch the first bad step."
     )
@@ -128,7 +129,7 @@ def remove_orphaned_temps(folder: Path, now: Optional[float] = None) -> list[Pat
     """Delete the temporary files of earlier saves into ``folder`` that were killed; return what was removed.
 
     Only files named by :func:`temp_path` are considered: one of this machine whose process is gone,
-    or one of another machine (same shared folder) not written to for an hour. A save in progress
+    or one of another machine (same shared folder; on Windows, any) not written to for an hour. A save in progress
     elsewhere, and every other file, stay.
 
     Example::
@@ -150,7 +151,7 @@ def remove_orphaned_temps(folder: Path, now: Optional[float] = None) -> list[Pat
         if not match or not entry.is_file(follow_symlinks=False):
             continue
         pid = int(match["pid"])
-        if match["host"] == _HOST:
+        if match["host"] == _HOST and os.name == "posix":  # os.kill(pid, 0) would end the process on Windows
             dead = pid != os.getpid() and not _pid_alive(pid)
         else:
             try:
