@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import re
-import sys
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
@@ -21,9 +20,12 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt.callbacks import ExactResume
+from lightning_gpuopt.cli_errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPTModule
+from lightning_gpuopt.option_checks import check_trainer_options
 from lightning_gpuopt.plugins.checkpoint_io import AtomicCheckpointIO
+from lightning_gpuopt.resume_settings import merge_checkpoint_settings, prepare_resumed_fit
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
 
 __all__ = ["GPTCLI", "main"]
@@ -35,6 +37,7 @@ class _SuggestingParser(LightningArgumentParser):
     """Adds "did you mean ...?" to jsonargparse's unknown-option errors (a typo in YAML or on the command line)."""
 
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        message = explain_parser_error(message)
         parser = getattr(ex, "subcommand_parser", None) or self
         known = [a.dest for a in parser._actions if a.dest and a.dest != "help"]
         match = _UNKNOWN_OPTION.search(message)
@@ -61,7 +64,10 @@ class GPTCLI(LightningCLI):
     :class:`~lightning_gpuopt.plugins.AtomicCheckpointIO` (atomic writes, ``weights_only=True``
     reads) unless the config names another CheckpointIO plugin or the strategy brings its own.
 
-    ``ExactResume`` is always added (a resumed ``fit --ckpt_path`` continues exactly). With
+    With ``--ckpt_path``, the checkpoint's hyper-parameters are merged with what the command line
+    and config ask for by :mod:`lightning_gpuopt.resume_settings` (architecture changes refused,
+    other settings applied and reported). ``ExactResume`` is always added (a resumed ``fit
+    --ckpt_path`` continues exactly). With
     ``trainer.strategy: gpuopt-auto`` the strategy is chosen for the model by
     :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP or FSDP2), and the reason is logged;
     ``--auto_strategy.device_memory_gb`` overrides the memory read from GPU 0.
@@ -80,6 +86,20 @@ class GPTCLI(LightningCLI):
             "--auto_strategy.device_memory_gb", type=Optional[float], default=None,
             help="Memory per device (GB) for trainer.strategy=gpuopt-auto; default: read from GPU 0.",
         )
+
+    def _parse_ckpt_path(self) -> None:
+        # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: see resume_settings.
+        self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule)
+
+    def before_instantiate_classes(self) -> None:
+        check_trainer_options((self.config[self.subcommand] if self.subcommand else self.config).get("trainer") or {})
+
+    def after_instantiate_classes(self) -> None:
+        if getattr(self, "checkpoint_settings", None) is not None:
+            self.checkpoint_settings.check_model(self.model)
+            self.checkpoint_settings.report()
+        if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
+            prepare_resumed_fit(self.trainer)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -127,14 +147,19 @@ def main(args: Optional[list[str]] = None) -> None:
     """Run the ``gpuopt`` CLI. Every option can also come from an environment variable,
     ``GPUOPT_<SUBCOMMAND>__<GROUP>__<OPTION>`` (e.g. ``GPUOPT_FIT__TRAINER__MAX_STEPS=100``); a value in a
     ``--config`` file or a command-line flag takes precedence over it."""
-    GPTCLI(
-        GPTModule,
-        TextDataModule,
-        seed_everything_default=1337,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt"},
-        args=args if args is not None else sys.argv[1:],
-    )
+    def run() -> None:
+        cli = GPTCLI(
+            GPTModule,
+            TextDataModule,
+            seed_everything_default=1337,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt"},
+            args=args,  # None: sys.argv[1:]
+        )
+        if cli.subcommand == "fit":
+            check_fit_ended_finite(cli.trainer, cli.model)  # a diverged run does not exit 0
+
+    run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)
     end_distributed()  # Lightning does this at exit for NCCL only; gloo groups can abort at shutdown
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_gpuopt.strategies import atomic_checkpoint
 from lightning_gpuopt.strategies.atomic_checkpoint import checkpoint_to_load, partial_path, previous_path, swap_in
@@ -101,3 +105,23 @@ def test_a_replaced_checkpoint_that_cannot_be_deleted_does_not_fail_the_save(tmp
     with pytest.warns(UserWarning, match="Could not delete the replaced checkpoint"):
         swap_in(_folder(partial_path(last), 6), last)
     assert _step(last) == {"step 6"}
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_agree_to_refuse_a_nonfinite_checkpoint(tmp_path, text_dir):
+    """2 gloo processes, a diverging run: no rank writes its shard of a NaN checkpoint, every rank stops with
+    NonFiniteCheckpointError, and last.ckpt is still the whole checkpoint of the step before."""
+    root = Path(__file__).resolve().parents[1]
+    script = root / "tests" / "scripts" / "fsdp_nonfinite_save.py"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(text_dir)], env=env,
+                          capture_output=True, text=True, timeout=400)
+    outcomes = [(tmp_path / f"outcome_rank{r}.txt").read_text().splitlines() for r in (0, 1)]
+    refused = [o[1].startswith("NonFiniteCheckpointError: Not writing the checkpoint") for o in outcomes]
+    assert refused == [True, True], proc.stderr[-3000:]
+    step = int(outcomes[0][0])
+    assert int(outcomes[1][0]) == step and 1 <= step < 20
+    last = tmp_path / "ckpt" / "last.ckpt"
+    meta = torch.load(last / "meta.pt", weights_only=True)
+    assert meta["global_step"] == step - 1  # the last good step, whole
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".gpuopt-")) == []

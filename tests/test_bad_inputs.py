@@ -4,6 +4,7 @@ message names the fix. Cases that run data preparation also check nothing was wr
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import re
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from lightning_gpuopt.callbacks import AutoBatchSize, CUDASettings, MFUMonitor, 
 from lightning_gpuopt.cli import main
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
 from lightning_gpuopt.perf.batch_search import per_device_batch
-from lightning_gpuopt.plugins import Float8Precision
+from lightning_gpuopt.data.tokenizer import check_same_tokenizer
+from lightning_gpuopt.plugins import AtomicCheckpointIO, Float8Precision, NonFiniteCheckpointError
 from lightning_gpuopt.plugins.float8 import check_float8_device, check_float8_strategy
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -100,6 +102,27 @@ def _ckpt(ctx: Ctx, content: Optional[dict] = None, truncate: bool = False) -> P
     return path
 
 
+def _cli_before_data(ctx: Ctx, args: list[str]) -> None:
+    """``gpuopt fit`` on the test corpus with ``args``; the error must come before data preparation."""
+    data = ["--data.source", str(ctx.text_dir), "--data.vocab_size", "300", "--data.block_size", "32", "--data.num_workers", "0",
+            "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.default_root_dir", str(ctx.tmp / "run")]
+    try:
+        main(["fit", *data, *args])
+    finally:
+        assert not ctx.cache.exists(), "the data was prepared before the error"
+
+
+def _lightning_ckpt(ctx: Ctx) -> str:
+    """A checkpoint as Lightning writes one for GPTModule(preset='tiny', vocab_size=300, block_size=32)."""
+    path = ctx.tmp / "run.ckpt"
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=300, block_size=32))
+    hparams = {**{k: p.default for k, p in inspect.signature(GPTModule.__init__).parameters.items() if k != "self"},
+               "vocab_size": 300, "block_size": 32, "betas": (0.9, 0.95)}
+    torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 4, "hyper_parameters": hparams,
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path)
+    return str(path)
+
+
 def _requires_missing(module: str) -> Optional[str]:
     return f"{module} is installed" if importlib.util.find_spec(module) is not None else None
 
@@ -135,6 +158,14 @@ CASES = [
     Case("non-positive-size", lambda c: GPTConfig(n_layer=0), ValueError, "n_layer must be a positive integer"),
     Case("dropout-out-of-range", lambda c: GPTConfig(dropout=1.0), ValueError, r"dropout must be in \[0, 1\)"),
     Case("learning-rate-not-positive", lambda c: GPTModule(learning_rate=0.0), ValueError, "learning_rate must be > 0"),
+    Case("learning-rate-not-finite", lambda c: GPTModule(learning_rate=float("nan")), ValueError, "learning_rate must be a finite number"),
+    Case("weight-decay-negative", lambda c: GPTModule(weight_decay=-1.0), ValueError, "weight_decay must be >= 0, got -1.0: a negative decay makes the weights grow"),
+    Case("betas-out-of-range", lambda c: GPTModule(betas=(0.9, 1.0)), ValueError, r"betas\[1\] must be in \[0, 1\), got 1.0"),
+    Case("warmup-steps-negative", lambda c: GPTModule(warmup_steps=-1), ValueError, "warmup_steps must be >= 0"),
+    Case("min-lr-ratio-out-of-range", lambda c: GPTModule(min_lr_ratio=2.0), ValueError, r"min_lr_ratio must be in \[0, 1\]"),
+    Case("max-new-tokens-zero", lambda c: GPTModule(max_new_tokens=0), ValueError, "max_new_tokens must be an integer >= 1"),
+    Case("temperature-negative", lambda c: GPTModule(temperature=-0.5), ValueError, r"temperature must be >= 0 \(0 is greedy\)"),
+    Case("module-top-k-zero", lambda c: GPTModule(top_k=0), ValueError, r"top_k must be an integer >= 1 or None \(no limit\)"),
     Case("compile-mode-without-compile", lambda c: GPTModule(compile_mode="max-autotune"), ValueError, "also set compile=True"),
     Case("flash-attn-missing", lambda c: GPTModule(attention="flash-attn"), ImportError,
          r'pip install "lightning-gpuopt\[flash\]".*or use attention="sdpa"', skip=_requires_missing("flash_attn")),
@@ -215,11 +246,28 @@ CASES = [
          r'Parser key "trainer.max_steps":\s+Expected a <class \'int\'>. Got value: ten'),
     Case("cli-unknown-option", lambda c: main(["fit", "--model.n_layers", "4"]), SystemExit, r"unrecognized arguments: --model.n_layers 4; for --model.n_layers did you mean --model.n_layer\?"),
     Case("cli-unknown-preset", lambda c: main(["fit", "--model.preset", "125m", "--data.source", str(c.text_dir), "--data.vocab_size", "300"]),
-         ValueError, r"Unknown GPT preset '125m': choose one of"),
+         SystemExit, r"gpuopt: error: Unknown GPT preset '125m': choose one of"),
+    Case("cli-gradient-clip-negative", lambda c: _cli_before_data(c, ["--trainer.gradient_clip_val", "-1"]), SystemExit,
+         r"trainer.gradient_clip_val must be >= 0 or null \(no clipping\), got -1.0"),
+    Case("yaml-empty", lambda c: main(["fit", "--config", c.yaml("# nothing yet\n")]), SystemExit,
+         r"The --config file is empty \(or holds only comments\): give it the groups to set"),
+    Case("resume-architecture-change", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c), "--model.n_layer", "3"]),
+         SystemExit, r"model.n_layer=3 but the checkpoint has n_layer=2\. Drop those options"),
+    Case("resume-block-size-change", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c), "--data.block_size", "16"]),
+         SystemExit, r"model.block_size=16 \(linked from data.block_size\) but the checkpoint has block_size=32: set data.block_size 32"),
+    Case("resume-vocab-change", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c), "--data.vocab_size", "320"]),
+         SystemExit, r"but the checkpoint has vocab_size=300: set data.vocab_size 300 .*or data.tokenizer"),
+    Case("resume-other-tokenizer", lambda c: check_same_tokenizer({"tokenizer_sha256": "0" * 64, "tokenizer_file": "/run/tokenizer.json"},
+                                                                  Tokenizer.from_file(_tokenizer_without_eot(c)), "data.source='x'"),
+         ValueError, r"is not the one the checkpoint was trained with .*set data.tokenizer /run/tokenizer.json"),
     # ---------------------------------------------------------------- checkpoints
     Case("checkpoint-truncated", lambda c: load_gpt(_ckpt(c, truncate=True)), CheckpointError, "Use an earlier checkpoint; save with AtomicCheckpointIO"),
     Case("checkpoint-foreign-file", lambda c: load_gpt(c.yaml("model: {}\n")), CheckpointError, "is not a PyTorch checkpoint"),
     Case("checkpoint-not-a-gptmodule", lambda c: load_gpt(_ckpt(c, {"state_dict": {}})), CheckpointError, "is not a GPTModule checkpoint"),
+    Case("cli-foreign-checkpoint", lambda c: _cli_before_data(c, ["--ckpt_path", str(_ckpt(c, {"weights": torch.ones(2)}))]), SystemExit,
+         r"gpuopt: error: .* is not a GPTModule checkpoint \(no 'preset' in its hyper_parameters\)"),
+    Case("checkpoint-nonfinite-weights", lambda c: AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}}, c.tmp / "last.ckpt"),
+         NonFiniteCheckpointError, r"Not writing the checkpoint .*1 of 1 weight tensors hold NaN/Inf \(first: 'w'\), the run has diverged"),
 ]
 
 

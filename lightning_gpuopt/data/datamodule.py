@@ -26,7 +26,7 @@ from lightning_gpuopt.data.prepare import prepare_tokens
 from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
-from lightning_gpuopt.data.tokenizer import load_tokenizer
+from lightning_gpuopt.data.tokenizer import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
 from lightning_gpuopt.resume import step_boundary
 
@@ -266,11 +266,18 @@ class TextDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """The training position (saved in checkpoints by Lightning)."""
         epoch, position = self.train_position()
-        return {"train_epoch": epoch, "train_position": position}
+        state = {"train_epoch": epoch, "train_position": position}
+        if self.tokenizer is not None:  # a resume checks that the data's tokenizer is this one
+            state["tokenizer_sha256"] = tokenizer_fingerprint(self.tokenizer)
+            state["tokenizer_file"] = str((self.data_dir / "tokenizer.json").resolve())
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a checkpoint's training position (the next training loader starts there)."""
+        """Continue from a checkpoint's training position (the next training loader starts there); refuse
+        a tokenizer other than the checkpoint's."""
+        if self.tokenizer is not None:
+            check_same_tokenizer(state_dict, self.tokenizer, f"data.source={self.source!r}")
         if "train_epoch" in state_dict:
             self._resume_position = (int(state_dict["train_epoch"]), int(state_dict["train_position"]))
             self._sampler = None

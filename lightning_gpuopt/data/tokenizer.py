@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-__all__ = ["EOT_TOKEN", "MIN_VOCAB_SIZE", "load_tokenizer", "train_bpe_tokenizer"]
+__all__ = [
+    "EOT_TOKEN",
+    "MIN_VOCAB_SIZE",
+    "check_same_tokenizer",
+    "load_tokenizer",
+    "tokenizer_fingerprint",
+    "train_bpe_tokenizer",
+]
 
 EOT_TOKEN = "<|endoftext|>"  # separates documents in the token stream, as in GPT-2
 MIN_VOCAB_SIZE = 257  # the 256 byte tokens and <|endoftext|>
@@ -64,3 +73,44 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             "special token, or leave data.tokenizer unset to train one on the corpus."
         )
     return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """A SHA-256 of the tokenizer's vocabulary and merges: equal exactly when every id means the same text.
+
+    Example::
+
+        tokenizer_fingerprint(Tokenizer.from_file("tokenizer.json"))  # "3f5a..."
+
+    Args:
+        tokenizer: A ``tokenizers`` tokenizer.
+    """
+    model = json.loads(tokenizer.to_str()).get("model", {})
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    content = json.dumps([model.get("vocab"), model.get("merges"), vocab], sort_keys=True)
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def check_same_tokenizer(saved: dict, tokenizer: Tokenizer, where: str) -> None:
+    """Raise a ``ValueError`` if ``tokenizer`` is not the one a checkpoint's data state records.
+
+    Example::
+
+        check_same_tokenizer(checkpoint["TextDataModule"], data.tokenizer, "data.source='texts/'")
+
+    Args:
+        saved: The data module's saved state (``tokenizer_sha256`` and ``tokenizer_file``; no check without them).
+        tokenizer: The data's tokenizer now.
+        where: What the data is now (named in the message).
+    """
+    expected = saved.get("tokenizer_sha256")
+    if not expected:
+        return
+    actual = tokenizer_fingerprint(tokenizer)
+    if actual != expected:
+        file = saved.get("tokenizer_file", "<the training run's tokenizer.json>")
+        raise ValueError(
+            f"The data's tokenizer ({where}, sha256 {actual[:12]}) is not the one the checkpoint was trained with "
+            f"(sha256 {expected[:12]}): its token ids would mean other text to the model. Use the training run's "
+            f"data.source and data.vocab_size, or set data.tokenizer {file}."
+        )

@@ -17,7 +17,7 @@ import torch
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 
-__all__ = ["CheckpointError", "gpt_state_dict", "load_gpt", "read_checkpoint"]
+__all__ = ["CheckpointError", "gpt_state_dict", "gptmodule_hparams", "load_gpt", "read_checkpoint"]
 
 MapLocation = Union[str, torch.device, Callable, dict, None]
 
@@ -29,7 +29,9 @@ class CheckpointError(ValueError):
     """A checkpoint file that is missing, truncated, not a torch checkpoint, or not a ``GPTModule``'s."""
 
 
-def read_checkpoint(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", weights_only: bool = True) -> Any:
+def read_checkpoint(
+    path: Union[str, os.PathLike], map_location: MapLocation = "cpu", weights_only: bool = True, mmap: bool = False
+) -> Any:
     """``torch.load`` a checkpoint file, turning the ways it can be broken into a :class:`CheckpointError`.
 
     Example::
@@ -42,6 +44,8 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: MapLocation = "
         map_location: Where tensors are loaded (``torch.load``'s ``map_location``).
         weights_only: Allow only tensors and primitive types in the pickle (safe for untrusted files).
             Pass ``False`` only for a file you trust that holds other objects.
+        mmap: Map the tensors from the file instead of reading them (cheap when only the
+            hyper-parameters are wanted).
     """
     path = Path(path)
     if path.is_dir():
@@ -61,7 +65,7 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: MapLocation = "
             f"{magic!r}): give a .ckpt file written by Lightning / lightning_gpuopt."
         )
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "Weights only load failed" in str(err):
             raise CheckpointError(
@@ -102,6 +106,26 @@ def gpt_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def gptmodule_hparams(checkpoint: Any, path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """The ``GPTModule`` hyper-parameters of a loaded checkpoint, or a :class:`CheckpointError` for another file.
+
+    Example::
+
+        gptmodule_hparams(read_checkpoint("last.ckpt", mmap=True), "last.ckpt")["n_layer"]
+
+    Args:
+        checkpoint: What :func:`read_checkpoint` returned.
+        path: The file it came from (named in the error).
+    """
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
+    if not isinstance(hparams, dict) or "preset" not in hparams:
+        raise CheckpointError(
+            f"{str(path)!r} is not a GPTModule checkpoint (no 'preset' in its hyper_parameters): give a checkpoint "
+            "written by a Trainer fitting lightning_gpuopt.GPTModule (e.g. .../checkpoints/last.ckpt)."
+        )
+    return hparams
+
+
 def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", **overrides: Any) -> GPT:
     """Load a ``GPTModule`` checkpoint into a plain PyTorch :class:`GPT` for inference, without Lightning.
 
@@ -124,12 +148,7 @@ def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", *
             checkpoint, or its weights do not match its own hyper-parameters.
     """
     checkpoint = read_checkpoint(path, map_location=map_location)
-    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
-    if not isinstance(hparams, dict) or "preset" not in hparams:
-        raise CheckpointError(
-            f"{str(path)!r} is not a GPTModule checkpoint (no 'preset' in its hyper_parameters): load_gpt reads "
-            "checkpoints written by a Trainer fitting lightning_gpuopt.GPTModule."
-        )
+    hparams = gptmodule_hparams(checkpoint, path)
     fields = {k: hparams[k] for k in _CONFIG_HPARAMS if hparams.get(k) is not None}
     try:
         config = GPTConfig.from_name(hparams["preset"], **{**fields, **overrides})

@@ -16,6 +16,7 @@ from lightning_gpuopt.lightning_internals import show_in_progress_bar
 from lightning_gpuopt.model.config import GPTConfig, LossImpl
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
+from lightning_gpuopt.option_checks import check_module_options
 
 __all__ = ["GPTModule"]
 
@@ -119,10 +120,9 @@ class GPTModule(pl.LightningModule):
             loss_impl=loss_impl,
             loss_chunk_size=loss_chunk_size,
         )
-        if learning_rate <= 0:
-            raise ValueError(f"GPTModule.learning_rate must be > 0, got {learning_rate}.")
-        if warmup_steps < 0:
-            raise ValueError(f"GPTModule.warmup_steps must be >= 0, got {warmup_steps}.")
+        check_module_options(
+            learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, max_new_tokens, temperature, top_k
+        )
         if compile_mode is not None and not compile:
             raise ValueError(f"GPTModule.compile_mode={compile_mode!r} has no effect: also set compile=True.")
         if compile_scope not in ("block", "model"):

@@ -12,7 +12,6 @@ one. Loading defaults to ``weights_only=True``.
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -22,6 +21,14 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_gpuopt.model.checkpoint import read_checkpoint
+from lightning_gpuopt.plugins.checkpoint_safety import (
+    check_finite_weights,
+    checkpoint_nbytes,
+    disk_full_error,
+    is_disk_full,
+    remove_orphaned_temps,
+    temp_path,
+)
 
 __all__ = ["AtomicCheckpointIO", "atomic_save", "fsync_path"]
 
@@ -36,7 +43,8 @@ def atomic_save(obj: Any, path: _PATH) -> None:
 
     If anything fails (pickling, a full disk, a kill), ``path`` keeps its old content and the
     temporary file is removed (after a ``kill -9``, a ``.<name>.tmp-*`` file may be left, never ``path``
-    half-written).
+    half-written; the next save into the folder removes it). A full disk raises an ``OSError``
+    (``ENOSPC``) saying where and about how many GB the checkpoint needs.
 
     Example::
 
@@ -48,15 +56,18 @@ def atomic_save(obj: Any, path: _PATH) -> None:
     """
     path = Path(str(path).removeprefix("file://"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    remove_orphaned_temps(path.parent)  # what earlier saves killed mid-write left
+    tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, Exception) and is_disk_full(err):
+            raise disk_full_error(path, checkpoint_nbytes(obj)) from err
         raise
     fsync_path(path.parent)  # make the rename itself durable
 
@@ -97,14 +108,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
           plugins:
             - class_path: lightning_gpuopt.plugins.AtomicCheckpointIO
 
+    Args:
+        allow_nonfinite: Write checkpoints whose weights hold NaN/Inf. By default such a save raises
+            :class:`~lightning_gpuopt.plugins.checkpoint_safety.NonFiniteCheckpointError` and writes
+            nothing, so a diverged run never replaces a good checkpoint.
+
     Note:
+        Each save first removes the temporary files that earlier saves into the same folder left
+        when they were killed (only files named by this writer, of processes that are gone).
         Remote paths (``s3://``, ``gs://``, ...) go through Lightning's own ``fsspec`` writer, whose
         object-store uploads are all-or-nothing already. A broken or foreign file raises
         :class:`~lightning_gpuopt.model.checkpoint.CheckpointError` naming the problem.
     """
 
+    def __init__(self, allow_nonfinite: bool = False) -> None:
+        super().__init__()
+        self.allow_nonfinite = allow_nonfinite
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        if not self.allow_nonfinite:
+            check_finite_weights(checkpoint, path)  # before anything is written: the previous file stays
         if storage_options is not None or not _is_local(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_save(checkpoint, path)

@@ -38,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpuopt.plugins.checkpoint_io import fsync_path
+from lightning_gpuopt.plugins.checkpoint_safety import NonFiniteCheckpointError, non_finite_message, nonfinite_weights
 
 __all__ = ["AtomicModelParallelStrategy", "checkpoint_to_load", "partial_path", "previous_path", "swap_in"]
 
@@ -159,7 +160,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
     Same arguments and behaviour as Lightning's ``ModelParallelStrategy``; only saving differs (see
     the module docstring), and loading falls back to the previous checkpoint if a kill came between
     the two renames of a save where the file system cannot exchange folders atomically. An error
-    while swapping on rank 0 is raised on every rank. ``choose_strategy`` and
+    while swapping on rank 0 is raised on every rank. A checkpoint whose weights hold NaN/Inf on
+    any rank is not written (:class:`~lightning_gpuopt.plugins.NonFiniteCheckpointError` on every
+    rank), so a diverged run never replaces a good checkpoint. ``choose_strategy`` and
     ``trainer.strategy: gpuopt-auto`` use it.
 
     Example::
@@ -186,6 +189,12 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(filepath))
         partial = partial_path(path)
+        state = checkpoint.get("state_dict") or {}
+        bad = nonfinite_weights(state)  # this rank's shards; the ranks agree before anything is written
+        if not self.reduce_boolean_decision(not bad, all=True):
+            raise NonFiniteCheckpointError(
+                non_finite_message(path, len(bad), len(state), bad[0] if bad else "on another rank", path.exists())
+            )
 
         def prepare() -> None:
             _remove(partial)  # what a killed save left

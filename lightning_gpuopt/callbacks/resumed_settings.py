@@ -1,0 +1,169 @@
+"""`ResumedOptimizerSettings`: optimizer and schedule settings asked for on a resumed run, applied after the restore.
+
+Design note: resuming restores the optimizer's param groups (``lr``, ``weight_decay``, ``betas``) and
+the LR scheduler's state (its peak, warm-up length, final LR and run length) from the checkpoint,
+so a new ``learning_rate``, ``weight_decay``, ``betas``, ``warmup_steps``, ``min_lr_ratio`` or
+``max_steps`` would be dropped without a word. After the restore (``on_train_start``) this callback
+writes the module's settings into the param groups and rebuilds the warm-up + cosine schedule for
+the resumed run's length, stepped to the restored step: the learning rate from then on is the one
+a run started with the new settings would have at that step. Adam's moments stay as restored.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gpuopt.model.optim import warmup_cosine_schedule
+
+__all__ = ["ResumedOptimizerSettings", "apply_optimizer_settings", "restored_settings"]
+
+
+def apply_optimizer_settings(
+    optimizer: Optimizer,
+    learning_rate: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    warmup_steps: int,
+    min_lr_ratio: float,
+    total_steps: int,
+    steps_done: int,
+) -> Any:
+    """Set the settings on ``optimizer`` (group 0 is the decayed one, as ``build_adamw`` makes it) and
+    return a new warm-up + cosine schedule stepped ``steps_done`` times.
+
+    Example::
+
+        scheduler = apply_optimizer_settings(
+            optimizer, 3e-4, 0.1, (0.9, 0.95), 100, 0.1, total_steps=3000, steps_done=1200
+        )
+
+    Args:
+        optimizer: The restored optimizer.
+        learning_rate: New peak learning rate.
+        weight_decay: New weight decay of param group 0.
+        betas: New AdamW betas (every group).
+        warmup_steps: Warm-up steps of the new schedule (clamped to ``total_steps``).
+        min_lr_ratio: Final learning rate as a fraction of the peak.
+        total_steps: Length of the whole run in optimizer steps.
+        steps_done: Optimizer steps already taken (the restored scheduler's count).
+    """
+    for i, group in enumerate(optimizer.param_groups):
+        group["lr"] = learning_rate
+        group.pop("initial_lr", None)  # the new schedule takes its peak from "lr"
+        if "betas" in group:
+            group["betas"] = tuple(betas)
+        if i == 0:
+            group["weight_decay"] = weight_decay
+    total_steps = max(1, total_steps)
+    scheduler = warmup_cosine_schedule(optimizer, min(warmup_steps, total_steps), total_steps, min_lr_ratio)
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": replaying, not training
+        warnings.simplefilter("ignore")
+        for _ in range(steps_done):
+            scheduler.step()
+    return scheduler
+
+
+def restored_settings(optimizer: Optimizer, scheduler: Any) -> dict[str, Any]:
+    """The settings a restored optimizer and warm-up + cosine schedule hold (``{}`` for another schedule).
+
+    Example::
+
+        restored_settings(optimizer, scheduler)
+        # {"learning_rate": 6e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "warmup_steps": 100,
+        #  "min_lr_ratio": 0.1, "decay_steps": 2900}
+
+    Args:
+        optimizer: The optimizer built by ``build_adamw``, restored from a checkpoint.
+        scheduler: Its ``warmup_cosine_schedule``, restored.
+    """
+    cosine, warmup = scheduler, 0
+    if hasattr(scheduler, "_milestones") and hasattr(scheduler, "_schedulers"):
+        cosine, warmup = scheduler._schedulers[-1], int(scheduler._milestones[-1])
+    if not hasattr(cosine, "T_max") or not hasattr(cosine, "eta_min"):
+        return {}
+    group = optimizer.param_groups[0]
+    peak = group.get("initial_lr", group["lr"])
+    return {
+        "learning_rate": peak,
+        "weight_decay": group.get("weight_decay"),
+        "betas": tuple(group.get("betas", ())),
+        "warmup_steps": warmup,
+        "min_lr_ratio": cosine.eta_min / peak if peak else 0.0,
+        "decay_steps": int(cosine.T_max),
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return a == b
+
+
+class ResumedOptimizerSettings(Callback):
+    """Applies a ``GPTModule``'s optimizer and schedule settings over those restored from a checkpoint.
+
+    After the restore, the restored ``learning_rate``, ``weight_decay``, ``betas``, ``warmup_steps``,
+    ``min_lr_ratio`` and schedule length are compared with the module's settings and the run's
+    length; where any differs, the settings are applied (see the module docstring) and the
+    differences are reported. Where none differs, nothing is touched (a resumed run stays
+    bit-identical to an uninterrupted one). The ``gpuopt`` CLI adds it to every resumed ``fit``.
+
+    Example::
+
+        trainer = Trainer(max_steps=2000, callbacks=[ResumedOptimizerSettings()])
+        trainer.fit(GPTModule(learning_rate=3e-4), datamodule=data, ckpt_path="last.ckpt")
+
+    Attributes:
+        applied: The differences applied at the last resume, ``{name: (restored, now)}``.
+
+    Note:
+        Expects one optimizer built by ``GPTModule.configure_optimizers`` and its step-wise schedule;
+        with anything else it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.applied: dict[str, tuple[Any, Any]] = {}
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        hp = pl_module.hparams
+        if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) != 1 or "learning_rate" not in hp:
+            return
+        config = trainer.lr_scheduler_configs[0]
+        restored = restored_settings(trainer.optimizers[0], config.scheduler)
+        if not restored:
+            return
+        steps_done = max(0, int(config.scheduler.last_epoch))
+        total = trainer.estimated_stepping_batches
+        total = max(1, int(total)) if math.isfinite(total) else restored["warmup_steps"] + restored["decay_steps"]
+        warmup = min(hp.warmup_steps, total)
+        wanted = {
+            "learning_rate": hp.learning_rate,
+            "weight_decay": hp.weight_decay,
+            "betas": tuple(hp.betas),
+            "warmup_steps": warmup,
+            "min_lr_ratio": hp.min_lr_ratio,
+            "decay_steps": max(1, total - warmup),  # as warmup_cosine_schedule sets T_max
+        }
+        self.applied = {k: (restored[k], v) for k, v in wanted.items() if not _same(restored[k], v)}
+        if not self.applied:
+            return
+        config.scheduler = apply_optimizer_settings(
+            trainer.optimizers[0], hp.learning_rate, hp.weight_decay, tuple(hp.betas), hp.warmup_steps,
+            hp.min_lr_ratio, total, steps_done,
+        )
+        changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in self.applied.items())
+        rank_zero_info(
+            f"Resumed at step {steps_done} with settings other than the checkpoint's: {changes}. The learning rate "
+            f"is now {trainer.optimizers[0].param_groups[0]['lr']:.4g} (the new schedule at step {steps_done})."
+        )

@@ -1,0 +1,214 @@
+"""What a checkpoint writer checks around a save: finite weights, a full disk, and its own leftover temporary files.
+
+Design note: a diverged run (loss NaN, no ``NonFiniteGuard``) would otherwise write NaN weights over
+``last.ckpt`` and the top-k files, leaving no good checkpoint; :func:`check_finite_weights` refuses
+such a save before anything is written (``ModelCheckpoint`` deletes a replaced top-k file only after
+the new one is saved, so the old files stay). A ``kill -9`` during a save leaves the writer's
+temporary file; :func:`temp_path` names them ``.<name>.tmp-<host>-<pid>-<random>`` so that
+:func:`remove_orphaned_temps` can tell ours, and dead ones, from anything else in the folder.
+A full disk surfaces from ``torch.save`` as ``RuntimeError: [enforce fail at inline_container.cc]``
+with the ``OSError`` buried in its chain; :func:`disk_full_error` says what happened, where, and how
+much space the checkpoint needs.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+__all__ = [
+    "NonFiniteCheckpointError",
+    "check_finite_weights",
+    "checkpoint_nbytes",
+    "disk_full_error",
+    "is_disk_full",
+    "nonfinite_weights",
+    "remove_orphaned_temps",
+    "temp_path",
+]
+
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+_TEMP = re.compile(r"^\..+\.tmp-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}$")
+STALE_AFTER_S = 3600.0  # a temp file of another machine untouched this long is from a dead save
+
+
+class NonFiniteCheckpointError(RuntimeError):
+    """A checkpoint whose weights hold NaN/Inf was not written (the run has diverged)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
+
+
+def nonfinite_weights(state_dict: Any) -> list[str]:
+    """Names of the floating-point tensors in ``state_dict`` that hold a NaN or Inf (this rank's shards).
+
+    Example::
+
+        nonfinite_weights({"w": torch.tensor([1.0, float("nan")]), "step": torch.tensor(3)})  # ["w"]
+
+    Args:
+        state_dict: A module's state dict (a mapping of names to tensors; other values are ignored).
+    """
+    if not isinstance(state_dict, dict):
+        return []
+    names, tensors = [], []
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            names.append(name)
+            tensors.append(_local(value).detach())
+    if not tensors:
+        return []
+    flags = [bool(f) for f in torch.stack([(~torch.isfinite(t)).any().cpu() for t in tensors]).tolist()]
+    return [n for n, bad in zip(names, flags) if bad]
+
+
+def check_finite_weights(checkpoint: dict[str, Any], path: Any) -> None:
+    """Raise :class:`NonFiniteCheckpointError` before writing ``checkpoint`` to ``path`` if its weights hold NaN/Inf.
+
+    Example::
+
+        check_finite_weights(checkpoint, "ckpt/last.ckpt")  # then write it
+
+    Args:
+        checkpoint: A Lightning checkpoint dict (its ``state_dict`` is checked).
+        path: Where it was to be written (named in the message).
+    """
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    bad = nonfinite_weights(state)
+    if bad:
+        raise NonFiniteCheckpointError(non_finite_message(path, len(bad), len(state), bad[0], Path(str(path)).exists()))
+
+
+def non_finite_message(path: Any, n_bad: int, n_total: int, first: str, kept: bool) -> str:
+    """The message of a refused non-finite save (shared with the distributed writer)."""
+    path = Path(str(path))
+    return (
+        f"Not writing the checkpoint {str(path)!r}: {n_bad} of {n_total} weight tensors hold NaN/Inf (first: "
+        f"{first!r}), the run has diverged. "
+        + (f"The previous {path.name} is kept. " if kept else f"The checkpoints already in {path.parent} are kept. ")
+        + "Resume from the last good checkpoint with a lower model.learning_rate or trainer.gradient_clip_val, "
+        "and add lightning_gpuopt.callbacks.NonFiniteGuard to catch the first bad step."
+    )
+
+
+def temp_path(path: Path) -> Path:
+    """The temporary file a save of ``path`` writes first: ``.<name>.tmp-<host>-<pid>-<random>`` beside it.
+
+    Example::
+
+        temp_path(Path("ckpt/last.ckpt"))  # Path("ckpt/.last.ckpt.tmp-1a2b3c4d-4242-9f8e7d6c")
+
+    Args:
+        path: The checkpoint to write.
+    """
+    return path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_orphaned_temps(folder: Path, now: Optional[float] = None) -> list[Path]:
+    """Delete the temporary files of earlier saves into ``folder`` that were killed; return what was removed.
+
+    Only files named by :func:`temp_path` are considered: one of this machine whose process is gone,
+    or one of another machine (same shared folder; on Windows, any) not written to for an hour. A save in progress
+    elsewhere, and every other file, stay.
+
+    Example::
+
+        remove_orphaned_temps(Path("runs/x/checkpoints"))  # [Path(".../.last.ckpt.tmp-1a2b3c4d-977-0f1e2d3c")]
+
+    Args:
+        folder: The checkpoint folder.
+        now: The current time (``time.time()``), for tests.
+    """
+    removed = []
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        match = _TEMP.match(entry.name)
+        if not match or not entry.is_file(follow_symlinks=False):
+            continue
+        pid = int(match["pid"])
+        if match["host"] == _HOST and os.name == "posix":  # os.kill(pid, 0) would end the process on Windows
+            dead = pid != os.getpid() and not _pid_alive(pid)
+        else:
+            try:
+                dead = now - entry.stat(follow_symlinks=False).st_mtime > STALE_AFTER_S
+            except FileNotFoundError:
+                continue
+        if dead:
+            try:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err``, or an error in its chain, is "no space left on device" (or a disk quota)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err) or "Disk quota exceeded" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def checkpoint_nbytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (nested dicts, lists, tuples): about the size of its ``torch.save`` file."""
+    if isinstance(obj, torch.Tensor):
+        return _local(obj).numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(checkpoint_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(checkpoint_nbytes(v) for v in obj)
+    return 0
+
+
+def disk_full_error(path: Path, needed_bytes: int) -> OSError:
+    """The error for a save of ``path`` that ran out of space: where, how much it needs, what is free, the fix.
+
+    Example::
+
+        raise disk_full_error(Path("ckpt/last.ckpt"), 18 * 10**9) from err
+
+    Args:
+        path: The checkpoint that was being written.
+        needed_bytes: About how large it is.
+    """
+    try:
+        free = f", {shutil.disk_usage(path.parent).free / 1e9:.2f} GB free"
+    except OSError:
+        free = ""
+    return OSError(
+        errno.ENOSPC,
+        f"No space left on device at {path.parent} (needs ~{needed_bytes / 1e9:.2f} GB for {path.name}{free}). "
+        + (f"The previous {path.name} is kept. " if path.exists() else "")
+        + "Free space there, or point ModelCheckpoint(dirpath=...) / trainer.default_root_dir at a larger disk.",
+    )
