@@ -45,7 +45,7 @@ class LossWriter(Callback):
             def fail(module, args, output):
                 raise InjectedFailure(f"injected failure in micro-batch {batch_idx}")
 
-            pl_module.model.lm_head.register_forward_hook(fail)
+            pl_module.model.transformer.ln_f.register_forward_hook(fail)  # (training never calls lm_head: the loss uses its weight)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = float(outputs["loss"].detach())
