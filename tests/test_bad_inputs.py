@@ -184,7 +184,10 @@ CASES = [
     Case("yaml-wrong-type", lambda c: main(["fit", "--config", c.yaml("trainer:\n  max_steps: ten\n")]), SystemExit,
          r'Parser key "trainer.max_steps":\s+Expected a <class \'int\'>. Got value: ten'),
     Case("cli-unknown-option", lambda c: main(["fit", "--model.n_layers", "4"]), SystemExit, r"unrecognized arguments: --model.n_layers 4; for --model.n_layers did you mean --model.n_layer\?"),
-    Case("cli-unknown-preset", lambda c: main(["fit", "--model.preset", "125m", "--data.source", str(c.text_dir), "--data.vocab_size", "300"]),
+    Case("cli-fit-without-run-length", lambda c: main(["fit", "--model.preset", "tiny"]), SystemExit,
+         r"gpuopt fit needs a run length: set trainer.max_steps \(e\.g\. --trainer.max_steps 3000\)"),
+    Case("cli-unknown-preset", lambda c: main(["fit", "--model.preset", "125m", "--data.source", str(c.text_dir), "--data.vocab_size", "300",
+                                               "--trainer.max_steps", "10"]),
          ValueError, r"Unknown GPT preset '125m': choose one of"),
     # ---------------------------------------------------------------- checkpoints
     Case("checkpoint-truncated", lambda c: load_gpt(_ckpt(c, truncate=True)), CheckpointError, "Use an earlier checkpoint; save with AtomicCheckpointIO"),
