@@ -1,5 +1,6 @@
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -83,7 +84,8 @@ def test_quickstart_fast_dev_run(cache_dir, tmp_path, monkeypatch):
     assert 3.0 < cli.trainer.callback_metrics["train/loss"].item() < 12.0
 
 
-def test_predict_prints_samples(text_dir, cache_dir, capsys):
+def test_predict_prints_samples(text_dir, cache_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with pytest.warns(UserWarning, match="no --ckpt_path given, so this samples an untrained"):
         GPTCLI(
             GPTModule,
@@ -223,16 +225,16 @@ def _step(path):
     return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
 
 
-def test_quickstart_sigterm_then_resume_last(text_dir, cache_dir, tmp_path):
-    """The quickstart (at a tiny size) in a real process: SIGTERM mid-run writes last.ckpt and exits non-zero;
-    `--ckpt_path last` continues from it to the end, in the same checkpoint folder."""
+def test_quickstart_sigterm_then_resume_last_then_readme_predict(text_dir, cache_dir, tmp_path):
+    """The quickstart (at a tiny size) in real processes: SIGTERM mid-run writes last.ckpt and exits non-zero;
+    `--ckpt_path last` continues from it; the README's predict command samples from that checkpoint."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     quickstart = REPO / "examples/configs/quickstart.yaml"
-    args = ["fit", "--config", str(quickstart), *_tiny(text_dir), "--model.n_layer", "2", "--model.n_embd", "32",
-            "--model.n_head", "2", "--trainer.max_steps", "100000", "--trainer.enable_progress_bar", "false",
-            "--trainer.callbacks.every_n_train_steps", "10",  # the quickstart's ModelCheckpoint is its last callback
-            "--trainer.default_root_dir", str(tmp_path / "run")]
-    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    tiny = [*_tiny(text_dir), "--model.n_layer", "2", "--model.n_embd", "32", "--model.n_head", "2",
+            "--trainer.enable_progress_bar", "false"]
+    args = ["fit", "--config", str(quickstart), *tiny, "--trainer.max_steps", "100000",
+            "--trainer.callbacks.every_n_train_steps", "10"]  # the quickstart's ModelCheckpoint is its last callback
+    ckpt = tmp_path / "runs" / "quickstart" / "checkpoints" / "last.ckpt"  # the quickstart's default_root_dir
     proc = _gpuopt(*args, cwd=tmp_path, env=env)
     try:
         deadline = time.monotonic() + 240
@@ -256,6 +258,14 @@ def test_quickstart_sigterm_then_resume_last(text_dir, cache_dir, tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "Restored all states from the checkpoint" in out and "no last checkpoint" not in out
     assert _step(ckpt) == stopped_at + 5
+
+    readme = (REPO / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("gpuopt predict --config examples/configs/quickstart.yaml"))
+    argv = [str(quickstart) if a == "examples/configs/quickstart.yaml" else a for a in shlex.split(command)[1:]]
+    proc = _gpuopt(*argv, *tiny, "--model.max_new_tokens", "4", cwd=tmp_path, env=env)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "untrained" not in out and out.count("def main") == 4  # data.samples_per_prompt samples of the prompt
 
 
 def test_predict_from_prompts_file_writes_jsonl(text_dir, cache_dir, tmp_path):
