@@ -225,6 +225,8 @@ def _step(path):
     return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_quickstart_sigterm_then_resume_last_then_readme_predict(text_dir, cache_dir, tmp_path):
     """The quickstart (at a tiny size) in real processes: SIGTERM mid-run writes last.ckpt and exits non-zero;
     `--ckpt_path last` continues from it; the README's predict command samples from that checkpoint."""
@@ -232,14 +234,14 @@ def test_quickstart_sigterm_then_resume_last_then_readme_predict(text_dir, cache
     quickstart = REPO / "examples/configs/quickstart.yaml"
     tiny = [*_tiny(text_dir), "--model.n_layer", "2", "--model.n_embd", "32", "--model.n_head", "2",
             "--trainer.enable_progress_bar", "false"]
-    args = ["fit", "--config", str(quickstart), *tiny,  # the quickstart's 300 steps
+    args = ["fit", "--config", str(quickstart), *tiny, "--trainer.max_steps", "60",
             "--trainer.callbacks.every_n_train_steps", "10"]  # the quickstart's ModelCheckpoint is its last callback
     ckpt = tmp_path / "runs" / "quickstart" / "checkpoints" / "last.ckpt"  # the quickstart's default_root_dir
     proc = _gpuopt(*args, cwd=tmp_path, env=env)
     try:
         deadline = time.monotonic() + 240
         while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert ckpt.exists(), "no periodic last.ckpt"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
@@ -248,14 +250,14 @@ def test_quickstart_sigterm_then_resume_last_then_readme_predict(text_dir, cache
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "SigtermCheckpoint: received SIGTERM; saved" in out
     stopped_at = _step(ckpt)
-    assert 10 <= stopped_at < 300
+    assert 10 <= stopped_at < 60
     assert list(ckpt.parent.iterdir()) == [ckpt]
 
     proc = _gpuopt(*args, "--ckpt_path", "last", cwd=tmp_path, env=env)  # the same command, continued
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert "Restored all states from the checkpoint" in out and "no last checkpoint" not in out
-    assert _step(ckpt) == 300
+    assert _step(ckpt) == 60
 
     readme = (REPO / "README.md").read_text()
     command = next(line for line in readme.splitlines() if line.startswith("gpuopt predict --config examples/configs/quickstart.yaml"))
