@@ -26,7 +26,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
-from lightning_gpuopt.cli_defaults import check_run_length, default_stack, fill_checkpoint_dirs, replace_precision_plugins
+from lightning_gpuopt.cli_defaults import (
+    check_run_length,
+    default_stack,
+    fill_checkpoint_dirs,
+    precision_for_estimate,
+    replace_precision_plugins,
+)
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.plugins.checkpoint_io import AtomicCheckpointIO
@@ -142,7 +148,7 @@ class GPTCLI(LightningCLI):
             self.model,
             devices=devices,
             device_memory=None if memory_gb is None else memory_gb * 1e9,
-            precision=str(trainer_cfg.get("precision") or "32-true"),
+            precision=precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins")),
             micro_batch=self.datamodule.batch_size,
             block_size=self.datamodule.block_size,
         )

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "check_run_length",
     "default_stack",
     "fill_checkpoint_dirs",
+    "precision_for_estimate",
     "replace_precision_plugins",
 ]
 
@@ -99,6 +100,26 @@ def replace_precision_plugins(precision: Optional[str], plugins: Any) -> Any:
     names = ", ".join(type(p).__name__ for p in dropped)
     rank_zero_info(f"trainer.precision={precision!r} replaces the precision plugin {names} of trainer.plugins.")
     return [p for p in listed if not isinstance(p, Precision)]
+
+
+def precision_for_estimate(precision: Optional[str], plugins: Any) -> str:
+    """The precision string ``choose_strategy``'s memory estimate needs, from ``trainer.precision`` or the plugins.
+
+    A mixed-precision plugin (``BF16Precision``, ``Float8Precision``) keeps activations in 16 bits,
+    like ``"bf16-mixed"``; without one or a ``trainer.precision`` the run is ``"32-true"``.
+
+    Example::
+
+        precision_for_estimate(None, [BF16Precision()])  # "bf16-mixed"
+
+    Args:
+        precision: The ``trainer.precision`` value (``None`` when not set).
+        plugins: The ``trainer.plugins`` value: ``None``, one plugin or a list.
+    """
+    if precision is not None:
+        return str(precision)
+    listed = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    return "bf16-mixed" if any(isinstance(p, MixedPrecision) for p in listed) else "32-true"
 
 
 def fill_checkpoint_dirs(trainer: Trainer) -> None:

@@ -290,3 +290,16 @@ def test_prompts_file_is_refused_outside_predict(text_dir, cache_dir, tmp_path, 
         GPTCLI(GPTModule, TextDataModule,
                args=["fit", *_tiny(text_dir), "--trainer.max_steps", "1", "--generate.prompts_file", "p.txt"])
     assert "read by `gpuopt predict` only" in capsys.readouterr().err
+
+
+def test_cli_defaults_helpers():
+    from lightning_gpuopt.cli_defaults import check_run_length, precision_for_estimate, replace_precision_plugins
+
+    bf16 = BF16Precision()
+    assert precision_for_estimate(None, [bf16]) == "bf16-mixed" and precision_for_estimate(None, None) == "32-true"
+    assert precision_for_estimate("16-mixed", [bf16]) == "16-mixed"
+    assert replace_precision_plugins(None, [bf16]) == [bf16] and replace_precision_plugins("32-true", bf16) == []
+    assert check_run_length({"max_steps": -1, "max_epochs": None}).startswith("gpuopt fit needs a run length")
+    assert check_run_length({"max_steps": 10}) is None and check_run_length({"max_steps": -1, "max_epochs": 2}) is None
+    assert check_run_length({"max_steps": -1, "fast_dev_run": True}) is None
+    assert check_run_length({"max_steps": -1, "max_time": "00:01:00:00"}) is None
