@@ -110,7 +110,9 @@ def main(argv: Optional[list[str]] = None) -> Path:
     p.add_argument("--out", default=None, help="PNG to write (default: run.png next to metrics.csv)")
     args = p.parse_args(argv)
     path = find_metrics(Path(args.run))
-    out = plot_run(read_metrics(path), Path(args.out) if args.out else path.with_name("run.png"), title=str(path.parent))
+    folder = path.parent.resolve()
+    title = str(folder.relative_to(Path.cwd())) if folder.is_relative_to(Path.cwd()) else str(folder)
+    out = plot_run(read_metrics(path), Path(args.out) if args.out else path.with_name("run.png"), title=title)
     print(out)
     return out
 
