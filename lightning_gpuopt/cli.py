@@ -114,8 +114,14 @@ class GPTCLI(LightningCLI):
             problem = check_run_length(config.get("trainer", {}))
             if problem:
                 self.parser.error(problem)
-        if self.subcommand != "predict" and config.get("generate", {}).get("prompts_file"):
+        generate = config.get("generate", {})
+        if self.subcommand != "predict" and generate.get("prompts_file"):
             self.parser.error(f"generate.prompts_file is read by `gpuopt predict` only, not `gpuopt {self.subcommand}`.")
+        if generate.get("prompts_file"):
+            for name in ("batch_size", "samples_per_prompt"):
+                if generate.get(name, 1) < 1:
+                    self.parser.error(f"generate.{name} must be >= 1, got {generate.get(name)}.")
+            read_prompts(generate["prompts_file"])  # a missing or empty file fails before the model is built
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init

@@ -303,3 +303,14 @@ def test_cli_defaults_helpers():
     assert check_run_length({"max_steps": 10}) is None and check_run_length({"max_steps": -1, "max_epochs": 2}) is None
     assert check_run_length({"max_steps": -1, "fast_dev_run": True}) is None
     assert check_run_length({"max_steps": -1, "max_time": "00:01:00:00"}) is None
+
+
+def test_prompts_file_problems_stop_before_anything_is_built(text_dir, cache_dir, tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="generate.prompts_file"):
+        GPTCLI(GPTModule, TextDataModule, args=["predict", *_tiny(text_dir), "--generate.prompts_file", str(tmp_path / "no.txt")])
+    (tmp_path / "p.txt").write_text("a\n")
+    with pytest.raises(SystemExit):
+        GPTCLI(GPTModule, TextDataModule,
+               args=["predict", *_tiny(text_dir), "--generate.prompts_file", str(tmp_path / "p.txt"), "--generate.batch_size", "0"])
+    assert "generate.batch_size must be >= 1, got 0" in capsys.readouterr().err
+    assert not (cache_dir.exists() and any(cache_dir.iterdir()))  # no tokenising happened
