@@ -9,6 +9,11 @@ The same job as ``gpuopt fit``, written out as a script to read and adapt::
     # CPU smoke run on the offline default corpus:
     python examples/train_wikitext.py --data_dir stdlib --max_steps 50 --d_model 64 --num_layers 2 \\
         --num_heads 4 --block_size 64 --batch_size 8
+
+It runs the package's stack, as ``gpuopt fit`` does: ``BF16Precision`` (or ``Float8Precision`` with
+``--mixed_precision fp8``), ``CUDASettings``, ``MFUMonitor``, ``NonFiniteGuard``, ``ExactResume``,
+atomic checkpoint writes, and with ``--checkpoint_dir`` a ``last.ckpt`` every 500 optimizer steps that
+``--resume`` continues from (also after a SIGTERM, which saves one).
 """
 
 from __future__ import annotations
@@ -20,9 +25,19 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
 from lightning_gpuopt import GPTModule, TextDataModule
+from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard, SigtermCheckpoint
+from lightning_gpuopt.plugins import AtomicCheckpointIO, BF16Precision, Float8Precision
 
-# --mixed_precision value -> Lightning Trainer precision
-PRECISIONS = {"bf16": "bf16-mixed", "fp16": "16-mixed", "no": "32-true"}
+PRECISIONS = ("bf16", "fp8", "fp16", "no")
+
+
+def precision_setting(name: str) -> dict:
+    """Trainer keyword arguments for a ``--mixed_precision`` value: our plugins for bf16/fp8, Lightning's strings else."""
+    if name == "bf16":
+        return {"plugins": [BF16Precision()]}  # bf16 autocast; fp16 + GradScaler on GPUs without bf16
+    if name == "fp8":
+        return {"plugins": [Float8Precision()]}  # torchao float8 (H100/L4/B200); use with --compile
+    return {"precision": {"fp16": "16-mixed", "no": "32-true"}[name]}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -39,9 +54,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--learning_rate", type=float, default=6e-4, help="peak learning rate")
     p.add_argument("--warmup_steps", type=int, default=100, help="linear warm-up steps")
-    p.add_argument("--mixed_precision", choices=sorted(PRECISIONS), default="bf16", help="autocast dtype")
+    p.add_argument("--mixed_precision", choices=PRECISIONS, default="bf16", help="bf16 / fp8: our plugins; fp16, no: Lightning's")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--checkpoint_dir", default=None, help="where to save checkpoints (none if unset)")
+    p.add_argument("--checkpoint_dir", default=None, help="where last.ckpt is kept (no checkpoints if unset)")
+    p.add_argument("--checkpoint_every", type=int, default=500, help="optimizer steps between saves of last.ckpt")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint_dir/last.ckpt")
+    p.add_argument("--val_every", type=int, default=500, help="optimizer steps between validation runs")
     p.add_argument("--num_workers", type=int, default=4, help="DataLoader workers")
     p.add_argument("--seed", type=int, default=1337, help="random seed")
     return p.parse_args(argv)
@@ -68,21 +86,34 @@ def main(argv: Optional[list[str]] = None) -> pl.Trainer:
         warmup_steps=min(args.warmup_steps, args.max_steps),
         compile=args.compile,
     )
-    callbacks: list[pl.Callback] = [LearningRateMonitor(logging_interval="step")]
+    if args.resume and not args.checkpoint_dir:
+        raise SystemExit("--resume continues from --checkpoint_dir/last.ckpt: also give --checkpoint_dir.")
+    callbacks: list[pl.Callback] = [
+        CUDASettings(),  # TF32, cuDNN benchmark, SDPA backends, expandable segments
+        MFUMonitor(),  # tokens/s and MFU in the progress bar, end-of-fit report
+        NonFiniteGuard(),  # skip a step with a NaN/Inf loss or gradient
+        ExactResume(),  # a resumed run continues exactly
+        SigtermCheckpoint(),  # SIGTERM writes last.ckpt
+        LearningRateMonitor(logging_interval="step"),
+    ]
     if args.checkpoint_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True, every_n_train_steps=500))
+        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True, save_top_k=0,
+                                         every_n_train_steps=args.checkpoint_every, enable_version_counter=False))
+    setting = precision_setting(args.mixed_precision)
     trainer = pl.Trainer(
         max_steps=args.max_steps,
         accumulate_grad_batches=args.gradient_accumulation_steps,
-        precision=PRECISIONS[args.mixed_precision],
+        **{**setting, "plugins": [*setting.get("plugins", []), AtomicCheckpointIO()]},
         gradient_clip_val=1.0,
         callbacks=callbacks,
         enable_checkpointing=bool(args.checkpoint_dir),
-        val_check_interval=min(500, args.max_steps),
+        # val_check_interval counts micro-batches; counted across epochs, so it may exceed one epoch's batches.
+        val_check_interval=min(args.val_every, args.max_steps) * args.gradient_accumulation_steps,
+        check_val_every_n_epoch=None,
         limit_val_batches=50,
         log_every_n_steps=10,
     )
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path="last" if args.resume else None)
     return trainer
 
 

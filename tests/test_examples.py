@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -18,3 +19,33 @@ def test_train_wikitext_script_trains(tmp_path, text_dir, cache_dir, monkeypatch
     assert trainer.global_step == 4 and trainer.accumulate_grad_batches == 2
     assert trainer.lightning_module.config.n_embd == 64
     assert (tmp_path / "ckpt" / "last.ckpt").is_file()
+
+
+def test_train_wikitext_validates_past_a_short_epoch_and_resumes(tmp_path, text_dir, cache_dir, monkeypatch):
+    """A corpus with fewer training batches than the validation interval: no crash (the interval counts
+    across epochs); the stack is on; --resume continues from last.ckpt."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gpuopt.callbacks import MFUMonitor, NonFiniteGuard
+    from lightning_gpuopt.plugins import AtomicCheckpointIO, BF16Precision
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import train_wikitext
+
+    small = tmp_path / "small.txt"
+    small.write_text((text_dir / "doc0.txt").read_text()[:6000])
+    args = ["--data_dir", str(small), "--d_model", "32", "--num_layers", "1", "--num_heads", "2", "--block_size", "32",
+            "--vocab_size", "300", "--batch_size", "4", "--num_workers", "0", "--checkpoint_dir", str(tmp_path / "ckpt"),
+            "--val_every", "30", "--checkpoint_every", "10"]
+    trainer = train_wikitext.main([*args, "--max_steps", "40"])
+    assert trainer.num_training_batches < 30 * trainer.accumulate_grad_batches  # the interval spans epochs
+    assert trainer.global_step == 40 and trainer.current_epoch >= 1
+    assert isinstance(trainer.precision_plugin, BF16Precision)
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    assert {MFUMonitor, NonFiniteGuard, ModelCheckpoint} <= {type(c) for c in trainer.callbacks}
+    assert "val/loss" in trainer.callback_metrics  # validated at step 30
+    resumed = train_wikitext.main([*args, "--max_steps", "45", "--resume"])
+    sys.modules.pop("train_wikitext", None)
+    assert resumed.ckpt_path == os.path.realpath(tmp_path / "ckpt" / "last.ckpt")  # continued from step 40
+    assert resumed.global_step == 45

@@ -1,9 +1,11 @@
-"""Callbacks: CUDA settings, MFU monitoring, automatic batch size, exact resume, the non-finite guard."""
+"""Callbacks: CUDA settings, MFU monitoring, automatic batch size, exact resume, the non-finite guard, the SIGTERM checkpoint."""
 
 from lightning_gpuopt.callbacks.auto_batch_size import AutoBatchSize
 from lightning_gpuopt.callbacks.cuda_settings import CUDASettings
 from lightning_gpuopt.callbacks.exact_resume import ExactResume
 from lightning_gpuopt.callbacks.mfu_monitor import MFUMonitor
 from lightning_gpuopt.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
+from lightning_gpuopt.callbacks.sigterm_checkpoint import SigtermCheckpoint
 
-__all__ = ["AutoBatchSize", "CUDASettings", "ExactResume", "MFUMonitor", "NonFiniteError", "NonFiniteGuard"]
+__all__ = ["AutoBatchSize", "CUDASettings", "ExactResume", "MFUMonitor", "NonFiniteError", "NonFiniteGuard",
+           "SigtermCheckpoint"]

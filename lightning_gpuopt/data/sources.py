@@ -123,8 +123,8 @@ def _hf_corpus(spec: str) -> Corpus:
         import datasets
     except ImportError as err:
         raise ImportError(
-            f"data.source={spec!r} needs the Hugging Face `datasets` package: pip install datasets "
-            "(and network access to the Hub), or point data.source at local text files."
+            f"data.source={spec!r} needs the Hugging Face `datasets` package: pip install \"lightning-gpuopt[hf]\" "
+            "(or pip install datasets) and network access to the Hub, or point data.source at local text files."
         ) from err
     name, _, config = spec.partition(":")
     try:

@@ -1,0 +1,68 @@
+"""`SigtermCheckpoint`: on SIGTERM, save ``last.ckpt`` where ``--ckpt_path last`` finds it."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
+
+__all__ = ["SigtermCheckpoint"]
+
+
+class SigtermCheckpoint(Callback):
+    """Writes a resumable checkpoint when the process receives SIGTERM (a scheduler's preemption or ``kill``).
+
+    Lightning turns SIGTERM into a ``SIGTERMException`` after the current micro-batch; this callback
+    then saves the run into the ``last.ckpt`` of the first ``ModelCheckpoint`` (its ``dirpath``), the
+    file ``fit(ckpt_path="last")`` looks for. Together with
+    :class:`~lightning_gpuopt.callbacks.ExactResume` a save in the middle of an accumulated step
+    resumes exactly (the step is replayed). Only SIGTERM saves: other exceptions (a
+    ``NonFiniteError``, a crash) leave the last good checkpoint alone.
+
+    Unlike Lightning's ``OnExceptionCheckpoint``, it does not make a later ``fit`` without
+    ``ckpt_path`` resume by itself, and it keeps the file after the run.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ModelCheckpoint(dirpath="ckpt", save_last=True, every_n_train_steps=500),
+                                     ExactResume(), SigtermCheckpoint()])
+        trainer.fit(module, datamodule=data)           # kill -TERM <pid>: ckpt/last.ckpt is written
+        trainer.fit(module, datamodule=data, ckpt_path="last")  # continues from it
+
+    Args:
+        filename: Name of the file written in the ``ModelCheckpoint``'s folder, without ``.ckpt``.
+    """
+
+    def __init__(self, filename: str = "last") -> None:
+        if not filename or os.sep in filename:
+            raise ValueError(f"SigtermCheckpoint.filename must be a plain file name, got {filename!r}.")
+        self.filename = filename
+
+    def _target(self, trainer: pl.Trainer) -> Optional[str]:
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+                return os.path.join(callback.dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
+        return None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not any(isinstance(c, ModelCheckpoint) for c in trainer.checkpoint_callbacks):
+            rank_zero_warn(
+                "SigtermCheckpoint: the Trainer has no ModelCheckpoint, so a SIGTERM saves nothing. Add a "
+                "ModelCheckpoint(dirpath=..., save_last=True) to trainer.callbacks, or remove SigtermCheckpoint."
+            )
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException) or trainer.sanity_checking or trainer.fast_dev_run:
+            return
+        path = self._target(trainer)
+        if path is None:
+            return
+        trainer.save_checkpoint(path)
+        rank_zero_info(f"SigtermCheckpoint: received SIGTERM; saved {path} (resume with --ckpt_path last).")

@@ -1,0 +1,63 @@
+"""SigtermCheckpoint: a real SIGTERM saves last.ckpt where ckpt_path="last" finds it; other exceptions save nothing."""
+
+import os
+import signal
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_gpuopt import GPTModule, TextDataModule
+from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
+
+
+class _At(Callback):
+    def __init__(self, step, action):
+        self.step, self.action = step, action
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.action()
+
+
+def _fit(tmp_path, text_dir, action, ckpt_path=None, max_steps=20, checkpoint=True):
+    data = TextDataModule(source=str(text_dir), block_size=16, batch_size=2, vocab_size=300, num_workers=0)
+    model = GPTModule(n_layer=1, n_embd=32, n_head=2, vocab_size=300, block_size=16, warmup_steps=1)
+    callbacks = [ExactResume(), SigtermCheckpoint(), _At(5, action)]
+    if checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=100))
+    trainer = pl.Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, limit_val_batches=0,
+                         enable_checkpointing=checkpoint, callbacks=callbacks)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_sigterm_saves_last_and_resume_finds_it(tmp_path, text_dir, cache_dir):
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SIGTERMException):
+            _fit(tmp_path, text_dir, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 5
+    trainer = _fit(tmp_path, text_dir, lambda: None, ckpt_path="last")
+    assert trainer.ckpt_path == str(last) and trainer.global_step == 20
+
+
+def test_other_exceptions_save_nothing(tmp_path, text_dir, cache_dir):
+    def fail():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(tmp_path, text_dir, fail)
+    assert not (tmp_path / "ckpt" / "last.ckpt").exists()
+
+
+def test_warns_without_a_model_checkpoint(tmp_path, text_dir, cache_dir):
+    with pytest.warns(UserWarning, match="SigtermCheckpoint: the Trainer has no ModelCheckpoint"):
+        _fit(tmp_path, text_dir, lambda: None, max_steps=6, checkpoint=False)
+    with pytest.raises(ValueError, match="plain file name"):
+        SigtermCheckpoint(filename="a/b")
