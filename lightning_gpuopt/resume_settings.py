@@ -39,6 +39,9 @@ __all__ = ["ARCHITECTURE", "CheckpointSettings", "asked_settings", "merge_checkp
 ARCHITECTURE = ("preset", "n_layer", "n_head", "n_embd")  # block_size and vocab_size come from the data
 _SPECIAL_CKPT_PATHS = {"last", "best", "hpc", "registry"}
 
+# TextDataModule options that only predict reads: never a difference from the training run worth reporting.
+_PREDICT_ONLY_DATA = frozenset({"prompts", "samples_per_prompt"})
+
 
 def _norm(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
@@ -194,6 +197,8 @@ def merge_checkpoint_settings(parser: Any, config: Any, model_class: type) -> tu
     data_config = config[subcommand].get("data")
     data_config = data_config.as_dict() if hasattr(data_config, "as_dict") else dict(data_config or {})
     for k, v in data_config.items():
+        if k in _PREDICT_ONLY_DATA:  # what to generate from, not what was trained on
+            continue
         if k in saved_data and _norm(saved_data[k]) != _norm(v):
             settings.data[k] = (_norm(saved_data[k]), _norm(v))
     config = parser.parse_object({subcommand: {"model": merged}}, config)
