@@ -130,6 +130,7 @@ class GPTCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_trainer_options(config.get("trainer") or {})
+        _drop_checkpoint_callbacks_if_disabled(config)
         if self.subcommand == "fit":
             problem = check_run_length(config.get("trainer", {}))
             if problem:
@@ -215,6 +216,19 @@ class GPTCLI(LightningCLI):
         for batch in predictions:
             for sample in batch:
                 print(self.datamodule.decode(sample), end="\n" + "-" * 80 + "\n")
+
+
+def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:
+    """``trainer.enable_checkpointing: false`` leaves out the ``ModelCheckpoint`` of the default stack (or
+    a recipe), which Lightning would otherwise refuse next to that flag; says so in one line."""
+    trainer = config.get("trainer") or {}
+    callbacks = trainer.get("callbacks") or []
+    if trainer.get("enable_checkpointing") is not False or not isinstance(callbacks, list):
+        return
+    kept = [c for c in callbacks if not str(getattr(c, "class_path", "")).endswith(".ModelCheckpoint")]
+    if len(kept) < len(callbacks):
+        trainer["callbacks"] = kept
+        rank_zero_info("trainer.enable_checkpointing=false: the ModelCheckpoint callback is left out; no checkpoint is written.")
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -43,11 +43,12 @@ def test_a_configuration_error_is_one_message_and_exit_2(tmp_path, text_dir, cac
 
 
 def test_a_diverged_fit_exits_1(tmp_path, text_dir, cache_dir, capsys, monkeypatch):
-    """No NonFiniteGuard and no checkpointing: the run used to end with exit 0 and NaN weights."""
+    """No NonFiniteGuard and no checkpointing (the default stack's callbacks left out): the run used to end
+    with exit 0 and NaN weights."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
         main(["fit", *_data(text_dir), "--trainer.max_steps", "12", "--model.learning_rate", "1000",
-              "--model.warmup_steps", "0", "--trainer.enable_checkpointing", "false"])
+              "--model.warmup_steps", "0", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]"])
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert "gpuopt: training stopped: Training ended with non-finite weights (28 of 28 parameters hold NaN/Inf" in err
@@ -59,3 +60,12 @@ def test_an_empty_or_non_mapping_config_gets_a_real_message():
     assert explain_parser_error("Unexpected config: # todo\n").startswith("The --config file is empty")
     assert "must be a YAML mapping of groups" in explain_parser_error("Unexpected config: [1, 2]")
     assert explain_parser_error("Something else") == "Something else"
+
+
+def test_checkpointing_off_leaves_out_the_default_model_checkpoint(tmp_path, text_dir, cache_dir, monkeypatch, caplog):
+    """The default stack has a ModelCheckpoint; `--trainer.enable_checkpointing false` must not collide with it."""
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("INFO"):
+        main(["fit", *_data(text_dir), "--trainer.max_steps", "2", "--trainer.enable_checkpointing", "false"])
+    assert "the ModelCheckpoint callback is left out" in caplog.text
+    assert not list(tmp_path.rglob("*.ckpt"))

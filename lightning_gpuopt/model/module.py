@@ -7,12 +7,14 @@ from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_gpuopt.lightning_internals import show_in_progress_bar
+from lightning_gpuopt.perf.precision import clip_without_scaler
 from lightning_gpuopt.model.config import GPTConfig, LossImpl
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
@@ -266,6 +268,18 @@ class GPTModule(pl.LightningModule):
         idx = batch[0] if isinstance(batch, (tuple, list)) else batch
         hp = self.hparams
         return self.model.generate(idx, hp.max_new_tokens, temperature=hp.temperature, top_k=hp.top_k)
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: Optional[str] = None
+    ) -> None:
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            # Lightning's own "bf16-mixed" refuses to clip for the fused AdamW built on CUDA; bf16 has no
+            # scaler, so plain clipping is exact (lightning_gpuopt.perf.precision.clip_without_scaler).
+            clip_without_scaler(plugin, optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch.optim import Optimizer
 
 from lightning_gpuopt.perf.peaks import dtype_name
 
-__all__ = ["compute_dtype_name", "is_fp8", "tf32_enabled"]
+__all__ = ["clip_without_scaler", "compute_dtype_name", "is_fp8", "tf32_enabled"]
 
 
 def tf32_enabled() -> bool:
@@ -77,3 +80,32 @@ def compute_dtype_name(plugin: Any) -> Optional[str]:
     if name == "fp32" and tf32_enabled():
         return "tf32"
     return name
+
+
+def clip_without_scaler(
+    plugin: MixedPrecision,
+    optimizer: Optimizer,
+    clip_val: Union[int, float],
+    algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+) -> None:
+    """Clip gradients under a ``MixedPrecision`` plugin, fused optimizers included, when it has no scaler.
+
+    Lightning's ``MixedPrecision.clip_gradients`` refuses any optimizer that can unscale gradients
+    inside ``step()`` (``torch.optim.AdamW(fused=True)``, what ``GPTModule`` builds on CUDA), because
+    under fp16 such gradients are still scaled when clipping would run. Under bf16 there is no
+    scaler and nothing is scaled, so the plain clipping is exact; with a scaler this defers to Lightning.
+
+    Example::
+
+        clip_without_scaler(trainer.precision_plugin, optimizer, 1.0)
+
+    Args:
+        plugin: The Trainer's precision plugin.
+        optimizer: The optimizer about to step.
+        clip_val: The clipping value (``trainer.gradient_clip_val``).
+        algorithm: ``norm`` or ``value``.
+    """
+    if plugin.scaler is None:
+        Precision.clip_gradients(plugin, optimizer, clip_val, GradClipAlgorithmType(algorithm))
+    else:
+        MixedPrecision.clip_gradients(plugin, optimizer, clip_val, GradClipAlgorithmType(algorithm))

@@ -9,13 +9,17 @@ present), without initialising CUDA.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_gpuopt.perf.precision import clip_without_scaler
 
 __all__ = ["supports_bf16", "trainer_device"]
 
@@ -61,6 +65,15 @@ class _TrainerDeviceMixedPrecision(MixedPrecision):
     process that builds the Trainer); ``_bind`` decides with the real device, at ``convert_module`` or
     at the first read of ``precision`` once the Trainer has initialised its GPU, whichever comes first.
     """
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        clip_without_scaler(self, optimizer, clip_val, gradient_clip_algorithm)
 
     def __init__(self) -> None:
         self._bound_device: Optional[torch.device] = None
