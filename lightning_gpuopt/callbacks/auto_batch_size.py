@@ -40,6 +40,11 @@ __all__ = ["AutoBatchSize"]
 _GB = 1024**3
 
 
+def _tuned_compile(pl_module: pl.LightningModule) -> bool:
+    mode = (getattr(pl_module, "hparams", None) or {}).get("compile_mode")
+    return bool((getattr(pl_module, "hparams", None) or {}).get("compile")) and mode not in (None, "default")
+
+
 class AutoBatchSize(Callback):
     """Finds the largest micro-batch that fits, and keeps the global batch with gradient accumulation.
 
@@ -207,7 +212,11 @@ class AutoBatchSize(Callback):
             # Compiled graphs are kept: the trial at micro-batch 1 compiles one (Dynamo specialises size 1),
             # the next size a second with a dynamic batch dimension, which every larger trial and then
             # training reuse. So the search and training compile twice in all, and the trials measured
-            # the memory of the very graph that trains.
+            # the memory of the very graph that trains. Under a tuning compile mode (max-autotune,
+            # reduce-overhead) the trial graphs were tuned or captured for the trial sizes: those are
+            # dropped and training compiles its own.
+            if _tuned_compile(pl_module):
+                torch.compiler.reset()
         if best is None:
             raise RuntimeError(
                 "AutoBatchSize: even a micro-batch of 1 runs out of memory"

@@ -53,8 +53,10 @@ def _capture() -> dict[str, Any]:
     }
 
 
-# cuDNN attention first on Hopper and newer; the rest in PyTorch's own order, nothing disabled.
+# cuDNN attention first on Hopper and Blackwell (compute capability 9.x, 10.x) with a recent cuDNN; the
+# rest in PyTorch's own order, nothing disabled.
 _HOPPER_SDPA_ORDER = ("cudnn", "flash", "efficient", "math")
+_MIN_CUDNN_FIRST = 91500  # cuDNN 9.15
 
 
 def _auto_sdpa_order(device: torch.device) -> tuple[str, str, str]:
@@ -62,8 +64,12 @@ def _auto_sdpa_order(device: torch.device) -> tuple[str, str, str]:
     if device.type != "cuda":
         return ("sdpa_backends", "auto", "left as PyTorch orders them: no CUDA device")
     capability = torch.cuda.get_device_capability(device)
-    if capability < (9, 0):
+    cudnn = torch.backends.cudnn.version() or 0
+    if capability[0] not in (9, 10):
         return ("sdpa_backends", "auto", f"left as PyTorch orders them (compute capability {capability[0]}.{capability[1]})")
+    if cudnn < _MIN_CUDNN_FIRST:
+        # Older cuDNN attention gave wrong gradients for some sequence lengths (not multiples of 128).
+        return ("sdpa_backends", "auto", f"left as PyTorch orders them (cuDNN {cudnn} < {_MIN_CUDNN_FIRST})")
     from torch.nn.attention import SDPBackend
 
     order = [int(getattr(SDPBackend, _SDPA_BACKENDS[b])) for b in _HOPPER_SDPA_ORDER]
@@ -72,7 +78,9 @@ def _auto_sdpa_order(device: torch.device) -> tuple[str, str, str]:
     return ("sdpa_backends", "auto", f"priority {','.join(_HOPPER_SDPA_ORDER)} (compute capability {capability[0]}.{capability[1]})")
 
 
-def attention_kernel(device: torch.device, head_dim: int, seq_len: int, dtype: torch.dtype, n_head: int = 1) -> str:
+def attention_kernel(
+    device: torch.device, head_dim: int, seq_len: int, dtype: torch.dtype, n_head: int = 1, dropout_p: float = 0.0
+) -> str:
     """The SDPA kernel PyTorch picks for causal self-attention of this shape, under the current
     backend flags and priorities: ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"``.
 
@@ -87,11 +95,12 @@ def attention_kernel(device: torch.device, head_dim: int, seq_len: int, dtype: t
         seq_len: Sequence length.
         dtype: The dtype attention runs in (bf16 under bf16 autocast).
         n_head: Number of heads.
+        dropout_p: Attention dropout in training (some kernels accept only some values).
     """
     from torch.nn.attention import SDPBackend
 
-    q = torch.zeros(1, n_head, seq_len, head_dim, device=device, dtype=dtype)
-    choice = SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True))
+    q = torch.zeros(1, n_head, seq_len, head_dim, device=device, dtype=dtype, requires_grad=True)  # as in training
+    choice = SDPBackend(torch._fused_sdp_choice(q, q, q, dropout_p=dropout_p, is_causal=True))
     names = {getattr(SDPBackend, v): k for k, v in _SDPA_BACKENDS.items()}
     return names.get(choice, choice.name.lower())
 
@@ -101,12 +110,13 @@ def _attention_row(pl_module: pl.LightningModule, trainer: pl.Trainer, device: t
 
     config = getattr(pl_module, "config", None)
     head_dim, seq_len, n_head = (getattr(config, k, None) for k in ("head_size", "block_size", "n_head"))
+    dropout = float(getattr(config, "dropout", 0.0) or 0.0)
     shape = "the model's" if head_dim and seq_len else "an assumed"
     head_dim, seq_len, n_head = head_dim or 64, seq_len or 1024, n_head or 1
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(
         compute_dtype_name(trainer.precision_plugin), torch.float32
     )
-    kernel = attention_kernel(device, head_dim, seq_len, dtype, n_head)
+    kernel = attention_kernel(device, head_dim, seq_len, dtype, n_head, dropout)
     dtype_name = str(dtype).removeprefix("torch.")
     return ("attention_kernel", kernel, f"what SDPA runs for {shape} head dim {head_dim}, T {seq_len}, {dtype_name}, causal")
 
@@ -138,9 +148,10 @@ class CUDASettings(Callback):
             ``None`` leaves it.
         sdpa_backends: Scaled-dot-product-attention kernels allowed, in priority order, from
             ``cudnn``, ``flash``, ``efficient``, ``math``; the others are disabled. ``"auto"`` (the
-            default) puts cuDNN attention first on GPUs of compute capability 9.0 and newer (H100,
+            default) puts cuDNN attention first on GPUs of compute capability 9.x and 10.x (H100,
             H200, B200: its forward is ~25% faster than FlashAttention-2 at head dim 64, FA3 paper)
-            and leaves PyTorch's order elsewhere, disabling nothing. ``None`` leaves them.
+            with cuDNN 9.15 or newer, and leaves PyTorch's order elsewhere, disabling nothing.
+            ``None`` leaves them.
         expandable_segments: Use the caching allocator's expandable segments (less fragmentation,
             fewer out-of-memory errors with varying shapes); ``None`` leaves it.
         matmul_precision: ``torch.set_float32_matmul_precision`` value (``highest``, ``high``,

@@ -62,7 +62,9 @@ def find_nonfinite(optimizer: Optimizer) -> tuple[Tensor, list[tuple[int, Tensor
     grads: list[Tensor] = []
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if p.grad is not None:
+            # An FSDP2 shard can be empty on some ranks (a dimension smaller than the world size), and
+            # _foreach_norm refuses empty tensors.
+            if p.grad is not None and _local(p.grad).numel() > 0:
                 params.append((i, p))
                 grads.append(_local(p.grad))
     if not grads:
@@ -242,11 +244,14 @@ class NonFiniteGuard(Callback):
         bad = (~torch.isfinite(maxabs)).any().to(torch.float32) if maxabs.numel() else torch.zeros((), device=device)
         if loss_bad is not None:
             bad = torch.maximum(bad, loss_bad.to(device, torch.float32))
-        if trainer.world_size > 1:
-            bad = trainer.strategy.reduce(bad, reduce_op="sum").clamp(max=1.0)  # a collective, not a host sync
-        optimizer.found_inf = bad  # the fused kernel skips the whole update when it is non-zero
-        if self._pending is None:
-            self._pending = torch.tensor([0.0, float(self.consecutive_skips), 0.0, -1.0], device=device)
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The collective itself (Lightning's strategy.reduce adds a barrier, which waits for the GPU).
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        optimizer.found_inf = bad  # the fused kernel skips the whole update when it is 1
+        if self._pending is None:  # made on the device (a tensor from host numbers would wait for the stream)
+            self._pending = torch.zeros(4, device=device)
+            self._pending[1].fill_(float(self.consecutive_skips))
+            self._pending[3].fill_(-1.0)
         count, consecutive, worst, first = self._pending.unbind()
         consecutive = (consecutive + 1) * bad
         step = torch.full((), float(trainer.global_step), device=device)

@@ -117,11 +117,14 @@ def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, c
             "loss_impl='liger' needs Liger-Kernel: pip install \"lightning-gpuopt[liger]\" (CUDA only), "
             "or use loss_impl='chunked'."
         ) from err
-    # Liger's kernels want both operands in the compute dtype; its gradient for the weight comes back
-    # in that dtype and autograd casts it to the (float32) parameter's.
+    # Liger's kernels want both operands in the compute dtype; the weight's gradient is accumulated over
+    # the chunks in float32 (accum_dtype; by default Liger sums it in the weight's dtype, bf16 here) and
+    # autograd casts it to the (float32) parameter's. Note: Liger reads the number of targets with
+    # .item() in its forward, one host sync per micro-batch that the chunked path does not have.
     with torch.autocast(hidden.device.type, enabled=False):
         return liger_fused_linear_cross_entropy(
-            hidden.to(compute_dtype), weight.to(compute_dtype), targets, ignore_index=ignore_index
+            hidden.to(compute_dtype), weight.to(compute_dtype), targets, ignore_index=ignore_index,
+            accum_dtype=torch.float32,
         )
 
 

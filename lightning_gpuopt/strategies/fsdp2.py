@@ -41,5 +41,8 @@ def shard_gpt(model: GPT, mesh, param_dtype: Optional[torch.dtype] = None, resha
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # The root (embedding = tied head, final norm) stays gathered from forward to backward: its backward
+    # comes right after the loss, and regathering the vocabulary-sized weight there would cost one more
+    # all-gather per micro-batch (an explicit True is honoured for the root since torch 2.8).
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model
