@@ -1,7 +1,16 @@
-"""Training FLOPs per token of any model, counted without allocating its memory."""
+"""Training FLOPs per token of any model, counted without allocating its memory.
+
+Design note: the FLOPs MFU needs are those of what training runs, the loss included: the
+module's ``training_step`` and the backward of its loss. :func:`training_step_flops` counts
+exactly that, on meta tensors. ``model(input_ids)`` is a weaker stand-in: a forward without
+targets may compute the head for the last position only (karpathy/nanoGPT does), which counts
+12-22% too few FLOPs; :func:`forward_positions` tells how many positions such an output covers,
+so the caller can say so instead of reporting a low MFU in silence.
+"""
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -11,7 +20,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["measure_training_flops", "model_flops_per_token"]
+__all__ = ["forward_positions", "measure_training_flops", "model_flops_per_token", "training_step_flops"]
 
 
 def _first_tensor(output: Any) -> Tensor:
@@ -43,28 +52,8 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
-def measure_training_flops(model: nn.Module, *args: Any, forward: Optional[Callable[..., Any]] = None) -> int:
-    """FLOPs of one forward and backward pass of ``model(*args)``, counted on the meta device.
-
-    The model's parameters and buffers are replaced, for this call only, by meta tensors of the same
-    shapes (``torch.func.functional_call``): nothing is copied and no memory is allocated, so this
-    works for models that fill the GPU. Matmuls, convolutions and attention are counted by
-    ``torch.utils.flop_counter.FlopCounterMode``; element-wise operations are not (as in MFU).
-
-    Example::
-
-        flops = measure_training_flops(model, torch.zeros(8, 512, dtype=torch.long))
-        flops_per_token = flops / (8 * 512)
-
-    Args:
-        model: Any ``nn.Module`` (a ``torch.compile``-d one is measured through its original module).
-        *args: Example inputs; real or meta tensors (only their shapes and dtypes are used).
-        forward: Called as ``forward(model, *args)`` instead of ``model(*args)``.
-
-    Note:
-        Sharded (FSDP2 ``DTensor``) parameters are counted at their global shape, so the result is
-        the FLOPs of the whole model, as MFU needs.
-    """
+def _count(model: nn.Module, args: tuple, forward: Optional[Callable[..., Any]]) -> tuple[int, Tensor]:
+    """FLOPs of a forward and backward on meta tensors, and the (meta) tensor back-propagated from."""
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
     params = {}
     # Each shared tensor once (tied embeddings): functional_call ties the other names to it.
@@ -88,7 +77,119 @@ def measure_training_flops(model: nn.Module, *args: Any, forward: Optional[Calla
             out.float().sum().backward()
     finally:
         model.train(was_training)
-    return int(counter.get_total_flops())
+    return int(counter.get_total_flops()), out
+
+
+def measure_training_flops(model: nn.Module, *args: Any, forward: Optional[Callable[..., Any]] = None) -> int:
+    """FLOPs of one forward and backward pass of ``model(*args)``, counted on the meta device.
+
+    The model's parameters and buffers are replaced, for this call only, by meta tensors of the same
+    shapes (``torch.func.functional_call``): nothing is copied and no memory is allocated, so this
+    works for models that fill the GPU. Matmuls, convolutions and attention are counted by
+    ``torch.utils.flop_counter.FlopCounterMode``; element-wise operations are not (as in MFU).
+
+    Example::
+
+        flops = measure_training_flops(model, torch.zeros(8, 512, dtype=torch.long))
+        flops_per_token = flops / (8 * 512)
+
+    Args:
+        model: Any ``nn.Module`` (a ``torch.compile``-d one is measured through its original module).
+        *args: Example inputs; real or meta tensors (only their shapes and dtypes are used).
+        forward: Called as ``forward(model, *args)`` instead of ``model(*args)``.
+
+    Note:
+        Sharded (FSDP2 ``DTensor``) parameters are counted at their global shape, so the result is
+        the FLOPs of the whole model, as MFU needs. A forward without targets may not compute every
+        position (see :func:`forward_positions`); :func:`training_step_flops` counts what training runs.
+    """
+    return _count(model, args, forward)[0]
+
+
+def forward_positions(model: nn.Module, input_ids: Tensor) -> tuple[int, Optional[int]]:
+    """FLOPs of a forward and backward of ``model(input_ids)``, and how many positions its output covers.
+
+    The second value is the size of the output's sequence dimension (dim 1) when the output has one
+    and it differs from the input's: nanoGPT's ``forward(idx)`` without targets returns logits of
+    shape ``(B, 1, vocab)``, so the count misses the head (and loss) for all but one position.
+    ``None`` means the output covers every position (or has no sequence dimension to compare).
+
+    Example::
+
+        flops, covered = forward_positions(model, torch.zeros(2, 64, dtype=torch.long))
+        if covered is not None:
+            print(f"forward covers {covered} of 64 positions: the count is low")
+
+    Args:
+        model: Any ``nn.Module`` taking token ids.
+        input_ids: A ``(batch, seq_len)`` tensor (real or meta).
+    """
+    flops, out = _count(model, (input_ids,), None)
+    if input_ids.dim() == 2 and out.dim() >= 2 and out.shape[0] == input_ids.shape[0]:
+        if out.shape[1] != input_ids.shape[1]:
+            return flops, int(out.shape[1])
+    return flops, None
+
+
+class _NoSideEffects:
+    """Runs ``training_step`` of a LightningModule without ``self.log`` and without keeping attribute changes.
+
+    ``log``/``log_dict`` are shadowed on the instance (they would record meta values); every
+    submodule's attributes are put back afterwards (a step counter, a cached value), lists and dicts
+    as shallow copies. Parameters and buffers are already swapped for meta tensors by the caller.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.saved = []
+        for m in self.module.modules():
+            attrs = {k: v for k, v in m.__dict__.items() if k not in _MODULE_STATE}
+            contents = {k: copy.copy(v) for k, v in attrs.items() if type(v) in (list, dict, set)}
+            self.saved.append((m, attrs, contents))
+        for name in ("log", "log_dict"):
+            if hasattr(self.module, name):
+                setattr(self.module, name, lambda *args, **kwargs: None)
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, attrs, contents in self.saved:
+            for k in [k for k in m.__dict__ if k not in attrs and k not in _MODULE_STATE]:
+                del m.__dict__[k]
+            m.__dict__.update(attrs)
+            for k, copied in contents.items():  # the same list/dict/set object, its old contents
+                attrs[k].clear()
+                attrs[k].update(copied) if not isinstance(copied, list) else attrs[k].extend(copied)
+
+
+_MODULE_STATE = ("_parameters", "_buffers", "_modules")
+
+
+def training_step_flops(module: nn.Module, batch: Any, batch_idx: int = 0) -> int:
+    """FLOPs of ``module.training_step(batch, batch_idx)`` and the backward of its loss, on meta tensors.
+
+    This is what a training step computes, whatever the module's ``forward`` does without targets:
+    the forward, the loss (a dict's ``"loss"`` entry when the step returns a dict) and its backward.
+    Parameters, buffers and the batch are meta tensors for the call, ``self.log`` does nothing and
+    attribute changes are undone, so the module is left as it was. A step that reads a value
+    (``loss.item()``), steps an optimizer itself (manual optimisation) or indexes by data raises:
+    count ``forward`` instead, or give the module ``flops_per_token(seq_len)``.
+
+    Example::
+
+        flops = training_step_flops(lightning_module, (input_ids, targets))
+        flops_per_token = flops / input_ids.numel()
+
+    Args:
+        module: A LightningModule (or any module with ``training_step``).
+        batch: A training batch as the loader yields it (real or meta tensors).
+        batch_idx: Passed on to ``training_step``.
+    """
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ValueError("the module optimises manually (automatic_optimization=False), so its step cannot be replayed")
+    module = getattr(module, "_orig_mod", module)
+    with _NoSideEffects(module):
+        return _count(module, (batch, batch_idx), lambda m, b, i: m.training_step(b, i))[0]
 
 
 def model_flops_per_token(module: nn.Module, seq_len: int) -> Optional[float]:
