@@ -106,7 +106,9 @@ def measure_activation_bytes(model: nn.Module, input_ids: Tensor, precision: str
         size = 2 if mixed and t.dtype == torch.float32 else t.element_size()
         total += t.numel() * size
     logits = _logits(out)
-    vocab = logits.shape[-1] if logits is not None and logits.dim() == input_ids.dim() + 1 else 0
+    # (B, T, vocab) logits, or nanoGPT's (B, 1, vocab) for the last position: a vocabulary per position
+    covers = logits is not None and logits.dim() == input_ids.dim() + 1 and logits.shape[0] == input_ids.shape[0]
+    vocab = logits.shape[-1] if covers and logits.shape[1] in (1, input_ids.shape[1]) else 0
     return ActivationBytes(total, input_ids.numel() * vocab * _LOGIT_BYTES)
 
 
