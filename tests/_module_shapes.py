@@ -159,6 +159,29 @@ class LitGPTModule(_Base):
         return {"loss": loss}
 
 
+class NoForwardModule(_Base):
+    """litgpt's model in a LightningModule that defines no ``forward`` of its own (the step calls the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = LitGPT()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+
+class LoaderData(pl.LightningDataModule):
+    """The same loader, given through a datamodule."""
+
+    def __init__(self, shape: str, batch_size: int = 4, n: int = 32):
+        super().__init__()
+        self.shape, self.batch_size, self.n = shape, batch_size, n
+
+    def train_dataloader(self):
+        return shape_loader(self.shape, self.batch_size, self.n)
+
+
 SHAPES = {"nanogpt": NanoGPTModule, "llama": LlamaModule, "litgpt": LitGPTModule}
 
 
