@@ -62,6 +62,7 @@ def test_training_step_side_effects_are_undone():
             self.steps, self.losses = 0, []
 
         def training_step(self, batch, batch_idx):
+            torch.rand(1)  # a draw on the CPU generator
             self.steps += 1
             loss = super().training_step(batch, batch_idx)
             self.losses.append(loss)
@@ -70,7 +71,10 @@ def test_training_step_side_effects_are_undone():
 
     module = Counting()
     losses = module.losses
-    training_step_flops(module, next(iter(shape_loader("nanogpt"))))
+    batch = next(iter(shape_loader("nanogpt")))
+    rng = torch.get_rng_state()
+    training_step_flops(module, batch)
+    assert torch.equal(torch.get_rng_state(), rng)  # the run's random stream is where it was
     assert module.steps == 0 and module.losses == [] and module.losses is losses and not hasattr(module, "last")
     assert "log" not in module.__dict__
 
