@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_gpuopt.data.resumable import not_exact_reason
 from lightning_gpuopt.resume import (
     capture_rng_state,
     collectives_allowed,
@@ -22,6 +23,8 @@ from lightning_gpuopt.resume import (
 )
 
 __all__ = ["ExactResume"]
+
+_LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
 
 
 def _all_gather(obj: Any, rank: int, world_size: int) -> list[Any]:
@@ -65,6 +68,13 @@ class ExactResume(Callback):
         different number of ranks the RNG states cannot be matched to ranks: they are left as seeded,
         with a warning.
 
+        The data order resumes exactly with ``TextDataModule`` (its ``ResumableSampler`` and saved
+        position). Any other training loader (a DataLoader of the module's own, an iterable dataset)
+        restarts at the first sample of the epoch on a mid-epoch resume: ``ExactResume`` says so once
+        at fit start, naming the loader, and everything else above still resumes exactly. Where the
+        loaders are exact it silences Lightning's "dataloader is not resumable" warning, which would
+        be wrong there.
+
         The ``gpuopt`` CLI always adds this callback (``--exact_resume.*``).
     """
 
@@ -72,6 +82,41 @@ class ExactResume(Callback):
         self._snapshot: Optional[dict[str, Any]] = None
         self._snapshot_step: Optional[int] = None
         self._pending: Optional[dict[str, Any]] = None
+        self._warned_loader = False
+        self._filter: Optional[tuple] = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaders = trainer.train_dataloader
+        loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        reasons = [r for r in (not_exact_reason(loader) for loader in loaders) if r is not None]
+        if reasons and not self._warned_loader:
+            self._warned_loader = True
+            rank_zero_warn(
+                f"ExactResume: the data order of {type(pl_module).__name__}'s training loader is not resumed exactly: "
+                f"{reasons[0]}. Weights, optimizer, schedule, loop counters and RNG states resume exactly; a run resumed "
+                "from a checkpoint saved inside an epoch sees other samples than the uninterrupted run. For an exact "
+                "data order, train from token files with lightning_gpuopt.data.TextDataModule, or save checkpoints "
+                "only at epoch ends (ModelCheckpoint(every_n_epochs=1)) and accept a new shuffle per resumed epoch."
+            )
+        elif not reasons and self._filter is None:
+            # Lightning warns for every loader without state_dict(); ours resume through the datamodule.
+            warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE)
+            self._filter = warnings.filters[0]
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_filter()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_filter()
+
+    def _remove_filter(self) -> None:
+        if self._filter is not None and self._filter in warnings.filters:
+            warnings.filters.remove(self._filter)
+            warnings._filters_mutated()
+        self._filter = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
