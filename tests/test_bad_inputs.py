@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from lightning_gpuopt import GPT, GPTConfig, GPTModule, TextDataModule
-from lightning_gpuopt.callbacks import AutoBatchSize, CUDASettings, MFUMonitor, NonFiniteGuard
+from lightning_gpuopt.callbacks import AutoBatchSize, CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard
 from lightning_gpuopt.cli import main
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
 from lightning_gpuopt.perf.batch_search import per_device_batch
@@ -229,6 +229,8 @@ CASES = [
     Case("fp8-and-precision-flag", lambda c: pl.Trainer(plugins=[Float8Precision(emulate=True)], precision="16-mixed", logger=False),
          ValueError, r"Received both `precision=16-mixed` and `plugins=.*Choose one"),
     Case("fp8-unknown-recipe", lambda c: Float8Precision(recipe="columnwise"), ValueError, r"choose one of \['tensorwise'"),
+    Case("exact-resume-rebuild-not-bool", lambda c: ExactResume(rebuild_loaders="yes"), ValueError,
+         r"ExactResume.rebuild_loaders must be True or False, got 'yes'"),
     Case("choose-strategy-not-a-model", lambda c: choose_strategy("1.5b", devices=2, device_memory=16e9), ValueError,
          r"needs a model: a GPTConfig, or any nn.Module / LightningModule, got str"),
     Case("choose-strategy-no-block-size", lambda c: choose_strategy(_ForeignLM(), devices=2, device_memory=16e9), ValueError,
