@@ -14,7 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gpuopt.lightning_internals import show_in_progress_bar
-from lightning_gpuopt.perf.flops import forward_positions, model_flops_per_token, training_step_flops
+from lightning_gpuopt.perf.flops import count_flops_per_token, model_flops_per_token
 from lightning_gpuopt.perf.peaks import measure_peak_flops, peak_flops as table_peak_flops
 from lightning_gpuopt.perf.precision import compute_dtype_name, is_fp8
 from lightning_gpuopt.plugins.float8_conversion import is_compiled
@@ -249,48 +249,13 @@ class MFUMonitor(Callback):
     def _count_flops(
         self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tokens: int, input_ids: Optional[Tensor]
     ) -> Optional[float]:
-        """Training FLOPs per token counted on meta tensors: the training step, else ``forward(input_ids)``."""
-        name = type(pl_module).__name__
-        if tokens <= 0:
-            rank_zero_warn(
-                f"MFUMonitor found no tokens in the batch of {name}, so TFLOP/s and MFU are not logged: pass "
-                "MFUMonitor(tokens_fn=...) or give the batch an input-ids tensor (batch[0] or batch['input_ids'])."
-            )
-            return None
-        try:
-            flops = training_step_flops(pl_module, batch, batch_idx) / tokens
-            self.flops_source = f"{name}.training_step on meta tensors"
-            rank_zero_info(f"MFUMonitor: {flops / 1e6:.4g} MFLOPs per token, counted over {self.flops_source}.")
-            return flops
-        except Exception as err:
-            step_error = err
-        try:
-            if input_ids is None:
-                raise ValueError("no input-ids tensor in the batch")
-            flops, covered = forward_positions(pl_module, input_ids)
-            flops = flops / tokens
-        except Exception as err:  # any model: fall back to no FLOPs rather than stop training
-            rank_zero_warn(
-                f"MFUMonitor could not count the FLOPs of {name} (training_step: {step_error}; forward: {err}); "
-                "TFLOP/s and MFU are not logged. Define `flops_per_token(seq_len)` on the module or pass "
-                "MFUMonitor(flops_per_token=...)."
-            )
-            return None
-        self.flops_source = f"{name}.forward(input_ids) on meta tensors"
-        seq_len = int(input_ids.shape[-1])
-        if covered is not None:
-            rank_zero_warn(
-                f"MFUMonitor counts FLOPs through {name}.forward(input_ids) (its training_step could not run on meta "
-                f"tensors: {step_error}), and that forward's output covers {covered} of {seq_len} positions, so "
-                "TFLOP/s and MFU are low. Define `flops_per_token(seq_len)` on the module, pass "
-                "MFUMonitor(flops_per_token=...), or let training_step run without reading values (no .item())."
-            )
-        else:
-            rank_zero_info(
-                f"MFUMonitor: {flops / 1e6:.4g} MFLOPs per token, counted over {self.flops_source} (training_step "
-                f"could not run on meta tensors: {step_error}); the loss is not counted."
-            )
-        return flops
+        count = count_flops_per_token(pl_module, batch, batch_idx, tokens, input_ids)
+        if count.warning:
+            rank_zero_warn(f"MFUMonitor: {count.warning}")
+        if count.info:
+            rank_zero_info(f"MFUMonitor: {count.info}")
+        self.flops_source = count.source
+        return count.per_token
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

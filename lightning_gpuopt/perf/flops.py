@@ -13,14 +13,21 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["forward_positions", "measure_training_flops", "model_flops_per_token", "training_step_flops"]
+__all__ = [
+    "FlopsCount",
+    "count_flops_per_token",
+    "forward_positions",
+    "measure_training_flops",
+    "model_flops_per_token",
+    "training_step_flops",
+]
 
 
 def _first_tensor(output: Any) -> Tensor:
@@ -209,3 +216,69 @@ def model_flops_per_token(module: nn.Module, seq_len: int) -> Optional[float]:
     except (TypeError, ValueError):
         takes_arg = False
     return float(fn(seq_len) if takes_arg else fn())
+
+
+class FlopsCount(NamedTuple):
+    """Training FLOPs per token (``None`` if they could not be counted), how, and what to tell the user."""
+
+    per_token: Optional[float]
+    source: Optional[str]
+    warning: Optional[str] = None
+    info: Optional[str] = None
+
+
+def count_flops_per_token(
+    module: nn.Module, batch: Any, batch_idx: int, tokens: int, input_ids: Optional[Tensor]
+) -> FlopsCount:
+    """Training FLOPs per token of a module without ``flops_per_token``: its training step, else its forward.
+
+    :func:`training_step_flops` first; where the step cannot run on meta tensors, a forward and
+    backward of ``module(input_ids)`` (:func:`forward_positions`), with a warning when its output
+    does not cover every position (the count is then low). Never raises: a module that cannot be
+    counted gets ``per_token=None`` and a warning naming the fix.
+
+    Example::
+
+        count = count_flops_per_token(lightning_module, batch, 0, tokens=batch[0].numel(), input_ids=batch[0])
+        count.per_token, count.source
+
+    Args:
+        module: A LightningModule.
+        batch: A training batch.
+        batch_idx: Its index, passed on to ``training_step``.
+        tokens: Tokens in the batch (FLOPs are divided by it).
+        input_ids: The batch's token-id tensor, for the forward fallback (``None`` if there is none).
+    """
+    name = type(module).__name__
+    fix = "Define `flops_per_token(seq_len)` on the module or pass MFUMonitor(flops_per_token=...)."
+    if tokens <= 0:
+        return FlopsCount(None, None, warning=(
+            f"found no tokens in the batch of {name}, so TFLOP/s and MFU are not logged: pass "
+            "MFUMonitor(tokens_fn=...) or give the batch an input-ids tensor (batch[0] or batch['input_ids'])."
+        ))
+    try:
+        per_token = training_step_flops(module, batch, batch_idx) / tokens
+        source = f"{name}.training_step on meta tensors"
+        return FlopsCount(per_token, source, info=f"{per_token / 1e6:.4g} MFLOPs per token, counted over {source}.")
+    except Exception as err:
+        step_error = err
+    try:
+        if input_ids is None:
+            raise ValueError("no input-ids tensor in the batch")
+        flops, covered = forward_positions(module, input_ids)
+    except Exception as err:  # any model: no FLOPs rather than a stopped run
+        return FlopsCount(None, None, warning=(
+            f"could not count the FLOPs of {name} (training_step: {step_error}; forward: {err}); TFLOP/s and MFU "
+            f"are not logged. {fix}"
+        ))
+    per_token, source, seq_len = flops / tokens, f"{name}.forward(input_ids) on meta tensors", int(input_ids.shape[-1])
+    if covered is not None:
+        return FlopsCount(per_token, source, warning=(
+            f"FLOPs counted through {name}.forward(input_ids) (its training_step could not run on meta tensors: "
+            f"{step_error}), and that forward's output covers {covered} of {seq_len} positions, so TFLOP/s and MFU "
+            f"are low. {fix[:-1]}, or let training_step run without reading values (no .item())."
+        ))
+    return FlopsCount(per_token, source, info=(
+        f"{per_token / 1e6:.4g} MFLOPs per token, counted over {source} (training_step could not run on meta "
+        f"tensors: {step_error}); the loss is not counted."
+    ))
