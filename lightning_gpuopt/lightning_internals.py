@@ -7,6 +7,8 @@ attribute it touches, so a Lightning upgrade that renames one breaks here, loudl
 Touched:
 - ``trainer._logger_connector._progress_bar_metrics``: the dict the progress bar shows; plain floats
   written there persist until replaced and cost no device synchronisation to display.
+- ``trainer.fit_loop._data_source.dataloader``: the call that builds the training loader(s), before
+  Lightning starts iterating them; wrapped to rebuild a loader (``wrap_train_dataloader``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["show_in_progress_bar"]
+__all__ = ["show_in_progress_bar", "wrap_train_dataloader"]
 
 
 def show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
@@ -41,3 +43,28 @@ def show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
             f"({pl.__version__}); lightning_gpuopt.lightning_internals needs an update."
         )
     bar.update(metrics)
+
+
+def wrap_train_dataloader(trainer: pl.Trainer, wrap: Any) -> Any:
+    """Make the training loaders pass through ``wrap(loaders) -> loaders`` when Lightning builds them.
+
+    Returns a function that undoes it. Lightning builds the loaders in ``fit_loop.setup_data()``,
+    after the ``setup`` hooks and before it starts iterating, so a callback calls this in ``setup``.
+
+    Example::
+
+        undo = wrap_train_dataloader(trainer, lambda loaders: loaders)
+    """
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    if source is None or not callable(getattr(source, "dataloader", None)):
+        raise RuntimeError(
+            "lightning_gpuopt: Trainer.fit_loop._data_source.dataloader is gone in this Lightning version "
+            f"({pl.__version__}); lightning_gpuopt.lightning_internals needs an update."
+        )
+    original = source.dataloader
+    source.dataloader = lambda: wrap(original())
+
+    def undo() -> None:
+        source.__dict__.pop("dataloader", None)
+
+    return undo

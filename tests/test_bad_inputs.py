@@ -17,13 +17,14 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from lightning_gpuopt import GPT, GPTConfig, GPTModule, TextDataModule
-from lightning_gpuopt.callbacks import AutoBatchSize, CUDASettings, MFUMonitor, NonFiniteGuard
+from lightning_gpuopt.callbacks import AutoBatchSize, CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard
 from lightning_gpuopt.cli import main
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
 from lightning_gpuopt.perf.batch_search import per_device_batch
 from lightning_gpuopt.data.tokenizer import check_same_tokenizer
 from lightning_gpuopt.plugins import AtomicCheckpointIO, Float8Precision, NonFiniteCheckpointError
 from lightning_gpuopt.plugins.float8 import check_float8_device, check_float8_strategy
+from lightning_gpuopt.strategies import choose_strategy
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 
@@ -53,6 +54,19 @@ class Ctx:
         path = self.tmp / "bad.yaml"
         path.write_text(text)
         return str(path)
+
+
+class _ForeignLM(pl.LightningModule):
+    """Not one of ours: no GPTConfig, optionally built later or taking a dict."""
+
+    def __init__(self, build: bool = True, dict_input: bool = False):
+        super().__init__()
+        self.dict_input = dict_input
+        if build:
+            self.emb, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64)
+
+    def forward(self, batch):
+        return self.head(self.emb(batch["input_ids"] if self.dict_input else batch))
 
 
 class _NoBatchSizeModule(GPTModule):
@@ -215,6 +229,16 @@ CASES = [
     Case("fp8-and-precision-flag", lambda c: pl.Trainer(plugins=[Float8Precision(emulate=True)], precision="16-mixed", logger=False),
          ValueError, r"Received both `precision=16-mixed` and `plugins=.*Choose one"),
     Case("fp8-unknown-recipe", lambda c: Float8Precision(recipe="columnwise"), ValueError, r"choose one of \['tensorwise'"),
+    Case("exact-resume-rebuild-not-bool", lambda c: ExactResume(rebuild_loaders="yes"), ValueError,
+         r"ExactResume.rebuild_loaders must be True or False, got 'yes'"),
+    Case("choose-strategy-not-a-model", lambda c: choose_strategy("1.5b", devices=2, device_memory=16e9), ValueError,
+         r"needs a model: a GPTConfig, or any nn.Module / LightningModule, got str"),
+    Case("choose-strategy-no-block-size", lambda c: choose_strategy(_ForeignLM(), devices=2, device_memory=16e9), ValueError,
+         r"cannot tell the sequence length of _ForeignLM: pass block_size="),
+    Case("choose-strategy-no-parameters", lambda c: choose_strategy(_ForeignLM(build=False), devices=2, device_memory=16e9, block_size=32),
+         ValueError, r"no parameters yet \(built in configure_model\?\): build them first"),
+    Case("choose-strategy-no-activations", lambda c: choose_strategy(_ForeignLM(dict_input=True), devices=2, device_memory=16e9, block_size=32),
+         ValueError, r"could not estimate the activations of _ForeignLM .*pass choose_strategy\(activation_bytes=...\)"),
     Case("fp8-bad-module-filter", lambda c: Float8Precision(module_filter="lm_head"), ValueError, r"a list of layer-name patterns to skip \(e.g. \['lm_head'\]\)"),
     # ---------------------------------------------------------------- callback arguments
     Case("sdpa-unknown-backend", lambda c: CUDASettings(sdpa_backends=["flash", "fast"]), ValueError,

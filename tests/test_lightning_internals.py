@@ -1,4 +1,4 @@
-"""The private Lightning attributes lightning_gpuopt.lightning_internals relies on still exist."""
+"""The Lightning private state this package touches is where lightning_internals expects it (fails loudly on an upgrade)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,39 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 
-from lightning_gpuopt.lightning_internals import show_in_progress_bar
+from _module_shapes import NanoGPTModule, shape_loader
+from lightning_gpuopt.lightning_internals import show_in_progress_bar, wrap_train_dataloader
+
+
+class _Wrapping(pl.Callback):
+    def __init__(self):
+        self.seen = []
+
+    def setup(self, trainer, pl_module, stage):
+        self.undo = wrap_train_dataloader(trainer, lambda loaders: self.seen.append(loaders) or loaders)
+
+    def teardown(self, trainer, pl_module, stage):
+        self.undo()
+
+
+def test_train_dataloader_wrap_sees_the_loader_and_undoes():
+    loader = shape_loader("nanogpt", batch_size=2, n=8)
+    wrapping = _Wrapping()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[wrapping])
+    trainer.fit(NanoGPTModule(), loader)
+    assert wrapping.seen == [loader]
+    assert "dataloader" not in vars(trainer.fit_loop._data_source)  # undone
+
+
+def test_missing_private_state_fails_loudly():
+    with pytest.raises(RuntimeError, match="_data_source.dataloader is gone"):
+        wrap_train_dataloader(SimpleNamespace(fit_loop=SimpleNamespace()), lambda x: x)
+    with pytest.raises(RuntimeError, match="_progress_bar_metrics is gone"):
+        show_in_progress_bar(SimpleNamespace(), {"a": 1.0})
 
 
 def test_progress_bar_dict_is_where_we_write():
     trainer = pl.Trainer(logger=False, enable_checkpointing=False)
     show_in_progress_bar(trainer, {"loss": 1.5})
     assert trainer.progress_bar_metrics["loss"] == 1.5  # Lightning's public view of the same dict
-
-
-def test_a_renamed_attribute_fails_loudly():
-    with pytest.raises(RuntimeError, match="_progress_bar_metrics is gone in this Lightning version"):
-        show_in_progress_bar(SimpleNamespace(_logger_connector=SimpleNamespace()), {"loss": 1.5})

@@ -242,3 +242,40 @@ def test_on_gpu_bf16_mfu_is_plausible_and_memory_is_reported(tmp_path):
         assert 0.01 < m["perf/mfu"] < 1.0
         assert m["perf/mfu_measured"] > m["perf/mfu"]  # the measured ceiling is below the datasheet peak
         assert 0 < m["mem/peak_gb"] and 0 < m["mem/peak_pct"] < 100
+
+
+@pytest.mark.parametrize("shape", ["nanogpt", "llama", "litgpt"])
+def test_monitor_counts_what_the_training_step_runs(tmp_path, shape):
+    from _module_shapes import SHAPES, hand_flops_per_token, shape_loader
+
+    module = SHAPES[shape]()
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    _trainer(tmp_path, [monitor], max_steps=3).fit(module, shape_loader(shape, batch_size=2))
+    assert monitor.flops_source == f"{type(module).__name__}.training_step on meta tensors"
+    (metrics,) = monitor.history
+    per_token = metrics["perf/tflops_per_device"] * 1e12 / metrics["perf/tokens_per_sec_per_device"]
+    assert per_token == pytest.approx(hand_flops_per_token(module), rel=0.03)
+
+
+def test_monitor_warns_when_it_must_count_a_forward_that_skips_positions(tmp_path):
+    from _module_shapes import NanoGPTModule, hand_flops_per_token, shape_loader
+
+    class Reads(NanoGPTModule):  # the step reads the loss, so it cannot run on meta tensors
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.last_loss = float(loss.detach())
+            return loss
+
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    with pytest.warns(UserWarning, match=r"covers 1 of 32 positions.*flops_per_token\(seq_len\)") as record:
+        _trainer(tmp_path, [monitor], max_steps=3).fit(Reads(), shape_loader("nanogpt", batch_size=2))
+    assert sum("covers 1 of 32" in str(w.message) for w in record) == 1
+    assert monitor.flops_source == "Reads.forward(input_ids) on meta tensors"
+    # and the module's own count is the first choice
+    class Counted(Reads):
+        def flops_per_token(self, seq_len):
+            return hand_flops_per_token(self, seq_len)
+
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    _trainer(tmp_path, [monitor], max_steps=3).fit(Counted(), shape_loader("nanogpt", batch_size=2))
+    assert monitor.flops_source == "Counted.flops_per_token"

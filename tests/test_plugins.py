@@ -17,10 +17,13 @@ from lightning_gpuopt.model import GPT, GPTConfig
 from lightning_gpuopt.plugins import BF16Precision, Float8Precision
 from lightning_gpuopt.plugins.float8 import check_float8_device
 from lightning_gpuopt.plugins.float8_conversion import (
+    CONV1D_REASON,
     auto_skip_reason,
     convert_linears_to_float8,
     float8_config,
+    format_conversion_table,
     is_compiled,
+    is_conv1d_like,
     skip_reason,
 )
 from tests._plugins_helpers import LossRecorder, token_loader, tiny_gpt_module
@@ -486,3 +489,72 @@ def test_float8_with_per_block_compile_trains_like_uncompiled():
     assert all(b._compiled_call_impl is not None for b in blocks) and module.model.compile_loss
     assert list(module.model.state_dict()) == [k.removeprefix("model.") for k in module.state_dict() if k.startswith("model.")]
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=1e-3, atol=1e-3)
+
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's Conv1D, written out: weight stored in x out, ``x @ weight + bias``."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, self.nx), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class GPT2Like(pl.LightningModule):
+    """GPT-2 projections as Conv1D, an nn.Linear head tied to the embedding (as in GPT2LMHeadModel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(256, 64)
+        self.c_fc, self.c_proj = Conv1D(8 * 64, 64), Conv1D(64, 8 * 64)
+        self.lm_head = nn.Linear(64, 256, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        logits = self.lm_head(self.c_proj(self.c_fc(self.wte(idx))))
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_float8_names_conv1d_layers_as_not_convertible_and_warns_once():
+    plugin = Float8Precision(emulate=True)
+    with pytest.warns(UserWarning, match="converted none") as record:
+        trainer = _trainer(plugin, max_steps=2)
+        trainer.fit(GPT2Like(), train_dataloaders=token_loader(n_seq=8))
+        trainer = _trainer(plugin, max_steps=4)
+        trainer.fit(GPT2Like(), train_dataloaders=token_loader(n_seq=8))
+    messages = [str(w.message) for w in record if "converted none" in str(w.message)]
+    assert len(messages) == 1
+    # the largest layer is a Conv1D, named with its shape and the reason; the fix is named
+    assert "c_fc (64x512), was skipped: Conv1D-style" in messages[0]
+    assert "replace them with nn.Linear" in messages[0] and "BF16Precision" in messages[0]
+    decisions = {n: (shape, r) for n, shape, r in plugin.conversion_report}
+    assert decisions["c_fc"] == ("64x512", CONV1D_REASON) and decisions["c_proj"] == ("512x64", CONV1D_REASON)
+    assert decisions["lm_head"][1] == "output layer"
+    table = format_conversion_table(plugin.conversion_report, "tensorwise")
+    assert "0 of 3 projection layers converted" in table and "c_fc" in table
+
+
+def test_float8_auto_filter_on_a_tiny_model_warns_with_the_largest_layer_and_the_fix():
+    plugin = Float8Precision(emulate=True)  # module_filter="auto": every layer of a tiny GPT is too small
+    with pytest.warns(UserWarning, match=r"converted none of the 9 projection layers of GPTModule") as record:
+        _trainer(plugin, max_steps=1).fit(tiny_gpt_module(), train_dataloaders=token_loader(n_seq=8))
+    (message,) = [str(w.message) for w in record if "converted none" in str(w.message)]
+    assert "too small for tensorwise FP8" in message and "module_filter=['lm_head']" in message
+    # the largest layer: lm_head (64 x 256, padded vocab) or an MLP projection (64 x 256), both 16384 weights
+    assert "(64x256)" in message
+
+
+def test_conv1d_detection_is_structural():
+    assert is_conv1d_like(Conv1D(192, 64))
+    assert not is_conv1d_like(nn.Linear(64, 192))
+    odd = Conv1D(192, 64)
+    odd.nx = 32  # attributes that do not describe the weight
+    assert not is_conv1d_like(odd)

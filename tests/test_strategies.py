@@ -10,7 +10,13 @@ from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.cli import GPTCLI
 from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.model.config import GPTConfig
-from lightning_gpuopt.strategies import AtomicModelParallelStrategy, choose_strategy, end_distributed, estimate_memory
+from lightning_gpuopt.strategies import (
+    AtomicModelParallelStrategy,
+    choose_strategy,
+    end_distributed,
+    estimate_memory,
+    estimate_module_memory,
+)
 
 
 def test_memory_estimate_follows_the_stated_formula():
@@ -45,11 +51,77 @@ def test_bad_input_names_the_fix():
         choose_strategy(GPTConfig.from_name("1.5b"), devices=1, device_memory=16e9)
     with pytest.raises(ValueError, match="positive integer"):
         choose_strategy(GPTConfig.from_name("tiny"), devices=0, device_memory=16e9)
-    with pytest.raises(ValueError, match="GPTConfig, a GPT or a GPTModule"):
+    with pytest.raises(ValueError, match="any nn.Module / LightningModule, got str"):
         choose_strategy("1.5b", devices=2, device_memory=16e9)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device_memory"):
             choose_strategy(GPTConfig.from_name("tiny"), devices=2)
+
+
+def test_a_foreign_module_named_gpt_is_estimated_from_its_parameters_and_measured_activations():
+    from _module_shapes import NanoGPT, SHAPES
+
+    class GPT(NanoGPT):  # nanoGPT's class name, not ours
+        pass
+
+    model = GPT()
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    strategy, reason = choose_strategy(model, devices=2, device_memory=1e9, block_size=32, micro_batch=4)
+    assert isinstance(strategy, DDPStrategy)
+    assert "GPT's parameters (float32" in reason and "activations measured" in reason
+    est = estimate_module_memory(model, micro_batch=4, block_size=32)
+    assert est["params"] == params and est["model_state"] == 16 * params  # fp32 + AdamW, tied head once
+    assert est["logits"] == 4 * 32 * 256 * 10
+    # the measured activations of our own GPT agree with the stated formula within 2%
+    with torch.device("meta"):
+        ours = GPTModule(preset="124m", vocab_size=50304, block_size=1024)
+        ours.configure_model()
+    formula = estimate_memory(ours.config, micro_batch=8, block_size=1024)
+    measured = estimate_module_memory(ours.model, micro_batch=8, block_size=1024)
+    assert measured["activations"] == pytest.approx(formula["activations"], rel=0.02)
+    assert measured["params"] == formula["params"]
+    # bf16-true halves the state; frozen parameters hold weights only
+    half = estimate_module_memory(model, 4, 32, precision="bf16-true")
+    assert half["model_state"] == 8 * params
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert estimate_module_memory(model, 4, 32)["model_state"] == 4 * params
+    # every module shape of the tests gets a decision, and FSDP2 names what the module must do
+    for cls in SHAPES.values():
+        strategy, reason = choose_strategy(cls(), devices=4, device_memory=1e6, block_size=32, micro_batch=4)
+        assert isinstance(strategy, AtomicModelParallelStrategy) and "configure_model must apply" in reason
+
+
+def test_a_module_s_own_activation_figure_is_used_and_named():
+    from _module_shapes import LitGPTModule
+
+    module = LitGPTModule()
+    module.activation_bytes = lambda micro_batch, block_size, precision: 7e9
+    _, reason = choose_strategy(module, devices=2, device_memory=80e9, block_size=32)
+    assert "7.0 GB activations" in reason and "LitGPTModule.activation_bytes()" in reason
+    _, reason = choose_strategy(module, devices=2, device_memory=80e9, block_size=32, activation_bytes=3e9)
+    assert "3.0 GB activations" in reason and "activation_bytes= as given" in reason
+
+
+def test_a_foreign_module_without_what_is_needed_gets_the_fix():
+    from _module_shapes import LitGPTModule
+
+    with pytest.raises(ValueError, match="pass block_size="):
+        choose_strategy(LitGPTModule(), devices=2, device_memory=16e9)
+
+    class Later(LitGPTModule):
+        def __init__(self):
+            super(LitGPTModule, self).__init__()
+
+    with pytest.raises(ValueError, match="no parameters yet"):
+        choose_strategy(Later(), devices=2, device_memory=16e9, block_size=32)
+
+    class DictInput(LitGPTModule):
+        def forward(self, batch):
+            return self.model(batch["input_ids"])
+
+    with pytest.raises(ValueError, match=r"pass choose_strategy\(activation_bytes=...\)"):
+        choose_strategy(DictInput(), devices=2, device_memory=16e9, block_size=32)
 
 
 @pytest.mark.parametrize(("memory_gb", "expected"), [(80, DDPStrategy), (0.001, AtomicModelParallelStrategy)])

@@ -6,12 +6,15 @@ import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_gpuopt.data.resumable import EpochSampler, make_resumable, not_exact_reason
+from lightning_gpuopt.lightning_internals import wrap_train_dataloader
 from lightning_gpuopt.resume import (
     capture_rng_state,
     collectives_allowed,
@@ -22,6 +25,8 @@ from lightning_gpuopt.resume import (
 )
 
 __all__ = ["ExactResume"]
+
+_LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
 
 
 def _all_gather(obj: Any, rank: int, world_size: int) -> list[Any]:
@@ -65,13 +70,91 @@ class ExactResume(Callback):
         different number of ranks the RNG states cannot be matched to ranks: they are left as seeded,
         with a warning.
 
+        The data order resumes exactly with ``TextDataModule`` (its ``ResumableSampler`` and saved
+        position), and, with ``rebuild_loaders=True``, with a DataLoader of the module's own in a
+        single-process run: a plain ``DataLoader`` over a map-style dataset with the default
+        sequential or shuffled sampler is rebuilt, when Lightning asks for it, around an
+        :class:`~lightning_gpuopt.data.resumable.EpochSampler` (the same samples in an order that is a
+        function of the seed and the epoch, started at the saved position) whose DataLoader generator,
+        and so the workers' base seed, is reseeded each epoch; the checkpoint holds the seed, epoch
+        and position. Any other training loader (an iterable dataset, a custom sampler, several
+        processes) restarts at the first sample of the epoch on a mid-epoch resume: ``ExactResume``
+        says so once at fit start, naming the loader and the fix, and everything else above still
+        resumes exactly. Where the loaders are exact it silences Lightning's "dataloader is not
+        resumable" warning, which would be wrong there.
+
+    Args:
+        rebuild_loaders: Rebuild a DataLoader of the module's own as described above (it changes the
+            shuffled order from the one torch would draw, to one that can be replayed).
+
         The ``gpuopt`` CLI always adds this callback (``--exact_resume.*``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rebuild_loaders: bool = False) -> None:
+        if not isinstance(rebuild_loaders, bool):
+            raise ValueError(f"ExactResume.rebuild_loaders must be True or False, got {rebuild_loaders!r}.")
+        self.rebuild_loaders = rebuild_loaders
         self._snapshot: Optional[dict[str, Any]] = None
         self._snapshot_step: Optional[int] = None
         self._pending: Optional[dict[str, Any]] = None
+        self._warned_loader = False
+        self._filter: Optional[tuple] = None
+        self._data_state: Optional[dict[str, int]] = None  # from the checkpoint: seed, epoch, start
+        self._sampler: Optional[EpochSampler] = None
+        self._seed = 0
+        self._undo_wrap: Optional[Any] = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not self.rebuild_loaders or stage != "fit" or trainer.world_size != 1 or self._undo_wrap is not None:
+            return
+        self._sampler = None
+        self._undo_wrap = wrap_train_dataloader(trainer, self._resumable)
+
+    def _resumable(self, loaders: Any) -> Any:
+        """A DataLoader of the module's own, rebuilt around an ``EpochSampler`` at the saved position."""
+        state, self._data_state = self._data_state or {}, None
+        self._seed = int(state.get("seed", torch.initial_seed() % 2**31))
+        loaders, self._sampler = make_resumable(loaders, self._seed, int(state.get("epoch", 0)), int(state.get("start", 0)))
+        return loaders
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaders = trainer.train_dataloader
+        loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        reasons = [r for r in (not_exact_reason(loader) for loader in loaders) if r is not None]
+        if reasons and not self._warned_loader:
+            self._warned_loader = True
+            rank_zero_warn(
+                f"ExactResume: the data order of {type(pl_module).__name__}'s training loader is not resumed exactly: "
+                f"{reasons[0]}. Weights, optimizer, schedule, loop counters and RNG states resume exactly; a run resumed "
+                "from a checkpoint saved inside an epoch sees other samples than the uninterrupted run. For an exact "
+                "data order: ExactResume(rebuild_loaders=True) for a single-process DataLoader with the default "
+                "sequential or shuffled sampler over a map-style dataset; train from token files with "
+                "lightning_gpuopt.data.TextDataModule; or save checkpoints only at epoch ends "
+                "(ModelCheckpoint(every_n_epochs=1)) and accept a new shuffle per resumed epoch."
+            )
+        elif not reasons and self._filter is None:
+            # Lightning warns for every loader without state_dict(); ours resume through the datamodule.
+            warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE)
+            self._filter = warnings.filters[0]
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_filter()
+        if self._undo_wrap is not None:
+            self._undo_wrap()
+            self._undo_wrap = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_filter()
+
+    def _remove_filter(self) -> None:
+        if self._filter is not None and self._filter in warnings.filters:
+            warnings.filters.remove(self._filter)
+            warnings._filters_mutated()
+        self._filter = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -115,8 +198,16 @@ class ExactResume(Callback):
             rng = capture_rng_state()
         states = _all_gather(rng, trainer.global_rank, trainer.world_size)
         rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], boundary)
-        checkpoint.setdefault("callbacks", {})[self.state_key] = {"rng": states, "rolled_back": partial}
+        state: dict[str, Any] = {"rng": states, "rolled_back": partial}
+        loader = trainer.train_dataloader
+        if self._sampler is not None and getattr(loader, "batch_size", None):
+            epoch, start = trainer.current_epoch, boundary * loader.batch_size
+            if start >= len(self._sampler):  # saved at the epoch's end: the resumed run starts the next one
+                epoch, start = epoch + 1, 0
+            state["data"] = {"seed": self._seed, "epoch": epoch, "start": start}
+        checkpoint.setdefault("callbacks", {})[self.state_key] = state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = state_dict if "rng" in state_dict else None
+        self._data_state = dict(state_dict["data"]) if "data" in state_dict else None

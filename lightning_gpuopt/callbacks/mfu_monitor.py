@@ -14,7 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gpuopt.lightning_internals import show_in_progress_bar
-from lightning_gpuopt.perf.flops import measure_training_flops, model_flops_per_token
+from lightning_gpuopt.perf.flops import count_flops_per_token, model_flops_per_token
 from lightning_gpuopt.perf.peaks import measure_peak_flops, peak_flops as table_peak_flops
 from lightning_gpuopt.perf.precision import compute_dtype_name, is_fp8
 from lightning_gpuopt.plugins.float8_conversion import is_compiled
@@ -61,8 +61,12 @@ class MFUMonitor(Callback):
     Tokens per micro-batch are the element count of the input ids (``batch[0]`` for tuples,
     ``batch["input_ids"]`` for dicts) or ``tokens_fn(batch)``. Training FLOPs per token come from
     ``flops_per_token=``, else the module's ``flops_per_token(seq_len)`` method (``GPTModule`` has one),
-    else they are counted once per sequence length with ``FlopCounterMode`` over a forward and backward
-    of ``module(input_ids)`` on meta tensors (no memory used). The peak is the **dense, per-GPU**
+    else they are counted once per sequence length with ``FlopCounterMode`` on meta tensors (no memory
+    used, no host sync) over what training runs: the module's ``training_step`` on the first batch and
+    the backward of its loss. Where the step cannot run on meta tensors (it reads a value, or optimises
+    manually) ``forward(input_ids)`` is counted instead, with a warning when its output does not cover
+    every position (nanoGPT's forward without targets computes the head for the last one only).
+    ``flops_source`` says which was used. The peak is the **dense, per-GPU**
     datasheet number for the compute dtype of the precision plugin (see
     :mod:`lightning_gpuopt.perf.peaks`).
 
@@ -152,6 +156,7 @@ class MFUMonitor(Callback):
         self.report = report
         self._clock = clock or time.perf_counter
         self.history: list[dict[str, float]] = []  # one entry per logged window
+        self.flops_source: Optional[str] = None  # how the FLOPs per token were found
         self.summary: dict[str, Any] = {}
         self.total_tokens = 0  # tokens trained on in this fit (per device), resumes included
         self.total_flops = 0.0  # model FLOPs of those tokens (per device)
@@ -225,25 +230,32 @@ class MFUMonitor(Callback):
         if self.warmup_steps == 0:
             self._start_window()
 
-    def _flops_for(self, pl_module: pl.LightningModule, input_ids: Optional[Tensor]) -> Optional[float]:
+    def _flops_for(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tokens: int) -> Optional[float]:
+        input_ids = _input_ids(batch)
         seq_len = int(input_ids.shape[-1]) if input_ids is not None and input_ids.dim() > 0 else None
         if self.flops_per_token is not None:
+            self.flops_source = "flops_per_token="
             return self.flops_per_token
         if seq_len in self._flops_cache:
             return self._flops_cache[seq_len]
         flops = model_flops_per_token(pl_module, seq_len)
-        if flops is None:
-            try:
-                if input_ids is None:
-                    raise ValueError("no input-ids tensor in the batch")
-                flops = measure_training_flops(pl_module, input_ids) / input_ids.numel()
-            except Exception as err:  # any model: fall back to no FLOPs rather than stop training
-                rank_zero_warn(
-                    f"MFUMonitor could not count the FLOPs of {type(pl_module).__name__} ({err}); TFLOP/s and MFU are "
-                    "not logged. Define `flops_per_token(seq_len)` on the module or pass MFUMonitor(flops_per_token=...)."
-                )
+        if flops is not None:
+            self.flops_source = f"{type(pl_module).__name__}.flops_per_token"
+        else:
+            flops = self._count_flops(pl_module, batch, batch_idx, tokens, input_ids)
         self._flops_cache[seq_len] = flops
         return flops
+
+    def _count_flops(
+        self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tokens: int, input_ids: Optional[Tensor]
+    ) -> Optional[float]:
+        count = count_flops_per_token(pl_module, batch, batch_idx, tokens, input_ids)
+        if count.warning:
+            rank_zero_warn(f"MFUMonitor: {count.warning}")
+        if count.info:
+            rank_zero_info(f"MFUMonitor: {count.info}")
+        self.flops_source = count.source
+        return count.per_token
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -256,7 +268,7 @@ class MFUMonitor(Callback):
     ) -> None:
         input_ids = _input_ids(batch)
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else (input_ids.numel() if input_ids is not None else 0)
-        flops = self._flops_for(pl_module, input_ids)
+        flops = self._flops_for(pl_module, batch, batch_idx, tokens)
         self._tokens += tokens
         self.total_tokens += tokens
         if flops is None:

@@ -28,6 +28,7 @@ from lightning_gpuopt.plugins.float8_conversion import (
     convert_linears_to_float8,
     float8_config,
     format_conversion_table,
+    nothing_converted_message,
     is_compiled,
     require_torchao,
     skip_reason,
@@ -158,6 +159,7 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
         self.conversion_report: list[tuple[str, str, Optional[str]]] = []
         self._fsdp_float8_all_gather = False
         self._warned_not_compiled = False
+        self._warned_nothing_converted = False
 
     def _setup_for(self, module: "pl.LightningModule") -> None:
         """Adopt the Trainer's device and strategy, checking the hardware (before any conversion)."""
@@ -210,6 +212,10 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
             self._convert(module)
         converted = sum(reason is None for _, _, reason in self.conversion_report)
         rank_zero_info(format_conversion_table(self.conversion_report, self.recipe))
+        message = nothing_converted_message(self.conversion_report, self.recipe, type(module).__name__)
+        if message is not None and not self._warned_nothing_converted:
+            self._warned_nothing_converted = True
+            rank_zero_warn(message)
         if converted and not is_compiled(module) and not self._warned_not_compiled:
             self._warned_not_compiled = True
             rank_zero_warn(

@@ -5,6 +5,12 @@ Design note: conversion swaps ``nn.Linear`` for torchao's ``Float8Linear`` in pl
 parameter objects of the layer it replaces and adds no buffers, so the state dict keeps the keys
 and dtypes of the unconverted model. Layers are chosen by a filter that, for every skipped layer,
 also says *why* it was skipped, so the plugin can print a table of its decisions.
+
+Hugging Face GPT-2-style ``Conv1D`` projections (a 2-D ``weight`` stored ``in x out``, with ``nx``/``nf``
+attributes, computing ``x @ weight + bias``) are not converted: ``Float8Linear`` replaces an
+``nn.Linear`` and keeps its ``out x in`` weight, and transposing theirs would change the state
+dict the model's own loaders expect. They are listed in the table as not convertible instead, so a
+model made of them does not look converted.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ __all__ = [
     "FP8_INSTALL_HINT",
     "Float8Recipe",
     "ModuleFilter",
+    "CONV1D_REASON",
     "auto_skip_reason",
     "convert_linears_to_float8",
     "float8_config",
     "format_conversion_table",
+    "is_conv1d_like",
+    "nothing_converted_message",
     "is_compiled",
     "require_torchao",
     "skip_reason",
@@ -39,6 +48,7 @@ ModuleFilter = Union[str, list[str], Callable[[nn.Module, str], bool]]
 FP8_INSTALL_HINT = 'pip install "lightning-gpuopt[fp8]"'
 # Names an output/classifier head usually has; the head is kept in high precision (as torchtitan does).
 OUTPUT_LAYER_NAMES = frozenset({"lm_head", "output", "head", "classifier", "score", "out_head"})
+CONV1D_REASON = "Conv1D-style layer (weight stored in x out): not convertible, only nn.Linear converts"
 
 
 def require_torchao() -> None:
@@ -179,6 +189,28 @@ def _cast_input_to_cpu_autocast_dtype(module: nn.Module, args: tuple) -> Optiona
     return None
 
 
+def is_conv1d_like(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face GPT-2-style ``Conv1D``: ``weight`` of shape ``(nx, nf)`` = in x out.
+
+    Recognised by structure (a 2-D ``weight`` parameter and integer ``nx``/``nf`` attributes matching
+    its shape), not by class name, so copies of the class in other libraries are found too.
+
+    Example::
+
+        is_conv1d_like(transformers.pytorch_utils.Conv1D(nf=768, nx=256))  # True
+    """
+    weight = getattr(module, "weight", None)
+    nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)
+    return (
+        not isinstance(module, nn.Linear)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and isinstance(nx, int)
+        and isinstance(nf, int)
+        and tuple(weight.shape) == (nx, nf)
+    )
+
+
 def convert_linears_to_float8(
     root: nn.Module,
     config: Float8LinearConfig,
@@ -225,6 +257,11 @@ def convert_linears_to_float8(
         report.append((name, f"{module.in_features}x{module.out_features}", reason))
         return reason is None
 
+    reported = {name for name, _, _ in report}
+    for fqn, module in root.named_modules():
+        name = prefix + fqn.replace("_orig_mod.", "")
+        if is_conv1d_like(module) and name not in reported:
+            report.append((name, f"{module.nx}x{module.nf}", CONV1D_REASON))
     convert_to_float8_training(root, module_filter_fn=keep, config=config)
     if cpu_autocast_hook:
         for module in root.modules():
@@ -237,9 +274,54 @@ def convert_linears_to_float8(
 def format_conversion_table(report: list[tuple[str, str, Optional[str]]], recipe: str) -> str:
     """A short text table of converted and skipped layers, e.g. for the log."""
     converted = sum(reason is None for _, _, reason in report)
-    lines = [f"Float8Precision ({recipe}): {converted} of {len(report)} Linear layers converted to float8"]
+    lines = [f"Float8Precision ({recipe}): {converted} of {len(report)} projection layers converted to float8"]
     width = max((len(name) for name, _, _ in report), default=4)
     lines.append(f"  {'layer'.ljust(width)}  {'in x out':>12}  float8")
     for name, shape, reason in report:
         lines.append(f"  {name.ljust(width)}  {shape:>12}  {'yes' if reason is None else 'no: ' + reason}")
     return "\n".join(lines)
+
+
+def _size(shape: str) -> int:
+    in_f, out_f = shape.split("x")
+    return int(in_f) * int(out_f)
+
+
+def nothing_converted_message(report: list[tuple[str, str, Optional[str]]], recipe: str, module_name: str) -> Optional[str]:
+    """The warning for a conversion that converted no layer (naming the largest skipped one and why); ``None`` otherwise.
+
+    Example::
+
+        nothing_converted_message([("lm_head", "64x256", "output layer")], "tensorwise", "GPTModule")
+
+    Args:
+        report: Rows of :func:`convert_linears_to_float8`.
+        recipe: The float8 recipe.
+        module_name: The model's class name, for the message.
+    """
+    if any(reason is None for _, _, reason in report):
+        return None
+    if not report:
+        return (
+            f"Float8Precision converted nothing: {module_name} has no nn.Linear layer, so it trains in bf16 "
+            "without float8 matmuls. Use BF16Precision, or build the model's projections as nn.Linear."
+        )
+    name, shape, reason = max(report, key=lambda row: _size(row[1]))
+    conv1d = sum(r == CONV1D_REASON for _, _, r in report)
+    fix = []
+    if conv1d:
+        fix.append(
+            f"{conv1d} are Conv1D-style layers (Hugging Face GPT-2), which are not convertible: replace them "
+            "with nn.Linear (weight = conv.weight.T) before training"
+        )
+    if any(r and r.startswith("too small") for _, _, r in report):
+        fix.append(
+            "layers below torchao's size thresholds are skipped by module_filter='auto' because float8 would be "
+            "slower there: pass module_filter=['lm_head'] (or []) to convert them anyway"
+        )
+    fix.append("or use BF16Precision")
+    return (
+        f"Float8Precision ({recipe}) converted none of the {len(report)} projection layers of {module_name}, so "
+        f"it trains in bf16 without float8 matmuls. The largest, {name} ({shape}), was skipped: {reason}. "
+        + "; ".join(fix) + "."
+    )

@@ -14,22 +14,32 @@ Design note, the memory estimate (bytes on one device; stated so it can be check
   plus one block's activations during its recomputation.
 * **Logits**: ``10 * padded_vocab_size`` bytes per token (16-bit logits, their fp32 copy for the
   loss, and its gradient).
+* **Any other module** (a LightningModule or ``nn.Module`` of any library): the parameters it holds,
+  at their own dtype (or the ``*-true`` precision's), ``4 x itemsize`` bytes each when trainable
+  (weights, gradients, two AdamW moments in the parameter dtype: 16 for float32), ``itemsize`` when
+  frozen. Activations: ``activation_bytes=``, else the module's own
+  ``activation_bytes(micro_batch, block_size, precision)``, else measured by
+  :func:`lightning_gpuopt.perf.activations.measure_activation_bytes` (the tensors ``forward(input_ids)``
+  saves for backward, on meta tensors, attention as the fused kernels save it), plus the logits by
+  the rule above with the vocabulary read from the output.
 * **Headroom**: the sum must fit in ``headroom`` (default 85%) of the device's memory; the rest is
   the CUDA context, the allocator's fragmentation and communication buffers.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from torch import nn
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.perf.activations import measure_activation_bytes
 from lightning_gpuopt.strategies.atomic_checkpoint import AtomicModelParallelStrategy
 
-__all__ = ["AUTO_STRATEGY", "MemoryEstimate", "choose_strategy", "estimate_memory"]
+__all__ = ["AUTO_STRATEGY", "MemoryEstimate", "choose_strategy", "estimate_memory", "estimate_module_memory"]
 
 AUTO_STRATEGY = "gpuopt-auto"
 """The ``trainer.strategy`` value the ``gpuopt`` CLI resolves with :func:`choose_strategy`."""
@@ -39,7 +49,12 @@ _STATE_BYTES_PER_PARAM = 16
 
 
 class MemoryEstimate(dict):
-    """Bytes on one device: ``params``, ``model_state``, ``activations``, ``logits`` (a dict)."""
+    """Bytes on one device: ``params``, ``model_state``, ``activations``, ``logits`` (a dict).
+
+    ``figures`` says where the numbers came from, for the message of :func:`choose_strategy`.
+    """
+
+    figures: str = "GPT formula: 16 B per parameter (fp32 weights+grads+AdamW), 34 x n_embd B per token per layer"
 
     @property
     def total(self) -> float:
@@ -77,13 +92,87 @@ def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precis
     )
 
 
-def _config_of(model) -> GPTConfig:
+def _config_of(model: Any) -> Optional[GPTConfig]:
     if isinstance(model, GPTConfig):
         return model
     config = getattr(model, "config", None)
-    if isinstance(config, GPTConfig):
-        return config
-    raise ValueError(f"choose_strategy needs a GPTConfig, a GPT or a GPTModule, got {type(model).__name__}.")
+    return config if isinstance(config, GPTConfig) else None
+
+
+_TRUE_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "32-true": torch.float32, "64-true": torch.float64}
+
+
+def estimate_module_memory(
+    module: nn.Module,
+    micro_batch: int,
+    block_size: int,
+    precision: str = "bf16-mixed",
+    activation_bytes: Optional[float] = None,
+) -> MemoryEstimate:
+    """Training memory of any module on one device without sharding (see the module's design note).
+
+    Example::
+
+        est = estimate_module_memory(my_lightning_module, micro_batch=8, block_size=1024)
+        est.total / 1e9, est.figures
+
+    Args:
+        module: A LightningModule or ``nn.Module`` with its parameters built (meta tensors are fine).
+        micro_batch: Sequences per device per micro-batch.
+        block_size: Tokens per sequence.
+        precision: The Trainer's precision string.
+        activation_bytes: Activation bytes of one micro-batch on one device, if known; else the module's
+            ``activation_bytes(micro_batch, block_size, precision)``, else measured.
+    """
+    name = type(module).__name__
+    unique = {id(p): p for p in module.parameters()}.values()
+    if not unique:
+        raise ValueError(
+            f"choose_strategy: {name} has no parameters yet (built in configure_model?): build them first, e.g. "
+            "`with torch.device('meta'): module.configure_model()`, and pass the module."
+        )
+    forced = _TRUE_DTYPES.get(str(precision))
+    params = sum(p.numel() for p in unique)
+    state, dtypes = 0, set()
+    for p in unique:
+        dtype = forced or p.dtype
+        dtypes.add(str(dtype).replace("torch.", ""))
+        size = torch.empty((), dtype=dtype).element_size()
+        state += p.numel() * size * (4 if p.requires_grad else 1)
+    figures = f"{name}'s parameters ({'/'.join(sorted(dtypes))}; 4 x itemsize B each when trainable: weights+grads+AdamW)"
+    own = getattr(module, "activation_bytes", None)
+    if activation_bytes is not None:
+        activations, logits = float(activation_bytes), 0.0
+        figures += ", activation_bytes= as given"
+    elif callable(own):
+        activations, logits = float(own(micro_batch, block_size, precision)), 0.0
+        figures += f", activations from {name}.activation_bytes()"
+    else:
+        ids = torch.zeros(micro_batch, block_size, dtype=torch.long, device="meta")
+        try:
+            measured = measure_activation_bytes(module, ids, precision)
+        except Exception as err:
+            raise ValueError(
+                f"choose_strategy could not estimate the activations of {name} (forward(input_ids) on meta tensors "
+                f"failed: {err}): pass choose_strategy(activation_bytes=...) (bytes of one micro-batch on one device) "
+                "or give the module an `activation_bytes(micro_batch, block_size, precision)` method."
+            ) from err
+        activations, logits = float(measured.saved), float(measured.logits)
+        figures += ", activations measured (tensors forward(input_ids) saves for backward, on meta tensors)"
+    est = MemoryEstimate(params=params, model_state=state, activations=activations, logits=logits)
+    est.figures = figures
+    return est
+
+
+def _block_size_of(model: Any) -> Optional[int]:
+    for holder in (getattr(model, "config", None), getattr(model, "hparams", None)):
+        for key in ("block_size", "max_seq_len", "max_position_embeddings", "n_positions"):
+            value = getattr(holder, key, None) if holder is not None else None
+            if value is None and isinstance(holder, dict):
+                value = holder.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
 
 
 def choose_strategy(
@@ -94,6 +183,7 @@ def choose_strategy(
     micro_batch: int = 8,
     block_size: Optional[int] = None,
     headroom: float = 0.85,
+    activation_bytes: Optional[float] = None,
 ) -> tuple[Union[Strategy, str], str]:
     """Pick DDP when the whole training state plus activations fits on one device, FSDP2 otherwise.
 
@@ -105,13 +195,16 @@ def choose_strategy(
         # YAML / CLI: trainer.strategy: gpuopt-auto   (gpuopt fit --trainer.strategy gpuopt-auto)
 
     Args:
-        model: A ``GPTConfig``, ``GPT`` or ``GPTModule``.
+        model: A ``GPTConfig``, ``GPT`` or ``GPTModule`` (estimated by the GPT formula), or any other
+            ``nn.Module``/LightningModule (estimated from its parameters and measured activations).
         devices: Data-parallel devices (all nodes).
         device_memory: Bytes of memory per device; ``None`` reads CUDA device 0's.
         precision: The Trainer's precision string.
         micro_batch: Sequences per device per micro-batch.
-        block_size: Tokens per sequence; ``None`` uses the model's.
+        block_size: Tokens per sequence; ``None`` uses the model's (``config.block_size`` and the like).
         headroom: Fraction of ``device_memory`` the estimate may use.
+        activation_bytes: Activation bytes of one micro-batch on one device, where known better than
+            the estimate (replaces activations and logits).
 
     Returns:
         ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or an
@@ -120,6 +213,10 @@ def choose_strategy(
         with checkpoints replaced atomically), and one line with the numbers behind it.
     """
     config = _config_of(model)
+    if config is None and not isinstance(model, nn.Module):
+        raise ValueError(
+            f"choose_strategy needs a model: a GPTConfig, or any nn.Module / LightningModule, got {type(model).__name__}."
+        )
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"choose_strategy(devices=...) must be a positive integer, got {devices!r}.")
     if not 0 < headroom <= 1:
@@ -131,13 +228,26 @@ def choose_strategy(
                 "or --auto_strategy.device_memory_gb in the gpuopt CLI."
             )
         device_memory = float(torch.cuda.get_device_properties(0).total_memory)
-    est = estimate_memory(config, micro_batch, block_size or config.block_size, precision)
+    if config is not None:
+        block_size = block_size or config.block_size
+        est = estimate_memory(config, micro_batch, block_size, precision)
+        if activation_bytes is not None:
+            est["activations"], est["logits"] = float(activation_bytes), 0.0
+            est.figures += "; activation_bytes= as given"
+    else:
+        block_size = block_size or _block_size_of(model)
+        if block_size is None:
+            raise ValueError(
+                f"choose_strategy cannot tell the sequence length of {type(model).__name__}: pass block_size= "
+                "(tokens per sequence)."
+            )
+        est = estimate_module_memory(model, micro_batch, block_size, precision, activation_bytes)
     budget = headroom * device_memory
     numbers = (
-        f"{est['params'] / 1e6:,.0f}M params -> {est['model_state'] / _GB:.1f} GB weights+grads+AdamW (fp32), "
+        f"{est['params'] / 1e6:,.0f}M params -> {est['model_state'] / _GB:.1f} GB weights+grads+AdamW, "
         f"{est['activations'] / _GB:.1f} GB activations + {est['logits'] / _GB:.1f} GB logits at micro-batch "
-        f"{micro_batch} x {block_size or config.block_size} tokens; budget {budget / _GB:.1f} GB "
-        f"({headroom:.0%} of {device_memory / _GB:.1f} GB)"
+        f"{micro_batch} x {block_size} tokens; budget {budget / _GB:.1f} GB "
+        f"({headroom:.0%} of {device_memory / _GB:.1f} GB); figures: {est.figures}"
     )
     if est.total <= budget:
         if devices == 1:
@@ -146,7 +256,8 @@ def choose_strategy(
     if devices == 1:
         raise ValueError(
             f"The model does not fit on one device ({est.total / _GB:.1f} GB > {numbers}) and FSDP2 needs several: "
-            "train on more devices, lower data.batch_size, or set model.activation_checkpointing=true."
+            "train on more devices, lower data.batch_size, or "
+            + ("set model.activation_checkpointing=true." if config is not None else "use activation checkpointing.")
         )
     sharded = est["model_state"] / devices + est["activations"] + est["logits"]
     fits = "fits" if sharded <= budget else "still does NOT fit: lower the micro-batch or enable activation checkpointing"
@@ -154,4 +265,9 @@ def choose_strategy(
         f"FSDP2 (ModelParallelStrategy): a full replica needs {est.total / _GB:.1f} GB, over the budget: {numbers}; "
         f"sharded over {devices} devices it needs {sharded / _GB:.1f} GB per device and {fits}."
     )
+    if config is None:
+        reason += (
+            f" {type(model).__name__}.configure_model must apply torch.distributed.fsdp.fully_shard (as "
+            "Lightning's ModelParallelStrategy requires), e.g. to each block and then the whole model."
+        )
     return AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), reason

@@ -1,0 +1,134 @@
+"""Whether a training DataLoader resumes mid-epoch exactly, and if not, what is not exact.
+
+Design note: Lightning restores a loader's position only for loaders with ``state_dict`` /
+``load_state_dict``; any other loader restarts at the first sample of the epoch when a run resumes
+from a checkpoint saved inside one, and a shuffling ``RandomSampler`` without a generator draws each
+epoch's order (and the workers' base seed) from the global RNG when the loader starts, which a
+resumed run does not replay. ``TextDataModule``'s loaders use a
+:class:`~lightning_gpuopt.data.sampler.ResumableSampler`, whose order is a function of (seed, epoch,
+position) and whose position the datamodule saves: those resume exactly. Everything else is reported
+as not exact, with what differs, so ``ExactResume`` can say so once instead of claiming exactness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+from lightning_gpuopt.data.sampler import ResumableSampler
+
+__all__ = ["EpochSampler", "make_resumable", "not_exact_reason"]
+
+
+class EpochSampler(Sampler[int]):
+    """The order of ``SequentialSampler`` or ``RandomSampler`` as a function of (seed, epoch), started at any position.
+
+    Shuffled orders are ``torch.randperm`` under a generator seeded with ``seed + epoch``, not the
+    global RNG; the DataLoader's ``generator`` (its workers' base seed) is reseeded the same way at
+    each epoch. ``len()`` is the whole epoch's, also when starting mid-epoch, so Lightning's count of
+    batches per epoch does not change on resume. ``set_epoch`` (called by Lightning at each epoch
+    start) moves to a new epoch from its beginning; with the current epoch it keeps the position.
+
+    Example::
+
+        sampler = EpochSampler(len(dataset), shuffle=True, seed=0, epoch=2, start=64)
+    """
+
+    def __init__(self, n: int, shuffle: bool, seed: int = 0, epoch: int = 0, start: int = 0,
+                 loader_generator: Optional[torch.Generator] = None) -> None:
+        self.n, self.shuffle, self.seed, self.epoch, self.start = n, shuffle, seed, epoch, start
+        self.loader_generator = loader_generator
+        self._reseed_loader()
+
+    def _reseed_loader(self) -> None:
+        if self.loader_generator is not None:
+            self.loader_generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.start = epoch, 0
+            self._reseed_loader()
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(self.n))
+        start, self.start = self.start, 0  # the next pass over this epoch starts at its beginning
+        yield from order[start:]
+
+    def __len__(self) -> int:
+        return self.n
+
+
+_KEEP = ("num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn", "multiprocessing_context",
+         "prefetch_factor", "persistent_workers", "pin_memory_device")
+
+
+def make_resumable(loader: Any, seed: int, epoch: int = 0, start: int = 0) -> tuple[Any, Optional[EpochSampler]]:
+    """The same DataLoader with an :class:`EpochSampler` in place of its sequential or random sampler.
+
+    Only a plain ``torch.utils.data.DataLoader`` over a map-style dataset with the default
+    ``BatchSampler`` and a ``SequentialSampler`` or ``RandomSampler`` (without ``num_samples``) is
+    rebuilt; anything else is returned unchanged with ``None``.
+
+    Example::
+
+        loader, sampler = make_resumable(DataLoader(dataset, batch_size=8, shuffle=True), seed=0)
+
+    Args:
+        loader: The training loader.
+        seed: Seed of the shuffled orders and worker seeds.
+        epoch: The epoch the loader starts in.
+        start: Samples of that epoch already trained on.
+    """
+    if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
+        return loader, None
+    sampler = loader.sampler
+    plain_random = type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
+    if not (type(sampler) is SequentialSampler or plain_random) or type(loader.batch_sampler) is not BatchSampler:
+        return loader, None
+    generator = torch.Generator()
+    new = EpochSampler(len(loader.dataset), shuffle=plain_random, seed=seed, epoch=epoch, start=start, loader_generator=generator)
+    kwargs = {k: getattr(loader, k) for k in _KEEP if hasattr(loader, k)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=new, generator=generator, **kwargs), new
+
+
+def _samplers(loader: DataLoader) -> list[Any]:
+    found = [getattr(loader, "sampler", None)]
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    found += [batch_sampler, getattr(batch_sampler, "sampler", None)]
+    return [s for s in found if s is not None]
+
+
+def not_exact_reason(loader: Any) -> Optional[str]:
+    """Why a resume mid-epoch does not continue ``loader`` exactly; ``None`` when it does.
+
+    Example::
+
+        not_exact_reason(DataLoader(dataset, batch_size=8, shuffle=True))
+        # 'DataLoader(RandomSampler) restarts at the first sample of the epoch ...'
+
+    Args:
+        loader: A training DataLoader (or anything a ``train_dataloader`` returns).
+    """
+    if not isinstance(loader, DataLoader):
+        return f"{type(loader).__name__} is not a torch DataLoader: its position is not saved"
+    if any(isinstance(s, (ResumableSampler, EpochSampler)) for s in _samplers(loader)):
+        return None
+    if isinstance(loader.dataset, IterableDataset):
+        return (
+            f"DataLoader over the iterable dataset {type(loader.dataset).__name__} restarts from its first sample "
+            "(its position is not saved)"
+        )
+    sampler = type(loader.sampler).__name__
+    reason = f"DataLoader({sampler}) restarts at the first sample of the epoch (its position is not saved)"
+    if isinstance(loader.sampler, RandomSampler):
+        reason += ", and each epoch's shuffled order and worker seeds come from the global RNG as it starts, which is not replayed"
+    return reason

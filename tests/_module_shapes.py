@@ -1,0 +1,211 @@
+"""LightningModules around models written the way others write them, for tests of pieces that must work with any module.
+
+* ``NanoGPTModule``: karpathy/nanoGPT's shape: ``forward(idx, targets=None)`` returns ``(logits, loss)``,
+  and without targets computes the head for the last position only; tied embeddings; ``(x, y)`` batches.
+* ``LlamaModule``: a Hugging Face ``LlamaForCausalLM`` shape: ``forward(input_ids, labels=None)``
+  returns a dict with ``loss`` and ``logits``; RMSNorm, SwiGLU, untied head; dict batches.
+* ``LitGPTModule``: litgpt's shape: ``forward(idx)`` returns logits for every position, grouped-query
+  attention with a fused QKV projection, the loss computed in ``training_step``.
+
+All dimensions are multiples of 16. ``hand_flops_per_token`` is the PaLM count (6 FLOPs per matmul
+weight per token, plus 12·L·d·T for attention) that the FLOPs tests compare against.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB, D, LAYERS, HEADS, T = 256, 64, 2, 4, 32
+
+
+class _Attention(nn.Module):
+    def __init__(self, groups: int = HEADS, fused: bool = True, bias: bool = True):
+        super().__init__()
+        self.hs, self.groups = D // HEADS, groups
+        out = (HEADS + 2 * groups) * self.hs
+        self.qkv = nn.Linear(D, out, bias=bias)
+        self.proj = nn.Linear(D, D, bias=bias)
+
+    def forward(self, x):
+        B, T_, _ = x.shape
+        q, k, v = self.qkv(x).split([HEADS * self.hs, self.groups * self.hs, self.groups * self.hs], dim=-1)
+        q = q.view(B, T_, HEADS, self.hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T_, self.groups, self.hs).transpose(1, 2).repeat_interleave(HEADS // self.groups, dim=1)
+        v = v.view(B, T_, self.groups, self.hs).transpose(1, 2).repeat_interleave(HEADS // self.groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T_, D))
+
+
+class _Block(nn.Module):
+    def __init__(self, llama: bool = False, groups: int = HEADS):
+        super().__init__()
+        norm = (lambda: nn.RMSNorm(D)) if llama else (lambda: nn.LayerNorm(D))
+        self.ln1, self.ln2 = norm(), norm()
+        self.attn = _Attention(groups, bias=not llama)
+        self.llama = llama
+        if llama:  # SwiGLU
+            self.gate, self.up, self.down = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, 3 * D, bias=False), nn.Linear(3 * D, D, bias=False)
+        else:
+            self.fc, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        h = self.ln2(x)
+        h = F.silu(self.gate(h)) * self.up(h) if self.llama else F.gelu(self.fc(h))
+        return x + self.down(h)
+
+
+class NanoGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(T, D)
+        self.h = nn.ModuleList(_Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.wte.weight = self.lm_head.weight  # tied, as in nanoGPT
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        x = self.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return self.lm_head(x[:, [-1], :]), None  # inference-time optimisation: the last position only
+
+
+class Llama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(_Block(llama=True) for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.norm(x))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return out
+
+
+class LitGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, D)
+        self.h = nn.ModuleList(_Block(llama=True, groups=2) for _ in range(LAYERS))
+        self.ln_f = nn.RMSNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class _Base(pl.LightningModule):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class NanoGPTModule(_Base):
+    def __init__(self):
+        super().__init__()
+        self.model = NanoGPT()
+
+    def forward(self, idx):
+        return self.model(idx)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("train_loss", loss)
+        return loss
+
+
+class LlamaModule(_Base):
+    def __init__(self):
+        super().__init__()
+        self.model = Llama()
+
+    def forward(self, input_ids):
+        return self.model(input_ids)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch)["loss"]
+
+
+class LitGPTModule(_Base):
+    def __init__(self):
+        super().__init__()
+        self.model = LitGPT()
+
+    def forward(self, idx):
+        return self.model(idx)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        return {"loss": loss}
+
+
+class NoForwardModule(_Base):
+    """litgpt's model in a LightningModule that defines no ``forward`` of its own (the step calls the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = LitGPT()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+
+class LoaderData(pl.LightningDataModule):
+    """The same loader, given through a datamodule."""
+
+    def __init__(self, shape: str, batch_size: int = 4, n: int = 32):
+        super().__init__()
+        self.shape, self.batch_size, self.n = shape, batch_size, n
+
+    def train_dataloader(self):
+        return shape_loader(self.shape, self.batch_size, self.n)
+
+
+SHAPES = {"nanogpt": NanoGPTModule, "llama": LlamaModule, "litgpt": LitGPTModule}
+
+
+def hand_flops_per_token(module: pl.LightningModule, seq_len: int = T) -> int:
+    """PaLM's count: 6 FLOPs per matmul weight (each shared one once) per token, plus 12·L·d·T for attention."""
+    weights = {id(m.weight): m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear)}
+    return 6 * sum(weights.values()) + 12 * LAYERS * D * seq_len
+
+
+class Tokens(Dataset):
+    """``n`` samples of ``seq_len + 1`` random tokens, as ``(x, y)`` or a Hugging Face-style dict."""
+
+    def __init__(self, n: int = 32, seq_len: int = T, as_dict: bool = False):
+        self.data = torch.randint(0, VOCAB, (n, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        self.as_dict = as_dict
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if self.as_dict:
+            return {"input_ids": self.data[i, :-1], "labels": self.data[i, :-1]}
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def shape_loader(shape: str, batch_size: int = 4, n: int = 32) -> DataLoader:
+    return DataLoader(Tokens(n, as_dict=shape == "llama"), batch_size=batch_size)

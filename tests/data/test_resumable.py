@@ -1,0 +1,122 @@
+"""Which training loaders resume mid-epoch exactly (TextDataModule's, and a module's own sequential or
+shuffled DataLoader that ExactResume rebuilds around an EpochSampler), and what it says about the others."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
+
+from _module_shapes import NanoGPTModule, shape_loader
+from lightning_gpuopt.callbacks import ExactResume
+from lightning_gpuopt.data import TextDataModule
+from lightning_gpuopt.data.resumable import not_exact_reason
+from lightning_gpuopt.model import GPTModule
+
+NOT_RESUMABLE = "your dataloader is not resumable"
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(4)
+
+
+def test_not_exact_reasons():
+    data = TensorDataset(torch.zeros(8, 4))
+    assert "restarts at the first sample" in not_exact_reason(DataLoader(data, batch_size=2))
+    shuffled = not_exact_reason(DataLoader(data, batch_size=2, shuffle=True))
+    assert "RandomSampler" in shuffled and "global RNG" in shuffled
+    assert "iterable dataset Stream" in not_exact_reason(DataLoader(Stream()))
+    assert "not a torch DataLoader" in not_exact_reason([1, 2])
+
+
+def _trainer(tmp_path, max_steps, **kwargs):
+    return pl.Trainer(
+        accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, limit_val_batches=0, num_sanity_val_steps=0,
+        callbacks=[ExactResume(rebuild_loaders=True), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)],
+        **kwargs,
+    )
+
+
+def _weighted_loader():
+    dataset = shape_loader("nanogpt", n=32).dataset
+    return DataLoader(dataset, batch_size=2, sampler=WeightedRandomSampler(torch.ones(32), 32))
+
+
+def test_a_loader_it_cannot_rebuild_is_named_once_as_not_exact(tmp_path):
+    with pytest.warns(UserWarning, match=r"ExactResume: the data order of NanoGPTModule's training loader is not resumed") as record:
+        trainer = _trainer(tmp_path, 3)
+        trainer.fit(NanoGPTModule(), _weighted_loader())
+    (message,) = [str(w.message) for w in record if "ExactResume: the data order" in str(w.message)]
+    assert "DataLoader(WeightedRandomSampler) restarts at the first sample of the epoch" in message
+    assert "rebuild_loaders=True" in message and "TextDataModule" in message and "every_n_epochs=1" in message
+    # resumed mid-epoch: Lightning's own warning is right here, and stays
+    with pytest.warns(UserWarning) as record:
+        _trainer(tmp_path, 5).fit(NanoGPTModule(), _weighted_loader(), ckpt_path="last")
+    assert any(NOT_RESUMABLE in str(w.message) for w in record)
+
+
+def test_text_datamodule_resume_has_no_wrong_warning(tmp_path, text_dir, cache_dir):
+    def data():
+        return TextDataModule(source=str(text_dir), block_size=16, batch_size=2, vocab_size=300, num_workers=0,
+                              samples_per_epoch=40)
+
+    module = lambda: GPTModule(n_layer=1, n_head=2, n_embd=32, vocab_size=320, warmup_steps=1)  # noqa: E731
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, 3).fit(module(), datamodule=data())
+        _trainer(tmp_path, 5).fit(module(), datamodule=data(), ckpt_path="last")
+    messages = [str(w.message) for w in record]
+    assert not any(NOT_RESUMABLE in m or "ExactResume: the data order" in m for m in messages), messages
+    assert not any("You're resuming" in str(f[1].pattern if f[1] else "") for f in warnings.filters)  # filter removed
+
+
+class Losses(pl.Callback):
+    def __init__(self):
+        self.rows = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows[(trainer.current_epoch, batch_idx)] = float(outputs["loss"].detach())
+
+
+def _own_fit(tmp_path, max_steps, shuffle, ckpt=None, num_workers=0):
+    torch.manual_seed(0)
+    module = NanoGPTModule()
+    torch.manual_seed(1234)
+    losses = Losses()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=max_steps, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[ExactResume(rebuild_loaders=True), losses, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)],
+    )
+    loader = DataLoader(shape_loader("nanogpt", n=24).dataset, batch_size=2, shuffle=shuffle, num_workers=num_workers)
+    trainer.fit(module, loader, ckpt_path=ckpt)
+    return losses.rows
+
+
+@pytest.mark.parametrize(("shuffle", "workers"), [(False, 0), (True, 0), (True, 2)])
+def test_own_loader_resumes_exactly_mid_epoch_and_at_its_end(tmp_path, shuffle, workers):
+    reference = _own_fit(tmp_path / "ref", 9, shuffle, num_workers=workers)  # 12 micro-batches per epoch, 2 per step
+    assert len(reference) == 18
+    for step, first in [(3, (0, 6)), (6, (1, 0))]:  # mid-epoch, and at the epoch's end
+        ckpt = next((tmp_path / "ref" / "ckpt").glob(f"*step={step}.ckpt"))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            resumed = _own_fit(tmp_path / f"resumed{step}", 9, shuffle, ckpt=str(ckpt), num_workers=workers)
+        assert min(resumed) == first
+        assert resumed == {k: v for k, v in reference.items() if k >= first}
+        assert not any(NOT_RESUMABLE in str(w.message) or "ExactResume: the data order" in str(w.message) for w in record)
+
+
+def test_without_permission_an_own_loader_is_left_alone_and_named(tmp_path):
+    loader = shape_loader("nanogpt", batch_size=2, n=32)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[ExactResume()])
+    with pytest.warns(UserWarning, match=r"SequentialSampler\) restarts .*ExactResume\(rebuild_loaders=True\)"):
+        trainer.fit(NanoGPTModule(), loader)
+    assert trainer.train_dataloader is loader

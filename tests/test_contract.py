@@ -1,0 +1,153 @@
+"""The contract every exported callback and plugin keeps, with modules written the way others write them.
+
+Each piece is run against every module shape of ``tests/_module_shapes.py`` (nanoGPT's forward,
+Hugging Face-style dict batches and outputs, litgpt's, a LightningModule without ``forward``), its
+data given as the module's own loader or through a datamodule, and checked for: construction with
+defaults, two fits in a row with the same instance, a checkpoint that loads with ``weights_only=True``
+and a ``state_dict`` round trip, and the value the piece claims (FLOPs per token, skipped bad steps,
+bf16 autocast, float8 layers, restored global flags, an atomic checkpoint file).
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+import lightning_gpuopt.callbacks as callbacks_pkg
+import lightning_gpuopt.plugins as plugins_pkg
+from _module_shapes import SHAPES, T, LoaderData, NoForwardModule, hand_flops_per_token, shape_loader
+from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard
+from lightning_gpuopt.plugins import AtomicCheckpointIO, BF16Precision, Float8Precision
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Float8Precision. the model is not compiled",
+    "ignore:.*does not have many workers.*",
+    "ignore:.*has no bf16 peak FLOP/s.*",
+    "ignore:.*is not resumable.*",
+)
+
+SHAPE_CLASSES = {**SHAPES, "noforward": NoForwardModule}
+B, STEPS = 2, 2
+
+
+def _fresh(shape: str) -> pl.LightningModule:
+    torch.manual_seed(0)
+    return SHAPE_CLASSES[shape]()
+
+
+class _Poison(pl.Callback):
+    """Makes one gradient NaN in the first optimizer step, the bad step NonFiniteGuard must skip."""
+
+    def __init__(self):
+        self.before = None
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == 0:
+            p = next(p for p in pl_module.parameters() if p.grad is not None)
+            p.grad.view(-1)[0] = float("nan")
+            self.before = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+class _Seen(pl.Callback):
+    def __init__(self):
+        self.dtypes, self.param_dtypes = set(), set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        def record(module, args, out):
+            self.dtypes.add(out.dtype)
+
+        self.handles = [m.register_forward_hook(record) for m in pl_module.modules() if isinstance(m, nn.Linear)][:1]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        for h in self.handles:
+            h.remove()
+        self.param_dtypes |= {p.dtype for p in pl_module.parameters()}
+
+
+# name -> (make the piece, is it a plugin)
+PIECES = {
+    "MFUMonitor": (lambda: MFUMonitor(log_every_n_steps=1, warmup_steps=0, peak_flops=1e12), False),
+    "NonFiniteGuard": (lambda: NonFiniteGuard(), False),
+    "ExactResume": (lambda: ExactResume(), False),
+    "CUDASettings": (lambda: CUDASettings(), False),
+    "BF16Precision": (lambda: BF16Precision(), True),
+    "Float8Precision": (lambda: Float8Precision(emulate=True, module_filter=["lm_head"]), True),
+    "AtomicCheckpointIO": (lambda: AtomicCheckpointIO(), True),
+}
+# Exported, but not a piece to run here: exceptions, and AutoBatchSize, which searches GPU memory
+# (CPU runs need max_micro_batch_size and a loader it can resize; tests/test_auto_batch_size*.py).
+NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize"}
+
+
+def test_every_export_is_covered():
+    assert set(callbacks_pkg.__all__) | set(plugins_pkg.__all__) == set(PIECES) | NOT_PIECES
+
+
+def _fit(piece, is_plugin, shape, tmp_path, extra=(), datamodule=False):
+    module = _fresh(shape)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        callbacks=[*([] if is_plugin else [piece]), *extra], plugins=[piece] if is_plugin else None,
+    )
+    data = dict(datamodule=LoaderData(shape if shape != "noforward" else "litgpt", B)) if datamodule else dict(
+        train_dataloaders=shape_loader(shape if shape != "noforward" else "litgpt", B)
+    )
+    trainer.fit(module, **data)
+    assert trainer.global_step == STEPS
+    return trainer, module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", sorted(SHAPE_CLASSES))
+@pytest.mark.parametrize("name", sorted(PIECES))
+def test_contract(name, shape, tmp_path):
+    make, is_plugin = PIECES[name]
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())
+    piece = make()  # constructible with the documented defaults
+    extra = {"NonFiniteGuard": [_Poison()], "BF16Precision": [_Seen()], "Float8Precision": [_Seen()]}.get(name, [])
+    trainer, module = _fit(piece, is_plugin, shape, tmp_path, extra, datamodule=shape == "litgpt")
+
+    # the value each one claims
+    if name == "MFUMonitor":
+        per_token = piece.history[-1]["perf/tflops_per_device"] * 1e12 / piece.history[-1]["perf/tokens_per_sec_per_device"]
+        assert per_token == pytest.approx(hand_flops_per_token(module), rel=0.03)
+        assert piece.total_tokens == STEPS * B * T
+    elif name == "NonFiniteGuard":
+        assert piece.skipped_steps == 1
+        assert all(torch.isfinite(v).all() for v in module.state_dict().values() if v.is_floating_point())
+    elif name == "BF16Precision":
+        assert extra[0].dtypes == {torch.bfloat16} and extra[0].param_dtypes == {torch.float32}
+    elif name == "Float8Precision":
+        from torchao.float8.float8_linear import Float8Linear
+
+        converted = [n for n, _, r in piece.conversion_report if r is None]
+        assert converted and sum(isinstance(m, Float8Linear) for m in module.modules()) == len(converted)
+    elif name == "CUDASettings":
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision()) == flags
+
+    # a checkpoint with the piece's state loads with weights_only=True; the state round-trips
+    path = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    assert saved["global_step"] == STEPS
+    if name == "AtomicCheckpointIO":
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("a.ckpt")) == ["a.ckpt"]  # no partial file left
+    if not is_plugin:
+        state = piece.state_dict()
+        assert any(type(piece).__name__ in key for key in saved["callbacks"]) or state == {}
+        again = make()
+        again.load_state_dict(state)
+        assert again.state_dict() == state
+
+    # a second fit with the same instance
+    trainer, module = _fit(piece, is_plugin, shape, tmp_path / "second", [type(e)() for e in extra])
+    assert all(math.isfinite(float(v.float().sum())) for v in module.state_dict().values() if v.is_floating_point())
+    if name == "NonFiniteGuard":
+        assert piece.skipped_steps == 2  # "skipped so far" by this callback: both fits' bad steps
+    if name == "MFUMonitor":
+        assert piece.total_tokens == STEPS * B * T  # not carried over from the first fit
