@@ -20,7 +20,7 @@ def fresh_dynamo():
     counters.clear()
 
 
-@pytest.mark.parametrize("scope", ["block", "model"])
+@pytest.mark.parametrize("scope", ["block", pytest.param("model", marks=pytest.mark.extended)])  # block: the default
 def test_search_and_training_compile_at_most_twice(fresh_dynamo, scope, tmp_path):
     search = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)
     module = OOMAbove(limit=4, compile=True, compile_scope=scope)  # trials 1, 2, 4 fit; 8 runs out
