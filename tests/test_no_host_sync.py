@@ -25,12 +25,17 @@ PACKAGE = "/lightning_gpuopt/"
 LOG_EVERY, ACCUMULATE = 5, 2
 
 
+def fused_optimizers(module: GPTModule) -> dict:
+    """GPTModule's optimizer and schedule with the fused AdamW it builds on CUDA, here on the CPU."""
+    config = GPTModule.configure_optimizers(module)
+    fused = build_adamw(module.model, module.hparams.learning_rate, module.hparams.weight_decay, fused=True)
+    config["lr_scheduler"]["scheduler"].optimizer = fused
+    return {"optimizer": fused, "lr_scheduler": config["lr_scheduler"]}
+
+
 class FusedGPT(GPTModule):
     def configure_optimizers(self):
-        config = super().configure_optimizers()
-        fused = build_adamw(self.model, self.hparams.learning_rate, self.hparams.weight_decay, fused=True)
-        config["lr_scheduler"]["scheduler"].optimizer = fused
-        return {"optimizer": fused, "lr_scheduler": config["lr_scheduler"]}
+        return fused_optimizers(self)
 
 
 class Where(Callback):

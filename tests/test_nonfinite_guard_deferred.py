@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_gpuopt.callbacks import NonFiniteError, NonFiniteGuard
-from lightning_gpuopt.model.optim import build_adamw
+from tests.test_no_host_sync import fused_optimizers
 from tests.test_nonfinite_guard import PoisonedGPT, Snapshots, _equal, _loader, _trainer
 
 
@@ -15,10 +15,7 @@ class FusedPoisonedGPT(PoisonedGPT):
     """The poisoned tiny GPT with a fused AdamW (what GPTModule builds on CUDA) on the CPU."""
 
     def configure_optimizers(self):
-        config = super().configure_optimizers()
-        fused = build_adamw(self.model, self.hparams.learning_rate, self.hparams.weight_decay, fused=True)
-        config["lr_scheduler"]["scheduler"].optimizer = fused
-        return {"optimizer": fused, "lr_scheduler": config["lr_scheduler"]}
+        return fused_optimizers(self)
 
 
 def _model(**kw):
