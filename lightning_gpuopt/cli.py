@@ -152,6 +152,11 @@ class GPTCLI(LightningCLI):
         if "plugins" not in kwargs:
             kwargs["plugins"] = replace_precision_plugins(trainer_cfg.get("precision"), trainer_cfg.get("plugins"))
         trainer = super().instantiate_trainer(**kwargs)
+        # ExactResume and SigtermCheckpoint are always added; one the config lists itself (with its own
+        # arguments) comes first and stays, the added copy goes: two would each act on the same run.
+        for cls in (ExactResume, SigtermCheckpoint):
+            for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:
+                trainer.callbacks.remove(extra)
         fill_checkpoint_dirs(trainer)
         strategy = trainer.strategy
         # Replace only Lightning's default single-file writer; a CheckpointIO the user or the strategy chose stays.

@@ -152,3 +152,35 @@ def test_contract(name, shape, tmp_path):
         assert piece.skipped_steps == 2  # "skipped so far" by this callback: both fits' bad steps
     if name == "MFUMonitor":
         assert piece.total_tokens == STEPS * B * T  # not carried over from the first fit
+
+
+@pytest.mark.parametrize("name", sorted(PIECES))
+def test_each_piece_builds_from_yaml_through_the_gpuopt_cli(name, tmp_path, text_dir):
+    """`gpuopt fit --config` with the piece named in YAML builds it into the Trainer (nothing runs)."""
+    from lightning_gpuopt.cli import GPTCLI
+    from lightning_gpuopt.data import TextDataModule
+    from lightning_gpuopt.model import GPTModule
+
+    _, is_plugin = PIECES[name]
+    package = "plugins" if is_plugin else "callbacks"
+    group = "plugins" if is_plugin else "callbacks"
+    config = tmp_path / "piece.yaml"
+    config.write_text(
+        f"trainer:\n  max_steps: 1\n  default_root_dir: {tmp_path}\n"
+        f"  {group}:\n    - class_path: lightning_gpuopt.{package}.{name}\n"
+        f"data:\n  source: {text_dir}\n  vocab_size: 300\n  block_size: 32\n"
+        + ("  # emulated float8 on the CPU\n" if name == "Float8Precision" else "")
+    )
+    args = ["--config", str(config)]
+    if name == "Float8Precision":
+        args += ["--trainer.plugins.init_args.emulate", "true"]
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    cli = GPTCLI(GPTModule, TextDataModule, run=False, args=args)
+    trainer = cli.trainer
+    found = [trainer.precision_plugin, trainer.strategy.checkpoint_io] if is_plugin else trainer.callbacks
+    pieces = [p for p in found if type(p).__name__ == name]
+    assert len(pieces) == 1  # ExactResume and SigtermCheckpoint, which gpuopt always adds, are not doubled
+    for cb in trainer.callbacks:  # undo what CUDASettings applied at construction (no fit ran to tear it down)
+        if isinstance(cb, CUDASettings):
+            cb._restore()
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()) == before
