@@ -19,12 +19,12 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Optional
+
+from benchmarks._fresh_process import measure_in_fresh_process, write_rows
 
 __all__ = ["first_step", "main"]
 
@@ -61,17 +61,13 @@ def _cpu_seconds() -> float:
 
 
 def _child(args: argparse.Namespace, scope: str, n_layer: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", scope, str(n_layer)]
-    for key in ("n_head", "n_embd", "block_size", "vocab_size", "batch_size", "device"):
-        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    keys = ("n_head", "n_embd", "block_size", "vocab_size", "batch_size", "device")
     with tempfile.TemporaryDirectory() as cache:
         # One compile thread: Inductor then builds its kernels in this process, so its CPU time is counted.
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if out.returncode != 0:
-        return {"scope": scope, "n_layer": n_layer, "error": out.stderr.strip().splitlines()[-1:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        row = measure_in_fresh_process("benchmarks.compile_time", [scope, n_layer], args, keys, env)
+    return {"scope": scope, "n_layer": n_layer, **row}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -101,10 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      f"{whole['cpu_s']:.1f} | {whole['cpu_s'] / block['cpu_s']:.2f}x |")
     table = "\n".join(lines)
     print(f"first training step (compile included), n_embd {args.n_embd}, T {args.block_size}, {args.device}\n{table}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "table": table}, indent=1))
-    return 1 if any("error" in r for r in rows) else 0
+    return write_rows(args.out, args, rows, table)
 
 
 if __name__ == "__main__":

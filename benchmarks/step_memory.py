@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
+
+from benchmarks._fresh_process import measure_in_fresh_process, write_rows
 
 __all__ = ["measure_step", "main"]
 
@@ -63,13 +63,9 @@ def measure_step(impl: str, micro_batch: int, device: str, precision: str, args:
 
 
 def _child(args: argparse.Namespace, impl: str, micro_batch: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.step_memory", "--child", impl, str(micro_batch)]
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "chunk_size", "device", "precision"):
-        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        return {"impl": impl, "micro_batch": micro_batch, "error": out.stderr.strip().splitlines()[-1:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "chunk_size", "device", "precision")
+    return {"impl": impl, "micro_batch": micro_batch,
+            **measure_in_fresh_process("benchmarks.step_memory", [impl, micro_batch], args, keys)}
 
 
 def _table(rows: list[dict[str, Any]], micro_batches: list[int]) -> str:
@@ -108,10 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     table = _table(rows, micro_batches)
     print(f"GPT {args.n_layer} x {args.n_embd}, vocab {args.vocab_size}, T {args.block_size}, {args.device}, "
           f"precision {args.precision}; peak = {rows[0].get('measure', '?')}\n{table}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "table": table}, indent=1))
-    return 1 if any("error" in r for r in rows) else 0
+    return write_rows(args.out, args, rows, table)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ _GB = 1024**3
 
 
 def _tuned_compile(pl_module: pl.LightningModule) -> bool:
-    mode = (getattr(pl_module, "hparams", None) or {}).get("compile_mode")
-    return bool((getattr(pl_module, "hparams", None) or {}).get("compile")) and mode not in (None, "default")
+    """Whether the module says (GPTModule's hparams) it compiles with a tuning mode (max-autotune, reduce-overhead)."""
+    hparams = getattr(pl_module, "hparams", None) or {}
+    return bool(hparams.get("compile")) and hparams.get("compile_mode") not in (None, "default")
 
 
 class AutoBatchSize(Callback):

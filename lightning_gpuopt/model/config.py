@@ -7,10 +7,11 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_gpuopt.model.loss import LOSS_IMPLS, LossImpl
+
 __all__ = ["GPTConfig", "PRESETS"]
 
 Attention = Literal["sdpa", "flash-attn"]
-LossImpl = Literal["auto", "chunked", "liger", "plain"]
 
 # Named architectures. The GPT-2 family sizes (124m ... 1.5b) follow Radford et al. (2019); 175m is
 # the GPT-3 "small-wide" shape used by many recipes (d1024 with 12 layers). `tiny` is for tests and
@@ -105,7 +106,7 @@ class GPTConfig:
                 "GPTConfig(attention='flash-attn') needs the flash-attn package: "
                 'pip install "lightning-gpuopt[flash]" (CUDA only), or use attention="sdpa".'
             )
-        if self.loss_impl not in ("auto", "chunked", "liger", "plain"):
+        if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(
                 f"GPTConfig.loss_impl={self.loss_impl!r} is not supported: use 'auto' (default), 'chunked', "
                 "'liger' or 'plain'."

@@ -22,16 +22,16 @@ Eager, it materialises float32 temporaries of one chunk: exact, and what CPU run
 from __future__ import annotations
 
 import functools
-from typing import Callable, Literal
+from typing import Callable, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LossImpl", "linear_cross_entropy", "resolve_loss_impl"]
+__all__ = ["LOSS_IMPLS", "LossImpl", "linear_cross_entropy", "resolve_loss_impl"]
 
 LossImpl = Literal["auto", "chunked", "liger", "plain"]
-_IMPLS = ("auto", "chunked", "liger", "plain")
+LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
 
 
 def _chunk_loss_and_grad(logits: Tensor, targets: Tensor, ignore_index: int, scale: Tensor) -> tuple[Tensor, Tensor]:
@@ -83,10 +83,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # The targets' slice as a tensor of its own: a view would make the compiled kernel guard on
             # the size of the whole batch's targets and compile again for each batch size.
             h_c, t_c = h[start : start + chunk_size], targets[start : start + chunk_size].clone()
-            logits = h_c @ w.t()  # (n, V): the only vocabulary-sized tensor, one chunk of it
-            if grad_h is None and grad_w is None:
-                loss_sum += loss_fn(logits, t_c, ignore_index)
+            if grad_h is None and grad_w is None:  # evaluation: the chunk's logits die with the call
+                loss_sum += loss_fn(h_c @ w.t(), t_c, ignore_index)
                 continue
+            logits = h_c @ w.t()  # (n, V): the only vocabulary-sized tensor, one chunk of it
             chunk_loss, g = grad_fn(logits, t_c, ignore_index, scale)
             del logits
             loss_sum += chunk_loss
@@ -142,8 +142,8 @@ def resolve_loss_impl(impl: str, device: torch.device) -> str:
         >>> resolve_loss_impl("auto", torch.device("cpu"))
         'chunked'
     """
-    if impl not in _IMPLS:
-        raise ValueError(f"loss_impl={impl!r} is not one of {list(_IMPLS)}.")
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"loss_impl={impl!r} is not one of {list(LOSS_IMPLS)}.")
     if impl == "liger" and device.type != "cuda":
         raise ValueError(f"loss_impl='liger' runs on CUDA only, not on {device.type}: use loss_impl='chunked'.")
     return "chunked" if impl == "auto" else impl

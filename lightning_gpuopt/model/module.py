@@ -15,7 +15,8 @@ from typing_extensions import override
 
 from lightning_gpuopt.lightning_internals import show_in_progress_bar
 from lightning_gpuopt.perf.precision import clip_without_scaler
-from lightning_gpuopt.model.config import GPTConfig, LossImpl
+from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
 from lightning_gpuopt.option_checks import check_module_options
