@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional, Sequence
 
-__all__ = ["check_module_options", "check_trainer_options"]
+__all__ = ["check_auto_batch_options", "check_module_options", "check_trainer_options"]
 
 
 def _number(value: Any) -> bool:
@@ -98,3 +98,35 @@ def check_trainer_options(trainer: Mapping[str, Any]) -> None:
             f"trainer.gradient_clip_val must be >= 0 or null (no clipping), got {clip!r}: a negative value turns "
             "clipping off without a word. Use e.g. 1.0, or leave it unset."
         )
+
+
+def check_auto_batch_options(
+    global_batch_size: Optional[int],
+    max_micro_batch_size: Optional[int],
+    mode: str,
+    memory_margin: float,
+    steps_per_trial: int,
+) -> None:
+    """Raise a ``ValueError`` naming the option and its range for the first ``AutoBatchSize`` option out of range.
+
+    Example::
+
+        check_auto_batch_options(512, None, "binsearch", 0.1, 2)   # passes
+
+    Args:
+        global_batch_size: ``None`` or >= 1.
+        max_micro_batch_size: ``None`` or >= 1.
+        mode: ``"binsearch"`` or ``"power"``.
+        memory_margin: In [0, 1).
+        steps_per_trial: >= 1.
+    """
+    if global_batch_size is not None and global_batch_size < 1:
+        raise ValueError(f"AutoBatchSize.global_batch_size must be >= 1 (or None), got {global_batch_size}.")
+    if max_micro_batch_size is not None and max_micro_batch_size < 1:
+        raise ValueError(f"AutoBatchSize.max_micro_batch_size must be >= 1 (or None), got {max_micro_batch_size}.")
+    if mode not in ("binsearch", "power"):
+        raise ValueError(f"AutoBatchSize.mode must be 'binsearch' or 'power', got {mode!r}.")
+    if not 0 <= memory_margin < 1:
+        raise ValueError(f"AutoBatchSize.memory_margin is the fraction of memory to keep free, in [0, 1): got {memory_margin}.")
+    if steps_per_trial < 1:
+        raise ValueError(f"AutoBatchSize.steps_per_trial must be >= 1, got {steps_per_trial}.")

@@ -11,50 +11,22 @@ values so they can be tested without a Trainer.
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from lightning_gpuopt.lightning_internals import last_batch_ready
+
 __all__ = [
     "capture_rng_state",
-    "collectives_allowed",
     "microbatches_since_step",
-    "no_collectives",
     "restore_rng_state",
     "rollback_fit_loop_state",
     "step_boundary",
 ]
-
-
-_NO_COLLECTIVES = 0
-
-
-@contextlib.contextmanager
-def no_collectives() -> Iterator[None]:
-    """Within it, checkpoint hooks must not call collectives: one rank saves alone (an emergency
-    checkpoint after an OOM) while the others may be waiting in another collective.
-
-    Example::
-
-        with no_collectives():
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint()
-    """
-    global _NO_COLLECTIVES
-    _NO_COLLECTIVES += 1
-    try:
-        yield
-    finally:
-        _NO_COLLECTIVES -= 1
-
-
-def collectives_allowed() -> bool:
-    """False inside :func:`no_collectives`."""
-    return _NO_COLLECTIVES == 0
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -122,11 +94,10 @@ def step_boundary(trainer: pl.Trainer) -> int:
     Args:
         trainer: A Trainer in (or just after) ``fit``.
     """
-    loop = trainer.fit_loop.epoch_loop
-    progress = loop.batch_progress.current
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
     done = progress.processed
     last_batch_stepped = (
-        done > 0 and done == progress.ready and loop._num_ready_batches_reached()
+        done > 0 and done == progress.ready and last_batch_ready(trainer)
         and not trainer.strategy.handles_gradient_accumulation
     )
     return done if last_batch_stepped else done - done % trainer.accumulate_grad_batches
@@ -148,7 +119,8 @@ def rollback_fit_loop_state(fit_loop_state: dict[str, Any], boundary: int) -> No
     become the boundary's count, a state Lightning resumes from as "restarted after the last
     batch": the next batch is the first micro-batch of the interrupted step. ``zero_grad`` counters
     are set to the optimizer-step count they equal at a boundary. Changes ``fit_loop_state`` in
-    place; applying it twice changes nothing more. When no batch was processed past the boundary,
+    place; applying it twice changes nothing more, a contract its callers rely on (``AutoBatchSize``'s
+    emergency save and ``ExactResume.on_save_checkpoint`` may both roll back the same checkpoint). When no batch was processed past the boundary,
     only the counters of a batch that was started but not processed (an exception inside it) are
     lowered to the processed count.
 

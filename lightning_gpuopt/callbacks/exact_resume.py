@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -15,9 +17,9 @@ from typing_extensions import override
 
 from lightning_gpuopt.data.resumable import EpochSampler, make_resumable, not_exact_reason
 from lightning_gpuopt.lightning_internals import wrap_train_dataloader
+from lightning_gpuopt.protocols import ResumableData
 from lightning_gpuopt.resume import (
     capture_rng_state,
-    collectives_allowed,
     microbatches_since_step,
     restore_rng_state,
     rollback_fit_loop_state,
@@ -29,11 +31,11 @@ __all__ = ["ExactResume"]
 _LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
 
 
-def _all_gather(obj: Any, rank: int, world_size: int) -> list[Any]:
-    """Every rank's ``obj``; only this rank's (``None`` for the others) where collectives are unsafe."""
+def _all_gather(obj: Any, rank: int, world_size: int, alone: bool) -> list[Any]:
+    """Every rank's ``obj``; only this rank's (``None`` for the others) when saving ``alone`` (no collectives)."""
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         out: list[Any] = [None] * world_size
-        if collectives_allowed():
+        if not alone:
             dist.all_gather_object(out, obj)
         else:
             out[rank] = obj
@@ -71,8 +73,9 @@ class ExactResume(Callback):
         with a warning.
 
         The data order resumes exactly with ``TextDataModule`` (its ``ResumableSampler`` and saved
-        position), and, with ``rebuild_loaders=True``, with a DataLoader of the module's own in a
-        single-process run: a plain ``DataLoader`` over a map-style dataset with the default
+        position) or any datamodule implementing :class:`~lightning_gpuopt.protocols.ResumableData`,
+        and, with ``rebuild_loaders=True``, with a DataLoader of the module's own in a single-process
+        run: a plain ``DataLoader`` over a map-style dataset with the default
         sequential or shuffled sampler is rebuilt, when Lightning asks for it, around an
         :class:`~lightning_gpuopt.data.resumable.EpochSampler` (the same samples in an order that is a
         function of the seed and the epoch, started at the saved position) whose DataLoader generator,
@@ -103,6 +106,17 @@ class ExactResume(Callback):
         self._sampler: Optional[EpochSampler] = None
         self._seed = 0
         self._undo_wrap: Optional[Any] = None
+        self._alone = False  # inside saving_alone(): one rank saves by itself
+
+    @contextlib.contextmanager
+    def saving_alone(self) -> Iterator[None]:
+        """A save by one rank alone (:class:`~lightning_gpuopt.protocols.SavesAlone`): only this rank's RNG state
+        is gathered, and a resume warns on the ranks whose state is missing."""
+        self._alone = True
+        try:
+            yield
+        finally:
+            self._alone = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -122,7 +136,10 @@ class ExactResume(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = trainer.train_dataloader
         loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else [loaders]
-        reasons = [r for r in (not_exact_reason(loader) for loader in loaders) if r is not None]
+        if isinstance(trainer.datamodule, ResumableData):  # it positions its own loaders
+            reasons = []
+        else:
+            reasons = [r for r in (not_exact_reason(loader) for loader in loaders) if r is not None]
         if reasons and not self._warned_loader:
             self._warned_loader = True
             rank_zero_warn(
@@ -196,7 +213,7 @@ class ExactResume(Callback):
             rng = self._snapshot  # a step has started since the last optimizer step: the RNG as it found it
         else:
             rng = capture_rng_state()
-        states = _all_gather(rng, trainer.global_rank, trainer.world_size)
+        states = _all_gather(rng, trainer.global_rank, trainer.world_size, self._alone)
         rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], boundary)
         state: dict[str, Any] = {"rng": states, "rolled_back": partial}
         loader = trainer.train_dataloader

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
-__all__ = ["Trial", "divisors", "largest_fitting", "micro_batch_candidates", "per_device_batch", "fallback_micro_batch"]
+__all__ = ["Trial", "describe_search", "divisors", "largest_fitting", "micro_batch_candidates", "per_device_batch", "fallback_micro_batch"]
 
 SearchMode = Literal["binsearch", "power"]
 
@@ -155,3 +155,25 @@ def largest_fitting(
             else:
                 bad = middle
     return (candidates[good] if good >= 0 else None), trials
+
+
+def describe_search(trials: list[Trial]) -> tuple[str, str]:
+    """A search as a table (one row per tried size) and as a one-line trace.
+
+    Example::
+
+        >>> table, trace = describe_search([Trial(1, True), Trial(2, False, reason="out of memory")])
+        >>> trace
+        '1 fits; 2 no (out of memory)'
+
+    Args:
+        trials: The tried sizes, in the order tried.
+    """
+    rows = ["  micro  fits  peak memory"]
+    for t in trials:
+        peak = f"{t.peak_memory / 2**30:.2f} GiB" if t.peak_memory is not None else "-"
+        rows.append(f"  {t.micro_batch_size:>6}  {'fits' if t.fits else 'no':>4}  {peak}" + (f"  ({t.reason})" if t.reason else ""))
+    trace = "; ".join(
+        f"{t.micro_batch_size} {'fits' if t.fits else 'no'}" + (f" ({t.reason})" if t.reason else "") for t in trials
+    )
+    return "\n".join(rows), trace
