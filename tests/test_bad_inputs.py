@@ -80,6 +80,12 @@ class _NoBatchSizeModule(GPTModule):
         return torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=4)
 
 
+class _IgnoresBatchSizeModule(_NoBatchSizeModule):
+    """Has a `batch_size`, but its loader is hard-coded to 4: the size AutoBatchSize sets is ignored."""
+
+    batch_size = 4
+
+
 def _prepare_leaves_nothing(ctx: Ctx, source: Path, **kw) -> None:
     data = ctx.data(source, **kw)
     (ctx.tmp / "a-file").write_text("")  # a file where a cache folder would have to go
@@ -262,6 +268,9 @@ CASES = [
          ValueError, r"Set AutoBatchSize\(max_micro_batch_size=\.\.\.\)"),
     Case("auto-batch-no-batch-size", lambda c: c.fit(_NoBatchSizeModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=4)]),
          ValueError, r"AutoBatchSize\(batch_size_attr=\.\.\.\)"),
+    Case("auto-batch-loader-ignores-size",
+         lambda c: c.fit(_IgnoresBatchSizeModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=2)]),
+         ValueError, r"The training DataLoader ignores `batch_size`: build it inside train_dataloader\(\) from self\.batch_size"),
     Case("yaml-typo-in-key", lambda c: main(["fit", "--config", c.yaml("trainer:\n  max_step: 10\n")]), SystemExit,
          r"does not accept option 'trainer.max_step': did you mean 'trainer.max_steps'"),
     Case("yaml-typo-in-model-key", lambda c: main(["fit", "--config", c.yaml("model:\n  presett: tiny\n")]), SystemExit,

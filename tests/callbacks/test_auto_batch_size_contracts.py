@@ -1,0 +1,117 @@
+"""AutoBatchSize's contracts with the rest of a run: it works with ExactResume through an emergency
+save, it honours the SavesAlone hook of any callback, and it refuses a loader that ignores its size."""
+
+from __future__ import annotations
+
+import contextlib
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_gpuopt.callbacks import AutoBatchSize, ExactResume
+from lightning_gpuopt.data import TextDataModule
+from lightning_gpuopt.protocols import ResumableData, SavesAlone
+from tests._auto_batch_helpers import OOMAbove, StepRecorder, TokenData
+
+
+def _trainer(callbacks, max_steps, tmp_path) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                      default_root_dir=tmp_path)
+
+
+class _AloneRecorder(pl.Callback):
+    """A user's callback implementing SavesAlone: records whether each save ran inside saving_alone()."""
+
+    def __init__(self):
+        self.alone, self.saves = False, []
+
+    @contextlib.contextmanager
+    def saving_alone(self):
+        self.alone = True
+        try:
+            yield
+        finally:
+            self.alone = False
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saves.append(self.alone)
+
+
+def test_emergency_save_with_exact_resume_resumes_exactly_and_saves_alone(text_dir, cache_dir, tmp_path):
+    """Out of memory at micro-batch 1 in step 2: AutoBatchSize saves the last step from this rank alone (every
+    SavesAlone callback is told), ExactResume adds its RNG state, and a resume from that file repeats the
+    uninterrupted run's losses bit for bit."""
+
+    def run(module, ckpt_path=None, extra=()):
+        recorder = StepRecorder()
+        torch.manual_seed(5)
+        data = TextDataModule(source=str(text_dir), vocab_size=300, block_size=16, batch_size=2, num_workers=0)
+        search = AutoBatchSize(global_batch_size=2, max_micro_batch_size=1)
+        trainer = _trainer([search, ExactResume(), recorder, *extra], 4, tmp_path)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return recorder
+
+    full = run(OOMAbove(dropout=0.1, vocab_size=320))
+    alone = _AloneRecorder()
+    with pytest.raises(RuntimeError, match=r"Saved the last completed step \(global step 2\)"):
+        run(OOMAbove(later_step=2, later_limit=0, dropout=0.1, vocab_size=320), extra=[alone])
+    assert alone.saves == [True]  # the emergency save, inside saving_alone()
+    path = tmp_path / "oom-step=2-rank=0.ckpt"
+    state = torch.load(path, weights_only=True)["callbacks"]["ExactResume"]
+    assert len(state["rng"]) == 1 and state["rng"][0] is not None
+    resumed = run(OOMAbove(dropout=0.1, vocab_size=320), ckpt_path=path)
+    assert resumed.samples == full.samples[2:]
+    assert resumed.losses == full.losses[2:]
+
+
+def test_exact_resume_gathers_only_its_own_state_when_saving_alone():
+    callback = ExactResume()
+    assert isinstance(callback, SavesAlone) and not callback._alone
+    with callback.saving_alone():
+        assert callback._alone
+    assert not callback._alone
+
+
+class _BuiltOnce(OOMAbove):
+    """A module whose DataLoader is built once in setup(): it ignores the batch size set afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_size = 8
+
+    def setup(self, stage):
+        super().setup(stage)
+        self.loader = DataLoader(TokenData(n=64).dataset, batch_size=self.batch_size, drop_last=True)
+
+    def train_dataloader(self):
+        return self.loader
+
+
+def test_a_loader_that_ignores_the_chosen_size_stops_the_run_with_the_fix(tmp_path):
+    search = AutoBatchSize(max_micro_batch_size=4)
+    trainer = _trainer([search], 2, tmp_path)
+    with pytest.raises(ValueError, match=r"micro-batch to 4 through `batch_size`.*holds 8 samples.*8 x 2 x 1 = 16 "
+                                         r"samples instead of the global batch 8.*build it inside train_dataloader\(\)"):
+        trainer.fit(_BuiltOnce())
+    assert trainer.global_step == 0  # stopped at the first batch, before any optimizer step
+
+
+def test_a_short_last_batch_is_not_taken_for_a_loader_that_ignores_the_size(tmp_path):
+    """A dataset smaller than the micro-batch gives short last batches: that is the loader honouring the size."""
+    search = AutoBatchSize(global_batch_size=4, max_micro_batch_size=4)
+
+    class Short(TokenData):
+        def train_dataloader(self):
+            return DataLoader(self.dataset, batch_size=self.batch_size, drop_last=False)
+
+    trainer = _trainer([search], 2, tmp_path)
+    trainer.fit(OOMAbove(), datamodule=Short(batch_size=4, n=3))
+    assert search.micro_batch_size == 4 and trainer.global_step == 2
+
+
+def test_text_datamodule_is_resumable_data_and_plain_ones_are_not():
+    assert isinstance(TextDataModule(source="stdlib"), ResumableData)
+    assert not isinstance(TokenData(), ResumableData)
