@@ -79,8 +79,9 @@ PIECES = {
     "Float8Precision": (lambda: Float8Precision(emulate=True, module_filter=["lm_head"]), True),
     "AtomicCheckpointIO": (lambda: AtomicCheckpointIO(), True),
 }
-# Exported, but not a piece to run here: exceptions, and AutoBatchSize, which searches GPU memory
-# (CPU runs need max_micro_batch_size and a loader it can resize; tests/test_auto_batch_size*.py).
+# Exported, but not a piece to run here: exceptions, and AutoBatchSize, which needs a loader it can
+# resize (a datamodule's) and max_micro_batch_size on CPU: its contract over the same module shapes is
+# tests/callbacks/test_auto_batch_size_contracts.py.
 NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize"}
 
 

@@ -295,6 +295,8 @@ class AutoBatchSize(Callback):
     # ------------------------------------------------------------------------------ checkpoint
     @override
     def state_dict(self) -> dict[str, Any]:
+        if self._restored is not None:  # loaded, to be applied at the next fit start: it is still the state
+            return dict(self._restored)
         return {
             "micro_batch_size": self.micro_batch_size,
             "accumulate_grad_batches": self.accumulate_grad_batches,

@@ -115,3 +115,39 @@ def test_a_short_last_batch_is_not_taken_for_a_loader_that_ignores_the_size(tmp_
 def test_text_datamodule_is_resumable_data_and_plain_ones_are_not():
     assert isinstance(TextDataModule(source="stdlib"), ResumableData)
     assert not isinstance(TokenData(), ResumableData)
+
+
+@pytest.mark.parametrize("shape", ["nanogpt", "llama", "litgpt", "noforward"])
+def test_contract_with_modules_written_elsewhere(shape, tmp_path):
+    """tests/test_contract.py's checks for AutoBatchSize, which needs a loader it can resize (a datamodule's):
+    the micro-batch it claims is the one every training batch holds, the global batch is kept, two fits in a
+    row with the same instance, a weights_only checkpoint and a state_dict round trip. With the module's own
+    loader there is no batch size to set: the clear error, before any step."""
+    from _module_shapes import SHAPES, LoaderData, NoForwardModule, shape_loader
+
+    make = {**SHAPES, "noforward": NoForwardModule}[shape]
+    data_shape = "litgpt" if shape == "noforward" else shape
+
+    class Sizes(pl.Callback):
+        def __init__(self):
+            self.sizes = set()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.sizes.add(len(batch["input_ids"]) if isinstance(batch, dict) else len(batch[0]))
+
+    search = AutoBatchSize(max_micro_batch_size=2)
+    for attempt in range(2):
+        sizes = Sizes()
+        trainer = _trainer([search, sizes], 2, tmp_path / str(attempt))
+        torch.manual_seed(0)
+        trainer.fit(make(), datamodule=LoaderData(data_shape, batch_size=4))
+        assert (search.micro_batch_size, search.accumulate_grad_batches) == (2, 2) and sizes.sizes == {2}
+        assert trainer.global_step == 2 and trainer.accumulate_grad_batches == 2
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    saved = torch.load(tmp_path / "a.ckpt", weights_only=True)["callbacks"]["AutoBatchSize"]
+    again = AutoBatchSize(max_micro_batch_size=2)
+    again.load_state_dict(saved)
+    assert again.state_dict() == search.state_dict() == saved
+
+    with pytest.raises(ValueError, match=r"name yours with AutoBatchSize\(batch_size_attr=\.\.\.\)"):
+        _trainer([AutoBatchSize(max_micro_batch_size=2)], 2, tmp_path / "own").fit(make(), shape_loader(data_shape, 4))
