@@ -9,7 +9,8 @@ fails at the start of ``fit``, naming it, instead of in the middle of a run.
 
 Written against Lightning 2.6 (2.6.0 to 2.6.6 read), the range ``pyproject.toml`` allows from 2.5.
 
-Callers: ``show_in_progress_bar`` (GPTModule, MFUMonitor); ``wrap_train_dataloader`` (ExactResume);
+Callers: ``show_in_progress_bar`` (GPTModule, MFUMonitor); ``wrap_train_dataloader`` and
+``data_parallel_ranks`` (ExactResume);
 ``last_batch_ready`` (``resume.step_boundary``); all others the ``AutoBatchSize`` wing
 (``callbacks/auto_batch_size.py``, ``callbacks/_trial_step.py``, ``callbacks/_oom_recovery.py``).
 """
@@ -35,6 +36,7 @@ __all__ = [
     "rebuild_train_loader",
     "require_internals",
     "show_in_progress_bar",
+    "data_parallel_ranks",
     "throwaway_results",
     "transfer_hooks",
     "wrap_epoch_advance",
@@ -53,6 +55,7 @@ TOUCHED = (
     "trainer.fit_loop.epoch_loop._results",  # logged values of the epoch (throwaway_results)
     "trainer.fit_loop.epoch_loop._num_ready_batches_reached",  # last batch of the epoch (last_batch_ready)
     "trainer._checkpoint_connector.dump_checkpoint",  # a checkpoint as a dict (dump_checkpoint)
+    "trainer._accelerator_connector.use_distributed_sampler",  # the Trainer flag (data_parallel_ranks)
     "module._current_fx_name",  # the hook being run (call_strategy_hook)
     "module._on_before_batch_transfer",  # the module's batch hooks (transfer_hooks)
     "import:lightning.pytorch.trainer.call._call_strategy_hook",
@@ -262,3 +265,17 @@ def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
 def last_batch_ready(trainer: pl.Trainer) -> bool:
     """Whether the epoch's last batch has been fetched (Lightning steps the optimizer on it)."""
     return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+
+
+def data_parallel_ranks(trainer: pl.Trainer) -> tuple[int, int]:
+    """``(num_replicas, rank)`` of the samplers Lightning gives training loaders: ``(1, 0)`` on one
+    device or with ``Trainer(use_distributed_sampler=False)`` (each rank reads the whole dataset).
+
+    Example::
+
+        replicas, rank = data_parallel_ranks(trainer)  # (8, 3) on rank 3 of 8 under DDP
+    """
+    kwargs = trainer.distributed_sampler_kwargs
+    if not kwargs or not trainer._accelerator_connector.use_distributed_sampler:
+        return 1, 0
+    return int(kwargs["num_replicas"]), int(kwargs["rank"])

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpuopt.data.resumable import EpochSampler, make_resumable, not_exact_reason
-from lightning_gpuopt.lightning_internals import wrap_train_dataloader
+from lightning_gpuopt.lightning_internals import data_parallel_ranks, wrap_train_dataloader
 from lightning_gpuopt.protocols import ResumableData
 from lightning_gpuopt.resume import (
     capture_rng_state,
@@ -74,14 +74,15 @@ class ExactResume(Callback):
 
         The data order resumes exactly with ``TextDataModule`` (its ``ResumableSampler`` and saved
         position) or any datamodule implementing :class:`~lightning_gpuopt.protocols.ResumableData`,
-        and, with ``rebuild_loaders=True``, with a DataLoader of the module's own in a single-process
-        run: a plain ``DataLoader`` over a map-style dataset with the default
-        sequential or shuffled sampler is rebuilt, when Lightning asks for it, around an
+        and, with ``rebuild_loaders=True``, with a DataLoader of the module's own, on one device or
+        many: a plain ``DataLoader`` over a map-style dataset with the default sequential or
+        shuffled sampler is rebuilt, when Lightning asks for it, around an
         :class:`~lightning_gpuopt.data.resumable.EpochSampler` (the same samples in an order that is a
-        function of the seed and the epoch, started at the saved position) whose DataLoader generator,
-        and so the workers' base seed, is reseeded each epoch; the checkpoint holds the seed, epoch
-        and position. Any other training loader (an iterable dataset, a custom sampler, several
-        processes) restarts at the first sample of the epoch on a mid-epoch resume: ``ExactResume``
+        function of the seed and the epoch, sharded over the data-parallel ranks as
+        ``DistributedSampler`` shards, started at the saved position) whose DataLoader generator,
+        and so the workers' base seed, is reseeded each epoch; the checkpoint holds the seed, epoch,
+        position and number of ranks. Any other training loader (an iterable dataset, a custom
+        sampler) restarts at the first sample of the epoch on a mid-epoch resume: ``ExactResume``
         says so once at fit start, naming the loader and the fix, and everything else above still
         resumes exactly. Where the loaders are exact it silences Lightning's "dataloader is not
         resumable" warning, which would be wrong there.
@@ -106,6 +107,7 @@ class ExactResume(Callback):
         self._sampler: Optional[EpochSampler] = None
         self._seed = 0
         self._undo_wrap: Optional[Any] = None
+        self._ranks = (1, 0)  # (num_replicas, rank) of the rebuilt loader's sampler
         self._alone = False  # inside saving_alone(): one rank saves by itself
 
     @contextlib.contextmanager
@@ -120,16 +122,26 @@ class ExactResume(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not self.rebuild_loaders or stage != "fit" or trainer.world_size != 1 or self._undo_wrap is not None:
+        if not self.rebuild_loaders or stage != "fit" or self._undo_wrap is not None:
             return
         self._sampler = None
+        self._ranks = data_parallel_ranks(trainer)
         self._undo_wrap = wrap_train_dataloader(trainer, self._resumable)
 
     def _resumable(self, loaders: Any) -> Any:
         """A DataLoader of the module's own, rebuilt around an ``EpochSampler`` at the saved position."""
         state, self._data_state = self._data_state or {}, None
         self._seed = int(state.get("seed", torch.initial_seed() % 2**31))
-        loaders, self._sampler = make_resumable(loaders, self._seed, int(state.get("epoch", 0)), int(state.get("start", 0)))
+        replicas, rank = self._ranks
+        start, saved_replicas = int(state.get("start", 0)), int(state.get("replicas", 1))
+        if saved_replicas != replicas:
+            start = start * saved_replicas // replicas  # the same global position, spread over the new ranks
+            rank_zero_warn(
+                f"ExactResume: the checkpoint's data position was saved with {saved_replicas} data-parallel ranks and "
+                f"this run has {replicas}: it continues after the same samples, but each rank sees other samples than "
+                f"in the original run. Resume with {saved_replicas} ranks for an exact continuation."
+            )
+        loaders, self._sampler = make_resumable(loaders, self._seed, int(state.get("epoch", 0)), start, replicas, rank)
         return loaders
 
     @override
@@ -146,7 +158,7 @@ class ExactResume(Callback):
                 f"ExactResume: the data order of {type(pl_module).__name__}'s training loader is not resumed exactly: "
                 f"{reasons[0]}. Weights, optimizer, schedule, loop counters and RNG states resume exactly; a run resumed "
                 "from a checkpoint saved inside an epoch sees other samples than the uninterrupted run. For an exact "
-                "data order: ExactResume(rebuild_loaders=True) for a single-process DataLoader with the default "
+                "data order: ExactResume(rebuild_loaders=True) for a DataLoader with the default "
                 "sequential or shuffled sampler over a map-style dataset; train from token files with "
                 "lightning_gpuopt.data.TextDataModule; or save checkpoints only at epoch ends "
                 "(ModelCheckpoint(every_n_epochs=1)) and accept a new shuffle per resumed epoch."
@@ -221,7 +233,7 @@ class ExactResume(Callback):
             epoch, start = trainer.current_epoch, boundary * loader.batch_size
             if start >= len(self._sampler):  # saved at the epoch's end: the resumed run starts the next one
                 epoch, start = epoch + 1, 0
-            state["data"] = {"seed": self._seed, "epoch": epoch, "start": start}
+            state["data"] = {"seed": self._seed, "epoch": epoch, "start": start, "replicas": self._sampler.num_replicas}
         checkpoint.setdefault("callbacks", {})[self.state_key] = state
 
     @override

@@ -16,30 +16,54 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from lightning_gpuopt.data.sampler import ResumableSampler
 
 __all__ = ["EpochSampler", "make_resumable", "not_exact_reason"]
 
 
-class EpochSampler(Sampler[int]):
-    """The order of ``SequentialSampler`` or ``RandomSampler`` as a function of (seed, epoch), started at any position.
+class EpochSampler(DistributedSampler):
+    """The order of ``SequentialSampler`` or ``RandomSampler`` as a function of (seed, epoch), for one
+    rank of ``num_replicas``, started at any position.
 
     Shuffled orders are ``torch.randperm`` under a generator seeded with ``seed + epoch``, not the
     global RNG; the DataLoader's ``generator`` (its workers' base seed) is reseeded the same way at
-    each epoch. ``len()`` is the whole epoch's, also when starting mid-epoch, so Lightning's count of
-    batches per epoch does not change on resume. ``set_epoch`` (called by Lightning at each epoch
-    start) moves to a new epoch from its beginning; with the current epoch it keeps the position.
+    each epoch. With several ranks, the epoch's order is padded (by repeating its first samples) to
+    a multiple of ``num_replicas`` and rank ``r`` reads every ``num_replicas``-th sample from ``r``,
+    as ``DistributedSampler`` does; it is one, so Lightning does not wrap it in another. ``start``
+    counts this rank's samples. ``len()`` is the whole epoch's for this rank, also when starting
+    mid-epoch, so Lightning's count of batches per epoch does not change on resume. ``set_epoch``
+    (called by Lightning at each epoch start) moves to a new epoch from its beginning; with the
+    current epoch it keeps the position.
 
     Example::
 
         sampler = EpochSampler(len(dataset), shuffle=True, seed=0, epoch=2, start=64)
+        sampler = EpochSampler(len(dataset), shuffle=True, num_replicas=8, rank=3)
+
+    Args:
+        n: Samples in the dataset.
+        shuffle: Shuffle each epoch (else the dataset's order).
+        seed: Seed of the shuffled orders.
+        epoch: The epoch to start in.
+        start: This rank's samples of that epoch already trained on.
+        loader_generator: The DataLoader's generator, reseeded each epoch.
+        num_replicas: Ranks reading different samples.
+        rank: This rank.
     """
 
     def __init__(self, n: int, shuffle: bool, seed: int = 0, epoch: int = 0, start: int = 0,
-                 loader_generator: Optional[torch.Generator] = None) -> None:
-        self.n, self.shuffle, self.seed, self.epoch, self.start = n, shuffle, seed, epoch, start
+                 loader_generator: Optional[torch.Generator] = None, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(range(n), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.n, self.epoch, self.start = n, epoch, start
         self.loader_generator = loader_generator
         self._reseed_loader()
 
@@ -57,18 +81,21 @@ class EpochSampler(Sampler[int]):
             order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
         else:
             order = list(range(self.n))
+        order += order[: self.total_size - self.n]  # padded to a multiple of the ranks
         start, self.start = self.start, 0  # the next pass over this epoch starts at its beginning
-        yield from order[start:]
+        yield from order[self.rank : self.total_size : self.num_replicas][start:]
 
     def __len__(self) -> int:
-        return self.n
+        return self.num_samples
 
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn", "multiprocessing_context",
          "prefetch_factor", "persistent_workers", "pin_memory_device")
 
 
-def make_resumable(loader: Any, seed: int, epoch: int = 0, start: int = 0) -> tuple[Any, Optional[EpochSampler]]:
+def make_resumable(
+    loader: Any, seed: int, epoch: int = 0, start: int = 0, num_replicas: int = 1, rank: int = 0
+) -> tuple[Any, Optional[EpochSampler]]:
     """The same DataLoader with an :class:`EpochSampler` in place of its sequential or random sampler.
 
     Only a plain ``torch.utils.data.DataLoader`` over a map-style dataset with the default
@@ -83,7 +110,10 @@ def make_resumable(loader: Any, seed: int, epoch: int = 0, start: int = 0) -> tu
         loader: The training loader.
         seed: Seed of the shuffled orders and worker seeds.
         epoch: The epoch the loader starts in.
-        start: Samples of that epoch already trained on.
+        start: This rank's samples of that epoch already trained on.
+        num_replicas: Ranks reading different samples (the data-parallel size; 1 when each rank
+            reads the whole dataset).
+        rank: This rank among them.
     """
     if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
         return loader, None
@@ -92,7 +122,8 @@ def make_resumable(loader: Any, seed: int, epoch: int = 0, start: int = 0) -> tu
     if not (type(sampler) is SequentialSampler or plain_random) or type(loader.batch_sampler) is not BatchSampler:
         return loader, None
     generator = torch.Generator()
-    new = EpochSampler(len(loader.dataset), shuffle=plain_random, seed=seed, epoch=epoch, start=start, loader_generator=generator)
+    new = EpochSampler(len(loader.dataset), shuffle=plain_random, seed=seed, epoch=epoch, start=start,
+                       loader_generator=generator, num_replicas=num_replicas, rank=rank)
     kwargs = {k: getattr(loader, k) for k in _KEEP if hasattr(loader, k)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)

@@ -120,3 +120,41 @@ def test_without_permission_an_own_loader_is_left_alone_and_named(tmp_path):
     with pytest.warns(UserWarning, match=r"SequentialSampler\) restarts .*ExactResume\(rebuild_loaders=True\)"):
         trainer.fit(NanoGPTModule(), loader)
     assert trainer.train_dataloader is loader
+
+
+def test_own_loader_resumes_exactly_under_two_process_ddp(tmp_path):
+    """The rebuilt loader shards like DistributedSampler: each rank of a resumed 2-process run trains on the
+    same samples in the same order, with the same losses, as in the uninterrupted run (mid-epoch resume)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ddp_own_loader_resume.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for run in runs:
+        reference, resumed = run["reference"], run["resumed"]
+        assert len(reference) == 16 and min(resumed, key=lambda k: tuple(map(int, k.split(",")))) == "0,6"
+        assert resumed == {k: v for k, v in reference.items() if k in resumed} and len(resumed) == 10
+    samples = [[x for k, (_, s) in sorted(run["reference"].items()) if k.startswith("0,") for x in s] for run in runs]
+    assert len(samples[0]) == len(samples[1]) == 20  # 40 samples, 20 per rank per epoch
+    assert samples[0] != samples[1]  # sharded: the ranks read different samples
+
+
+def test_epoch_sampler_shards_like_distributed_sampler_and_starts_anywhere():
+    from torch.utils.data import DistributedSampler
+
+    from lightning_gpuopt.data.resumable import EpochSampler
+
+    shards = [list(EpochSampler(10, shuffle=True, seed=3, epoch=1, num_replicas=3, rank=r)) for r in range(3)]
+    assert [len(s) for s in shards] == [4, 4, 4]  # 10 padded to 12
+    assert set().union(*map(set, shards)) == set(range(10))
+    assert isinstance(EpochSampler(4, shuffle=False), DistributedSampler)  # Lightning leaves it in place under DDP
+    resumed = EpochSampler(10, shuffle=True, seed=3, epoch=1, start=3, num_replicas=3, rank=2)
+    assert list(resumed) == shards[2][3:] and len(resumed) == 4
+    assert list(resumed) == shards[2]  # the next pass starts at the epoch's beginning
