@@ -7,10 +7,14 @@ private names, listed in :data:`TOUCHED`; :func:`missing_internals` checks them 
 fails at the start of ``fit``, naming it, instead of in the middle of a run.
 ``tests/test_lightning_internals.py`` runs the same check and each function in a real fit.
 
+Two private names are used elsewhere, each where it is needed and tested there: ``GPTCLI`` (``cli.py``)
+overrides ``LightningCLI._parse_ckpt_path`` (``tests/test_resume_settings.py``), and ``GPTModule``
+reads the ``_device_mesh`` that ``ModelParallelStrategy`` sets on a module.
+
 Written against Lightning 2.6 (2.6.0 to 2.6.6 read), the range ``pyproject.toml`` allows from 2.5.
 
 Callers: ``show_in_progress_bar`` (GPTModule, MFUMonitor); ``wrap_train_dataloader`` and
-``data_parallel_ranks`` (ExactResume);
+``data_parallel_ranks`` (ExactResume); ``no_version_counter`` (``resume_settings``);
 ``last_batch_ready`` (``resume.step_boundary``); all others the ``AutoBatchSize`` wing
 (``callbacks/auto_batch_size.py``, ``callbacks/_trial_step.py``, ``callbacks/_oom_recovery.py``).
 """
@@ -33,6 +37,7 @@ __all__ = [
     "last_batch_ready",
     "missing_internals",
     "move_batch_position",
+    "no_version_counter",
     "rebuild_train_loader",
     "require_internals",
     "show_in_progress_bar",
@@ -44,14 +49,20 @@ __all__ = [
 ]
 
 # Private names, as "object.path": what `missing_internals` looks up. `trainer.` paths are read on the
-# Trainer, `module.` paths on a LightningModule, `import:` entries are module attributes.
+# Trainer, `module.` paths on a LightningModule, `checkpoint.` on a ModelCheckpoint, `import:` entries
+# are module attributes.
 TOUCHED = (
     "trainer._logger_connector._progress_bar_metrics",  # progress-bar dict (show_in_progress_bar)
     "trainer.fit_loop._data_source.dataloader",  # builds the train loader(s) (wrap/build_train_loader)
     "trainer.fit_loop._combined_loader",  # the built train loaders (drop/rebuild_train_loader)
     "trainer.fit_loop._data_fetcher",  # the running fetcher (rebuild_train_loader)
     "trainer.fit_loop.epoch_loop.advance",  # one training batch (wrap_epoch_advance)
-    "trainer.fit_loop.epoch_loop.batch_progress.current.processed",  # counters (move_batch_position)
+    *(  # the counters move_batch_position writes (a renamed one would be created silently by setattr)
+        f"trainer.fit_loop.epoch_loop.batch_progress.{part}.{name}"
+        for part in ("current", "total")
+        for name in ("ready", "started", "processed", "completed")
+    ),
+    "trainer.fit_loop.epoch_loop.batch_progress.is_last_batch",
     "trainer.fit_loop.epoch_loop._results",  # logged values of the epoch (throwaway_results)
     "trainer.fit_loop.epoch_loop._num_ready_batches_reached",  # last batch of the epoch (last_batch_ready)
     "trainer._checkpoint_connector.dump_checkpoint",  # a checkpoint as a dict (dump_checkpoint)
@@ -61,6 +72,8 @@ TOUCHED = (
     "import:lightning.pytorch.trainer.call._call_strategy_hook",
     "import:lightning.pytorch.trainer.connectors.logger_connector.result._ResultCollection",
     "import:lightning.fabric.utilities.data._set_sampler_epoch",
+    "import:lightning.pytorch.loops.fetchers._DataFetcher.setup",  # moved onto a rebuilt loader (rebuild_train_loader)
+    "checkpoint._enable_version_counter",  # ModelCheckpoint's, no public setter (no_version_counter)
 )
 
 
@@ -71,8 +84,13 @@ def _lookup(root: Any, path: str) -> Any:
 
 
 def _imported(path: str) -> Any:
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module, then attributes
+        try:
+            return _lookup(importlib.import_module(".".join(parts[:cut])), ".".join(parts[cut:]))
+        except ModuleNotFoundError:
+            continue
+    raise ImportError(path)
 
 
 def missing_internals(trainer: pl.Trainer) -> list[str]:
@@ -85,17 +103,15 @@ def missing_internals(trainer: pl.Trainer) -> list[str]:
     Args:
         trainer: Any Trainer (it need not have run).
     """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    roots = {"trainer": lambda: trainer, "module": pl.LightningModule, "checkpoint": ModelCheckpoint}
     missing = []
     for entry in TOUCHED:
-        kind, _, path = entry.partition(".") if not entry.startswith("import:") else ("import", "", entry[7:])
+        kind, _, path = entry.partition(":") if entry.startswith("import:") else entry.partition(".")
         try:
-            if kind == "import":
-                _imported(path)
-            elif kind == "trainer":
-                _lookup(trainer, path)
-            else:
-                _lookup(pl.LightningModule(), path)
-        except (AttributeError, ImportError):
+            _imported(path) if kind == "import" else _lookup(roots[kind](), path)
+        except Exception:  # renamed, moved, or a property that no longer works: all the same to us
             missing.append(entry)
     return missing
 
@@ -279,3 +295,10 @@ def data_parallel_ranks(trainer: pl.Trainer) -> tuple[int, int]:
     if not kwargs or not trainer._accelerator_connector.use_distributed_sampler:
         return 1, 0
     return int(kwargs["num_replicas"]), int(kwargs["rank"])
+
+
+def no_version_counter(callback: Any) -> None:
+    """Make a ``ModelCheckpoint`` overwrite ``last.ckpt`` instead of writing ``last-v1.ckpt`` beside it
+    (``ModelCheckpoint(enable_version_counter=...)`` is stored privately, without a setter)."""
+    if getattr(callback, "_enable_version_counter", False):
+        callback._enable_version_counter = False

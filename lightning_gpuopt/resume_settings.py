@@ -15,7 +15,8 @@ checkpoint's before anything is built:
 
 Lightning internals used (``tests/test_resume_settings.py`` fails if an upgrade renames them): the CLI
 replaces ``LightningCLI._parse_ckpt_path`` with :func:`merge_checkpoint_settings`, and
-:func:`prepare_resumed_fit` sets ``ModelCheckpoint._enable_version_counter`` (no public setter).
+:func:`prepare_resumed_fit` turns off ``ModelCheckpoint``'s version counter
+(``lightning_internals.no_version_counter``, no public setter).
 
 The data's settings (``data.batch_size`` ...) are never taken from the checkpoint. The tokenizer
 itself is compared when the data module's state is restored (``TextDataModule.load_state_dict``).
@@ -31,6 +32,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt.lightning_internals import no_version_counter
 from lightning_gpuopt.model.checkpoint import CheckpointError, gptmodule_hparams, read_checkpoint
 from lightning_gpuopt.model.config import PRESETS
 
@@ -224,8 +226,6 @@ def prepare_resumed_fit(trainer: Any) -> None:
     from lightning_gpuopt.callbacks.resumed_settings import ResumedOptimizerSettings
 
     for callback in trainer.checkpoint_callbacks:
-        # ModelCheckpoint(enable_version_counter=...) is stored here; Lightning has no setter for it.
-        if getattr(callback, "_enable_version_counter", False):
-            callback._enable_version_counter = False
+        no_version_counter(callback)
     if not any(isinstance(c, ResumedOptimizerSettings) for c in trainer.callbacks):
         trainer.callbacks.append(ResumedOptimizerSettings())

@@ -41,13 +41,23 @@ def keep_validation_cadence(trainer: pl.Trainer, old: int, new: int) -> None:
         )
 
 
+def loader_batch_size(loader: Any) -> Optional[int]:
+    """The batch size a DataLoader says it uses (``batch_size``, or its batch sampler's); ``None`` when it says none."""
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
 def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, replicas: int) -> bool:
-    """Raise, with the fix, if a training batch does not hold the micro-batch ``expected``.
+    """Raise, with the fix, if the training loader does not use the micro-batch ``expected``.
 
     A DataLoader built once (in ``__init__`` or ``setup()``) ignores the batch size set on ``attr``
-    afterwards, and the run would train another global batch than the one reported. Returns
-    ``False`` when the batch cannot tell (a short last batch of an epoch): check the next one.
-    Warns once, and returns ``True``, for a batch without a tensor in it.
+    afterwards, and the run would train another global batch than the one reported. The loader's
+    own ``batch_size`` is compared; a loader without one (a custom batch sampler) is judged by the
+    samples in ``batch`` (the first dimension of its first tensor). Returns ``False`` when the
+    batch cannot tell (a short last batch of an epoch): check the next one. Warns once, and
+    returns ``True``, when neither tells.
 
     Example::
 
@@ -60,23 +70,26 @@ def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, repli
         attr: The batch-size attribute that was set, for the message.
         replicas: Data-parallel ranks, for the message.
     """
-    held = batch_len(batch)
+    held, what = loader_batch_size(trainer.train_dataloader), "the training DataLoader's batch_size is"
     if held is None:
-        rank_zero_warn(
-            f"AutoBatchSize: the training batch holds no tensor, so whether the loader uses micro-batch {expected} "
-            f"cannot be checked: make sure train_dataloader() builds its DataLoader from `{attr}`."
-        )
-        return True
-    if held < expected and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-        return False
+        held, what = batch_len(batch), "the training batch holds"
+        if held is None:
+            rank_zero_warn(
+                f"AutoBatchSize: neither the training loader (no batch_size) nor its batch (no tensor) says how many "
+                f"samples it holds, so whether it uses micro-batch {expected} cannot be checked: make sure "
+                f"train_dataloader() builds its loader from `{attr}`."
+            )
+            return True
+        if held < expected and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return False
     if held != expected:
         accumulate = trainer.accumulate_grad_batches
         raise ValueError(
-            f"AutoBatchSize set the micro-batch to {expected} through `{attr}`, but the training batch holds {held} "
-            f"samples, so each optimizer step would train {held} x {accumulate} x {replicas} = "
-            f"{held * accumulate * replicas} samples instead of the global batch {expected * accumulate * replicas}. "
-            f"The training DataLoader ignores `{attr}`: build it inside train_dataloader() from self.{attr} (not once "
-            "in __init__ or setup()), or remove AutoBatchSize and set the batch size yourself."
+            f"AutoBatchSize set the micro-batch to {expected} through `{attr}`, but {what} {held}, so each optimizer "
+            f"step would train {held} x {accumulate} x {replicas} = {held * accumulate * replicas} samples instead of "
+            f"the global batch {expected * accumulate * replicas}. The training DataLoader ignores `{attr}`: build it "
+            f"inside train_dataloader() from self.{attr} (not once in __init__ or setup()), or remove AutoBatchSize "
+            "and set the batch size yourself."
         )
     return True
 

@@ -11,7 +11,7 @@ and what they log is dropped. Lightning's private state is reached through
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -231,7 +231,7 @@ def batch_len(batch: Any) -> Optional[int]:
     """
     if isinstance(batch, torch.Tensor):
         return batch.size(0) if batch.dim() else None
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # dicts, Hugging Face BatchEncoding
         values = list(batch.values())
     elif isinstance(batch, (list, tuple)):
         values = list(batch)

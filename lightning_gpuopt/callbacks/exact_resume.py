@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpuopt.data.resumable import EpochSampler, make_resumable, not_exact_reason
-from lightning_gpuopt.lightning_internals import data_parallel_ranks, wrap_train_dataloader
+from lightning_gpuopt.lightning_internals import data_parallel_ranks, require_internals, wrap_train_dataloader
 from lightning_gpuopt.protocols import ResumableData
 from lightning_gpuopt.resume import (
     capture_rng_state,
@@ -108,6 +108,7 @@ class ExactResume(Callback):
         self._seed = 0
         self._undo_wrap: Optional[Any] = None
         self._ranks = (1, 0)  # (num_replicas, rank) of the rebuilt loader's sampler
+        self._warned_ranks = False
         self._alone = False  # inside saving_alone(): one rank saves by itself
 
     @contextlib.contextmanager
@@ -124,28 +125,45 @@ class ExactResume(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.rebuild_loaders or stage != "fit" or self._undo_wrap is not None:
             return
+        require_internals(trainer, "ExactResume(rebuild_loaders=True)")
         self._sampler = None
         self._ranks = data_parallel_ranks(trainer)
+        # One seed on every rank (ranks may be seeded differently): each shards the same order.
+        self._seed = int(trainer.strategy.broadcast(torch.initial_seed() % 2**31))
         self._undo_wrap = wrap_train_dataloader(trainer, self._resumable)
 
     def _resumable(self, loaders: Any) -> Any:
-        """A DataLoader of the module's own, rebuilt around an ``EpochSampler`` at the saved position."""
-        state, self._data_state = self._data_state or {}, None
-        self._seed = int(state.get("seed", torch.initial_seed() % 2**31))
-        replicas, rank = self._ranks
-        start, saved_replicas = int(state.get("start", 0)), int(state.get("replicas", 1))
+        """A DataLoader of the module's own, rebuilt around an ``EpochSampler`` at the saved position.
+
+        Lightning may build the loader more than once before training starts (``estimated_stepping_batches``,
+        then again after ``AutoBatchSize`` changes the batch size): each build starts at the checkpoint's
+        position, which is kept until ``on_train_start``. A build later in training (an out-of-memory
+        recovery) starts at the epoch's beginning and is fast-forwarded by its caller.
+        """
+        epoch, start = self._saved_position()
+        loaders, self._sampler = make_resumable(loaders, self._seed, epoch, start, *self._ranks)
+        return loaders
+
+    def _saved_position(self) -> tuple[int, int]:
+        """``(epoch, start)`` of the checkpoint for this run's ranks, ``(0, 0)`` without one."""
+        if self._data_state is None:
+            return 0, 0
+        state = self._data_state
+        replicas, start, saved_replicas = self._ranks[0], int(state["start"]), int(state.get("replicas", 1))
         if saved_replicas != replicas:
             start = start * saved_replicas // replicas  # the same global position, spread over the new ranks
-            rank_zero_warn(
-                f"ExactResume: the checkpoint's data position was saved with {saved_replicas} data-parallel ranks and "
-                f"this run has {replicas}: it continues after the same samples, but each rank sees other samples than "
-                f"in the original run. Resume with {saved_replicas} ranks for an exact continuation."
-            )
-        loaders, self._sampler = make_resumable(loaders, self._seed, int(state.get("epoch", 0)), start, replicas, rank)
-        return loaders
+            if not self._warned_ranks:
+                self._warned_ranks = True
+                rank_zero_warn(
+                    f"ExactResume: the checkpoint's data position was saved with {saved_replicas} data-parallel ranks "
+                    f"and this run has {replicas}: it continues after the same samples, but each rank sees other "
+                    f"samples than in the original run. Resume with {saved_replicas} ranks for an exact continuation."
+                )
+        return int(state["epoch"]), start
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._data_state = None  # the loaders are built: from here on positions come from the sampler
         loaders = trainer.train_dataloader
         loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else [loaders]
         if isinstance(trainer.datamodule, ResumableData):  # it positions its own loaders
@@ -240,3 +258,9 @@ class ExactResume(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = state_dict if "rng" in state_dict else None
         self._data_state = dict(state_dict["data"]) if "data" in state_dict else None
+        if self._data_state is not None:
+            self._seed = int(self._data_state["seed"])
+            if self._sampler is not None:  # built before the checkpoint arrived (strategies that restore late)
+                self._sampler.seed = self._seed
+                self._sampler.epoch, self._sampler.start = self._saved_position()
+                self._sampler.reseed_loader()

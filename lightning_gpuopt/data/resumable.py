@@ -12,6 +12,7 @@ as not exact, with what differs, so ``ExactResume`` can say so once instead of c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -65,23 +66,24 @@ class EpochSampler(DistributedSampler):
         super().__init__(range(n), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.n, self.epoch, self.start = n, epoch, start
         self.loader_generator = loader_generator
-        self._reseed_loader()
+        self.reseed_loader()
 
-    def _reseed_loader(self) -> None:
+    def reseed_loader(self) -> None:
+        """Seed the DataLoader's generator (its workers' base seed) for this seed and epoch."""
         if self.loader_generator is not None:
             self.loader_generator.manual_seed(self.seed * 1_000_003 + self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch, self.start = epoch, 0
-            self._reseed_loader()
+            self.reseed_loader()
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
             order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
         else:
             order = list(range(self.n))
-        order += order[: self.total_size - self.n]  # padded to a multiple of the ranks
+        order = (order * math.ceil(self.total_size / max(self.n, 1)))[: self.total_size]  # padded to a multiple of the ranks
         start, self.start = self.start, 0  # the next pass over this epoch starts at its beginning
         yield from order[self.rank : self.total_size : self.num_replicas][start:]
 

@@ -93,7 +93,7 @@ class _BuiltOnce(OOMAbove):
 def test_a_loader_that_ignores_the_chosen_size_stops_the_run_with_the_fix(tmp_path):
     search = AutoBatchSize(max_micro_batch_size=4)
     trainer = _trainer([search], 2, tmp_path)
-    with pytest.raises(ValueError, match=r"micro-batch to 4 through `batch_size`.*holds 8 samples.*8 x 2 x 1 = 16 "
+    with pytest.raises(ValueError, match=r"micro-batch to 4 through `batch_size`.*DataLoader's batch_size is 8.*8 x 2 x 1 = 16 "
                                          r"samples instead of the global batch 8.*build it inside train_dataloader\(\)"):
         trainer.fit(_BuiltOnce())
     assert trainer.global_step == 0  # stopped at the first batch, before any optimizer step
@@ -151,3 +151,68 @@ def test_contract_with_modules_written_elsewhere(shape, tmp_path):
 
     with pytest.raises(ValueError, match=r"name yours with AutoBatchSize\(batch_size_attr=\.\.\.\)"):
         _trainer([AutoBatchSize(max_micro_batch_size=2)], 2, tmp_path / "own").fit(make(), shape_loader(data_shape, 4))
+
+
+class _Packed(OOMAbove):
+    """Packs each micro-batch into one row (1, B*T), as sequence-packing collates do: the loader honours the size."""
+
+    def __init__(self, batch_sampler=False):
+        super().__init__()
+        self.batch_size, self.use_batch_sampler = 4, batch_sampler
+
+    def train_dataloader(self):
+        def collate(items):
+            x = torch.stack([i[0] for i in items]).reshape(1, -1)
+            return x[:, : x.size(1) // 16 * 16].reshape(-1, 16), torch.stack([i[1] for i in items]).reshape(-1, 16)
+
+        dataset = TokenData(n=64).dataset
+        if self.use_batch_sampler:  # a batch sampler without a batch_size attribute, that ignores the module's
+            batches = [list(range(i, i + 8)) for i in range(0, 64, 8)]
+            return DataLoader(dataset, batch_sampler=batches, collate_fn=collate)
+        packed = DataLoader(dataset, batch_size=self.batch_size, drop_last=True, collate_fn=collate)
+        return packed
+
+
+def test_the_loaders_batch_size_is_trusted_over_the_batch_shape(tmp_path):
+    search = AutoBatchSize(global_batch_size=4, max_micro_batch_size=2)
+    trainer = _trainer([search], 2, tmp_path)
+    trainer.fit(_Packed())
+    assert search.micro_batch_size == 2 and trainer.global_step == 2
+
+
+def test_a_loader_without_batch_size_is_judged_by_its_first_batch(tmp_path):
+    search = AutoBatchSize(global_batch_size=8, max_micro_batch_size=4)
+    with pytest.raises(ValueError, match=r"micro-batch to 4 through `batch_size`, but the training batch holds 8"):
+        _trainer([search], 2, tmp_path).fit(_Packed(batch_sampler=True))
+
+
+def test_own_loader_with_auto_batch_size_and_an_epoch_schedule_resumes_exactly(tmp_path):
+    """ExactResume(rebuild_loaders=True) with AutoBatchSize and max_epochs: Lightning builds the loader for
+    estimated_stepping_batches, AutoBatchSize drops it, the fit loop builds it again; every build starts at
+    the checkpoint's position."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Own(OOMAbove):
+        def __init__(self):
+            super().__init__(dropout=0.1)
+            self.batch_size = 8
+
+        def train_dataloader(self):
+            return DataLoader(TokenData(n=48).dataset, batch_size=self.batch_size, shuffle=True)
+
+    def run(ckpt=None):
+        torch.manual_seed(3)
+        recorder = StepRecorder()
+        trainer = pl.Trainer(
+            accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=tmp_path, callbacks=[
+                AutoBatchSize(max_micro_batch_size=4), ExactResume(rebuild_loaders=True), recorder,
+                ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)])
+        trainer.fit(Own(), ckpt_path=ckpt)
+        return recorder
+
+    full = run()
+    assert len(full.losses) == 12  # 6 steps of 8 samples (4 x 2) per epoch
+    resumed = run(next((tmp_path / "ckpt").glob("*step=2.ckpt")))
+    assert resumed.samples == full.samples[2:]
+    assert resumed.losses == full.losses[2:]
