@@ -15,15 +15,6 @@ import pytest
 import torch
 
 from lightning_gpuopt.callbacks import AutoBatchSize
-from lightning_gpuopt.perf.batch_search import (
-    Trial,
-    divisors,
-    fallback_micro_batch,
-    largest_fitting,
-    micro_batch_candidates,
-    per_device_batch,
-)
-from lightning_gpuopt.perf.oom import is_oom_error
 from tests._auto_batch_helpers import OOMAbove, StepRecorder, TokenData
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_auto_batch.py"
@@ -43,54 +34,7 @@ def _trainer(callbacks, max_steps=4, **kw) -> pl.Trainer:
     )
 
 
-# --------------------------------------------------------------------------- plain functions
-def test_divisors_and_candidates():
-    assert divisors(48) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
-    assert micro_batch_candidates(48, max_micro_batch_size=20) == [1, 2, 3, 4, 6, 8, 12, 16]
-    assert per_device_batch(64, 4) == 16
-
-
-def test_global_batch_not_divisible_names_values_that_work():
-    with pytest.raises(ValueError, match=r"global_batch_size=100 or global_batch_size=104|e\.g\. global_batch_size=96 or 104"):
-        per_device_batch(100, 8)
-
-
-@pytest.mark.parametrize("limit", range(0, 50))
-@pytest.mark.parametrize("mode", ["binsearch", "power"])
-def test_search_finds_largest_fitting_divisor(limit, mode):
-    candidates = micro_batch_candidates(48)
-    best, trials = largest_fitting(candidates, lambda b: Trial(b, fits=b <= limit), mode)
-    fitting = [c for c in candidates if c <= limit]
-    if mode == "binsearch":
-        assert best == (fitting[-1] if fitting else None)
-    else:  # doubling only: 1, 2, 4, 8, 16, then 48 (the largest, below 2 x 16... no: 32 is no divisor)
-        chain = [1, 2, 4, 8, 16, 48]
-        assert best == max([c for c in chain if c <= limit], default=None)
-    assert len({t.micro_batch_size for t in trials}) == len(trials)  # never tries a size twice
-
-
-def test_fallback_micro_batch_keeps_a_divisor():
-    assert fallback_micro_batch(16, 64) == 8
-    assert fallback_micro_batch(15, 30) == 6  # 7.5 is not a divisor of 30: the largest one below
-    assert fallback_micro_batch(1, 8) is None
-
-
-@pytest.mark.parametrize(
-    "error, expected",
-    [
-        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"), True),
-        (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
-        (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."), True),
-        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
-        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes."), True),
-        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x16 and 32x16)"), False),
-        (ValueError("out of memory"), False),  # only runtime errors carry allocator messages
-    ],
-)
-def test_is_oom_error(error, expected):
-    assert is_oom_error(error) is expected
-
-
+# --------------------------------------------------------------------------- arguments
 @pytest.mark.parametrize(
     "kwargs, match",
     [

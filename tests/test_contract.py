@@ -19,7 +19,7 @@ from torch import nn
 
 import lightning_gpuopt.callbacks as callbacks_pkg
 import lightning_gpuopt.plugins as plugins_pkg
-from _module_shapes import SHAPES, T, LoaderData, NoForwardModule, hand_flops_per_token, shape_loader
+from tests._module_shapes import SHAPES, T, LoaderData, NoForwardModule, hand_flops_per_token, shape_loader
 from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard, SigtermCheckpoint
 from lightning_gpuopt.plugins import AtomicCheckpointIO, BF16Precision, Float8Precision
 

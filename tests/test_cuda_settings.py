@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor
 
-from helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
+from tests.helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
 from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.callbacks.cuda_settings import _capture

@@ -1,4 +1,4 @@
-"""MFUMonitor on CPU: arithmetic against a hand computation, FLOPs of foreign models, no per-step sync."""
+"""MFUMonitor on CPU: arithmetic against a hand computation, FLOPs of what the training step runs, no per-step sync."""
 
 from __future__ import annotations
 
@@ -7,15 +7,14 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
+from tests.helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.callbacks import MFUMonitor
 from lightning_gpuopt.callbacks import mfu_monitor as mfu_module
-from lightning_gpuopt.perf.flops import measure_training_flops
-from lightning_gpuopt.perf.precision import compute_dtype_name
+from tests._module_shapes import EncoderLM, encoder_flops_per_token
 
 B, T = 2, 32
 
@@ -98,42 +97,6 @@ def test_no_history_means_a_clear_report(tmp_path):
     assert "needs 53 optimizer steps" in monitor.summary["text"]
 
 
-class EncoderLM(nn.Module):
-    def __init__(self, vocab=128, d=64, dff=256, layers=2):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, 4, dff, dropout=0.0, batch_first=True)
-        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, x):
-        return self.head(self.enc(self.emb(x)))
-
-
-def _hand_count(vocab=128, d=64, dff=256, layers=2, seq=T):
-    # per token: 2 FLOPs per matmul weight forward, 4 backward; attention QK^T and AV: 2*2*T*d forward, x3
-    return 6 * (layers * (4 * d * d + 2 * d * dff) + d * vocab) + 12 * layers * d * seq
-
-
-def test_flops_of_a_foreign_model_match_a_hand_count():
-    model = EncoderLM()
-    flops = measure_training_flops(model, torch.zeros(B, T, dtype=torch.long))
-    assert flops / (B * T) == _hand_count()
-    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())  # untouched
-
-
-def test_flops_of_a_model_with_tied_embeddings():
-    # GPT ties lm_head to the token embedding: one tensor under two names.
-    from lightning_gpuopt.model import GPT, GPTConfig
-
-    model = GPT(GPTConfig.from_name("tiny", vocab_size=512, block_size=T))
-    assert model.lm_head.weight is model.transformer.wte.weight
-    flops = measure_training_flops(model, torch.zeros(B, T, dtype=torch.long)) / (B * T)
-    # PaLM's 6N counts the biases and LayerNorm weights too, as if they were matmul weights.
-    vectors = sum(p.numel() for p in model.parameters() if p.ndim == 1)
-    assert flops == model.flops_per_token(T) - 6 * vectors
-
-
 def test_monitor_measures_flops_of_a_module_without_flops_per_token(tmp_path):
     from lightning.pytorch import LightningModule
 
@@ -156,31 +119,7 @@ def test_monitor_measures_flops_of_a_module_without_flops_per_token(tmp_path):
     trainer = _trainer(tmp_path, [monitor, LearningRateMonitor(), ModelCheckpoint(dirpath=tmp_path)], max_steps=3, enable_checkpointing=True)
     trainer.fit(Plain(), loader(TokenBatches(6, B, T, vocab=128)))
     (metrics,) = monitor.history
-    assert metrics["perf/tflops_per_device"] * 1e12 == pytest.approx(_hand_count() * metrics["perf/tokens_per_sec"])
-
-
-def test_compute_dtype_of_precision_plugins(monkeypatch):
-    assert compute_dtype_name(MixedPrecision("bf16-mixed", "cuda")) == "bf16"
-    assert compute_dtype_name(MixedPrecision("16-mixed", "cuda")) == "fp16"
-    assert compute_dtype_name(HalfPrecision("bf16-true")) == "bf16"
-    torch.set_float32_matmul_precision("highest")
-    assert compute_dtype_name(Precision()) == "fp32"
-    torch.set_float32_matmul_precision("high")
-    assert compute_dtype_name(Precision()) == "tf32"
-
-    class Ours(Precision):
-        compute_dtype = torch.bfloat16
-
-    class OurFloat8(Precision):
-        compute_dtype = torch.bfloat16
-        fp8 = True
-
-    class Custom(Precision):
-        pass
-
-    assert compute_dtype_name(Ours()) == "bf16"
-    assert compute_dtype_name(OurFloat8()) == "fp8"
-    assert compute_dtype_name(Custom()) is None  # not silently fp32
+    assert metrics["perf/tflops_per_device"] * 1e12 == pytest.approx(encoder_flops_per_token() * metrics["perf/tokens_per_sec"])
 
 
 def test_fp8_plugin_is_detected_and_custom_plugin_warns(tmp_path):
@@ -246,7 +185,7 @@ def test_on_gpu_bf16_mfu_is_plausible_and_memory_is_reported(tmp_path):
 
 @pytest.mark.parametrize("shape", ["nanogpt", "llama", "litgpt"])
 def test_monitor_counts_what_the_training_step_runs(tmp_path, shape):
-    from _module_shapes import SHAPES, hand_flops_per_token, shape_loader
+    from tests._module_shapes import SHAPES, hand_flops_per_token, shape_loader
 
     module = SHAPES[shape]()
     monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
@@ -258,7 +197,7 @@ def test_monitor_counts_what_the_training_step_runs(tmp_path, shape):
 
 
 def test_monitor_warns_when_it_must_count_a_forward_that_skips_positions(tmp_path):
-    from _module_shapes import NanoGPTModule, hand_flops_per_token, shape_loader
+    from tests._module_shapes import NanoGPTModule, hand_flops_per_token, shape_loader
 
     class Reads(NanoGPTModule):  # the step reads the loss, so it cannot run on meta tensors
         def training_step(self, batch, batch_idx):

@@ -6,13 +6,13 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
+from tests.helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
 from lightning_gpuopt.callbacks import MFUMonitor
 from lightning_gpuopt.callbacks import mfu_monitor as mfu_module
 
 wandb = pytest.importorskip("wandb")
 from lightning.pytorch.loggers import WandbLogger  # noqa: E402
-from wandb_reader import history_rows  # noqa: E402
+from tests.wandb_reader import history_rows  # noqa: E402
 
 
 def test_metrics_arrive_in_offline_wandb_run(tmp_path, monkeypatch):

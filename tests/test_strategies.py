@@ -59,7 +59,7 @@ def test_bad_input_names_the_fix():
 
 
 def test_a_foreign_module_named_gpt_is_estimated_from_its_parameters_and_measured_activations():
-    from _module_shapes import NanoGPT, SHAPES
+    from tests._module_shapes import NanoGPT, SHAPES
 
     class GPT(NanoGPT):  # nanoGPT's class name, not ours
         pass
@@ -93,7 +93,7 @@ def test_a_foreign_module_named_gpt_is_estimated_from_its_parameters_and_measure
 
 
 def test_a_module_s_own_activation_figure_is_used_and_named():
-    from _module_shapes import LitGPTModule
+    from tests._module_shapes import LitGPTModule
 
     module = LitGPTModule()
     module.activation_bytes = lambda micro_batch, block_size, precision: 7e9
@@ -104,7 +104,7 @@ def test_a_module_s_own_activation_figure_is_used_and_named():
 
 
 def test_a_foreign_module_without_what_is_needed_gets_the_fix():
-    from _module_shapes import LitGPTModule
+    from tests._module_shapes import LitGPTModule
 
     with pytest.raises(ValueError, match="pass block_size="):
         choose_strategy(LitGPTModule(), devices=2, device_memory=16e9)

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
-from _module_shapes import NanoGPTModule, shape_loader
+from tests._module_shapes import NanoGPTModule, shape_loader
 from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.data.resumable import not_exact_reason
