@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from lightning_gpuopt.model import GPT, PRESETS, GPTConfig
+from tests._paths import REPO
 
 # (n_layer, n_embd) of each GPT-2 family preset, from the papers, not from PRESETS itself.
 SHAPES = {"124m": (12, 768), "175m": (12, 1024), "355m": (24, 1024), "774m": (36, 1280), "1.5b": (48, 1600)}
@@ -76,10 +77,9 @@ def test_from_name_errors():
 
 
 def test_readme_preset_table_is_what_the_code_computes():
-    from pathlib import Path
 
     from lightning_gpuopt.model.summary import preset_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     table = readme.split("<!-- presets:start -->\n")[1].split("\n<!-- presets:end -->")[0]
     assert table == preset_table(), "regenerate with: python -m lightning_gpuopt.model.summary"
