@@ -7,13 +7,12 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_gpuopt import GPTModule, TextDataModule
-from lightning_gpuopt.cli import GPTCLI
 from lightning_gpuopt.callbacks import ExactResume
+from lightning_gpuopt.cli import GPTCLI
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.strategies import (
     AtomicModelParallelStrategy,
     choose_strategy,
-    end_distributed,
     estimate_memory,
     estimate_module_memory,
 )
@@ -59,7 +58,7 @@ def test_bad_input_names_the_fix():
 
 
 def test_a_foreign_module_named_gpt_is_estimated_from_its_parameters_and_measured_activations():
-    from tests._module_shapes import NanoGPT, SHAPES
+    from tests._module_shapes import SHAPES, NanoGPT
 
     class GPT(NanoGPT):  # nanoGPT's class name, not ours
         pass
@@ -133,18 +132,3 @@ def test_cli_gpuopt_auto_strategy(text_dir, cache_dir, caplog, memory_gb, expect
     cli = GPTCLI(GPTModule, TextDataModule, run=False, args=args)
     assert type(cli.trainer.strategy) is expected
     assert any(isinstance(c, ExactResume) for c in cli.trainer.callbacks)  # always added by the CLI
-
-
-def test_end_distributed_destroys_the_group_and_is_a_no_op_without_one():
-    import torch.distributed as dist
-
-    end_distributed()  # nothing started: nothing to do
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        sub = dist.new_group([0])
-        assert dist.is_initialized() and dist.get_world_size(sub) == 1
-        end_distributed()
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

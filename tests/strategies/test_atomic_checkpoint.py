@@ -12,6 +12,7 @@ import torch
 
 from lightning_gpuopt.strategies import atomic_checkpoint
 from lightning_gpuopt.strategies.atomic_checkpoint import checkpoint_to_load, partial_path, previous_path, swap_in
+from tests._paths import REPO, SCRIPTS
 
 
 def _folder(path: Path, step: int) -> Path:
@@ -111,9 +112,8 @@ def test_a_replaced_checkpoint_that_cannot_be_deleted_does_not_fail_the_save(tmp
 def test_fsdp2_ranks_agree_to_refuse_a_nonfinite_checkpoint(tmp_path, text_dir):
     """2 gloo processes, a diverging run: no rank writes its shard of a NaN checkpoint, every rank stops with
     NonFiniteCheckpointError, and last.ckpt is still the whole checkpoint of the step before."""
-    root = Path(__file__).resolve().parents[1]
-    script = root / "tests" / "scripts" / "fsdp_nonfinite_save.py"
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    script = SCRIPTS / "fsdp_nonfinite_save.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(text_dir)], env=env,
                           capture_output=True, text=True, timeout=400)
     outcomes = [(tmp_path / f"outcome_rank{r}.txt").read_text().splitlines() for r in (0, 1)]
