@@ -11,11 +11,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
-from tests._module_shapes import NanoGPTModule, shape_loader
 from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.data.resumable import not_exact_reason
 from lightning_gpuopt.model import GPTModule
+from tests._module_shapes import NanoGPTModule, shape_loader
 
 NOT_RESUMABLE = "your dataloader is not resumable"
 

@@ -20,8 +20,7 @@ import pytest
 from lightning_gpuopt import TextDataModule
 from lightning_gpuopt.data import default_cache_dir
 from lightning_gpuopt.data.cache import check_cache, file_fingerprint
-
-REPO = Path(__file__).resolve().parents[1]
+from tests._paths import REPO, SCRIPTS
 
 
 def _module(source, cache_dir, **kw) -> TextDataModule:
@@ -182,7 +181,7 @@ def test_concurrent_preparations_share_one_result(tmp_path, text_dir, caplog):
 def test_ddp_preparation_longer_than_the_process_group_timeout(tmp_path, text_dir):
     """Rank 0 prepares for longer than the process group's timeout; rank 1 waits, prepares nothing, reads the same files."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    script = Path(__file__).parent / "scripts" / "ddp_prepare.py"
+    script = SCRIPTS / "ddp_prepare.py"
     proc = subprocess.run([sys.executable, str(script), str(text_dir), str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=240, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]

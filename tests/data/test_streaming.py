@@ -13,8 +13,7 @@ import pytest
 
 from lightning_gpuopt.data import train_bpe_tokenizer
 from lightning_gpuopt.data.streaming import cut_pieces, file_pieces, text_pieces
-
-REPO = Path(__file__).resolve().parents[1]
+from tests._paths import REPO
 
 TRICKY = [
     "plain words and more words " * 50,

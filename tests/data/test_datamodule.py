@@ -1,5 +1,6 @@
+"""TextDataModule: tokenises once, caches by settings, splits, checks its tokenizer and the model, builds its loaders."""
+
 import json
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -10,60 +11,10 @@ import torch
 from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.data import (
     EOT_TOKEN,
-    RandomWindows,
     SequentialWindows,
     load_tokenizer,
-    resolve_source,
-    stdlib_files,
-    token_dtype,
     train_bpe_tokenizer,
-    write_tokens,
 )
-
-
-def test_bpe_round_trips_any_text():
-    texts = ["def main():\n    return 42\n", "naïve café — 日本語 🙂", "the quick brown fox"] * 20
-    tok = train_bpe_tokenizer(texts, vocab_size=300)
-    assert 257 <= tok.get_vocab_size() <= 300
-    assert tok.token_to_id(EOT_TOKEN) is not None
-    for text in texts[:3] + ["unseen words: zebra ⚡"]:
-        assert tok.decode(tok.encode(text).ids) == text
-
-
-def test_token_file_round_trip(tmp_path):
-    chunks = [np.arange(0, 1000), np.arange(60000, 65536)]
-    n = write_tokens(tmp_path / "t.bin", chunks, token_dtype(65536))
-    assert n == 1000 + 5536
-    data = np.memmap(tmp_path / "t.bin", dtype=np.uint16, mode="r")
-    assert np.array_equal(data, np.concatenate(chunks))
-    assert list(tmp_path.iterdir()) == [tmp_path / "t.bin"]  # no temporary file left behind
-
-
-def test_token_dtype_widens_for_large_vocabularies():
-    assert token_dtype(50304) == np.uint16
-    assert token_dtype(65537) == np.uint32
-
-
-def test_write_tokens_refuses_ids_that_do_not_fit(tmp_path):
-    with pytest.raises(ValueError, match="does not fit in uint16"):
-        write_tokens(tmp_path / "t.bin", [np.array([70000])], np.dtype(np.uint16))
-    assert not any(tmp_path.iterdir())
-
-
-def test_windows_are_shifted_pairs_and_deterministic(tmp_path):
-    write_tokens(tmp_path / "t.bin", [np.arange(500)], np.dtype(np.uint16))
-    ds = RandomWindows(tmp_path / "t.bin", "uint16", 100, 400, block_size=16, seed=3)
-    assert len(ds) == 300 // 16
-    x, y = ds[4]
-    assert x.dtype == torch.long and x.shape == y.shape == (16,)
-    assert torch.equal(y[:-1], x[1:]) and y[-1] == x[-1] + 1
-    assert 100 <= x[0] and y[-1] < 400  # inside the span
-    assert torch.equal(RandomWindows(tmp_path / "t.bin", "uint16", 100, 400, 16, seed=3)[4][0], x)
-    starts = {int(ds[i][0][0]) for i in range(len(ds))}
-    assert len(starts) > 10  # random offsets, not one window repeated
-    seq = SequentialWindows(tmp_path / "t.bin", "uint16", 0, 500, block_size=16)
-    assert len(seq) == 499 // 16
-    assert torch.equal(seq[2][0], torch.arange(32, 48))
 
 
 def _module(text_dir, cache_dir, **kw) -> TextDataModule:
@@ -133,55 +84,10 @@ def test_given_tokenizer_sets_vocab_size(tmp_path, text_dir, cache_dir):
     assert dm.tokenizer.get_vocab().keys() == tok.get_vocab().keys()
 
 
-def test_sources(tmp_path, text_dir):
-    assert len(stdlib_files()) > 300
-    assert not any("site-packages" in p.parts or "test" in p.parts for p in stdlib_files())
-    assert resolve_source(str(text_dir / "doc0.txt")).description.endswith("doc0.txt")
-    assert resolve_source(str(text_dir / "*.txt")).description.startswith("4 files")
-    assert resolve_source(str(text_dir)).description.startswith("4 files under")
-
-
 def _write(path: Path, content) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
     return path
-
-
-@pytest.mark.parametrize(
-    "make_source, match",
-    [
-        (lambda d: str(d / "missing"), "does not exist: use 'stdlib'"),
-        (lambda d: str(d / "nothing-*.txt"), "matches no files"),
-        (lambda d: str(_write(d / "imgs" / "a.png", b"\x89PNG").parent), "folder with no .txt"),
-        (lambda d: "  ", "data.source is empty"),
-    ],
-)
-def test_bad_sources_are_named(tmp_path, cache_dir, make_source, match):
-    with pytest.raises(ValueError, match=match):
-        TextDataModule(source=make_source(tmp_path), cache_dir=str(cache_dir))
-
-
-def test_empty_corpus(tmp_path, cache_dir):
-    _write(tmp_path / "c" / "a.txt", "")
-    _write(tmp_path / "c" / "b.txt", "")
-    dm = TextDataModule(source=str(tmp_path / "c"), vocab_size=300, cache_dir=str(cache_dir))
-    with pytest.raises(ValueError, match="is empty: data.source holds no text"):
-        dm.prepare_data()
-    assert not (dm.data_dir / "meta.json").exists()
-
-
-def test_corpus_shorter_than_a_block(tmp_path, cache_dir):
-    _write(tmp_path / "short.txt", "just a few words of text")
-    dm = TextDataModule(source=str(tmp_path / "short.txt"), block_size=256, vocab_size=300, cache_dir=str(cache_dir))
-    with pytest.raises(ValueError, match=r"too short: .* fewer than one training window of block_size \+ 1 = 257"):
-        dm.setup("fit")
-
-
-def test_unreadable_file_is_named(tmp_path, cache_dir):
-    bad = _write(tmp_path / "c" / "latin1.txt", "caf\xe9".encode("latin-1"))
-    dm = TextDataModule(source=str(bad.parent), vocab_size=300, cache_dir=str(cache_dir))
-    with pytest.raises(ValueError, match=r"Cannot read training text from .*latin1.txt.*UTF-8"):
-        dm.prepare_data()
 
 
 def test_bad_tokenizer_files(tmp_path, text_dir, cache_dir):
@@ -229,17 +135,6 @@ def test_data_block_longer_than_model_fails(text_dir, cache_dir):
         trainer.fit(model, datamodule=dm)
 
 
-def test_hf_source_without_datasets_names_the_package():
-    try:
-        import datasets  # noqa: F401
-
-        pytest.skip("datasets is installed")
-    except ImportError:
-        pass
-    with pytest.raises(ImportError, match="pip install datasets"):
-        resolve_source("hf:wikitext:wikitext-103-raw-v1")
-
-
 def test_default_cache_dir_honours_environment(monkeypatch, tmp_path):
     from lightning_gpuopt.data import default_cache_dir
 
@@ -259,3 +154,17 @@ def test_dataloader_settings(text_dir, cache_dir):
     dm.batch_size = 2  # a callback may change it; the next loader follows
     assert dm.train_dataloader().batch_size == 2
     assert not dm.val_dataloader().drop_last
+
+
+def test_datamodule_loader_does_not_touch_the_global_rng(text_dir, cache_dir):
+    dm = TextDataModule(source=str(text_dir), block_size=16, batch_size=2, vocab_size=300, num_workers=0)
+    dm.setup("fit")
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    first = next(iter(dm.train_dataloader()))[0]
+    next(iter(dm.val_dataloader()))
+    assert torch.equal(torch.rand(1), expected)
+    dm.load_state_dict({"train_epoch": 0, "train_position": 2})
+    assert torch.equal(next(iter(dm.train_dataloader()))[0][0], dm.datasets["train"][2][0])
+    assert torch.equal(first[0], dm.datasets["train"][0][0])
