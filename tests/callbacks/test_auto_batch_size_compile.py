@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from lightning_gpuopt.callbacks import AutoBatchSize
-from tests._auto_batch_helpers import OOMAbove, TokenData
+from tests.callbacks._auto_batch_helpers import OOMAbove, TokenData
 
 
 @pytest.fixture

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from lightning.pytorch import Trainer
 
-from tests.helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
 from lightning_gpuopt.callbacks import MFUMonitor
 from lightning_gpuopt.callbacks import mfu_monitor as mfu_module
+from tests.callbacks._mfu_helpers import ClockedGPTModule, FakeClock, TokenBatches, loader
 
 wandb = pytest.importorskip("wandb")
 from lightning.pytorch.loggers import WandbLogger  # noqa: E402
-from tests.wandb_reader import history_rows  # noqa: E402
+
+from tests.callbacks._wandb_reader import history_rows  # noqa: E402
 
 
 def test_metrics_arrive_in_offline_wandb_run(tmp_path, monkeypatch):

@@ -4,11 +4,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_mfu.py"
+from tests._paths import SCRIPTS
+
+SCRIPT = SCRIPTS / "ddp_mfu.py"
 
 
 def test_world_size_scaling_in_two_process_ddp(tmp_path):

@@ -1,7 +1,6 @@
 """The callbacks are configurable from YAML (jsonargparse, as the gpuopt / Lightning CLI uses), and every
 shipped recipe builds the stack."""
 
-from pathlib import Path
 
 import pytest
 import yaml
@@ -11,6 +10,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor, NonFiniteGuard
 from lightning_gpuopt.plugins import BF16Precision
+from tests._paths import REPO
 
 CONFIG = """
 cuda:
@@ -41,7 +41,7 @@ def test_yaml_config_builds_both_callbacks():
     cuda._restore()
 
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
+CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 
 
 def _stack_parser() -> ArgumentParser:

@@ -10,10 +10,10 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor
 
-from tests.helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
 from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor
-from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.callbacks.cuda_settings import _capture
+from lightning_gpuopt.model import GPTModule
+from tests.callbacks._mfu_helpers import ClockedGPTModule, FakeClock, TokenBatches, loader
 
 
 def _known_state(monkeypatch):

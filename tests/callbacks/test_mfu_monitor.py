@@ -10,11 +10,11 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from tests.helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader
-from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.callbacks import MFUMonitor
 from lightning_gpuopt.callbacks import mfu_monitor as mfu_module
+from lightning_gpuopt.model import GPTModule
 from tests._module_shapes import EncoderLM, encoder_flops_per_token
+from tests.callbacks._mfu_helpers import ClockedGPTModule, FakeClock, TokenBatches, loader
 
 B, T = 2, 32
 

@@ -4,104 +4,22 @@ per-micro-batch losses must equal an uninterrupted run's bit for bit (CPU, deter
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from lightning_gpuopt.data import RandomWindows, TextDataModule, write_tokens
-from lightning_gpuopt.data.sampler import ResumableSampler, stream_indices
-from lightning_gpuopt.resume import capture_rng_state, restore_rng_state, rollback_fit_loop_state
+from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.strategies.atomic_checkpoint import partial_path
+from tests._paths import SCRIPTS
 
-SCRIPT = Path(__file__).parent / "scripts" / "resume_fit.py"
+SCRIPT = SCRIPTS / "resume_fit.py"
 # CUBLAS_WORKSPACE_CONFIG: deterministic cuBLAS for the GPU variant (the script turns on deterministic algorithms).
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-
-
-# ------------------------------------------------------------------------------------ plain parts
-def test_stream_indices_split_ranks_and_resume_mid_epoch():
-    assert list(stream_indices(0, 8)) == list(range(8))
-    assert list(stream_indices(1, 8, start=2, rank=1, world_size=2)) == [11, 13, 15]
-    both = sorted(list(stream_indices(2, 9, world_size=2, rank=0)) + list(stream_indices(2, 9, world_size=2, rank=1)))
-    assert both == list(range(18, 26))  # the odd tail is dropped so ranks read as many
-    # A resume with another number of ranks: any start, and every rank still reads as many.
-    ranks = [list(stream_indices(0, 10, start=3, rank=r, world_size=2)) for r in (0, 1)]
-    assert ranks == [[3, 5, 7], [4, 6, 8]]
-    assert [list(ResumableSampler(range(10), num_replicas=3, rank=r, start=4)) for r in range(3)] == [[4, 7], [5, 8], [6, 9]]
-    with pytest.raises(ValueError, match="start=-1"):
-        ResumableSampler(range(10), start=-1)
-
-
-def test_sample_k_is_the_same_window_for_every_batch_size(tmp_path):
-    write_tokens(tmp_path / "t.bin", [np.arange(5000) % 300], np.dtype(np.uint16))
-    ds = RandomWindows(tmp_path / "t.bin", "uint16", 0, 5000, block_size=8, length=12, seed=1)
-    sampler = ResumableSampler(ds, epoch=1)
-    whole = [ds[i][0] for i in sampler]
-    assert len(sampler) == 12 and len(whole) == 12
-    sampler.load_state_dict({"epoch": 1, "start": 5})
-    tail = [ds[i][0] for i in sampler]
-    assert all(torch.equal(a, b) for a, b in zip(whole[5:], tail))
-    assert not torch.equal(ds[0][0], ds[12][0])  # epoch 1 draws new windows
-    sampler.set_epoch(1)
-    assert sampler.start == 5  # same epoch: a resume keeps its position
-    sampler.set_epoch(2)
-    assert sampler.start == 0 and next(iter(sampler)) == 24
-
-
-def test_datamodule_loader_does_not_touch_the_global_rng(text_dir, cache_dir):
-    dm = TextDataModule(source=str(text_dir), block_size=16, batch_size=2, vocab_size=300, num_workers=0)
-    dm.setup("fit")
-    torch.manual_seed(0)
-    expected = torch.rand(1)
-    torch.manual_seed(0)
-    first = next(iter(dm.train_dataloader()))[0]
-    next(iter(dm.val_dataloader()))
-    assert torch.equal(torch.rand(1), expected)
-    dm.load_state_dict({"train_epoch": 0, "train_position": 2})
-    assert torch.equal(next(iter(dm.train_dataloader()))[0][0], dm.datasets["train"][2][0])
-    assert torch.equal(first[0], dm.datasets["train"][0][0])
-
-
-def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
-    state = capture_rng_state()
-    torch.save({"rng": state}, tmp_path / "r.pt")
-    expected = (torch.rand(2), np.random.rand(), random.random())
-    restore_rng_state(torch.load(tmp_path / "r.pt", weights_only=True)["rng"])
-    assert torch.equal(torch.rand(2), expected[0]) and np.random.rand() == expected[1] and random.random() == expected[2]
-
-
-def test_rollback_to_the_step_boundary():
-    counts = lambda n: {"ready": n, "started": n, "processed": n, "completed": n}  # noqa: E731
-    state = {
-        "epoch_loop.batch_progress": {"total": counts(25), "current": counts(5), "is_last_batch": False},
-        "epoch_loop.automatic_optimization.optim_progress": {"optimizer": {
-            "step": {"total": {"ready": 12, "completed": 12}, "current": {"ready": 2, "completed": 2}},
-            "zero_grad": {"total": {"ready": 13, "started": 13, "completed": 13},
-                          "current": {"ready": 3, "started": 3, "completed": 3}},
-        }},
-    }
-    rollback_fit_loop_state(state, 4)
-    assert state["epoch_loop.batch_progress"]["total"] == counts(24)
-    assert state["epoch_loop.batch_progress"]["current"] == counts(4)
-    zero_grad = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["zero_grad"]
-    assert zero_grad["total"]["completed"] == 12 and zero_grad["current"]["started"] == 2
-    rollback_fit_loop_state(state, 4)  # a second application changes nothing
-    assert state["epoch_loop.batch_progress"]["total"] == counts(24)
-    with pytest.raises(ValueError, match="Cannot roll back to batch 5"):
-        rollback_fit_loop_state(state, 5)
-    # An exception inside the first micro-batch of a step: batch 4 started, not processed.
-    state["epoch_loop.batch_progress"]["total"].update(ready=25, started=25)
-    state["epoch_loop.batch_progress"]["current"].update(ready=5, started=5)
-    rollback_fit_loop_state(state, 4)
-    assert state["epoch_loop.batch_progress"]["total"] == counts(24)
-    assert state["epoch_loop.batch_progress"]["current"] == counts(4)
 
 
 # --------------------------------------------------------------------------- real processes + signals

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lightning_gpuopt.callbacks import AutoBatchSize
-from lightning_gpuopt.plugins import BF16Precision
-from tests._auto_batch_helpers import TokenData
 from lightning_gpuopt.model import GPTModule
+from lightning_gpuopt.plugins import BF16Precision
+from tests.callbacks._auto_batch_helpers import TokenData
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

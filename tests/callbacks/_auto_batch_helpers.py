@@ -1,4 +1,5 @@
-"""A tiny GPT that runs out of memory like a GPU would, and deterministic token data, for AutoBatchSize tests."""
+"""For AutoBatchSize tests: a tiny GPT that runs out of memory like a GPU would, deterministic token data,
+a quiet CPU Trainer."""
 
 from __future__ import annotations
 
@@ -90,3 +91,18 @@ class StepRecorder(pl.Callback):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.losses.append(sum(self._buffer))
             self.samples.append(sorted(self._seen))
+
+
+def cpu_trainer(callbacks, max_steps=4, **kw) -> pl.Trainer:
+    """A quiet one-device CPU Trainer (no logger, no checkpoints unless asked)."""
+    kw.setdefault("logger", False)
+    kw.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **kw,
+    )

@@ -7,8 +7,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_gpuopt.callbacks import NonFiniteError, NonFiniteGuard
+from tests.callbacks.test_nonfinite_guard import PoisonedGPT, Snapshots, _equal, _loader, _trainer
 from tests.test_no_host_sync import fused_optimizers
-from tests.test_nonfinite_guard import PoisonedGPT, Snapshots, _equal, _loader, _trainer
 
 
 class FusedPoisonedGPT(PoisonedGPT):
@@ -54,7 +54,7 @@ def test_consecutive_bad_steps_stop_at_the_read():
 
 
 def test_deferred_needs_a_fused_optimizer():
-    from tests.test_nonfinite_guard import _model as plain_model
+    from tests.callbacks.test_nonfinite_guard import _model as plain_model
 
     trainer = _trainer(callbacks=[NonFiniteGuard(mode="deferred")], max_steps=2)
     with pytest.raises(ValueError, match=r"mode='deferred'.*fused torch.optim optimizer.*got AdamW.*Use mode='step'"):
@@ -62,7 +62,7 @@ def test_deferred_needs_a_fused_optimizer():
 
 
 def test_auto_checks_every_step_with_a_plain_optimizer():
-    from tests.test_nonfinite_guard import _model as plain_model
+    from tests.callbacks.test_nonfinite_guard import _model as plain_model
 
     guard = NonFiniteGuard()
     trainer = _trainer(callbacks=[guard], max_steps=4)
