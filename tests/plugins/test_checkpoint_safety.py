@@ -1,4 +1,5 @@
-"""Checkpoint safety: NaN/Inf weights are never written, temporary files of killed saves are removed, a full disk is reported."""
+"""Checkpoint safety: NaN/Inf weights are never written, temporary files of killed saves are removed, a full disk
+is reported."""
 
 from __future__ import annotations
 

@@ -10,9 +10,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_gpuopt.model.optim import build_adamw
 from lightning_gpuopt.plugins import BF16Precision
-from tests.test_nonfinite_guard import _loader
+from tests.callbacks.test_nonfinite_guard import _loader
 from tests.test_no_host_sync import FusedGPT
 
 

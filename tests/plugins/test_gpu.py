@@ -2,7 +2,7 @@
 
 Not runnable on CPU: real FP8 tensor-core matmuls (``torch._scaled_mm`` on SM 8.9+) and the speed of a
 compiled float8 step. The fp16 fallback is tested on CPU with a simulated capability check
-(tests/test_plugins.py); here it is checked on a real GPU that lacks bf16, when there is one.
+(tests/plugins/test_bf16.py); here it is checked on a real GPU that lacks bf16, when there is one.
 """
 
 from __future__ import annotations

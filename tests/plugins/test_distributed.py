@@ -1,6 +1,6 @@
 """BF16Precision and Float8Precision under DDP and ModelParallelStrategy (FSDP2), 2 CPU processes (gloo).
 
-Each case runs ``_plugins_distributed_script.py`` in a subprocess (Lightning launches the second rank).
+Each case runs ``_distributed_script.py`` in a subprocess (Lightning launches the second rank).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("_plugins_distributed_script.py")
+SCRIPT = Path(__file__).with_name("_distributed_script.py")
 
 
 def _run(plugin: str, strategy: str, tmp_path: Path) -> dict:
@@ -47,7 +47,7 @@ def test_plugins_on_two_cpu_processes(plugin, strategy, tmp_path):
         assert s["ranks_agree"]
     if plugin == "fp8":
         assert s["float8_layers"] == 8
-        assert s["state_dict_keys"] == 29  # as the unconverted tiny GPTModule (test_plugins.py checks names + dtypes)
+        assert s["state_dict_keys"] == 29  # as the unconverted tiny GPTModule (test_float8.py checks names + dtypes)
         if strategy == "fsdp2":
             # tensorwise + FSDP2: weights all-gathered in float8, scales precomputed after every step
             assert s["float8_all_gather"] and s["float8_weights"] == 8

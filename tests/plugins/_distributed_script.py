@@ -1,6 +1,6 @@
 """Trains a tiny GPTModule with one of our precision plugins on 2 CPU processes (gloo).
 
-Run by tests/test_plugins_distributed.py as ``python _plugins_distributed_script.py PLUGIN STRATEGY OUT``
+Run by tests/plugins/test_distributed.py as ``python _distributed_script.py PLUGIN STRATEGY OUT``
 with PLUGIN in {bf16, fp8} and STRATEGY in {ddp, fsdp2}; rank 0 writes a JSON summary to OUT.
 bf16 under FSDP2 also turns on activation checkpointing, and the summary counts how often the first
 block's forward runs (twice per step when the backward recomputes it).
@@ -13,16 +13,16 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, not an installed copy
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, not an installed copy
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 
-from lightning_gpuopt.plugins import BF16Precision, Float8Precision  # noqa: E402
-from tests._plugins_helpers import LossRecorder, token_loader  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
+from lightning_gpuopt.plugins import BF16Precision, Float8Precision  # noqa: E402
 from tests._process_exit import finish  # noqa: E402
+from tests.plugins._helpers import LossRecorder, token_loader  # noqa: E402
 
 
 class BlockCalls(pl.Callback):
