@@ -1,4 +1,5 @@
-"""Package checkpoints: weights_only loading, load_gpt into a plain GPT, compiled keys, clear errors for broken or foreign files."""
+"""Package checkpoints: weights_only loading, load_gpt into a plain GPT, compiled keys, clear errors for broken
+or foreign files."""
 
 from __future__ import annotations
 

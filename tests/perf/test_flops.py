@@ -10,9 +10,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_gpuopt.perf.flops import forward_positions, measure_training_flops, training_step_flops
 from tests._module_shapes import (
     SHAPES,
-    T,
     EncoderLM,
     NanoGPTModule,
+    T,
     encoder_flops_per_token,
     hand_flops_per_token,
     shape_loader,
