@@ -73,14 +73,14 @@ PIECES = {
     "MFUMonitor": (lambda: MFUMonitor(log_every_n_steps=1, warmup_steps=0, peak_flops=1e12), False),
     "NonFiniteGuard": (lambda: NonFiniteGuard(), False),
     "ExactResume": (lambda: ExactResume(), False),
-    "SigtermCheckpoint": (lambda: SigtermCheckpoint(), False),  # saves on SIGTERM only: tests/test_sigterm_checkpoint.py
+    "SigtermCheckpoint": (lambda: SigtermCheckpoint(), False),  # saves on SIGTERM only: tests/callbacks/test_sigterm_checkpoint.py
     "CUDASettings": (lambda: CUDASettings(), False),
     "BF16Precision": (lambda: BF16Precision(), True),
     "Float8Precision": (lambda: Float8Precision(emulate=True, module_filter=["lm_head"]), True),
     "AtomicCheckpointIO": (lambda: AtomicCheckpointIO(), True),
 }
 # Exported, but not a piece to run here: exceptions, and AutoBatchSize, which searches GPU memory
-# (CPU runs need max_micro_batch_size and a loader it can resize; tests/test_auto_batch_size*.py).
+# (CPU runs need max_micro_batch_size and a loader it can resize; tests/callbacks/test_auto_batch_size*.py).
 NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize"}
 
 
