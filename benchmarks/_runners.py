@@ -2,7 +2,7 @@
 
 Both runners build a fresh model from the same seed, read the same ``TextDataModule`` training
 windows, run ``warmup_steps`` optimizer steps unmeasured and then ``steps`` measured ones, and
-return a dict of plain numbers (see ``_result``). Start-up (model building, float8 conversion,
+return a dict of plain numbers (see ``_MeasuredRun.result``). Start-up (model building, float8 conversion,
 the ``AutoBatchSize`` search) and warm-up (compilation) are timed separately from the steps.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -84,39 +85,57 @@ def cleanup(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _result(
-    name: str,
-    settings: BenchSettings,
-    device: torch.device,
-    clock: StepClock,
-    tokens_per_step: list[int],
-    begin: float,
-    train_start: float,
-    fit_start: Optional[float],
-    micro_batch_size: int,
-    accumulate: int,
-    first_batch_sum: Optional[int],
-    first_loss: Optional[float],
-) -> dict[str, Any]:
-    warmup = settings.warmup_steps
-    if len(clock) < warmup + settings.steps:
-        raise RuntimeError(f"{name} stopped after {len(clock)} optimizer steps, expected {warmup + settings.steps}.")
-    seconds = clock.intervals(start=warmup - 1)[: settings.steps]  # steps warmup+1 ... warmup+steps
-    tokens = tokens_per_step[warmup : warmup + len(seconds)]
-    return {
-        "status": "ok",
-        "micro_batch_size": micro_batch_size,
-        "accumulate_grad_batches": accumulate,
-        "tokens_per_step": tokens[0] if len(set(tokens)) == 1 else tokens,
-        "step_times_s": seconds,
-        "tokens_per_s": sum(tokens) / sum(seconds),
-        "startup_s": train_start - begin,
-        "search_s": None if fit_start is None else train_start - fit_start,
-        "warmup_s": clock.wall(warmup - 1) - train_start,
-        "peak_memory_gb": _peak_memory_gb(device),
-        "first_batch_token_sum": first_batch_sum,
-        "first_loss": first_loss,
-    }
+@dataclass
+class _MeasuredRun:
+    """What one run recorded, turned into its result row by ``result``.
+
+    Args:
+        name: The configuration, for the error message of a run that stopped early.
+        clock: Marks of every optimizer step.
+        tokens_per_step: Tokens of each optimizer step.
+        begin: ``perf_counter`` when the runner started (start-up is measured from here).
+        train_start: When the first training step began (start-up ends, warm-up begins).
+        micro_batch_size: Sequences per forward/backward pass.
+        accumulate: Micro-batches per optimizer step.
+        fit_start: When ``fit`` began; set only where ``AutoBatchSize`` searched (``search_s``).
+        first_batch_sum: Sum of the first batch's token ids (checks that runs read the same data).
+        first_loss: Loss of the first micro-batch (checks that runs train the same model).
+    """
+
+    name: str
+    clock: StepClock
+    tokens_per_step: list[int]
+    begin: float
+    train_start: float
+    micro_batch_size: int
+    accumulate: int
+    fit_start: Optional[float] = None
+    first_batch_sum: Optional[int] = None
+    first_loss: Optional[float] = None
+
+    def result(self, settings: BenchSettings, device: torch.device) -> dict[str, Any]:
+        """The measured steps (after ``settings.warmup_steps``) as a dict of plain numbers."""
+        warmup, clock = settings.warmup_steps, self.clock
+        if len(clock) < warmup + settings.steps:
+            raise RuntimeError(
+                f"{self.name} stopped after {len(clock)} optimizer steps, expected {warmup + settings.steps}."
+            )
+        seconds = clock.intervals(start=warmup - 1)[: settings.steps]  # steps warmup+1 ... warmup+steps
+        tokens = self.tokens_per_step[warmup : warmup + len(seconds)]
+        return {
+            "status": "ok",
+            "micro_batch_size": self.micro_batch_size,
+            "accumulate_grad_batches": self.accumulate,
+            "tokens_per_step": tokens[0] if len(set(tokens)) == 1 else tokens,
+            "step_times_s": seconds,
+            "tokens_per_s": sum(tokens) / sum(seconds),
+            "startup_s": self.train_start - self.begin,
+            "search_s": None if self.fit_start is None else self.train_start - self.fit_start,
+            "warmup_s": clock.wall(warmup - 1) - self.train_start,
+            "peak_memory_gb": _peak_memory_gb(device),
+            "first_batch_token_sum": self.first_batch_sum,
+            "first_loss": self.first_loss,
+        }
 
 
 class _StepTimer(Callback):
@@ -214,14 +233,18 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
     finally:
         profiler.close()
     auto = parts.auto_batch
-    result = _result(
-        name, settings, device, timer.clock, timer.tokens_per_step, begin, timer.train_start,
-        timer.fit_start if auto is not None else None,
+    result = _MeasuredRun(
+        name=name,
+        clock=timer.clock,
+        tokens_per_step=timer.tokens_per_step,
+        begin=begin,
+        train_start=timer.train_start,
         micro_batch_size=data.batch_size,
         accumulate=trainer.accumulate_grad_batches,
+        fit_start=timer.fit_start if auto is not None else None,
         first_batch_sum=timer.first_batch_sum,
         first_loss=timer.first_loss,
-    )
+    ).result(settings, device)
     if profiler.summary is not None:
         result["profile"] = profiler.summary
     if auto is not None:
@@ -305,10 +328,17 @@ def run_torch_loop(
             clock.mark()
             tokens_per_step.append(tokens)
             profiler.tick(len(clock))
-        result = _result(
-            "torch-loop", settings, device, clock, tokens_per_step, begin, train_start, None,
-            micro_batch_size, accumulate, first_batch_sum, first_loss,
-        )
+        result = _MeasuredRun(
+            name="torch-loop",
+            clock=clock,
+            tokens_per_step=tokens_per_step,
+            begin=begin,
+            train_start=train_start,
+            micro_batch_size=micro_batch_size,
+            accumulate=accumulate,
+            first_batch_sum=first_batch_sum,
+            first_loss=first_loss,
+        ).result(settings, device)
         if profiler.summary is not None:
             result["profile"] = profiler.summary
         return result

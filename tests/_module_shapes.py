@@ -7,6 +7,9 @@
 * ``LitGPTModule``: litgpt's shape: ``forward(idx)`` returns logits for every position, grouped-query
   attention with a fused QKV projection, the loss computed in ``training_step``.
 
+* ``EncoderLM``: a plain ``nn.TransformerEncoder`` language model (no LightningModule), with its
+  hand count in ``encoder_flops_per_token``.
+
 All dimensions are multiples of 16. ``hand_flops_per_token`` is the PaLM count (6 FLOPs per matmul
 weight per token, plus 12·L·d·T for attention) that the FLOPs tests compare against.
 """
@@ -209,3 +212,23 @@ class Tokens(Dataset):
 
 def shape_loader(shape: str, batch_size: int = 4, n: int = 32) -> DataLoader:
     return DataLoader(Tokens(n, as_dict=shape == "llama"), batch_size=batch_size)
+
+
+class EncoderLM(nn.Module):
+    """Embedding, ``nn.TransformerEncoder`` and a linear head: a model written with torch's own layers."""
+
+    def __init__(self, vocab: int = 128, d: int = 64, dff: int = 256, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 4, dff, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.head(self.enc(self.emb(x)))
+
+
+def encoder_flops_per_token(vocab: int = 128, d: int = 64, dff: int = 256, layers: int = 2, seq: int = T) -> int:
+    """Training FLOPs per token of ``EncoderLM`` by hand (biases and LayerNorms not counted)."""
+    # per token: 2 FLOPs per matmul weight forward, 4 backward; attention QK^T and AV: 2*2*T*d forward, x3
+    return 6 * (layers * (4 * d * d + 2 * d * dff) + d * vocab) + 12 * layers * d * seq

@@ -19,7 +19,7 @@ from torch import nn
 
 import lightning_gpuopt.callbacks as callbacks_pkg
 import lightning_gpuopt.plugins as plugins_pkg
-from _module_shapes import SHAPES, T, LoaderData, NoForwardModule, hand_flops_per_token, shape_loader
+from tests._module_shapes import SHAPES, T, LoaderData, NoForwardModule, hand_flops_per_token, shape_loader
 from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard, SigtermCheckpoint
 from lightning_gpuopt.plugins import AtomicCheckpointIO, BF16Precision, Float8Precision
 
@@ -73,7 +73,7 @@ PIECES = {
     "MFUMonitor": (lambda: MFUMonitor(log_every_n_steps=1, warmup_steps=0, peak_flops=1e12), False),
     "NonFiniteGuard": (lambda: NonFiniteGuard(), False),
     "ExactResume": (lambda: ExactResume(), False),
-    "SigtermCheckpoint": (lambda: SigtermCheckpoint(), False),  # saves on SIGTERM only: tests/test_sigterm_checkpoint.py
+    "SigtermCheckpoint": (lambda: SigtermCheckpoint(), False),  # saves on SIGTERM only: tests/callbacks/test_sigterm_checkpoint.py
     "CUDASettings": (lambda: CUDASettings(), False),
     "BF16Precision": (lambda: BF16Precision(), True),
     "Float8Precision": (lambda: Float8Precision(emulate=True, module_filter=["lm_head"]), True),

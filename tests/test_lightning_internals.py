@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 
-from _module_shapes import NanoGPTModule, shape_loader
+from tests._module_shapes import NanoGPTModule, shape_loader
 from lightning_gpuopt.lightning_internals import show_in_progress_bar, wrap_train_dataloader
 
 

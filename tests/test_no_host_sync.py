@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_gpuopt.callbacks import MFUMonitor, NonFiniteGuard
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.model.optim import build_adamw
-from tests.test_nonfinite_guard import _loader
+from tests.callbacks.test_nonfinite_guard import _loader
 
 PACKAGE = "/lightning_gpuopt/"
 LOG_EVERY, ACCUMULATE = 5, 2

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from lightning_gpuopt.callbacks import AutoBatchSize, ExactResume
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.protocols import ResumableData, SavesAlone
-from tests._auto_batch_helpers import OOMAbove, StepRecorder, TokenData
+from tests.callbacks._auto_batch_helpers import OOMAbove, StepRecorder, TokenData
 
 
 def _trainer(callbacks, max_steps, tmp_path) -> pl.Trainer:
@@ -123,7 +123,7 @@ def test_contract_with_modules_written_elsewhere(shape, tmp_path):
     the micro-batch it claims is the one every training batch holds, the global batch is kept, two fits in a
     row with the same instance, a weights_only checkpoint and a state_dict round trip. With the module's own
     loader there is no batch size to set: the clear error, before any step."""
-    from _module_shapes import SHAPES, LoaderData, NoForwardModule, shape_loader
+    from tests._module_shapes import SHAPES, LoaderData, NoForwardModule, shape_loader
 
     make = {**SHAPES, "noforward": NoForwardModule}[shape]
     data_shape = "litgpt" if shape == "noforward" else shape

@@ -11,11 +11,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
-from _module_shapes import NanoGPTModule, shape_loader
 from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.data.resumable import not_exact_reason
 from lightning_gpuopt.model import GPTModule
+from tests._module_shapes import NanoGPTModule, shape_loader
 
 NOT_RESUMABLE = "your dataloader is not resumable"
 
@@ -129,9 +129,10 @@ def test_own_loader_resumes_exactly_under_two_process_ddp(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "ddp_own_loader_resume.py"
+    from tests._paths import SCRIPTS
+
+    script = SCRIPTS / "ddp_own_loader_resume.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=240)

@@ -7,8 +7,16 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from _module_shapes import SHAPES, T, NanoGPTModule, hand_flops_per_token, shape_loader
-from lightning_gpuopt.perf.flops import forward_positions, training_step_flops
+from lightning_gpuopt.perf.flops import forward_positions, measure_training_flops, training_step_flops
+from tests._module_shapes import (
+    SHAPES,
+    EncoderLM,
+    NanoGPTModule,
+    T,
+    encoder_flops_per_token,
+    hand_flops_per_token,
+    shape_loader,
+)
 
 B = 4
 
@@ -97,3 +105,22 @@ def test_a_step_that_reads_a_value_or_steps_manually_raises():
         training_step_flops(Reads(), batch)
     with pytest.raises(ValueError, match="automatic_optimization=False"):
         training_step_flops(Manual(), batch)
+
+
+def test_flops_of_a_foreign_model_match_a_hand_count():
+    model = EncoderLM()
+    flops = measure_training_flops(model, torch.zeros(2, T, dtype=torch.long))
+    assert flops / (2 * T) == encoder_flops_per_token()
+    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())  # untouched
+
+
+def test_flops_of_a_model_with_tied_embeddings():
+    # GPT ties lm_head to the token embedding: one tensor under two names.
+    from lightning_gpuopt.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=512, block_size=T))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    flops = measure_training_flops(model, torch.zeros(2, T, dtype=torch.long)) / (2 * T)
+    # PaLM's 6N counts the biases and LayerNorm weights too, as if they were matmul weights.
+    vectors = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    assert flops == model.flops_per_token(T) - 6 * vectors

@@ -7,10 +7,9 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Trainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_perf
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from helpers_perf import ClockedGPTModule, FakeClock, TokenBatches, loader  # noqa: E402
+from tests.callbacks._mfu_helpers import ClockedGPTModule, FakeClock, TokenBatches, loader  # noqa: E402
 from lightning_gpuopt.callbacks import MFUMonitor  # noqa: E402
 from tests._process_exit import finish  # noqa: E402
 

@@ -16,11 +16,10 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the module shapes
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from _module_shapes import NanoGPTModule, shape_loader  # noqa: E402
 from lightning_gpuopt.callbacks import ExactResume  # noqa: E402
+from tests._module_shapes import NanoGPTModule, shape_loader  # noqa: E402
 from tests._process_exit import finish  # noqa: E402
 
 

@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
 import torch  # noqa: E402
@@ -22,7 +21,7 @@ from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint  # noqa: E402
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
 
-from _module_shapes import NanoGPTModule, shape_loader  # noqa: E402
+from tests._module_shapes import NanoGPTModule, shape_loader  # noqa: E402
 from lightning_gpuopt.callbacks import ExactResume  # noqa: E402
 from lightning_gpuopt.plugins import AtomicCheckpointIO  # noqa: E402
 

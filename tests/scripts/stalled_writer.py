@@ -1,4 +1,4 @@
-"""Starts an AtomicCheckpointIO save that stalls half-way, until killed (tests/test_checkpoint.py SIGKILLs it).
+"""Starts an AtomicCheckpointIO save that stalls half-way, until killed (tests/plugins/test_checkpoint_safety.py SIGKILLs it).
 
 The checkpoint holds an object whose pickling sleeps, so the save's temporary file exists, unfinished,
 when the process is killed: what a kill in the middle of a large save leaves.

@@ -1,0 +1,212 @@
+"""CUDASettings: applies at construction, reports once, restores the global state at teardown."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import LearningRateMonitor
+
+from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor
+from lightning_gpuopt.callbacks.cuda_settings import _capture
+from lightning_gpuopt.model import GPTModule
+from tests.callbacks._mfu_helpers import ClockedGPTModule, FakeClock, TokenBatches, loader
+
+
+def _known_state(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    torch.backends.cudnn.benchmark = False
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def test_applies_at_construction(monkeypatch):
+    _known_state(monkeypatch)
+    # On a GPU machine an earlier test may have initialised CUDA; this test is about the path before that.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    before = _capture()
+    cb = CUDASettings(tf32=True, cudnn_benchmark=True, sdpa_backends=["efficient", "math"], expandable_segments=True)
+    now = _capture()
+    assert now["tf32_matmul"] and now["tf32_cudnn"] and now["cudnn_benchmark"]
+    assert now["matmul_precision"] == "high"
+    assert now["sdpa_enabled"] == {"cudnn": False, "flash": False, "efficient": True, "math": True}
+    assert now["sdpa_priority"][:2] == [2, 0]  # SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH first
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
+    cb._restore()
+    assert _capture() == before
+
+
+def test_fit_reports_once_and_restores(tmp_path, monkeypatch, caplog):
+    _known_state(monkeypatch)
+    before = _capture()
+    cb = CUDASettings(sdpa_backends=["flash", "math"])
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", max_steps=2, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[cb, MFUMonitor(peak_flops=1e12, log_every_n_steps=1, warmup_steps=0), LearningRateMonitor()],
+    )
+    with caplog.at_level(logging.INFO):
+        trainer.fit(ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(4, 2, 16)))
+    assert _capture() == before  # notebook / test suite state is back
+    table = [r.message for r in caplog.records if r.message.startswith("CUDASettings")]
+    assert len(table) == 1
+    if not torch.cuda.is_available():
+        assert "no CUDA device: nothing takes effect" in table[0]
+    for name in ("tf32", "matmul_precision", "cudnn_benchmark", "sdpa_backends", "expandable_segments"):
+        assert name in table[0]
+    # a second fit re-applies, then restores again
+    trainer2 = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[cb],
+    )
+    seen = {}
+    monkeypatch.setattr(ClockedGPTModule, "on_train_start", lambda self: seen.update(_capture()))
+    trainer2.fit(ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(2, 2, 16)))
+    assert seen["tf32_matmul"] and seen["sdpa_enabled"]["flash"] and not seen["sdpa_enabled"]["cudnn"]
+    assert _capture() == before
+
+
+def test_none_leaves_settings_alone(monkeypatch):
+    _known_state(monkeypatch)
+    before = _capture()
+    cb = CUDASettings(tf32=None, cudnn_benchmark=None, sdpa_backends=None, expandable_segments=None)
+    assert _capture() == before and cb.report == []
+
+
+def test_construction_does_not_initialise_cuda(monkeypatch):
+    # Built before a fork-based launch (strategy="ddp_fork"/"ddp_notebook"), the callback must leave CUDA
+    # uninitialised; the Flash capability check waits for setup, on the training device.
+    _known_state(monkeypatch)
+    before = _capture()
+
+    def initialises_cuda():
+        raise AssertionError("CUDASettings initialised CUDA at construction")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", initialises_cuda)
+    cb = CUDASettings(sdpa_backends=["flash", "efficient", "math"])
+    assert dict((r[0], r[2]) for r in cb.report)["sdpa_backends"] == "applied"
+    assert dict((r[0], r[2]) for r in cb.report)["expandable_segments"].startswith("applied via PYTORCH_CUDA_ALLOC_CONF")
+    cb._restore()
+    assert _capture() == before
+
+
+def test_runtime_allocator_update_keeps_the_other_options(monkeypatch):
+    # CUDA already initialised: the allocator gets the whole configuration, not just expandable_segments.
+    _known_state(monkeypatch)
+    sent = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr("lightning_gpuopt.callbacks.cuda_settings._set_allocator_settings", sent.append)
+    cb = CUDASettings(expandable_segments=True)
+    assert sent == ["max_split_size_mb:128,expandable_segments:True"]
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"  # the variable itself is left alone
+    cb._restore()
+    assert sent[-1] == "max_split_size_mb:128,expandable_segments:False"
+
+    def refuses(conf):
+        raise ValueError("Unrecognized key 'bogus' in Accelerator allocator config.")
+
+    monkeypatch.setattr("lightning_gpuopt.callbacks.cuda_settings._set_allocator_settings", refuses)
+    cb = CUDASettings(expandable_segments=True)  # a bad user setting is reported, not raised
+    status = dict((r[0], r[2]) for r in cb.report)["expandable_segments"]
+    assert status.startswith("not applied") and "Unrecognized key" in status
+    cb._restore()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(sdpa_backends=["flash", "fast"]), dict(sdpa_backends=[]), dict(sdpa_backends=["math", "math"]),
+     dict(matmul_precision="low"), dict(tf32=True, matmul_precision="highest"),
+     dict(tf32=False, matmul_precision="high")],
+)
+def test_bad_arguments_raise(kwargs):
+    with pytest.raises(ValueError, match="CUDASettings"):
+        CUDASettings(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_settings_take_effect_on_gpu():
+    import subprocess
+    import sys
+
+    # A fresh process, so the allocator option lands before CUDA initialises.
+    code = r"""
+import torch, torch.nn.functional as F
+from torch.profiler import profile, ProfilerActivity
+from lightning_gpuopt.callbacks import CUDASettings
+cb = CUDASettings(sdpa_backends=["efficient"], expandable_segments=True)
+x = torch.randn(64, 1024, 1024, device="cuda")  # first allocation
+snap = torch.cuda.memory._snapshot()
+assert any(s.get("is_expandable", False) for s in snap["segments"]), "allocator is not using expandable segments"
+assert torch.backends.cuda.matmul.allow_tf32
+q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.cuda.synchronize()
+names = " ".join(e.key for e in prof.key_averages())
+assert "efficient" in names.lower() or "fmha" in names.lower(), names
+assert "flash" not in names.lower(), names
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_auto_attention_order_leaves_the_cpu_as_it_is(tmp_path):
+    before = _capture()
+    cb = CUDASettings(tf32=None, cudnn_benchmark=None, expandable_segments=None)  # sdpa_backends="auto"
+    assert cb.sdpa_backends == "auto" and _capture() == before  # decided at setup, on the training device
+    seen = {}
+
+    class Probe(LearningRateMonitor):
+        def on_train_start(self, trainer, pl_module):
+            seen.update(_capture())
+
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=16, warmup_steps=1)
+    trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, Probe()],
+                      default_root_dir=tmp_path)
+    trainer.fit(module, loader(TokenBatches(2, 2, 16, vocab=64)))
+    assert seen["sdpa_priority"] == before["sdpa_priority"]
+    assert dict((r[0], r[2]) for r in cb.report)["sdpa_backends"] == "left as PyTorch orders them: no CUDA device"
+    assert _capture() == before
+
+
+def test_attention_kernel_names_a_backend():
+    from lightning_gpuopt.callbacks.cuda_settings import attention_kernel
+
+    assert attention_kernel(torch.device("cpu"), 64, 128, torch.float32) in ("cudnn", "flash", "efficient", "math")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_puts_cudnn_first_on_hopper_and_reports_the_kernel(tmp_path):
+    from lightning_gpuopt.callbacks.cuda_settings import attention_kernel
+    from lightning_gpuopt.plugins import BF16Precision
+
+    if torch.cuda.get_device_capability()[0] not in (9, 10) or (torch.backends.cudnn.version() or 0) < 91500:
+        pytest.skip("cuDNN attention goes first on compute capability 9.x/10.x with cuDNN >= 9.15 only")
+    before = _capture()
+    cb = CUDASettings()
+    kernels = {}
+
+    class Probe(LearningRateMonitor):
+        def on_train_start(self, trainer, pl_module):
+            kernels["picked"] = attention_kernel(torch.device("cuda"), 64, 1024, torch.bfloat16, 12)
+
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=16, warmup_steps=1)
+    trainer = Trainer(accelerator="cuda", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, Probe()],
+                      plugins=[BF16Precision()], default_root_dir=tmp_path)
+    trainer.fit(module, loader(TokenBatches(2, 2, 16, vocab=64)))
+    assert kernels["picked"] == "cudnn"
+    report = {r[0]: r for r in cb.report}
+    assert report["sdpa_backends"][2].startswith("priority cudnn,flash,efficient,math")
+    assert report["attention_kernel"][1] == "cudnn"
+    assert _capture()["sdpa_priority"] == before["sdpa_priority"]  # restored at teardown

@@ -1,0 +1,220 @@
+"""MFUMonitor on CPU: arithmetic against a hand computation, FLOPs of what the training step runs, no per-step sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+from lightning_gpuopt.callbacks import MFUMonitor
+from lightning_gpuopt.callbacks import mfu_monitor as mfu_module
+from lightning_gpuopt.model import GPTModule
+from tests._module_shapes import EncoderLM, encoder_flops_per_token
+from tests.callbacks._mfu_helpers import ClockedGPTModule, FakeClock, TokenBatches, loader
+
+B, T = 2, 32
+
+
+class ListLogger(CSVLogger):
+    """CSVLogger that also keeps every logged dict in memory."""
+
+    def __init__(self, save_dir):
+        super().__init__(save_dir)
+        self.rows = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+        super().log_metrics(metrics, step)
+
+
+def _trainer(tmp_path, callbacks, max_steps, accumulate=1, **kwargs):
+    kwargs.setdefault("enable_checkpointing", False)
+    return Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=accumulate,
+        callbacks=callbacks, logger=ListLogger(tmp_path), enable_model_summary=False,
+        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, **kwargs,
+    )
+
+
+def test_mfu_arithmetic_with_controlled_clock(tmp_path):
+    clock = FakeClock()
+    step_s, fetch_s, accumulate = 0.1, 0.02, 2
+    module = ClockedGPTModule(clock, step_s, preset="tiny", warmup_steps=1)
+    peak = 2e9
+    monitor = MFUMonitor(log_every_n_steps=3, warmup_steps=2, peak_flops=peak, clock=clock, prog_bar=True)
+    data = TokenBatches(30, B, T, clock=clock, fetch_s=fetch_s)
+    trainer = _trainer(tmp_path, [monitor], max_steps=8, accumulate=accumulate)
+    trainer.fit(module, loader(data))
+
+    # steps 3..5 and 6..8 are two windows of 3 optimizer steps; warm-up steps 1-2 are left out
+    rows = [m for _, m in trainer.logger.rows if "perf/mfu" in m]
+    assert len(rows) == 2 and len(monitor.history) == 2
+    assert [s for s, m in trainer.logger.rows if "perf/mfu" in m] == [5, 8]
+    flops_per_token = module.model.flops_per_token(T)  # 6N + 12LHQT
+    step_time = accumulate * (step_s + fetch_s)
+    tokens_per_step = accumulate * B * T
+    expected = {
+        "perf/step_time_ms": 1000 * step_time,
+        "perf/tokens_per_sec": tokens_per_step / step_time,
+        "perf/tokens_per_sec_per_device": tokens_per_step / step_time,
+        "perf/tflops_per_device": flops_per_token * tokens_per_step / step_time / 1e12,
+        "perf/mfu": flops_per_token * tokens_per_step / step_time / peak,
+        "perf/dataloader_wait_pct": 100 * fetch_s / (step_s + fetch_s),
+    }
+    for metrics in rows:
+        assert set(expected) <= set(metrics)
+        assert not any(k.startswith("mem/") for k in metrics)  # CPU: no CUDA memory to report
+        for key, value in expected.items():
+            assert metrics[key] == pytest.approx(value, rel=1e-9), key
+    # shown in the progress bar, as plain numbers
+    assert trainer.progress_bar_metrics["tok/s"] == round(expected["perf/tokens_per_sec"])
+    assert trainer.progress_bar_metrics["mfu"] == pytest.approx(expected["perf/mfu"], abs=1e-4)
+    # end-of-fit report: data wait is 17% of the time -> advice to add workers
+    assert "tokens/s" in monitor.summary["text"]
+    assert any("num_workers" in a for a in monitor.summary["advice"])
+
+
+def test_no_sync_on_steps_that_do_not_log(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(mfu_module, "_synchronize", lambda device: calls.append(device))
+    monitor = MFUMonitor(log_every_n_steps=4, warmup_steps=2, peak_flops=1e12)
+    trainer = _trainer(tmp_path, [monitor], max_steps=11)
+    trainer.fit(ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(20, B, T)))
+    # 11 steps: one sync to open the window after warm-up, one per logged window (steps 6 and 10)
+    assert len(calls) == 3
+    assert len(monitor.history) == 2
+
+
+def test_no_history_means_a_clear_report(tmp_path):
+    monitor = MFUMonitor(log_every_n_steps=50, warmup_steps=3, peak_flops=1e12)
+    trainer = _trainer(tmp_path, [monitor], max_steps=2)
+    trainer.fit(ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(4, B, T)))
+    assert monitor.history == []
+    assert "needs 53 optimizer steps" in monitor.summary["text"]
+
+
+def test_monitor_measures_flops_of_a_module_without_flops_per_token(tmp_path):
+    from lightning.pytorch import LightningModule
+
+    class Plain(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = EncoderLM()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    trainer = _trainer(tmp_path, [monitor, LearningRateMonitor(), ModelCheckpoint(dirpath=tmp_path)], max_steps=3, enable_checkpointing=True)
+    trainer.fit(Plain(), loader(TokenBatches(6, B, T, vocab=128)))
+    (metrics,) = monitor.history
+    assert metrics["perf/tflops_per_device"] * 1e12 == pytest.approx(encoder_flops_per_token() * metrics["perf/tokens_per_sec"])
+
+
+def test_fp8_plugin_is_detected_and_custom_plugin_warns(tmp_path):
+    class OurFloat8(Precision):
+        compute_dtype = torch.bfloat16
+        fp8 = True
+
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    trainer = _trainer(tmp_path, [monitor], max_steps=3, plugins=[OurFloat8()])
+    trainer.fit(ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(6, B, T)))
+    assert monitor._dtype == "fp8"
+    assert any("FP8 without torch.compile" in a for a in monitor.summary["advice"])
+
+    class Custom(Precision):
+        pass
+
+    with pytest.warns(UserWarning, match=r"MFUMonitor\(dtype=...\)"):
+        _trainer(tmp_path, [MFUMonitor(peak_flops=1e12)], max_steps=1, plugins=[Custom()]).fit(
+            ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(2, B, T))
+        )
+
+
+def test_unknown_peak_warns_once_naming_the_argument(tmp_path):
+    monitor = MFUMonitor(log_every_n_steps=1, warmup_steps=1)
+    with pytest.warns(UserWarning, match="peak_flops=") as record:
+        _trainer(tmp_path, [monitor], max_steps=3).fit(
+            ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(4, B, T))
+        )
+    assert sum("peak_flops=" in str(w.message) for w in record) == 1
+    assert monitor.history and all("perf/mfu" not in m and "perf/tflops_per_device" in m for m in monitor.history)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(log_every_n_steps=0), dict(warmup_steps=-1), dict(peak_flops=0.0), dict(dtype="int8"),
+               dict(flops_per_token=-1.0)]
+)
+def test_bad_arguments_raise(kwargs):
+    with pytest.raises(ValueError, match="MFUMonitor"):
+        MFUMonitor(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_bf16_mfu_is_plausible_and_memory_is_reported(tmp_path):
+    from lightning_gpuopt.perf.peaks import find_gpu
+
+    if find_gpu(torch.cuda.get_device_name()) is None:
+        pytest.skip(f"{torch.cuda.get_device_name()} is not in the peak table")
+    monitor = MFUMonitor(log_every_n_steps=5, warmup_steps=3, measure_peak=True)
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="gpu", devices=1, max_steps=13, precision="bf16-mixed", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[monitor],
+    )
+    module = GPTModule(preset="124m", vocab_size=8192, block_size=512, warmup_steps=1)
+    trainer.fit(module, loader(TokenBatches(13, 8, 512, vocab=8192)))
+    assert len(monitor.history) == 2
+    for m in monitor.history:
+        assert 0.01 < m["perf/mfu"] < 1.0
+        assert m["perf/mfu_measured"] > m["perf/mfu"]  # the measured ceiling is below the datasheet peak
+        assert 0 < m["mem/peak_gb"] and 0 < m["mem/peak_pct"] < 100
+
+
+@pytest.mark.parametrize("shape", ["nanogpt", "llama", "litgpt"])
+def test_monitor_counts_what_the_training_step_runs(tmp_path, shape):
+    from tests._module_shapes import SHAPES, hand_flops_per_token, shape_loader
+
+    module = SHAPES[shape]()
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    _trainer(tmp_path, [monitor], max_steps=3).fit(module, shape_loader(shape, batch_size=2))
+    assert monitor.flops_source == f"{type(module).__name__}.training_step on meta tensors"
+    (metrics,) = monitor.history
+    per_token = metrics["perf/tflops_per_device"] * 1e12 / metrics["perf/tokens_per_sec_per_device"]
+    assert per_token == pytest.approx(hand_flops_per_token(module), rel=0.03)
+
+
+def test_monitor_warns_when_it_must_count_a_forward_that_skips_positions(tmp_path):
+    from tests._module_shapes import NanoGPTModule, hand_flops_per_token, shape_loader
+
+    class Reads(NanoGPTModule):  # the step reads the loss, so it cannot run on meta tensors
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.last_loss = float(loss.detach())
+            return loss
+
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    with pytest.warns(UserWarning, match=r"covers 1 of 32 positions.*flops_per_token\(seq_len\)") as record:
+        _trainer(tmp_path, [monitor], max_steps=3).fit(Reads(), shape_loader("nanogpt", batch_size=2))
+    assert sum("covers 1 of 32" in str(w.message) for w in record) == 1
+    assert monitor.flops_source == "Reads.forward(input_ids) on meta tensors"
+    # and the module's own count is the first choice
+    class Counted(Reads):
+        def flops_per_token(self, seq_len):
+            return hand_flops_per_token(self, seq_len)
+
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    _trainer(tmp_path, [monitor], max_steps=3).fit(Counted(), shape_loader("nanogpt", batch_size=2))
+    assert monitor.flops_source == "Counted.flops_per_token"

@@ -1,0 +1,89 @@
+"""Package checkpoints: weights_only loading, load_gpt into a plain GPT, compiled keys, clear errors for broken
+or foreign files."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_gpuopt import GPT, GPTConfig, GPTModule, TextDataModule
+from lightning_gpuopt.callbacks import MFUMonitor, NonFiniteGuard
+from lightning_gpuopt.model.checkpoint import CheckpointError, gpt_state_dict, load_gpt
+from lightning_gpuopt.plugins import AtomicCheckpointIO
+
+
+def _fit(tmp_path, cache_dir, text_dir, max_steps=4, ckpt_path=None, **fit_kw):
+    data = TextDataModule(source=str(text_dir), block_size=32, batch_size=4, vocab_size=300, num_workers=0, cache_dir=str(cache_dir))
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=32, warmup_steps=0)
+    trainer = pl.Trainer(
+        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=tmp_path, plugins=[AtomicCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True), NonFiniteGuard(), MFUMonitor(log_every_n_steps=2)],
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, **fit_kw)
+    return trainer, model
+
+
+@pytest.fixture
+def package_ckpt(tmp_path, cache_dir, text_dir):
+    trainer, model = _fit(tmp_path, cache_dir, text_dir)
+    return tmp_path / "ckpt" / "last.ckpt", model
+
+
+def test_package_checkpoint_loads_weights_only_and_into_a_plain_gpt(package_ckpt, tmp_path, cache_dir, text_dir):
+    path, module = package_ckpt
+    raw = torch.load(path, weights_only=True)  # everything the package writes is weights_only-safe
+    assert raw["global_step"] == 4 and raw["hyper_parameters"]["preset"] == "tiny"
+    assert any("NonFiniteGuard" in k for k in raw["callbacks"])
+    gpt = load_gpt(path)
+    assert type(gpt) is GPT and not gpt.training and gpt.config.vocab_size == 300 and gpt.config.block_size == 32
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight  # still tied
+    idx = torch.randint(0, 300, (2, 16))
+    module.model.eval()
+    with torch.no_grad():
+        assert torch.equal(gpt(idx), module.model(idx))
+    # Resuming through the Trainer with weights_only=True works as well.
+    trainer, _ = _fit(tmp_path, cache_dir, text_dir, max_steps=6, ckpt_path=str(path), weights_only=True)
+    assert trainer.global_step == 6
+
+
+def test_compiled_keys_are_stripped():
+    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    compiled = torch.compile(gpt)  # an OptimizedModule wrapper: keys gain "_orig_mod."
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in compiled.state_dict().items()}}
+    assert all("_orig_mod" in k for k in ckpt["state_dict"])
+    assert gpt_state_dict(ckpt).keys() == gpt.state_dict().keys()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p, good: p.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2]), "truncated or corrupt"),
+        (lambda p, good: p.write_text("model:\n  preset: tiny\n"), "not a PyTorch checkpoint"),
+        (lambda p, good: p.write_bytes(b""), "is empty"),
+        (lambda p, good: torch.save({"weights": torch.ones(2)}, p), "not a GPTModule checkpoint"),
+        (lambda p, good: torch.save({"x": GPTConfig()}, p), "weights_only=False"),
+        (lambda p, good: None, "does not exist"),
+        (lambda p, good: p.mkdir(), "is a directory"),
+    ],
+    ids=["truncated", "foreign-text", "empty", "foreign-torch", "unsafe-pickle", "missing", "directory"],
+)
+def test_broken_or_foreign_files_give_clear_errors(tmp_path, make, match):
+    good = tmp_path / "good.ckpt"
+    ckpt = {"hyper_parameters": {"preset": "tiny"}, "state_dict": {f"model.{k}": v for k, v in GPT(GPTConfig.from_name("tiny")).state_dict().items()}}
+    torch.save(ckpt, good)
+    bad = tmp_path / "bad.ckpt"
+    make(bad, good)
+    with pytest.raises(CheckpointError, match=match):
+        load_gpt(bad)
+    assert isinstance(CheckpointError("x"), ValueError)
+
+
+def test_missing_weights_are_named(tmp_path):
+    state = {f"model.{k}": v for k, v in GPT(GPTConfig.from_name("tiny")).state_dict().items()}
+    del state["model.transformer.h.1.mlp.c_fc.weight"]
+    torch.save({"hyper_parameters": {"preset": "tiny"}, "state_dict": state}, tmp_path / "m.ckpt")
+    with pytest.raises(CheckpointError, match=r"missing \['transformer.h.1.mlp.c_fc.weight'\]"):
+        load_gpt(tmp_path / "m.ckpt")

@@ -1,0 +1,85 @@
+import pytest
+import torch
+
+from lightning_gpuopt.model import GPT, PRESETS, GPTConfig
+from tests._paths import REPO
+
+# (n_layer, n_embd) of each GPT-2 family preset, from the papers, not from PRESETS itself.
+SHAPES = {"124m": (12, 768), "175m": (12, 1024), "355m": (24, 1024), "774m": (36, 1280), "1.5b": (48, 1600)}
+
+
+def _meta_gpt(config: GPTConfig) -> GPT:
+    with torch.device("meta"):
+        return GPT(config)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_preset_parameter_counts(name):
+    L, d = SHAPES[name]
+    config = GPTConfig.from_name(name, vocab_size=50257)
+    model = _meta_gpt(config)
+    # per block: qkv 3d^2+3d, proj d^2+d, mlp 8d^2+5d, two LayerNorms 4d; plus the final LayerNorm
+    non_embedding = L * (12 * d * d + 13 * d) + 2 * d
+    assert model.num_params(non_embedding=True) == non_embedding
+    assert model.num_params() == non_embedding + 50304 * d + 1024 * d  # tied head counted once
+
+
+def test_gpt2_small_matches_the_known_count():
+    # nanoGPT reports 124.48M parameters (123.69M non-embedding plus wpe) for GPT-2 small, padded vocab
+    assert _meta_gpt(GPTConfig.from_name("124m")).num_params() == 124_475_904
+
+
+def test_tiny_preset_dims_are_multiples_of_16():
+    c = GPTConfig.from_name("tiny")
+    assert c.n_embd % 16 == 0 and c.head_size % 16 == 0 and c.padded_vocab_size % 16 == 0
+
+
+def test_vocab_is_padded_to_multiple_of_64():
+    assert GPTConfig(vocab_size=50257).padded_vocab_size == 50304
+    assert GPTConfig(vocab_size=4096).padded_vocab_size == 4096
+    assert GPTConfig(vocab_size=100, padding_multiple=16).padded_vocab_size == 112
+
+
+def test_presets_are_all_valid():
+    for name in PRESETS:
+        assert GPTConfig.from_name(name).n_embd == PRESETS[name]["n_embd"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n_embd=100, n_head=12), "n_embd=100 is not divisible by n_head=12"),
+        (dict(n_layer=0), "n_layer must be a positive integer"),
+        (dict(n_head=-2), "n_head must be a positive integer"),
+        (dict(block_size=1.5), "block_size must be a positive integer"),
+        (dict(vocab_size=True), "vocab_size must be a positive integer"),
+        (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
+        (dict(attention="xformers"), "use 'sdpa'"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**kwargs)
+
+
+def test_divisibility_error_suggests_heads():
+    with pytest.raises(ValueError, match=r"choose n_head from \[1, 2, 4, 5, 10, 20, 25, 50\]"):
+        GPTConfig(n_embd=100, n_head=3)
+
+
+def test_from_name_errors():
+    with pytest.raises(ValueError, match="Unknown GPT preset '7b'"):
+        GPTConfig.from_name("7b")
+    with pytest.raises(ValueError, match=r"Unknown GPTConfig field\(s\) \['n_embed'\]"):
+        GPTConfig.from_name("tiny", n_embed=64)
+    with pytest.raises(ValueError, match="padded_vocab_size"):
+        GPTConfig.from_name("tiny", padded_vocab_size=64)
+
+
+def test_readme_preset_table_is_what_the_code_computes():
+
+    from lightning_gpuopt.model.summary import preset_table
+
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("<!-- presets:start -->\n")[1].split("\n<!-- presets:end -->")[0]
+    assert table == preset_table(), "regenerate with: python -m lightning_gpuopt.model.summary"

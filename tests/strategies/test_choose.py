@@ -1,0 +1,134 @@
+"""choose_strategy: the DDP/FSDP2 decision from a stated memory estimate, from Python and the gpuopt CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+from lightning_gpuopt import GPTModule, TextDataModule
+from lightning_gpuopt.callbacks import ExactResume
+from lightning_gpuopt.cli import GPTCLI
+from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.strategies import (
+    AtomicModelParallelStrategy,
+    choose_strategy,
+    estimate_memory,
+    estimate_module_memory,
+)
+
+
+def test_memory_estimate_follows_the_stated_formula():
+    cfg = GPTConfig.from_name("1.5b")
+    est = estimate_memory(cfg, micro_batch=8, block_size=1024)
+    assert est["params"] == pytest.approx(1.558e9, rel=1e-3)
+    assert est["model_state"] == 16 * est["params"]
+    assert est["activations"] == 8 * 1024 * 48 * 34 * 1600  # 34 h bytes per token per layer (bf16)
+    assert est["logits"] == 8 * 1024 * 50304 * 10
+    fp32 = estimate_memory(cfg, micro_batch=8, block_size=1024, precision="32-true")
+    assert fp32["activations"] == 2 * est["activations"]
+    ckpt = estimate_memory(GPTConfig.from_name("1.5b", activation_checkpointing=True), 8, 1024)
+    assert ckpt["activations"] < est["activations"] / 10
+
+
+def test_1_5b_on_80gb_is_ddp_and_on_16gb_is_fsdp2():
+    cfg = GPTConfig.from_name("1.5b")
+    strategy, reason = choose_strategy(cfg, devices=8, device_memory=80e9, micro_batch=8, block_size=1024)
+    assert isinstance(strategy, DDPStrategy) and not isinstance(strategy, ModelParallelStrategy)
+    assert "24.9 GB weights+grads+AdamW" in reason and "80.0 GB" in reason and reason.startswith("DDP")
+    strategy, reason = choose_strategy(cfg, devices=8, device_memory=16e9, micro_batch=1, block_size=1024)
+    assert isinstance(strategy, AtomicModelParallelStrategy)  # a ModelParallelStrategy with atomic checkpoints
+    assert isinstance(strategy, ModelParallelStrategy) and strategy._data_parallel_size == 8 and strategy._tensor_parallel_size == 1
+    assert reason.startswith("FSDP2") and "16.0 GB" in reason and "sharded over 8 devices" in reason and "fits" in reason
+    assert "NOT" not in reason  # 24.9/8 GB state + 2.7 GB activations + 0.5 GB logits < 13.6 GB
+    _, reason = choose_strategy(cfg, devices=8, device_memory=16e9, micro_batch=8, block_size=1024)
+    assert "still does NOT fit" in reason
+
+
+def test_bad_input_names_the_fix():
+    with pytest.raises(ValueError, match="train on more devices"):
+        choose_strategy(GPTConfig.from_name("1.5b"), devices=1, device_memory=16e9)
+    with pytest.raises(ValueError, match="positive integer"):
+        choose_strategy(GPTConfig.from_name("tiny"), devices=0, device_memory=16e9)
+    with pytest.raises(ValueError, match="any nn.Module / LightningModule, got str"):
+        choose_strategy("1.5b", devices=2, device_memory=16e9)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device_memory"):
+            choose_strategy(GPTConfig.from_name("tiny"), devices=2)
+
+
+def test_a_foreign_module_named_gpt_is_estimated_from_its_parameters_and_measured_activations():
+    from tests._module_shapes import SHAPES, NanoGPT
+
+    class GPT(NanoGPT):  # nanoGPT's class name, not ours
+        pass
+
+    model = GPT()
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    strategy, reason = choose_strategy(model, devices=2, device_memory=1e9, block_size=32, micro_batch=4)
+    assert isinstance(strategy, DDPStrategy)
+    assert "GPT's parameters (float32" in reason and "activations measured" in reason
+    est = estimate_module_memory(model, micro_batch=4, block_size=32)
+    assert est["params"] == params and est["model_state"] == 16 * params  # fp32 + AdamW, tied head once
+    assert est["logits"] == 4 * 32 * 256 * 10
+    # the measured activations of our own GPT agree with the stated formula within 2%
+    with torch.device("meta"):
+        ours = GPTModule(preset="124m", vocab_size=50304, block_size=1024)
+        ours.configure_model()
+    formula = estimate_memory(ours.config, micro_batch=8, block_size=1024)
+    measured = estimate_module_memory(ours.model, micro_batch=8, block_size=1024)
+    assert measured["activations"] == pytest.approx(formula["activations"], rel=0.02)
+    assert measured["params"] == formula["params"]
+    # bf16-true halves the state; frozen parameters hold weights only
+    half = estimate_module_memory(model, 4, 32, precision="bf16-true")
+    assert half["model_state"] == 8 * params
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert estimate_module_memory(model, 4, 32)["model_state"] == 4 * params
+    # every module shape of the tests gets a decision, and FSDP2 names what the module must do
+    for cls in SHAPES.values():
+        strategy, reason = choose_strategy(cls(), devices=4, device_memory=1e6, block_size=32, micro_batch=4)
+        assert isinstance(strategy, AtomicModelParallelStrategy) and "configure_model must apply" in reason
+
+
+def test_a_module_s_own_activation_figure_is_used_and_named():
+    from tests._module_shapes import LitGPTModule
+
+    module = LitGPTModule()
+    module.activation_bytes = lambda micro_batch, block_size, precision: 7e9
+    _, reason = choose_strategy(module, devices=2, device_memory=80e9, block_size=32)
+    assert "7.0 GB activations" in reason and "LitGPTModule.activation_bytes()" in reason
+    _, reason = choose_strategy(module, devices=2, device_memory=80e9, block_size=32, activation_bytes=3e9)
+    assert "3.0 GB activations" in reason and "activation_bytes= as given" in reason
+
+
+def test_a_foreign_module_without_what_is_needed_gets_the_fix():
+    from tests._module_shapes import LitGPTModule
+
+    with pytest.raises(ValueError, match="pass block_size="):
+        choose_strategy(LitGPTModule(), devices=2, device_memory=16e9)
+
+    class Later(LitGPTModule):
+        def __init__(self):
+            super(LitGPTModule, self).__init__()
+
+    with pytest.raises(ValueError, match="no parameters yet"):
+        choose_strategy(Later(), devices=2, device_memory=16e9, block_size=32)
+
+    class DictInput(LitGPTModule):
+        def forward(self, batch):
+            return self.model(batch["input_ids"])
+
+    with pytest.raises(ValueError, match=r"pass choose_strategy\(activation_bytes=...\)"):
+        choose_strategy(DictInput(), devices=2, device_memory=16e9, block_size=32)
+
+
+@pytest.mark.parametrize(("memory_gb", "expected"), [(80, DDPStrategy), (0.001, AtomicModelParallelStrategy)])
+def test_cli_gpuopt_auto_strategy(text_dir, cache_dir, caplog, memory_gb, expected):
+    args = ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0",
+            "--data.block_size", "16", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2",
+            "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "gpuopt-auto",
+            "--auto_strategy.device_memory_gb", str(memory_gb)]
+    cli = GPTCLI(GPTModule, TextDataModule, run=False, args=args)
+    assert type(cli.trainer.strategy) is expected
+    assert any(isinstance(c, ExactResume) for c in cli.trainer.callbacks)  # always added by the CLI

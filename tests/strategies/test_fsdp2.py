@@ -1,0 +1,60 @@
+"""shard_gpt: FSDP2 on every block and the root, in one real gloo process group on the CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_gpuopt.model import GPT, GPTConfig
+from lightning_gpuopt.strategies import shard_gpt
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
+
+
+@pytest.fixture
+def mesh():
+    """A one-rank data-parallel mesh on the CPU (gloo); the group is destroyed afterwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _gpt() -> GPT:
+    return GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=256))
+
+
+def test_every_block_and_the_root_are_sharded_and_the_forward_is_unchanged(mesh):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    reference = _gpt()
+    model = shard_gpt(copy.deepcopy(reference), mesh)
+    assert isinstance(model, FSDPModule) and isinstance(model, GPT)
+    assert all(isinstance(block, FSDPModule) for block in model.transformer.h)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied: one parameter
+    idx = torch.randint(0, 256, (2, 16))
+    assert torch.equal(model(idx), reference(idx))
+
+
+def test_param_dtype_computes_in_bf16_and_keeps_fp32_weights_and_gradients(mesh):
+    model = shard_gpt(_gpt(), mesh, param_dtype=torch.bfloat16)
+    logits = model(torch.randint(0, 256, (2, 16)))
+    assert logits.dtype == torch.bfloat16
+    logits.float().sum().backward()
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # sharded master weights
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())  # reduced in fp32
+
+
+def test_without_param_dtype_everything_stays_fp32(mesh):
+    model = shard_gpt(_gpt(), mesh, reshard_after_forward=False)
+    assert model(torch.randint(0, 256, (2, 16))).dtype == torch.float32
