@@ -14,14 +14,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gpuopt.lightning_internals import show_in_progress_bar
+from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.flops import count_flops_per_token, model_flops_per_token
 from lightning_gpuopt.perf.peaks import measure_peak_flops, peak_flops as table_peak_flops
+from lightning_gpuopt.perf.parallel import data_parallel_size
 from lightning_gpuopt.perf.precision import compute_dtype_name, is_fp8
-from lightning_gpuopt.plugins.float8_conversion import is_compiled
+from lightning_gpuopt.perf.units import GiB
 
 __all__ = ["MFUMonitor"]
-
-_GB = 1024**3
 
 
 def _synchronize(device: torch.device) -> None:
@@ -37,9 +37,9 @@ def _memory_stats(device: torch.device) -> dict[str, float]:
     total = torch.cuda.get_device_properties(device).total_memory
     peak = torch.cuda.max_memory_allocated(device)
     return {
-        "mem/allocated_gb": torch.cuda.memory_allocated(device) / _GB,
-        "mem/reserved_gb": torch.cuda.memory_reserved(device) / _GB,
-        "mem/peak_gb": peak / _GB,
+        "mem/allocated_gb": torch.cuda.memory_allocated(device) / GiB,
+        "mem/reserved_gb": torch.cuda.memory_reserved(device) / GiB,
+        "mem/peak_gb": peak / GiB,
         "mem/peak_pct": 100 * peak / total,
     }
 
@@ -77,7 +77,7 @@ class MFUMonitor(Callback):
     ============================== ==========================================================================
     Key                            Meaning
     ============================== ==========================================================================
-    ``perf/tokens_per_sec``        Tokens per second, all devices (per-device rate times world size)
+    ``perf/tokens_per_sec``        Tokens per second, all devices (per-device rate times data-parallel size)
     ``perf/tokens_per_sec_per_device`` Tokens per second on one device
     ``perf/tflops_per_device``     Achieved model TFLOP/s per device (FLOPs per token x tokens/s)
     ``perf/mfu``                   ``tflops_per_device / peak``: the device's dense bf16 peak, whatever the dtype
@@ -297,7 +297,7 @@ class MFUMonitor(Callback):
         elapsed = max(now - self._window_start, 1e-12)
         per_device = self._tokens / elapsed
         metrics = {
-            "perf/tokens_per_sec": per_device * trainer.world_size,
+            "perf/tokens_per_sec": per_device * data_parallel_size(trainer),
             "perf/tokens_per_sec_per_device": per_device,
             "perf/step_time_ms": 1000 * elapsed / self._window,
             "perf/dataloader_wait_pct": 100 * self._wait / elapsed,

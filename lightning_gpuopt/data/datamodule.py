@@ -28,6 +28,7 @@ from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
 from lightning_gpuopt.data.tokenizer import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
+from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 from lightning_gpuopt.resume import step_boundary
 
 __all__ = ["TextDataModule", "default_cache_dir"]
@@ -230,13 +231,13 @@ class TextDataModule(pl.LightningDataModule):
 
     def _train_sampler(self) -> ResumableSampler:
         trainer = self.trainer
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
-        kwargs = kwargs or {"num_replicas": 1, "rank": 0}
         if self._resume_position is not None:  # restored from a checkpoint
             (epoch, start), self._resume_position = self._resume_position, None
         else:  # a new loader mid-run (another batch size) continues where the last one stopped
             epoch, start = self.train_position()
-        self._sampler = ResumableSampler(self.datasets["train"], kwargs["num_replicas"], kwargs["rank"], epoch, start)
+        self._sampler = ResumableSampler(
+            self.datasets["train"], data_parallel_size(trainer), data_parallel_rank(trainer), epoch, start
+        )
         self._origin = (epoch, start, self._loop_batches(), self.batch_size)
         return self._sampler
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.plugins._autocast import _TrainerDeviceMixedPrecision
 from lightning_gpuopt.plugins.float8_conversion import (
     RECIPES,
@@ -29,7 +30,6 @@ from lightning_gpuopt.plugins.float8_conversion import (
     float8_config,
     format_conversion_table,
     nothing_converted_message,
-    is_compiled,
     require_torchao,
     skip_reason,
 )

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 import torch
 from torch import nn
 
+from lightning_gpuopt.perf.compiled import is_compiled  # re-exported; its home is perf/compiled.py
+
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
 
@@ -162,22 +164,6 @@ def skip_reason(
         if pattern in fqn or fnmatch.fnmatchcase(fqn, pattern):
             return f"matches {pattern!r}"
     return None
-
-
-def is_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` or any submodule runs under ``torch.compile``.
-
-    Detects ``torch.compile(module)`` wrappers (``OptimizedModule``), in-place ``Module.compile()``
-    (which sets ``_compiled_call_impl``) and a LightningModule passed compiled to ``Trainer.fit``
-    (Lightning stores ``_compiler_ctx``).
-    """
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if getattr(module, "_compiler_ctx", None):
-        return True
-    return any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
-    )
 
 
 def _cast_input_to_cpu_autocast_dtype(module: nn.Module, args: tuple) -> Optional[tuple]:
