@@ -19,6 +19,7 @@ from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
+from lightning_gpuopt.model.sharding import shard_gpt
 from lightning_gpuopt.option_checks import check_module_options
 
 __all__ = ["GPTModule"]
@@ -158,8 +159,6 @@ class GPTModule(pl.LightningModule):
         self.model = GPT(self.config)
         mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy before this hook
         if mesh is not None:
-            from lightning_gpuopt.strategies.fsdp2 import shard_gpt
-
             mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
             shard_gpt(self.model, mesh, param_dtype=self._fsdp_param_dtype())
         if self.hparams.compile:  # after sharding: the compiled graph sees FSDP2's hooks
