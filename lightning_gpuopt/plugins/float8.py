@@ -161,6 +161,12 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
         self._warned_not_compiled = False
         self._warned_nothing_converted = False
 
+    @property
+    def fp8(self) -> bool:
+        """``True``: the converted Linear layers run float8 matmuls (MFU counts against the fp8 peak);
+        the rest runs in :attr:`compute_dtype`, the bf16 autocast dtype."""
+        return True
+
     def _setup_for(self, module: "pl.LightningModule") -> None:
         """Adopt the Trainer's device and strategy, checking the hardware (before any conversion)."""
         self._bind_from(module)
