@@ -48,7 +48,6 @@ LAYERS = (
 LONG_FILES = {
     "callbacks/auto_batch_size.py": "four jobs in one file; being split by job (issue 17)",
     "callbacks/cuda_settings.py": "to split by concept",
-    "callbacks/nonfinite_guard.py": "to split by concept",
     "data/datamodule.py": "to split by concept",
     "model/module.py": "to split by concept",
     "plugins/float8_conversion.py": "to split by concept",
