@@ -50,7 +50,6 @@ LONG_FILES = {
     "callbacks/cuda_settings.py": "to split by concept",
     "data/datamodule.py": "to split by concept",
     "model/module.py": "to split by concept",
-    "plugins/float8_conversion.py": "to split by concept",
 }
 
 
