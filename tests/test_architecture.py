@@ -114,7 +114,9 @@ def layer_violations(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
 
 def import_cycles(modules: dict[str, Path]) -> list[list[str]]:
     """Cycles of the module import graph (one cycle per strongly connected component, as a path)."""
-    graph = {n: sorted({t for t, _ in imports_of(n, p, modules) if t in modules and t != n}) for n, p in modules.items()}
+    graph = {
+        n: sorted({t for t, _ in imports_of(n, p, modules) if t in modules and t != n}) for n, p in modules.items()
+    }
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -183,7 +185,8 @@ def long_functions(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             first = node.body[0]
-            has_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+            doc = first.value if isinstance(first, ast.Expr) else None
+            has_doc = isinstance(doc, ast.Constant) and isinstance(doc.value, str)
             start = first.end_lineno + 1 if has_doc and len(node.body) > 1 else first.lineno
             code = node.end_lineno - start + 1
             body = lines[node.lineno - 1 : node.end_lineno]
@@ -242,7 +245,8 @@ def test_an_upward_import_inside_a_function_is_caught(fake, tmp_path):
         "strategies/fsdp2.py": "from lightning_gpuopt.model import module\n",
     })
     problems = layer_violations(modules, tmp_path / PACKAGE)
-    assert len(problems) == 1 and "lightning_gpuopt.model.module (model/data) imports lightning_gpuopt.strategies.fsdp2" in problems[0]
+    expected = "lightning_gpuopt.model.module (model/data) imports lightning_gpuopt.strategies.fsdp2"
+    assert len(problems) == 1 and expected in problems[0]
 
 
 def test_a_sibling_import_and_an_unknown_group_are_caught(fake, tmp_path):

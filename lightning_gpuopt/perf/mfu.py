@@ -111,7 +111,9 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     }
 
 
-def mfu_peaks(device: torch.device, dtype: str, peak_flops: Optional[float] = None) -> tuple[Optional[float], Optional[float], str]:
+def mfu_peaks(
+    device: torch.device, dtype: str, peak_flops: Optional[float] = None
+) -> tuple[Optional[float], Optional[float], str]:
     """``(bf16 peak, fp8 peak, device name)`` in FLOP/s for MFU on ``device``; a peak is ``None`` when unknown.
 
     Example::
@@ -184,7 +186,9 @@ def window_metrics(
     return metrics
 
 
-def _advice(history: list[dict[str, float]], mean: dict[str, float], dtype: str, on_cuda: bool, compiled: bool) -> list[str]:
+def _advice(
+    history: list[dict[str, float]], mean: dict[str, float], dtype: str, on_cuda: bool, compiled: bool
+) -> list[str]:
     advice = []
     peak_pct = max((m["mem/peak_pct"] for m in history if "mem/peak_pct" in m), default=None)
     if peak_pct is not None and peak_pct < 50:
@@ -198,7 +202,9 @@ def _advice(history: list[dict[str, float]], mean: dict[str, float], dtype: str,
             "num_workers (TextDataModule(num_workers=...)) or pin_memory."
         )
     if dtype == "fp32" and on_cuda:
-        advice.append("Matmuls run in fp32 without TF32: add CUDASettings(tf32=True) or train with precision='bf16-mixed'.")
+        advice.append(
+            "Matmuls run in fp32 without TF32: add CUDASettings(tf32=True) or train with precision='bf16-mixed'."
+        )
     if dtype == "fp8" and not compiled:
         advice.append("FP8 without torch.compile leaves most of its speed-up unused: compile the model.")
     return advice

@@ -14,7 +14,12 @@ from lightning_gpuopt.perf.precision import compute_dtype_name
 
 __all__ = ["SDPA_BACKENDS", "SDPA_FLAGS", "apply_auto_sdpa_order", "attention_kernel", "attention_row"]
 
-SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+SDPA_BACKENDS = {
+    "cudnn": "CUDNN_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
 """Our backend names -> ``torch.nn.attention.SDPBackend`` member names."""
 SDPA_FLAGS = {"cudnn": "cudnn", "flash": "flash", "efficient": "mem_efficient", "math": "math"}
 """Our backend names -> the suffix of ``torch._C._get_/_set_sdp_use_*`` (what ``sdpa_kernel`` calls)."""

@@ -1,4 +1,4 @@
-"""What `Float8Precision` tells the user about its conversion: the table of layers, and the warning when none converted."""
+"""What `Float8Precision` tells about its conversion: the table of layers, and the warning when none converted."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def format_conversion_table(report: list[tuple[str, str, Optional[str]]], recipe
 
     Example::
 
-        print(format_conversion_table([("h.0.mlp.fc", "64x256", None), ("lm_head", "64x256", "output layer")], "tensorwise"))
+        rows = [("h.0.mlp.fc", "64x256", None), ("lm_head", "64x256", "output layer")]
+        print(format_conversion_table(rows, "tensorwise"))
 
     Args:
         report: Rows ``(name, "in x out", skip reason or None)`` of ``convert_linears_to_float8``.
@@ -35,7 +36,9 @@ def _size(shape: str) -> int:
     return int(in_f) * int(out_f)
 
 
-def nothing_converted_message(report: list[tuple[str, str, Optional[str]]], recipe: str, module_name: str) -> Optional[str]:
+def nothing_converted_message(
+    report: list[tuple[str, str, Optional[str]]], recipe: str, module_name: str
+) -> Optional[str]:
     """The warning for a conversion that converted no layer (naming the largest skipped one and why); ``None`` otherwise.
 
     Example::
