@@ -37,6 +37,7 @@ from lightning_gpuopt.cli_errors import check_fit_ended_finite, explain_parser_e
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.option_checks import check_trainer_options
+from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_gpuopt.prompts import PromptBatches, read_prompts, write_completions
 from lightning_gpuopt.resume_settings import merge_checkpoint_settings, prepare_resumed_fit
@@ -179,7 +180,7 @@ class GPTCLI(LightningCLI):
         strategy, reason = choose_strategy(
             self.model,
             devices=devices,
-            device_memory=None if memory_gb is None else memory_gb * 1e9,
+            device_memory=None if memory_gb is None else memory_gb * GB,
             precision=precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins")),
             micro_batch=self.datamodule.batch_size,
             block_size=self.datamodule.block_size,

@@ -1,22 +1,14 @@
 """Every access to Lightning's private state from this package goes through this module.
 
 Lightning has no public API for a few things we need: running a hidden training step, redoing a
-step with a smaller micro-batch, saving from one rank alone. Each function here touches one or two
-private names, listed in :data:`TOUCHED`; :func:`missing_internals` checks them all on a Trainer, and
-``AutoBatchSize`` calls :func:`require_internals` at setup, so a Lightning upgrade that renames one
-fails at the start of ``fit``, naming it, instead of in the middle of a run.
-``tests/test_lightning_internals.py`` runs the same check and each function in a real fit.
-
-Two private names are used elsewhere, each where it is needed and tested there: ``GPTCLI`` (``cli.py``)
-overrides ``LightningCLI._parse_ckpt_path`` (``tests/test_resume_settings.py``), and ``GPTModule``
-reads the ``_device_mesh`` that ``ModelParallelStrategy`` sets on a module.
-
-Written against Lightning 2.6 (2.6.0 to 2.6.6 read), the range ``pyproject.toml`` allows from 2.5.
-
-Callers: ``show_in_progress_bar`` (GPTModule, MFUMonitor); ``wrap_train_dataloader`` and
-``data_parallel_ranks`` (ExactResume); ``no_version_counter`` (``resume_settings``);
-``last_batch_ready`` (``resume.step_boundary``); all others the ``AutoBatchSize`` wing
-(``callbacks/auto_batch_size.py``, ``callbacks/_trial_step.py``, ``callbacks/_oom_recovery.py``).
+step with a smaller micro-batch, saving from one rank alone. Each function touches one or two
+private names, all listed in :data:`TOUCHED`; :func:`missing_internals` checks them on a Trainer,
+and ``AutoBatchSize`` and ``ExactResume(rebuild_loaders=True)`` call :func:`require_internals` at
+setup, so a Lightning upgrade that renames one fails at the start of ``fit``, naming it
+(``tests/test_lightning_internals.py`` runs the check, and each function in a real fit).
+Used elsewhere, and tested there: ``GPTCLI`` overrides ``LightningCLI._parse_ckpt_path``;
+``GPTModule`` reads the ``_device_mesh`` that ``ModelParallelStrategy`` sets on a module.
+Written against Lightning 2.6 (2.6.0 to 2.6.6 read); ``pyproject.toml`` allows 2.5 and later.
 """
 
 from __future__ import annotations
@@ -27,6 +19,8 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 import lightning.pytorch as pl
+
+from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 
 __all__ = [
     "TOUCHED",
@@ -129,14 +123,13 @@ def require_internals(trainer: pl.Trainer, who: str) -> None:
     """
     missing = missing_internals(trainer)
     if missing:
-        raise RuntimeError(_gone(", ".join(missing)) + f" {who} cannot run with it: pin lightning to a version it supports.")
+        raise RuntimeError(
+            _gone(", ".join(missing)) + f" {who} cannot run with it: pin lightning to a version it supports."
+        )
 
 
 def _gone(name: str) -> str:
-    return (
-        f"lightning_gpuopt: {name} is gone in this Lightning version ({pl.__version__}); "
-        "lightning_gpuopt.lightning_internals needs an update."
-    )
+    return f"lightning_gpuopt: {name} is gone in this Lightning version ({pl.__version__}); lightning_internals needs an update."
 
 
 def show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
@@ -212,7 +205,9 @@ def rebuild_train_loader(trainer: pl.Trainer, data_fetcher: Any) -> None:
     fit_loop._data_fetcher = data_fetcher
 
 
-def wrap_epoch_advance(trainer: pl.Trainer, wrapper: Callable[[Callable[[Any], None], Any], None]) -> Callable[[], None]:
+def wrap_epoch_advance(
+    trainer: pl.Trainer, wrapper: Callable[[Callable[[Any], None], Any], None]
+) -> Callable[[], None]:
     """Run each training batch as ``wrapper(advance, data_fetcher)``, where ``advance(data_fetcher)``
     is Lightning's own; returns a function that undoes it.
 
@@ -291,10 +286,9 @@ def data_parallel_ranks(trainer: pl.Trainer) -> tuple[int, int]:
 
         replicas, rank = data_parallel_ranks(trainer)  # (8, 3) on rank 3 of 8 under DDP
     """
-    kwargs = trainer.distributed_sampler_kwargs
-    if not kwargs or not trainer._accelerator_connector.use_distributed_sampler:
+    if not trainer._accelerator_connector.use_distributed_sampler:
         return 1, 0
-    return int(kwargs["num_replicas"]), int(kwargs["rank"])
+    return data_parallel_size(trainer), data_parallel_rank(trainer)
 
 
 def no_version_counter(callback: Any) -> None:

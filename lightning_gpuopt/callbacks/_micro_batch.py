@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr
 
 from lightning_gpuopt.callbacks._trial_step import batch_len
 
-__all__ = ["check_batch", "check_can_set_micro_batch", "data_parallel_size", "keep_validation_cadence", "late_checkpoint_choice"]
+__all__ = ["check_batch", "check_can_set_micro_batch", "keep_validation_cadence", "late_checkpoint_choice"]
 
 
 def keep_validation_cadence(trainer: pl.Trainer, old: int, new: int) -> None:
@@ -94,12 +94,6 @@ def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, repli
     return True
 
 
-def data_parallel_size(trainer: pl.Trainer) -> int:
-    """Ranks that read different samples: the world size, less any tensor-parallel dimension."""
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", trainer.world_size))
-
-
 def late_checkpoint_choice(saved: int, searched: int, same_batch: bool) -> tuple[bool, str, bool]:
     """Which micro-batch to keep when a checkpoint's arrives after this run's search.
 
@@ -122,21 +116,32 @@ def late_checkpoint_choice(saved: int, searched: int, same_batch: bool) -> tuple
         f"restores callbacks after fit start)"
     )
     if saved < searched and same_batch:
-        return True, f"{arrived}; continuing with it, as the checkpoint's run did (the search found {searched} to fit)", False
+        return (
+            True,
+            f"{arrived}; continuing with it, as the checkpoint's run did (the search found {searched} to fit)",
+            False,
+        )
     message = f"{arrived}; keeping the search's micro-batch {searched}."
     if saved == searched:
         return False, message, False
     why = (
-        f"{saved} is larger than what fits here" if same_batch
+        f"{saved} is larger than what fits here"
+        if same_batch
         else "the per-device batch changed since the checkpoint (another global batch or number of devices)"
     )
-    return False, (
-        f"{message} Not the checkpoint's, because {why}. Its loop counters count micro-batches of {saved}, so "
-        "Lightning's batch count in this epoch is off (the data position, kept in samples, is not)."
-    ), True
+    return (
+        False,
+        (
+            f"{message} Not the checkpoint's, because {why}. Its loop counters count micro-batches of {saved}, so "
+            "Lightning's batch count in this epoch is off (the data position, kept in samples, is not)."
+        ),
+        True,
+    )
 
 
-def check_can_set_micro_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str, max_micro: Optional[int]) -> None:
+def check_can_set_micro_batch(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str, max_micro: Optional[int]
+) -> None:
     """Raise, with the fix, if ``AutoBatchSize`` cannot set this fit's micro-batch (at ``setup``, before any work).
 
     Args:

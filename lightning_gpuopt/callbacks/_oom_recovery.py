@@ -17,7 +17,12 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_gpuopt.callbacks._training_state import forget_unfinished_scaler_step
-from lightning_gpuopt.lightning_internals import dump_checkpoint, move_batch_position, rebuild_train_loader, wrap_epoch_advance
+from lightning_gpuopt.lightning_internals import (
+    dump_checkpoint,
+    move_batch_position,
+    rebuild_train_loader,
+    wrap_epoch_advance,
+)
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
 from lightning_gpuopt.protocols import ResumableData, saving_alone
 from lightning_gpuopt.resume import rollback_fit_loop_state, step_boundary

@@ -21,13 +21,17 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_gpuopt.callbacks._training_state import TrainingState, forget_unfinished_scaler_step
-from lightning_gpuopt.lightning_internals import build_train_loader, call_strategy_hook, throwaway_results, transfer_hooks
+from lightning_gpuopt.lightning_internals import (
+    build_train_loader,
+    call_strategy_hook,
+    throwaway_results,
+    transfer_hooks,
+)
 from lightning_gpuopt.perf.batch_search import Trial
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
+from lightning_gpuopt.perf.units import GiB
 
 __all__ = ["batch_len", "trial_steps"]
-
-_GB = 1024**3
 
 
 @contextlib.contextmanager
@@ -81,7 +85,9 @@ def _tuned_compile(pl_module: pl.LightningModule) -> bool:
     return bool(hparams.get("compile")) and hparams.get("compile_mode") not in (None, "default")
 
 
-def _trial(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, size: int, steps: int, margin: float) -> Trial:
+def _trial(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, size: int, steps: int, margin: float
+) -> Trial:
     """Run the trial steps at one size on every rank; fits only if it fits on all of them."""
     device = trainer.strategy.root_device
     free_memory(device)
@@ -108,7 +114,7 @@ def _trial(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, size:
         peak = torch.cuda.max_memory_reserved(device)
         total = torch.cuda.get_device_properties(device).total_memory
         if fits and peak > (1 - margin) * total:
-            fits, reason = False, f"peak {peak / _GB:.1f} GiB leaves less than {margin:.0%} free"
+            fits, reason = False, f"peak {peak / GiB:.1f} GiB leaves less than {margin:.0%} free"
     free_memory(device)
     agreed = trainer.strategy.reduce_boolean_decision(fits, all=True)
     if fits and not agreed:

@@ -20,25 +20,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from typing_extensions import override
 
-from lightning_gpuopt.callbacks._oom_recovery import emergency_checkpoint, is_sharded, redo_step, retry_on_oom, stop_message
-from lightning_gpuopt.callbacks._micro_batch import (
-    check_batch,
-    check_can_set_micro_batch,
-    data_parallel_size,
-    keep_validation_cadence,
-    late_checkpoint_choice,
-)
+from lightning_gpuopt.callbacks import _oom_recovery as oom
+from lightning_gpuopt.callbacks import _micro_batch as sizing
 from lightning_gpuopt.callbacks._trial_step import trial_steps
 from lightning_gpuopt.lightning_internals import drop_train_loader, require_internals
-from lightning_gpuopt.perf.batch_search import (
-    Trial,
-    describe_search,
-    fallback_micro_batch,
-    largest_fitting,
-    micro_batch_candidates,
-    per_device_batch,
-)
+from lightning_gpuopt.perf import batch_search as search
+from lightning_gpuopt.perf.batch_search import Trial
 from lightning_gpuopt.option_checks import check_auto_batch_options
+from lightning_gpuopt.perf.parallel import data_parallel_size
 from lightning_gpuopt.perf.oom import is_oom_error
 
 __all__ = ["AutoBatchSize"]
@@ -60,25 +49,14 @@ class AutoBatchSize(Callback):
     configured, whatever the GPU. The datamodule's (or module's) ``batch_size`` is set to the
     micro-batch and ``trainer.accumulate_grad_batches`` to the accumulation.
 
-    The search leaves no trace: weights, optimizer and LR-scheduler state, grad-scaler state,
-    RNG states, ``global_step`` and the logged metrics are exactly as before (other callbacks do
-    not see the trial steps). Under DDP and FSDP2 all ranks agree on the smallest size that fits
-    on every rank.
-
-    If the device runs out of memory later in training (longer sequences, fragmentation), the
-    step is redone from its first micro-batch with a smaller micro-batch (the largest divisor of
-    the per-device batch at most half of it) and proportionally more accumulation: the global
-    batch and the order of the samples stay the same, so no work is lost. Where that is not
-    possible (micro-batch already 1) it writes a checkpoint of the last completed step and stops
-    with a message naming what to change. In multi-process runs the other ranks cannot join a
-    redone step, so there the run stops with the checkpoint (DDP) or the message (FSDP2).
-
-    After its decision it checks the first training batch: a loader that ignores the new size (a
-    DataLoader built once in ``setup()``) would train another global batch than the one reported,
-    so the run stops there with the fix.
-
-    On CPU a real memory exhaustion kills the process instead of raising an error, so there
-    ``max_micro_batch_size`` is required; the search itself is the same on every device.
+    The search leaves no trace (weights, optimizer, schedulers, grad scaler, RNG, ``global_step``
+    and logged metrics are as before; other callbacks do not see the trial steps), and under DDP
+    and FSDP2 all ranks agree on the smallest size that fits on every rank. If the device runs out
+    of memory later in training, the step is redone from its first micro-batch with a smaller
+    micro-batch and more accumulation (same global batch, same sample order), or, where that
+    cannot be (micro-batch 1, multi-process runs), the last completed step is saved and the run
+    stops naming what to change. The first training batch after a decision is checked: a loader
+    that ignores the new size stops the run with the fix. Details: ``docs/callbacks.md``.
 
     The decision, the search trace and the peak memory are logged once to every logger
     (``auto_batch_size/*``, listed in ``docs/callbacks.md``) and to the console.
@@ -95,7 +73,8 @@ class AutoBatchSize(Callback):
     Args:
         global_batch_size: Samples per optimizer step over all devices. ``None`` keeps the batch
             you configured: ``batch_size * accumulate_grad_batches * world_size``.
-        max_micro_batch_size: Largest micro-batch to try. Required on CPU.
+        max_micro_batch_size: Largest micro-batch to try. Required on CPU, where running out of
+            memory kills the process instead of raising an error.
         mode: ``"binsearch"`` doubles until a size fails, then bisects; ``"power"`` only doubles.
         memory_margin: Fraction of the device's memory to leave free (CUDA only), as headroom
             for fragmentation and longer sequences.
@@ -106,11 +85,10 @@ class AutoBatchSize(Callback):
         recover_oom: Recover from out-of-memory errors later in training.
 
     Note:
-        Data order after a recovery is the same only if the training dataloader's order does not
-        depend on when it is created: true for ``TextDataModule`` and for any loader without a
-        global-RNG ``shuffle`` (a :class:`~lightning_gpuopt.protocols.ResumableData` datamodule is
-        asked where the step started). A ``max_epochs``-based LR schedule is rebuilt when the search
-        changes the global batch.
+        Data order after a recovery is the same if the training loader's order does not depend on
+        when it is created (no global-RNG ``shuffle``), or its datamodule implements
+        :class:`~lightning_gpuopt.protocols.ResumableData`. A ``max_epochs``-based LR schedule is
+        rebuilt when the search changes the global batch.
     """
 
     def __init__(
@@ -131,11 +109,10 @@ class AutoBatchSize(Callback):
         self.steps_per_trial = steps_per_trial
         self.batch_size_attr = batch_size_attr
         self.recover_oom = recover_oom
-        # Decisions (saved in checkpoints, so a resumed run uses them without searching again).
         self.micro_batch_size: Optional[int] = None
         self.accumulate_grad_batches: Optional[int] = None
         self.trials: list[Trial] = []
-        self.recoveries: list[dict[str, int]] = []
+        self.recoveries: list[dict[str, int]] = []  # the decisions above are saved in checkpoints
         self._per_device: Optional[int] = None
         self._restored: Optional[dict[str, Any]] = None
         self._undo_retry: Optional[Callable[[], None]] = None
@@ -144,51 +121,48 @@ class AutoBatchSize(Callback):
         self._fit: Optional[tuple[pl.Trainer, pl.LightningModule]] = None  # the fit that searched, until teardown
         self._check_batch: Optional[int] = None  # the micro-batch the next training batch must hold
 
-    # ------------------------------------------------------------------------------------ checks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._searched_in_this_fit = False  # before any checkpoint is restored (also after a failed fit)
         self._fit = None
-        check_can_set_micro_batch(trainer, pl_module, self.batch_size_attr, self.max_micro_batch_size)
-        if self.global_batch_size is not None:
-            per_device_batch(self.global_batch_size, data_parallel_size(trainer))  # fails now, not after the data prep
+        sizing.check_can_set_micro_batch(trainer, pl_module, self.batch_size_attr, self.max_micro_batch_size)
+        if self.global_batch_size is not None:  # fails now, not after the data preparation
+            search.per_device_batch(self.global_batch_size, data_parallel_size(trainer))
         require_internals(trainer, "AutoBatchSize")
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._check_batch is not None:  # the first training batch after a decision
             expected, self._check_batch = self._check_batch, None
-            if not check_batch(trainer, batch, expected, self.batch_size_attr, data_parallel_size(trainer)):
+            if not sizing.check_batch(trainer, batch, expected, self.batch_size_attr, data_parallel_size(trainer)):
                 self._check_batch = expected  # a short last batch: the next epoch's first is checked
 
-    # ----------------------------------------------------------------------------------- search
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         configured = int(lightning_getattr(pl_module, self.batch_size_attr))
         replicas = data_parallel_size(trainer)
         configured_global = configured * trainer.accumulate_grad_batches * replicas
         global_batch = self.global_batch_size or configured_global
-        self._per_device = per_device_batch(global_batch, replicas)
+        self._per_device = search.per_device_batch(global_batch, replicas)
         if self._restored is not None and self._apply_restored(trainer, pl_module):
             return
-        candidates = micro_batch_candidates(self._per_device, self.max_micro_batch_size)
+        candidates = search.micro_batch_candidates(self._per_device, self.max_micro_batch_size)
         with trial_steps(trainer, pl_module, self.steps_per_trial, self.memory_margin) as trial:
-            best, self.trials = largest_fitting(candidates, trial, self.mode)
+            best, self.trials = search.largest_fitting(candidates, trial, self.mode)
         if best is None:
-            raise RuntimeError(
-                "AutoBatchSize: even a micro-batch of 1 runs out of memory"
-                + (f" (or leaves less than memory_margin={self.memory_margin} free)" if self.memory_margin else "")
-                + ". Make the model fit first: GPTModule(activation_checkpointing=True), a shorter block_size, "
-                "FSDP2 (ModelParallelStrategy) across more GPUs, or a lower memory_margin."
-            )
+            raise search.nothing_fits_error(self.memory_margin)
         self._apply(trainer, pl_module, best, global_batch != configured_global)
         self._report(trainer)
         self._searched_in_this_fit = True
         self._fit = (trainer, pl_module)
 
-    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: int, global_batch_changed: bool) -> None:
+    def _apply(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: int, global_batch_changed: bool
+    ) -> None:
         self._set_micro_batch(trainer, pl_module, micro)
         # `estimated_stepping_batches` (read by configure_optimizers) may have built the train loader
         # with the old batch size: drop it so the fit loop builds it with the new one.
@@ -203,7 +177,7 @@ class AutoBatchSize(Callback):
         self.accumulate_grad_batches = self._per_device // micro
         lightning_setattr(pl_module, self.batch_size_attr, micro)
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
-        keep_validation_cadence(trainer, old, micro)
+        sizing.keep_validation_cadence(trainer, old, micro)
         self._check_batch = micro
 
     def _apply_restored(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -214,7 +188,7 @@ class AutoBatchSize(Callback):
             return False
         micro = restored["micro_batch_size"]
         if self.max_micro_batch_size is not None and micro > self.max_micro_batch_size:
-            micro = micro_batch_candidates(self._per_device, self.max_micro_batch_size)[-1]
+            micro = search.micro_batch_candidates(self._per_device, self.max_micro_batch_size)[-1]
         self._apply(trainer, pl_module, micro, global_batch_changed=False)
         rank_zero_info(
             f"AutoBatchSize: micro-batch {micro} x {self.accumulate_grad_batches} accumulation, from the checkpoint."
@@ -222,22 +196,13 @@ class AutoBatchSize(Callback):
         return True
 
     def _report(self, trainer: pl.Trainer) -> None:
-        table, trace = describe_search(self.trials)
+        table, trace = search.describe_search(self.trials)
         replicas = data_parallel_size(trainer)
-        global_batch = self.micro_batch_size * self.accumulate_grad_batches * replicas
+        metrics = search.search_metrics(self.trials, self.micro_batch_size, self.accumulate_grad_batches, replicas)
         rank_zero_info(
-            f"AutoBatchSize: micro-batch {self.micro_batch_size} x {self.accumulate_grad_batches} accumulation "
-            f"x {replicas} data-parallel devices = global batch {global_batch}\n{table}"
+            f"AutoBatchSize: micro-batch {self.micro_batch_size} x {self.accumulate_grad_batches} accumulation x "
+            f"{replicas} data-parallel devices = global batch {metrics['auto_batch_size/global_batch_size']}\n{table}"
         )
-        chosen = next(t for t in self.trials if t.micro_batch_size == self.micro_batch_size and t.fits)
-        metrics = {
-            "auto_batch_size/micro_batch_size": self.micro_batch_size,
-            "auto_batch_size/accumulate_grad": self.accumulate_grad_batches,
-            "auto_batch_size/global_batch_size": global_batch,
-            "auto_batch_size/trials": len(self.trials),
-        }
-        if chosen.peak_memory is not None:
-            metrics["auto_batch_size/peak_memory_gb"] = chosen.peak_memory / 2**30
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
@@ -247,21 +212,28 @@ class AutoBatchSize(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.recover_oom and trainer.world_size == 1 and self._undo_retry is None:
-            self._undo_retry = retry_on_oom(trainer, lambda fetcher, message: self._recover(trainer, pl_module, fetcher, message))
+            self._undo_retry = oom.retry_on_oom(trainer, lambda *args: self._recover(trainer, pl_module, *args))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._unwrap()
+        if self._undo_retry is not None:
+            self._undo_retry()
+            self._undo_retry = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._unwrap()
-        if self._stopped or trainer.state.fn != TrainerFn.FITTING or not is_oom_error(exception) or self.micro_batch_size is None:
+        self.on_train_end(trainer, pl_module)
+        if (
+            self._stopped
+            or trainer.state.fn != TrainerFn.FITTING
+            or not is_oom_error(exception)
+            or self.micro_batch_size is None
+        ):
             return
         # Multi-process runs (no in-process recovery): keep the last completed step where we can.
-        smaller = fallback_micro_batch(self.micro_batch_size, self._per_device or self.micro_batch_size)
-        path = emergency_checkpoint(trainer) if not is_sharded(trainer) else None
-        message = stop_message(trainer, self.micro_batch_size, smaller, path)
+        smaller = search.fallback_micro_batch(self.micro_batch_size, self._per_device or self.micro_batch_size)
+        path = oom.emergency_checkpoint(trainer) if not oom.is_sharded(trainer) else None
+        message = oom.stop_message(trainer, self.micro_batch_size, smaller, path)
         if trainer.world_size > 1:  # the rank that ran out of memory may not be rank 0
             warnings.warn(rank_prefixed_message(message, trainer.global_rank))
         else:
@@ -271,20 +243,15 @@ class AutoBatchSize(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fit = None  # no reference to the Trainer outlives its fit
 
-    def _unwrap(self) -> None:
-        if self._undo_retry is not None:
-            self._undo_retry()
-            self._undo_retry = None
-
     def _recover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data_fetcher: Any, message: str) -> None:
         old = self.micro_batch_size or int(lightning_getattr(pl_module, self.batch_size_attr))
         self._per_device = self._per_device or old * trainer.accumulate_grad_batches
-        new = fallback_micro_batch(old, self._per_device)
+        new = search.fallback_micro_batch(old, self._per_device)
         if new is None:
             self._stopped = True
-            path = None if is_sharded(trainer) else emergency_checkpoint(trainer)
-            raise RuntimeError(stop_message(trainer, old, None, path) + f" (error: {message})")
-        redo_step(trainer, data_fetcher, old, new, lambda size: self._set_micro_batch(trainer, pl_module, size))
+            path = None if oom.is_sharded(trainer) else oom.emergency_checkpoint(trainer)
+            raise RuntimeError(oom.stop_message(trainer, old, None, path) + f" (error: {message})")
+        oom.redo_step(trainer, data_fetcher, old, new, lambda size: self._set_micro_batch(trainer, pl_module, size))
         self.recoveries.append({"step": trainer.global_step, "from": old, "to": new})
         rank_zero_warn(
             f"AutoBatchSize: out of memory at step {trainer.global_step} with micro-batch {old} ({message}). "
@@ -292,7 +259,6 @@ class AutoBatchSize(Callback):
             "the global batch and the data order are unchanged."
         )
 
-    # ------------------------------------------------------------------------------ checkpoint
     @override
     def state_dict(self) -> dict[str, Any]:
         if self._restored is not None:  # loaded, to be applied at the next fit start: it is still the state
@@ -320,10 +286,13 @@ class AutoBatchSize(Callback):
         """A checkpoint restored after this run's search: use its micro-batch where it is known to fit."""
         saved = state_dict["micro_batch_size"]
         same_batch = state_dict.get("per_device_batch") == self._per_device
-        use_saved, message, warn = late_checkpoint_choice(saved, self.micro_batch_size, same_batch and self._fit is not None)
+        use_saved, message, warn = sizing.late_checkpoint_choice(
+            saved, self.micro_batch_size, same_batch and self._fit is not None
+        )
         if use_saved:
             # The train loader is not built yet: the checkpoint's micro-batch applies from the first batch.
             self._apply(*self._fit, saved, global_batch_changed=False)
             self.recoveries = [dict(r) for r in state_dict.get("recoveries", [])]
-        (rank_zero_warn if warn else rank_zero_info)(message + (
-            f" ({saved} x {self.accumulate_grad_batches} accumulation)" if use_saved else ""))
+        (rank_zero_warn if warn else rank_zero_info)(
+            message + (f" ({saved} x {self.accumulate_grad_batches} accumulation)" if use_saved else "")
+        )

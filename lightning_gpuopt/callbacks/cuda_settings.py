@@ -11,12 +11,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS as _SDPA_BACKENDS
+from lightning_gpuopt.perf.sdpa import SDPA_FLAGS as _SDPA_FLAGS
+from lightning_gpuopt.perf.sdpa import apply_auto_sdpa_order, attention_kernel, attention_row  # attention_kernel re-exported
+
 __all__ = ["CUDASettings", "attention_kernel"]
 
-# Our names -> torch.nn.attention.SDPBackend member names.
-_SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-# Our names -> the suffix of torch._C._get_/_set_sdp_use_* (what torch.nn.attention.sdpa_kernel calls).
-_SDPA_FLAGS = {"cudnn": "cudnn", "flash": "flash", "efficient": "mem_efficient", "math": "math"}
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 _ALLOC_ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # new name first (torch >= 2.9), then legacy
 
@@ -51,74 +51,6 @@ def _capture() -> dict[str, Any]:
         "sdpa_priority": list(torch._C._get_sdp_priority_order()),
         "env": {name: os.environ.get(name) for name in _ALLOC_ENV_VARS},
     }
-
-
-# cuDNN attention first on Hopper and Blackwell (compute capability 9.x, 10.x) with a recent cuDNN; the
-# rest in PyTorch's own order, nothing disabled.
-_HOPPER_SDPA_ORDER = ("cudnn", "flash", "efficient", "math")
-_MIN_CUDNN_FIRST = 91500  # cuDNN 9.15
-
-
-def _auto_sdpa_order(device: torch.device) -> tuple[str, str, str]:
-    """Apply ``sdpa_backends="auto"`` on the training device; return the report row."""
-    if device.type != "cuda":
-        return ("sdpa_backends", "auto", "left as PyTorch orders them: no CUDA device")
-    capability = torch.cuda.get_device_capability(device)
-    cudnn = torch.backends.cudnn.version() or 0
-    if capability[0] not in (9, 10):
-        return ("sdpa_backends", "auto", f"left as PyTorch orders them (compute capability {capability[0]}.{capability[1]})")
-    if cudnn < _MIN_CUDNN_FIRST:
-        # Older cuDNN attention gave wrong gradients for some sequence lengths (not multiples of 128).
-        return ("sdpa_backends", "auto", f"left as PyTorch orders them (cuDNN {cudnn} < {_MIN_CUDNN_FIRST})")
-    from torch.nn.attention import SDPBackend
-
-    order = [int(getattr(SDPBackend, _SDPA_BACKENDS[b])) for b in _HOPPER_SDPA_ORDER]
-    rest = [b for b in torch._C._get_sdp_priority_order() if b not in order]
-    torch._C._set_sdp_priority_order(order + rest)  # priorities only: which kernels are enabled is unchanged
-    return ("sdpa_backends", "auto", f"priority {','.join(_HOPPER_SDPA_ORDER)} (compute capability {capability[0]}.{capability[1]})")
-
-
-def attention_kernel(
-    device: torch.device, head_dim: int, seq_len: int, dtype: torch.dtype, n_head: int = 1, dropout_p: float = 0.0
-) -> str:
-    """The SDPA kernel PyTorch picks for causal self-attention of this shape, under the current
-    backend flags and priorities: ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"``.
-
-    Example::
-
-        >>> attention_kernel(torch.device("cpu"), head_dim=64, seq_len=128, dtype=torch.float32) in _SDPA_BACKENDS
-        True
-
-    Args:
-        device: Where attention runs.
-        head_dim: Size of one head.
-        seq_len: Sequence length.
-        dtype: The dtype attention runs in (bf16 under bf16 autocast).
-        n_head: Number of heads.
-        dropout_p: Attention dropout in training (some kernels accept only some values).
-    """
-    from torch.nn.attention import SDPBackend
-
-    q = torch.zeros(1, n_head, seq_len, head_dim, device=device, dtype=dtype, requires_grad=True)  # as in training
-    choice = SDPBackend(torch._fused_sdp_choice(q, q, q, dropout_p=dropout_p, is_causal=True))
-    names = {getattr(SDPBackend, v): k for k, v in _SDPA_BACKENDS.items()}
-    return names.get(choice, choice.name.lower())
-
-
-def _attention_row(pl_module: pl.LightningModule, trainer: pl.Trainer, device: torch.device) -> tuple[str, str, str]:
-    from lightning_gpuopt.perf.precision import compute_dtype_name
-
-    config = getattr(pl_module, "config", None)
-    head_dim, seq_len, n_head = (getattr(config, k, None) for k in ("head_size", "block_size", "n_head"))
-    dropout = float(getattr(config, "dropout", 0.0) or 0.0)
-    shape = "the model's" if head_dim and seq_len else "an assumed"
-    head_dim, seq_len, n_head = head_dim or 64, seq_len or 1024, n_head or 1
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(
-        compute_dtype_name(trainer.precision_plugin), torch.float32
-    )
-    kernel = attention_kernel(device, head_dim, seq_len, dtype, n_head, dropout)
-    dtype_name = str(dtype).removeprefix("torch.")
-    return ("attention_kernel", kernel, f"what SDPA runs for {shape} head dim {head_dim}, T {seq_len}, {dtype_name}, causal")
 
 
 class CUDASettings(Callback):
@@ -282,9 +214,9 @@ class CUDASettings(Callback):
         self._apply()  # after a previous fit restored the state
         device = trainer.strategy.root_device
         if self.sdpa_backends == "auto":
-            self.report = [r for r in self.report if r[0] != "sdpa_backends"] + [_auto_sdpa_order(device)]
+            self.report = [r for r in self.report if r[0] != "sdpa_backends"] + [apply_auto_sdpa_order(device)]
         if device.type == "cuda":
-            self.report = [r for r in self.report if r[0] != "attention_kernel"] + [_attention_row(pl_module, trainer, device)]
+            self.report = [r for r in self.report if r[0] != "attention_kernel"] + [attention_row(pl_module, trainer.precision_plugin, device)]
         if isinstance(self.sdpa_backends, list) and "flash" in self.sdpa_backends and device.type == "cuda":
             if torch.cuda.get_device_capability(device)[0] < 8:
                 self.report = [

@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_gpuopt.lightning_internals import show_in_progress_bar
+from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.flops import count_flops_per_token, model_flops_per_token
-from lightning_gpuopt.perf.peaks import measure_peak_flops, peak_flops as table_peak_flops
+from lightning_gpuopt.perf.mfu import check_mfu_options, input_ids_of, mfu_peaks, summarise_windows, window_metrics
+from lightning_gpuopt.perf.mfu import memory_stats as _memory_stats  # by this name: tests replace it
+from lightning_gpuopt.perf.peaks import measure_peak_flops
+from lightning_gpuopt.perf.parallel import data_parallel_size
 from lightning_gpuopt.perf.precision import compute_dtype_name, is_fp8
-from lightning_gpuopt.plugins.float8_conversion import is_compiled
 
 __all__ = ["MFUMonitor"]
-
-_GB = 1024**3
 
 
 def _synchronize(device: torch.device) -> None:
@@ -30,45 +29,16 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _memory_stats(device: torch.device) -> dict[str, float]:
-    """``mem/*`` metrics of a CUDA device (no synchronisation); empty elsewhere."""
-    if device.type != "cuda":
-        return {}
-    total = torch.cuda.get_device_properties(device).total_memory
-    peak = torch.cuda.max_memory_allocated(device)
-    return {
-        "mem/allocated_gb": torch.cuda.memory_allocated(device) / _GB,
-        "mem/reserved_gb": torch.cuda.memory_reserved(device) / _GB,
-        "mem/peak_gb": peak / _GB,
-        "mem/peak_pct": 100 * peak / total,
-    }
-
-
-def _input_ids(batch: Any) -> Optional[Tensor]:
-    """The token-id tensor of a batch: ``batch[0]`` of a tuple, ``batch["input_ids"]`` of a dict, or the batch."""
-    if isinstance(batch, Tensor):
-        return batch
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):
-        return batch[0]
-    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
-        return batch["input_ids"]
-    return None
-
-
 class MFUMonitor(Callback):
     """Logs throughput, TFLOP/s per device, MFU and memory every few optimizer steps, and a report at the end of ``fit``.
 
     Tokens per micro-batch are the element count of the input ids (``batch[0]`` for tuples,
     ``batch["input_ids"]`` for dicts) or ``tokens_fn(batch)``. Training FLOPs per token come from
-    ``flops_per_token=``, else the module's ``flops_per_token(seq_len)`` method (``GPTModule`` has one),
-    else they are counted once per sequence length with ``FlopCounterMode`` on meta tensors (no memory
-    used, no host sync) over what training runs: the module's ``training_step`` on the first batch and
-    the backward of its loss. Where the step cannot run on meta tensors (it reads a value, or optimises
-    manually) ``forward(input_ids)`` is counted instead, with a warning when its output does not cover
-    every position (nanoGPT's forward without targets computes the head for the last one only).
-    ``flops_source`` says which was used. The peak is the **dense, per-GPU**
-    datasheet number for the compute dtype of the precision plugin (see
-    :mod:`lightning_gpuopt.perf.peaks`).
+    ``flops_per_token=``, else the module's ``flops_per_token(seq_len)`` (``GPTModule`` has one), else
+    they are counted once per sequence length on meta tensors over the module's ``training_step`` and
+    its backward (:func:`~lightning_gpuopt.perf.flops.count_flops_per_token`, which falls back to
+    ``forward(input_ids)`` with a warning where the step cannot run on meta tensors); ``flops_source``
+    says which. The peak is the **dense, per-GPU** datasheet number (:mod:`lightning_gpuopt.perf.peaks`).
 
     The first ``warmup_steps`` optimizer steps (compilation, cuDNN autotuning, allocator growth) are
     left out; after that, one value per window of ``log_every_n_steps`` optimizer steps is logged.
@@ -77,7 +47,7 @@ class MFUMonitor(Callback):
     ============================== ==========================================================================
     Key                            Meaning
     ============================== ==========================================================================
-    ``perf/tokens_per_sec``        Tokens per second, all devices (per-device rate times world size)
+    ``perf/tokens_per_sec``        Tokens per second, all devices (per-device rate times data-parallel size)
     ``perf/tokens_per_sec_per_device`` Tokens per second on one device
     ``perf/tflops_per_device``     Achieved model TFLOP/s per device (FLOPs per token x tokens/s)
     ``perf/mfu``                   ``tflops_per_device / peak``: the device's dense bf16 peak, whatever the dtype
@@ -133,18 +103,7 @@ class MFUMonitor(Callback):
         report: bool = True,
         clock: Optional[Callable[[], float]] = None,
     ) -> None:
-        if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or log_every_n_steps < 1):
-            raise ValueError(f"MFUMonitor.log_every_n_steps must be a positive integer or None, got {log_every_n_steps!r}.")
-        if warmup_steps < 0:
-            raise ValueError(f"MFUMonitor.warmup_steps must be >= 0, got {warmup_steps}.")
-        if peak_flops is not None and not peak_flops > 0:
-            raise ValueError(f"MFUMonitor.peak_flops must be > 0 FLOP/s (e.g. 989.4e12), got {peak_flops!r}.")
-        if peak_flops is not None and peak_flops < 1e9:
-            rank_zero_warn(f"MFUMonitor.peak_flops={peak_flops} looks like TFLOP/s; it is in FLOP/s (e.g. 989.4e12).")
-        if dtype is not None and dtype not in ("fp32", "tf32", "bf16", "fp16", "fp8"):
-            raise ValueError(f"MFUMonitor.dtype must be one of fp32, tf32, bf16, fp16, fp8 or None, got {dtype!r}.")
-        if flops_per_token is not None and not flops_per_token > 0:
-            raise ValueError(f"MFUMonitor.flops_per_token must be > 0, got {flops_per_token!r}.")
+        check_mfu_options(log_every_n_steps, warmup_steps, peak_flops, dtype, flops_per_token)
         self.log_every_n_steps = log_every_n_steps
         self.warmup_steps = warmup_steps
         self.peak_flops = peak_flops
@@ -167,18 +126,13 @@ class MFUMonitor(Callback):
         self._window = 1
         self._device = torch.device("cpu")
         self._dtype: Optional[str] = None
-        self._peak: Optional[float] = None
-        self._peak_fp8: Optional[float] = None
-        self._measured_peak: Optional[float] = None
+        self._peak, self._peak_fp8, self._measured_peak = None, None, None  # FLOP/s: bf16, fp8, timed
         self._flops_cache: dict[Optional[int], Optional[float]] = {}
         self._last_global_step: Optional[int] = None
         self._steps = 0  # optimizer steps seen in this fit
         self._window_start: Optional[float] = None
         self._last_batch_end: Optional[float] = None
-        self._tokens = 0
-        self._flops = 0.0
-        self._flops_known = True
-        self._wait = 0.0
+        self._tokens, self._flops, self._wait, self._flops_known = 0, 0.0, 0.0, True  # the current window
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -200,21 +154,11 @@ class MFUMonitor(Callback):
             self._dtype = "bf16"
         if is_fp8(plugin) and self.dtype is None:
             self._dtype = "fp8"
-        # The usual convention: MFU against the dense bf16 peak whatever the run computes in, so fp32,
-        # bf16 and fp8 runs compare on one scale (fp8 runs also get perf/mfu_fp8).
-        mfu_dtype = "bf16"
-        if self._device.type == "cuda":
-            name = torch.cuda.get_device_name(self._device)
-            self._peak = table_peak_flops(name, mfu_dtype)
-            if self._dtype == "fp8":
-                self._peak_fp8 = table_peak_flops(name, "fp8")
-        else:
-            name = f"a {self._device.type} device"
-        if self.peak_flops is not None:
-            self._peak = self.peak_flops
+        # MFU against the dense bf16 peak whatever the run computes in (see perf/mfu.py).
+        self._peak, self._peak_fp8, name = mfu_peaks(self._device, self._dtype, self.peak_flops)
         if self._peak is None:
             rank_zero_warn(
-                f"MFUMonitor has no {mfu_dtype} peak FLOP/s for {name}, so perf/mfu is not logged: pass "
+                f"MFUMonitor has no bf16 peak FLOP/s for {name}, so perf/mfu is not logged: pass "
                 "MFUMonitor(peak_flops=...) with the dense per-device peak from the datasheet."
             )
 
@@ -231,31 +175,24 @@ class MFUMonitor(Callback):
             self._start_window()
 
     def _flops_for(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tokens: int) -> Optional[float]:
-        input_ids = _input_ids(batch)
-        seq_len = int(input_ids.shape[-1]) if input_ids is not None and input_ids.dim() > 0 else None
+        """FLOPs per token: given, the module's own count, or counted once per sequence length."""
         if self.flops_per_token is not None:
             self.flops_source = "flops_per_token="
             return self.flops_per_token
-        if seq_len in self._flops_cache:
-            return self._flops_cache[seq_len]
-        flops = model_flops_per_token(pl_module, seq_len)
-        if flops is not None:
+        input_ids = input_ids_of(batch)
+        seq_len = int(input_ids.shape[-1]) if input_ids is not None and input_ids.dim() > 0 else None
+        if seq_len not in self._flops_cache:
+            flops = model_flops_per_token(pl_module, seq_len)
             self.flops_source = f"{type(pl_module).__name__}.flops_per_token"
-        else:
-            flops = self._count_flops(pl_module, batch, batch_idx, tokens, input_ids)
-        self._flops_cache[seq_len] = flops
-        return flops
-
-    def _count_flops(
-        self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tokens: int, input_ids: Optional[Tensor]
-    ) -> Optional[float]:
-        count = count_flops_per_token(pl_module, batch, batch_idx, tokens, input_ids)
-        if count.warning:
-            rank_zero_warn(f"MFUMonitor: {count.warning}")
-        if count.info:
-            rank_zero_info(f"MFUMonitor: {count.info}")
-        self.flops_source = count.source
-        return count.per_token
+            if flops is None:
+                count = count_flops_per_token(pl_module, batch, batch_idx, tokens, input_ids)
+                if count.warning:
+                    rank_zero_warn(f"MFUMonitor: {count.warning}")
+                if count.info:
+                    rank_zero_info(f"MFUMonitor: {count.info}")
+                self.flops_source, flops = count.source, count.per_token
+            self._flops_cache[seq_len] = flops
+        return self._flops_cache[seq_len]
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -266,7 +203,7 @@ class MFUMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        input_ids = _input_ids(batch)
+        input_ids = input_ids_of(batch)
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else (input_ids.numel() if input_ids is not None else 0)
         flops = self._flops_for(pl_module, batch, batch_idx, tokens)
         self._tokens += tokens
@@ -294,23 +231,17 @@ class MFUMonitor(Callback):
     def _end_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _synchronize(self._device)
         now = self._clock()
-        elapsed = max(now - self._window_start, 1e-12)
-        per_device = self._tokens / elapsed
-        metrics = {
-            "perf/tokens_per_sec": per_device * trainer.world_size,
-            "perf/tokens_per_sec_per_device": per_device,
-            "perf/step_time_ms": 1000 * elapsed / self._window,
-            "perf/dataloader_wait_pct": 100 * self._wait / elapsed,
-        }
-        if self._flops_known:
-            achieved = self._flops / elapsed
-            metrics["perf/tflops_per_device"] = achieved / 1e12
-            if self._peak is not None:
-                metrics["perf/mfu"] = achieved / self._peak
-            if self._peak_fp8 is not None:
-                metrics["perf/mfu_fp8"] = achieved / self._peak_fp8
-            if self._measured_peak is not None:
-                metrics["perf/mfu_measured"] = achieved / self._measured_peak
+        metrics = window_metrics(
+            tokens=self._tokens,
+            flops=self._flops if self._flops_known else None,
+            elapsed=now - self._window_start,
+            steps=self._window,
+            wait=self._wait,
+            replicas=data_parallel_size(trainer),
+            peak=self._peak,
+            peak_fp8=self._peak_fp8,
+            measured_peak=self._measured_peak,
+        )
         metrics.update(_memory_stats(self._device))
         self.history.append(metrics)
         if trainer.is_global_zero:
@@ -356,43 +287,13 @@ class MFUMonitor(Callback):
             rank_zero_info(self.summary["text"])
 
     def _summarise(self, pl_module: pl.LightningModule) -> dict[str, Any]:
-        needed = self.warmup_steps + self._window
-        if not self.history:
-            text = (
-                f"MFUMonitor: the run was too short to measure: it needs {needed} optimizer steps "
-                f"(warmup_steps={self.warmup_steps} + log_every_n_steps={self._window})."
-            )
-            return {"text": text, "advice": []}
-        keys = {k for m in self.history for k in m}
-        mean = {k: sum(m[k] for m in self.history if k in m) / sum(k in m for m in self.history) for k in keys}
-        lines = [f"MFUMonitor report ({len(self.history)} windows of {self._window} steps, {self._dtype} matmuls):"]
-        if "perf/mfu" in mean:
-            lines.append(f"  MFU {100 * mean['perf/mfu']:.1f}%" + (
-                f" (fp8 peak: {100 * mean['perf/mfu_fp8']:.1f}%)" if "perf/mfu_fp8" in mean else ""))
-        if "perf/tflops_per_device" in mean:
-            lines.append(f"  {mean['perf/tflops_per_device']:.3g} TFLOP/s per device")
-        lines.append(f"  {mean['perf/tokens_per_sec']:,.0f} tokens/s ({mean['perf/step_time_ms']:.1f} ms/step)")
-        if "mem/peak_pct" in mean:
-            lines.append(f"  peak memory {max(m.get('mem/peak_pct', 0) for m in self.history):.0f}% of the device")
-        lines.append(f"  data-loader wait {mean['perf/dataloader_wait_pct']:.1f}%")
-        lines.append(f"  {self.total_tokens:,} tokens per device in this fit ({self.total_flops / 1e12:.3g} model TFLOP)")
-        advice = []
-        peak_pct = max((m["mem/peak_pct"] for m in self.history if "mem/peak_pct" in m), default=None)
-        if peak_pct is not None and peak_pct < 50:
-            advice.append(
-                f"Memory is mostly unused (peak {peak_pct:.0f}%): raise the micro-batch size (fewer "
-                "accumulation steps) or add the AutoBatchSize callback."
-            )
-        if mean["perf/dataloader_wait_pct"] > 5:
-            advice.append(
-                f"The model waits for data {mean['perf/dataloader_wait_pct']:.0f}% of the time: raise the DataLoader's "
-                "num_workers (TextDataModule(num_workers=...)) or pin_memory."
-            )
-        if self._dtype == "fp32" and self._device.type == "cuda":
-            advice.append(
-                "Matmuls run in fp32 without TF32: add CUDASettings(tf32=True) or train with precision='bf16-mixed'."
-            )
-        if self._dtype == "fp8" and not is_compiled(pl_module):
-            advice.append("FP8 without torch.compile leaves most of its speed-up unused: compile the model.")
-        lines += [f"  advice: {a}" for a in advice]
-        return {"text": "\n".join(lines), "advice": advice, "mean": mean}
+        return summarise_windows(
+            self.history,
+            window=self._window,
+            warmup_steps=self.warmup_steps,
+            dtype=self._dtype,
+            total_tokens=self.total_tokens,
+            total_flops=self.total_flops,
+            on_cuda=self._device.type == "cuda",
+            compiled=is_compiled(pl_module),
+        )

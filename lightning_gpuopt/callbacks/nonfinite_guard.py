@@ -16,7 +16,6 @@ steps, before every checkpoint save and at the end of training.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -27,6 +26,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gpuopt.callbacks.nonfinite_checks import (  # find_nonfinite re-exported: its home is nonfinite_checks
+    count_on_device,
+    describe_bad_step,
+    find_nonfinite,
+    skip_step,
+)
+
 __all__ = ["NonFiniteError", "NonFiniteGuard", "find_nonfinite"]
 
 Policy = Literal["skip", "stop"]
@@ -35,43 +41,6 @@ Mode = Literal["auto", "step", "deferred"]
 
 class NonFiniteError(RuntimeError):
     """Raised by :class:`NonFiniteGuard` to stop a run whose loss or gradients went NaN/Inf."""
-
-
-def _local(t: Tensor) -> Tensor:
-    # FSDP2 gradients are DTensors: check this rank's shard (ranks agree through an all-reduce).
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def find_nonfinite(optimizer: Optimizer) -> tuple[Tensor, list[tuple[int, Tensor]]]:
-    """Max-abs of every gradient the optimizer holds, in one device-side reduction (no host sync).
-
-    Example::
-
-        maxabs, params = find_nonfinite(optimizer)
-        bad = not bool(torch.isfinite(maxabs).all())   # the one host sync
-
-    Args:
-        optimizer: The optimizer about to step.
-
-    Returns:
-        ``(maxabs, params)``: a 1-D float32 tensor with ``max |grad|`` of each parameter that has a
-        gradient (NaN or Inf exactly when that gradient holds one; the infinity norm of finite values
-        cannot overflow), and the ``(param_group_index, parameter)`` pair of each entry.
-    """
-    params: list[tuple[int, Tensor]] = []
-    grads: list[Tensor] = []
-    for i, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            # An FSDP2 shard can be empty on some ranks (a dimension smaller than the world size), and
-            # _foreach_norm refuses empty tensors.
-            if p.grad is not None and _local(p.grad).numel() > 0:
-                params.append((i, p))
-                grads.append(_local(p.grad))
-    if not grads:
-        return torch.zeros(0), params
-    norms = torch._foreach_norm(grads, math.inf)
-    device = norms[0].device
-    return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]), params
 
 
 class NonFiniteGuard(Callback):
@@ -209,14 +178,14 @@ class NonFiniteGuard(Callback):
             self.consecutive_skips = 0
             return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        where = self._describe(trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad))
+        where = describe_bad_step(trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad), self.check_gradients)
         if scaler is not None and not n_loss_bad:
             # fp16: the GradScaler skips steps with overflowing gradients and lowers its scale; not ours to count.
             self.scaler_skips += 1
             self.last_report = f"GradScaler skips {where} (scale {scaler.get_scale():g} -> lowered); not counted."
             rank_zero_warn(f"NonFiniteGuard: {self.last_report}")
             return
-        self._skip(optimizer, scaler)
+        skip_step(optimizer, scaler)
         self.skipped_steps += 1
         self.consecutive_skips += 1
         self.last_report = where
@@ -248,15 +217,7 @@ class NonFiniteGuard(Callback):
             # The collective itself (Lightning's strategy.reduce adds a barrier, which waits for the GPU).
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         optimizer.found_inf = bad  # the fused kernel skips the whole update when it is 1
-        if self._pending is None:  # made on the device (a tensor from host numbers would wait for the stream)
-            self._pending = torch.zeros(4, device=device)
-            self._pending[1].fill_(float(self.consecutive_skips))
-            self._pending[3].fill_(-1.0)
-        count, consecutive, worst, first = self._pending.unbind()
-        consecutive = (consecutive + 1) * bad
-        step = torch.full((), float(trainer.global_step), device=device)
-        first = torch.where((first < 0) & (bad > 0), step, first)
-        self._pending = torch.stack([count + bad, consecutive, torch.maximum(worst, consecutive), first])
+        self._pending = count_on_device(self._pending, bad, trainer.global_step, self.consecutive_skips)
 
     def _read_deferred(self, trainer: Optional["pl.Trainer"], when: str) -> None:
         """The host sync of deferred mode: report (or stop on) the bad steps since the last read."""
@@ -302,50 +263,6 @@ class NonFiniteGuard(Callback):
             if hasattr(optimizer, "found_inf"):
                 del optimizer.found_inf
         self._deferred, self._pending, self._loss_bad = None, None, None
-
-    def _describe(
-        self,
-        trainer: "pl.Trainer",
-        pl_module: "pl.LightningModule",
-        optimizer: Optimizer,
-        maxabs: Tensor,
-        params: list[tuple[int, Tensor]],
-        loss_bad: bool,
-    ) -> str:
-        what = "non-finite loss" if loss_bad else "non-finite gradients"
-        text = f"{what} at global step {trainer.global_step} (epoch {trainer.current_epoch})"
-        flags = (~torch.isfinite(maxabs)).tolist() if maxabs.numel() else []
-        bad = [params[i] for i, f in enumerate(flags) if f]
-        if bad:
-            names = {id(p): n for n, p in pl_module.named_parameters()}
-            group, param = bad[0]
-            groups = sorted({g for g, _ in bad})
-            wd = optimizer.param_groups[group].get("weight_decay")
-            text += (
-                f"; {len(bad)} parameter(s) with NaN/Inf gradients in param group(s) {groups}, first "
-                f"{names.get(id(param), '<unnamed>')!r} (param group {group}, weight_decay={wd})"
-            )
-        elif loss_bad and self.check_gradients:
-            text += "; gradients are finite"
-        return text
-
-    @staticmethod
-    def _skip(optimizer: Optimizer, scaler: Any) -> None:
-        if scaler is not None:
-            from torch.amp.grad_scaler import OptState
-
-            state = scaler._per_optimizer_states[id(optimizer)]
-            if state["stage"] is not OptState.UNSCALED:
-                # The scaler unscales inside step() (fused optimizers) and asserts it saw gradients:
-                # poison them instead, so its own inf check skips the step.
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.fill_(math.nan)
-                return
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
 
     @override
     def state_dict(self) -> dict[str, Any]:

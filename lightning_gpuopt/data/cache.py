@@ -33,14 +33,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = [
+    "FORMAT_VERSION",
     "cache_lock",
     "check_cache",
     "check_writable",
     "default_cache_dir",
     "file_fingerprint",
     "remove_leftovers",
+    "token_cache_dir",
     "write_meta",
 ]
+
+FORMAT_VERSION = 2  # bump when the on-disk layout or the tokenisation changes (2: meta.json with fingerprints)
 
 META = "meta.json"
 TOKENIZER = "tokenizer.json"
@@ -235,3 +239,31 @@ def remove_leftovers(folder: Path) -> list[str]:
                 path.unlink(missing_ok=True)
                 removed.append(path.name)
     return removed
+
+
+def token_cache_dir(
+    cache_dir: Path, corpus_identity: Any, tokenizer: Optional[str], vocab_size: int, val_fraction: float
+) -> Path:
+    """The folder of one data configuration in ``cache_dir``: its name changes when the text, the tokenizer or the split does.
+
+    The corpus enters by its identity (its files' paths), not its content: an edited corpus is
+    rebuilt in the same folder (``meta.json`` records the content's fingerprint), so stale copies
+    do not pile up. A given ``tokenizer.json`` enters by its content's hash.
+
+    Example::
+
+        token_cache_dir(default_cache_dir(), resolve_source("stdlib").identity, None, 4096, 0.05)  # .../<16 hex>
+
+    Args:
+        cache_dir: The cache root.
+        corpus_identity: ``Corpus.identity`` of the text.
+        tokenizer: Path of a ``tokenizer.json``, or ``None`` for a BPE trained with ``vocab_size``.
+        vocab_size: Vocabulary size to train.
+        val_fraction: Fraction held out for validation (and again for test).
+    """
+    if tokenizer:
+        tok = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
+    else:
+        tok = f"bpe-{vocab_size}"
+    key = json.dumps([FORMAT_VERSION, corpus_identity, tok, val_fraction])
+    return cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,25 +12,18 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_gpuopt.data.cache import (
-    cache_lock,
-    check_cache,
-    check_writable,
-    default_cache_dir,
-    remove_leftovers,
-    write_meta,
-)
-from lightning_gpuopt.data.prepare import prepare_tokens
+from lightning_gpuopt.data.cache import FORMAT_VERSION, check_cache, default_cache_dir, token_cache_dir
+from lightning_gpuopt.data.prepare import prepare_token_cache
 from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
 from lightning_gpuopt.data.tokenizer import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
+from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 from lightning_gpuopt.resume import step_boundary
 
 __all__ = ["TextDataModule", "default_cache_dir"]
 
-_FORMAT_VERSION = 2  # bump when the on-disk layout or the tokenisation changes (2: meta.json with fingerprints)
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -51,7 +42,8 @@ class TextDataModule(pl.LightningDataModule):
     :class:`~lightning_gpuopt.data.sampler.ResumableSampler`): each epoch draws new windows, no
     DataLoader touches the global RNG, and under DDP/FSDP each rank reads every ``world_size``-th
     position. The position reached at the last optimizer step is saved in checkpoints
-    (``state_dict``), so a run resumed mid-epoch reads exactly the samples it would have read.
+    (``state_dict``), so a run resumed mid-epoch reads exactly the samples it would have read: it
+    implements :class:`~lightning_gpuopt.protocols.ResumableData`.
 
     Example::
 
@@ -137,20 +129,12 @@ class TextDataModule(pl.LightningDataModule):
         self._sampler: Optional[ResumableSampler] = None
         self._origin = (0, 0, 0, batch_size)  # (epoch, start, loop batches, batch size) of the current loader
         self._resume_position: Optional[tuple[int, int]] = None
-        # The cache key changes when the text, the tokenizer or the split changes.
-        if tokenizer:
-            tok = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
-        else:
-            tok = f"bpe-{vocab_size}"
-        # The corpus's identity (its files' paths), not its content: an edited corpus is rebuilt in the same
-        # folder (meta.json records the content's fingerprint), so stale copies do not pile up.
-        key = json.dumps([_FORMAT_VERSION, self._corpus.identity, tok, val_fraction])
-        self.data_dir = self.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.data_dir = token_cache_dir(self.cache_dir, self._corpus.identity, tokenizer, vocab_size, val_fraction)
         """The folder holding this configuration's tokenizer, token files and metadata."""
 
     # ------------------------------------------------------------------------------ preparation
     def _expected_meta(self) -> dict[str, Any]:
-        return {"format_version": _FORMAT_VERSION, "inputs": self._corpus.fingerprint}
+        return {"format_version": FORMAT_VERSION, "inputs": self._corpus.fingerprint}
 
     @override
     def prepare_data(self) -> None:
@@ -160,20 +144,10 @@ class TextDataModule(pl.LightningDataModule):
         wait and reuse its files. A stale or damaged folder (see ``docs/data.md``) is rebuilt with a
         warning naming it; leftovers of killed runs are removed.
         """
-        out = self.data_dir
-        if check_cache(out, self._expected_meta())[0] is not None:
-            return  # complete and current: also fine in a read-only cache folder
-        check_writable(self.cache_dir)  # before any work
-        with cache_lock(self.cache_dir / f"{out.name}.lock"):
-            meta, reason = check_cache(out, self._expected_meta())
-            if meta is not None:
-                return  # another process prepared it while this one waited
-            if out.exists():
-                rank_zero_warn(f"Rebuilding the token cache {out}: {reason}.")
-                remove_leftovers(out)
-                (out / "meta.json").unlink(missing_ok=True)  # a kill from here on leaves an incomplete folder
-            meta = prepare_tokens(self._corpus, out, self.tokenizer, self.vocab_size, self.val_fraction, rank_zero_info)
-            write_meta(out, {**self._expected_meta(), "source": self.source, **meta})
+        prepare_token_cache(
+            self._corpus, self.data_dir, self._expected_meta(), self.tokenizer, self.vocab_size, self.val_fraction,
+            self.source, info=rank_zero_info, warn=rank_zero_warn,
+        )
 
     @override
     def setup(self, stage: str) -> None:
@@ -230,13 +204,13 @@ class TextDataModule(pl.LightningDataModule):
 
     def _train_sampler(self) -> ResumableSampler:
         trainer = self.trainer
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
-        kwargs = kwargs or {"num_replicas": 1, "rank": 0}
         if self._resume_position is not None:  # restored from a checkpoint
             (epoch, start), self._resume_position = self._resume_position, None
         else:  # a new loader mid-run (another batch size) continues where the last one stopped
             epoch, start = self.train_position()
-        self._sampler = ResumableSampler(self.datasets["train"], kwargs["num_replicas"], kwargs["rank"], epoch, start)
+        self._sampler = ResumableSampler(
+            self.datasets["train"], data_parallel_size(trainer), data_parallel_rank(trainer), epoch, start
+        )
         self._origin = (epoch, start, self._loop_batches(), self.batch_size)
         return self._sampler
 

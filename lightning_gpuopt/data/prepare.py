@@ -20,12 +20,12 @@ from typing import Any, Optional
 import numpy as np
 from tokenizers import Tokenizer
 
-from lightning_gpuopt.data.cache import TOKENIZER
+from lightning_gpuopt.data.cache import TOKENIZER, cache_lock, check_cache, check_writable, remove_leftovers, write_meta
 from lightning_gpuopt.data.sources import Corpus
 from lightning_gpuopt.data.tokenizer import EOT_TOKEN, train_bpe_tokenizer
 from lightning_gpuopt.data.tokens import token_dtype, write_tokens
 
-__all__ = ["encode_batch_size", "encode_documents", "prepare_tokens"]
+__all__ = ["encode_batch_size", "encode_documents", "prepare_token_cache", "prepare_tokens"]
 
 
 def encode_batch_size() -> int:
@@ -150,3 +150,53 @@ def prepare_tokens(
             end -= n_hold
     splits["train"]["end"] = end
     return {"vocab_size": vocab, "dtype": dtype.name, "eot_token_id": eot, "splits": splits}
+
+
+def prepare_token_cache(
+    corpus: Corpus,
+    out: Path,
+    expected: dict[str, Any],
+    tokenizer: Optional[Tokenizer],
+    vocab_size: int,
+    val_fraction: float,
+    source: str = "",
+    info: Any = print,
+    warn: Any = print,
+) -> None:
+    """Tokenise ``corpus`` into the cache folder ``out`` unless it already holds a complete, current copy.
+
+    Safe to call from several processes at once: one prepares (under a file lock beside ``out``),
+    the others wait and reuse its files. A stale or damaged folder is rebuilt with a warning naming
+    it; leftovers of killed runs are removed. ``meta.json`` is written last, so a kill leaves a
+    folder that the next call rebuilds.
+
+    Example::
+
+        prepare_token_cache(corpus, token_cache_dir(...), {"format_version": 2, "inputs": corpus.fingerprint},
+                            None, 4096, 0.05, source="stdlib")
+
+    Args:
+        corpus: The text.
+        out: The configuration's folder (:func:`~lightning_gpuopt.data.cache.token_cache_dir`).
+        expected: What ``meta.json`` must record for the copy to be current (format, input fingerprints);
+            also written into it.
+        tokenizer: A tokenizer to use, or ``None`` to train one.
+        vocab_size: Vocabulary size to train.
+        val_fraction: Fraction held out for validation, and again for test.
+        source: The source as the user gave it, recorded in ``meta.json``.
+        info: Where progress messages go.
+        warn: Where the rebuild warning goes.
+    """
+    if check_cache(out, expected)[0] is not None:
+        return  # complete and current: also fine in a read-only cache folder
+    check_writable(out.parent)  # before any work
+    with cache_lock(out.parent / f"{out.name}.lock"):
+        meta, reason = check_cache(out, expected)
+        if meta is not None:
+            return  # another process prepared it while this one waited
+        if out.exists():
+            warn(f"Rebuilding the token cache {out}: {reason}.")
+            remove_leftovers(out)
+            (out / "meta.json").unlink(missing_ok=True)  # a kill from here on leaves an incomplete folder
+        meta = prepare_tokens(corpus, out, tokenizer, vocab_size, val_fraction, info)
+        write_meta(out, {**expected, "source": source, **meta})

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from lightning_gpuopt.model.loss import LOSS_IMPLS, LossImpl
 
-__all__ = ["GPTConfig", "PRESETS"]
+__all__ = ["GPTConfig", "PRESETS", "check_data_fits"]
 
 Attention = Literal["sdpa", "flash-attn"]
 
@@ -137,3 +137,29 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"Unknown GPTConfig field(s) {sorted(unknown)} passed to GPTConfig.from_name({name!r}).")
         return cls(**{**PRESETS[name], **overrides})
+
+
+def check_data_fits(config: GPTConfig, data_vocab_size: Any = None, data_block_size: Any = None) -> None:
+    """Raise ``ValueError`` naming the settings to change when the data's tokens or sequences do not fit the model.
+
+    Example::
+
+        check_data_fits(GPTConfig.from_name("tiny", vocab_size=300), data_vocab_size=260)   # fine
+        check_data_fits(GPTConfig.from_name("tiny", vocab_size=260), data_vocab_size=300)   # ValueError
+
+    Args:
+        config: The model's configuration.
+        data_vocab_size: The data's tokenizer size (``None``: not known).
+        data_block_size: The data's sequence length (``None``: not known).
+    """
+    if data_vocab_size is not None and data_vocab_size > config.vocab_size:
+        raise ValueError(
+            f"The data's tokenizer has {data_vocab_size} tokens but the model's vocab_size is "
+            f"{config.vocab_size}: set model.vocab_size >= {data_vocab_size} (the gpuopt CLI links it "
+            "from data.vocab_size), or use a tokenizer with fewer tokens."
+        )
+    if data_block_size is not None and data_block_size > config.block_size:
+        raise ValueError(
+            f"The data's block_size={data_block_size} is longer than the model's block_size={config.block_size}: "
+            f"set model.block_size >= {data_block_size} or data.block_size <= {config.block_size}."
+        )

@@ -1,16 +1,18 @@
-"""Batched autoregressive sampling with a KV cache."""
+"""Batched autoregressive sampling with a KV cache.
+
+It asks of the model only ``model(idx, caches)`` (logits of shape (B, T, V)) and
+``model.config`` (``block_size``, ``vocab_size``, ``n_layer``), so it does not import ``GPT``:
+``GPT.generate`` calls it, and the import runs one way.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_gpuopt.model.gpt import KVCache
-
-if TYPE_CHECKING:
-    from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.model.kv_cache import KVCache
 
 __all__ = ["generate", "sample_next"]
 
@@ -41,7 +43,7 @@ def sample_next(
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: nn.Module,
     idx: Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,

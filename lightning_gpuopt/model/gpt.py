@@ -1,6 +1,6 @@
 """The GPT model: a plain ``nn.Module`` (no Lightning), read top to bottom.
 
-``KVCache -> CausalSelfAttention -> MLP -> Block -> GPT``. Features such as float8 training or
+``CausalSelfAttention -> MLP -> Block -> GPT`` (the decoding cache is ``kv_cache.KVCache``). Features such as float8 training or
 compilation are applied to this model from outside; it stays plain PyTorch.
 """
 
@@ -15,45 +15,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.model.generation import generate
+from lightning_gpuopt.model.kv_cache import KVCache  # re-exported: `from lightning_gpuopt.model.gpt import KVCache`
 from lightning_gpuopt.model.loss import linear_cross_entropy
 
 __all__ = ["GPT", "KVCache"]
-
-
-class KVCache:
-    """Keys and values of past positions for one attention layer, for incremental decoding.
-
-    The storage is allocated on the first ``update`` with that call's device and dtype (the dtype
-    attention runs in, e.g. bf16 under autocast).
-
-    Args:
-        max_len: Most positions the cache holds (the model's ``block_size``).
-    """
-
-    def __init__(self, max_len: int) -> None:
-        self.max_len = max_len
-        self.k: Optional[Tensor] = None
-        self.v: Optional[Tensor] = None
-        self.pos = 0  # number of positions filled
-
-    def reset(self) -> None:
-        """Forget every cached position (the storage is kept)."""
-        self.pos = 0
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k``/``v`` of shape (B, nh, T, hs); return all keys/values so far."""
-        start, end = self.pos, self.pos + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KVCache holds {self.max_len} positions; cannot append up to {end}.")
-        stale = self.k is None or (self.k.shape[0], self.k.dtype, self.k.device) != (k.shape[0], k.dtype, k.device)
-        if stale and start == 0:
-            B, nh, _, hs = k.shape
-            self.k = k.new_zeros(B, nh, self.max_len, hs)
-            self.v = v.new_zeros(B, nh, self.max_len, hs)
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        self.pos = end
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 def _flash_attn_func():
@@ -303,6 +269,4 @@ class GPT(nn.Module):
         generator: Optional[torch.Generator] = None,
     ) -> Tensor:
         """Continue a batch of prompts; see :func:`lightning_gpuopt.model.generation.generate`."""
-        from lightning_gpuopt.model.generation import generate
-
         return generate(self, idx, max_new_tokens, temperature, top_k, use_cache, generator)

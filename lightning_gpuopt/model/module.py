@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -14,11 +13,12 @@ from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_gpuopt.lightning_internals import show_in_progress_bar
-from lightning_gpuopt.perf.precision import clip_without_scaler
-from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.perf.precision import clip_without_scaler, compute_dtype_name
+from lightning_gpuopt.model.config import GPTConfig, check_data_fits
 from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.gpt import GPT
-from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
+from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
+from lightning_gpuopt.model.sharding import shard_gpt
 from lightning_gpuopt.option_checks import check_module_options
 
 __all__ = ["GPTModule"]
@@ -158,8 +158,6 @@ class GPTModule(pl.LightningModule):
         self.model = GPT(self.config)
         mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy before this hook
         if mesh is not None:
-            from lightning_gpuopt.strategies.fsdp2 import shard_gpt
-
             mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
             shard_gpt(self.model, mesh, param_dtype=self._fsdp_param_dtype())
         if self.hparams.compile:  # after sharding: the compiled graph sees FSDP2's hooks
@@ -174,26 +172,12 @@ class GPTModule(pl.LightningModule):
         """bf16 under a bf16 precision (Lightning's or ``BF16Precision``), else keep float32."""
         if self._trainer is None:
             return None
-        from lightning_gpuopt.perf.precision import compute_dtype_name
-
         return torch.bfloat16 if compute_dtype_name(self.trainer.precision_plugin) == "bf16" else None
 
     @override
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        data_vocab = getattr(datamodule, "vocab_size", None)
-        if data_vocab is not None and data_vocab > self.config.vocab_size:
-            raise ValueError(
-                f"The data's tokenizer has {data_vocab} tokens but the model's vocab_size is "
-                f"{self.config.vocab_size}: set model.vocab_size >= {data_vocab} (the gpuopt CLI links it "
-                "from data.vocab_size), or use a tokenizer with fewer tokens."
-            )
-        data_block = getattr(datamodule, "block_size", None)
-        if data_block is not None and data_block > self.config.block_size:
-            raise ValueError(
-                f"The data's block_size={data_block} is longer than the model's block_size={self.config.block_size}: "
-                f"set model.block_size >= {data_block} or data.block_size <= {self.config.block_size}."
-            )
+        check_data_fits(self.config, getattr(datamodule, "vocab_size", None), getattr(datamodule, "block_size", None))
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)
@@ -285,20 +269,8 @@ class GPTModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        total = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total):
-            raise ValueError(
-                "GPTModule's LR schedule needs a finite run length: set trainer.max_steps (or max_epochs)."
-            )
-        total = max(1, int(total))
-        warmup = hp.warmup_steps
-        if warmup > total:
-            if not self.trainer.fast_dev_run:
-                rank_zero_warn(
-                    f"GPTModule.warmup_steps={warmup} is longer than the run ({total} optimizer steps): "
-                    f"warming up over all {total} steps. Lower warmup_steps or raise trainer.max_steps."
-                )
-            warmup = total
+        warn = None if self.trainer.fast_dev_run else rank_zero_warn
+        warmup, total = schedule_length(self.trainer.estimated_stepping_batches, hp.warmup_steps, warn)
         optimizer = build_adamw(self.model, hp.learning_rate, hp.weight_decay, tuple(hp.betas))
         scheduler = warmup_cosine_schedule(optimizer, warmup, total, hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

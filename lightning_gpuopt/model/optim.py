@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from torch import nn
 from torch.optim import AdamW, Optimizer
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
-__all__ = ["build_adamw", "warmup_cosine_schedule"]
+__all__ = ["build_adamw", "schedule_length", "warmup_cosine_schedule"]
 
 
 def build_adamw(
@@ -78,3 +81,34 @@ def warmup_cosine_schedule(
     # LinearLR needs start_factor > 0: start at 1/(warmup+1) of the peak, reach it at warmup_steps.
     warmup = LinearLR(optimizer, start_factor=1.0 / (warmup_steps + 1), end_factor=1.0, total_iters=warmup_steps)
     return SequentialLR(optimizer, schedulers=[warmup, cosine], milestones=[warmup_steps])
+
+
+def schedule_length(estimated_steps: float, warmup_steps: int, warn: Any = None) -> tuple[int, int]:
+    """``(warmup, total)`` optimizer steps of the LR schedule, from the Trainer's estimate of the run's length.
+
+    Warm-up longer than the run is cut to the run's length, with a warning naming the fix.
+
+    Example::
+
+        >>> schedule_length(1000, 100), schedule_length(50, 100)
+        ((100, 1000), (50, 50))
+
+    Args:
+        estimated_steps: ``trainer.estimated_stepping_batches`` (infinite without a run length).
+        warmup_steps: ``GPTModule.warmup_steps``.
+        warn: Called with the warning text when warm-up is cut (``None``: no warning).
+
+    Raises:
+        ValueError: The run has no finite length, naming the Trainer options to set.
+    """
+    if not math.isfinite(estimated_steps):
+        raise ValueError("GPTModule's LR schedule needs a finite run length: set trainer.max_steps (or max_epochs).")
+    total = max(1, int(estimated_steps))
+    if warmup_steps <= total:
+        return warmup_steps, total
+    if warn is not None:
+        warn(
+            f"GPTModule.warmup_steps={warmup_steps} is longer than the run ({total} optimizer steps): "
+            f"warming up over all {total} steps. Lower warmup_steps or raise trainer.max_steps."
+        )
+    return total, total

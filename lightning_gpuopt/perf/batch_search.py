@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
-__all__ = ["Trial", "describe_search", "divisors", "largest_fitting", "micro_batch_candidates", "per_device_batch", "fallback_micro_batch"]
+from lightning_gpuopt.perf.units import GiB
+
+__all__ = ["Trial", "describe_search", "divisors", "nothing_fits_error", "search_metrics", "largest_fitting", "micro_batch_candidates", "per_device_batch", "fallback_micro_batch"]
 
 SearchMode = Literal["binsearch", "power"]
 
@@ -171,9 +173,45 @@ def describe_search(trials: list[Trial]) -> tuple[str, str]:
     """
     rows = ["  micro  fits  peak memory"]
     for t in trials:
-        peak = f"{t.peak_memory / 2**30:.2f} GiB" if t.peak_memory is not None else "-"
+        peak = f"{t.peak_memory / GiB:.2f} GiB" if t.peak_memory is not None else "-"
         rows.append(f"  {t.micro_batch_size:>6}  {'fits' if t.fits else 'no':>4}  {peak}" + (f"  ({t.reason})" if t.reason else ""))
     trace = "; ".join(
         f"{t.micro_batch_size} {'fits' if t.fits else 'no'}" + (f" ({t.reason})" if t.reason else "") for t in trials
     )
     return "\n".join(rows), trace
+
+
+def search_metrics(trials: list[Trial], micro: int, accumulate: int, replicas: int) -> dict[str, float]:
+    """What ``AutoBatchSize`` logs about its decision (``auto_batch_size/*``; peak memory in GiB, CUDA only).
+
+    Example::
+
+        >>> search_metrics([Trial(1, True), Trial(2, True)], micro=2, accumulate=4, replicas=8)["auto_batch_size/global_batch_size"]
+        64
+
+    Args:
+        trials: The tried sizes.
+        micro: The chosen micro-batch.
+        accumulate: Its gradient accumulation.
+        replicas: Data-parallel ranks.
+    """
+    metrics: dict[str, float] = {
+        "auto_batch_size/micro_batch_size": micro,
+        "auto_batch_size/accumulate_grad": accumulate,
+        "auto_batch_size/global_batch_size": micro * accumulate * replicas,
+        "auto_batch_size/trials": len(trials),
+    }
+    chosen = next(t for t in trials if t.micro_batch_size == micro and t.fits)
+    if chosen.peak_memory is not None:
+        metrics["auto_batch_size/peak_memory_gb"] = chosen.peak_memory / GiB
+    return metrics
+
+
+def nothing_fits_error(memory_margin: float) -> RuntimeError:
+    """The error when even a micro-batch of 1 does not fit, naming what to change."""
+    return RuntimeError(
+        "AutoBatchSize: even a micro-batch of 1 runs out of memory"
+        + (f" (or leaves less than memory_margin={memory_margin} free)" if memory_margin else "")
+        + ". Make the model fit first: GPTModule(activation_checkpointing=True), a shorter block_size, "
+        "FSDP2 (ModelParallelStrategy) across more GPUs, or a lower memory_margin."
+    )

@@ -1,4 +1,8 @@
-"""The dtype matmuls run in under a precision plugin, for picking the right peak FLOP/s."""
+"""The dtype matmuls run in under a precision plugin, for picking the right peak FLOP/s.
+
+Each plugin states its own dtype (``compute_dtype``, and ``fp8`` when its matmuls run in float8);
+only Lightning's built-in plugins, which state a ``precision`` string alone, are read from a table.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_gpuopt.perf.peaks import dtype_name
 
-__all__ = ["clip_without_scaler", "compute_dtype_name", "is_fp8", "tf32_enabled"]
+__all__ = ["LIGHTNING_PRECISIONS", "clip_without_scaler", "compute_dtype_name", "is_fp8", "tf32_enabled"]
 
 
 def tf32_enabled() -> bool:
@@ -19,16 +23,21 @@ def tf32_enabled() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
-def is_fp8(plugin: Any) -> bool:
-    """Whether ``plugin`` runs matmuls in float8: it says so (``fp8 = True``), or is a Float8 / Transformer Engine plugin.
-
-    Args:
-        plugin: A precision plugin (``trainer.precision_plugin``).
-    """
-    if getattr(plugin, "fp8", False) is True:
-        return True
-    name = type(plugin).__name__
-    return "Float8" in name or "TransformerEngine" in name or "transformer-engine" in str(getattr(plugin, "precision", ""))
+# Lightning's own precision plugins state their dtype only as a ``precision`` string: one row per
+# string, naming the plugins that use it. A plugin of ours (or anyone's) states its own dtype instead
+# (``compute_dtype``, ``fp8``), so no plugin class is named here and a new plugin needs no new row.
+LIGHTNING_PRECISIONS: dict[str, str] = {
+    "32-true": "fp32",  # Precision (the default), FSDPPrecision, DeepSpeedPrecision, XLAPrecision
+    "64-true": "fp64",  # DoublePrecision
+    "16-mixed": "fp16",  # MixedPrecision, FSDPPrecision, DeepSpeedPrecision
+    "bf16-mixed": "bf16",  # MixedPrecision, FSDPPrecision, DeepSpeedPrecision
+    "16-true": "fp16",  # HalfPrecision, FSDPPrecision, DeepSpeedPrecision, XLAPrecision
+    "bf16-true": "bf16",  # HalfPrecision, FSDPPrecision, DeepSpeedPrecision, XLAPrecision
+    "transformer-engine": "fp8",  # TransformerEnginePrecision (bf16 weights, fp8 matmuls)
+    "transformer-engine-float16": "fp8",  # TransformerEnginePrecision (fp16 weights, fp8 matmuls)
+}
+"""``precision`` string of a Lightning precision plugin -> the dtype its matmuls run in. Strings not
+listed (BitsandbytesPrecision's ``"nf4"``, ``"int8"``, ...) are read from the plugin's ``dtype``."""
 
 
 def _trusted_precision_string(plugin: Any) -> bool:
@@ -38,13 +47,43 @@ def _trusted_precision_string(plugin: Any) -> bool:
     return from_lightning or "precision" in getattr(plugin, "__dict__", {})
 
 
+def _stated_dtype_name(plugin: Any) -> Optional[str]:
+    """What the plugin says (``fp8``, then ``compute_dtype``), else its Lightning precision string; no TF32 rule."""
+    if getattr(plugin, "fp8", None) is True:
+        return "fp8"
+    dtype = getattr(plugin, "compute_dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype_name(dtype)
+    if not _trusted_precision_string(plugin):
+        return None
+    precision = str(getattr(plugin, "precision", "32-true"))
+    if precision in LIGHTNING_PRECISIONS:
+        return LIGHTNING_PRECISIONS[precision]
+    dequantised = getattr(plugin, "dtype", None)  # bitsandbytes: compute dtype of the dequantised matmuls
+    return dtype_name(dequantised) if isinstance(dequantised, torch.dtype) else None
+
+
+def is_fp8(plugin: Any) -> bool:
+    """Whether ``plugin`` runs its matmuls in float8: it says so (``fp8 = True``), or is Transformer Engine's.
+
+    Example::
+
+        is_fp8(Float8Precision())  # True: the plugin's ``fp8`` property
+        is_fp8(BF16Precision())    # False
+
+    Args:
+        plugin: A precision plugin (``trainer.precision_plugin``).
+    """
+    return _stated_dtype_name(plugin) == "fp8"
+
+
 def compute_dtype_name(plugin: Any) -> Optional[str]:
     """``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp64`` or ``fp8``: what the plugin's matmuls run in; ``None`` if unknown.
 
-    A plugin states its own dtype through a ``compute_dtype`` property (``lightning_gpuopt``'s
-    ``BF16Precision`` and ``Float8Precision`` do); Lightning's built-in plugins (mixed, half, double,
-    full, FSDP, DeepSpeed, Transformer Engine) are read from their ``precision`` string. fp32 counts as
-    ``tf32`` when TF32 matmuls are allowed.
+    The plugin is asked first: ``fp8 = True`` means float8 matmuls, else a ``compute_dtype``
+    (``torch.dtype``) is the dtype (``BF16Precision`` and ``Float8Precision`` state both). Lightning's
+    own plugins state only a ``precision`` string, read through :data:`LIGHTNING_PRECISIONS`. fp32
+    counts as ``tf32`` when TF32 matmuls are allowed.
 
     Example::
 
@@ -54,29 +93,10 @@ def compute_dtype_name(plugin: Any) -> Optional[str]:
         plugin: A precision plugin (``trainer.precision_plugin``).
 
     Note:
-        A custom plugin with neither ``compute_dtype`` nor its own ``precision`` string gives
+        A custom plugin with neither ``fp8``/``compute_dtype`` nor its own ``precision`` string gives
         ``None`` rather than a guess (Lightning's ``ThroughputMonitor`` takes it as fp32).
     """
-    if is_fp8(plugin):
-        return "fp8"
-    dtype = getattr(plugin, "compute_dtype", None)
-    if isinstance(dtype, torch.dtype):
-        name = dtype_name(dtype)
-    elif _trusted_precision_string(plugin):
-        precision = str(getattr(plugin, "precision", "32-true"))
-        if precision.startswith("bf16"):
-            name = "bf16"
-        elif precision.startswith("16"):
-            name = "fp16"
-        elif precision.startswith("64"):
-            name = "fp64"
-        elif precision.startswith("32"):
-            name = "fp32"
-        else:
-            bnb_dtype = getattr(plugin, "dtype", None)  # e.g. bitsandbytes: compute dtype of the dequantised matmuls
-            name = dtype_name(bnb_dtype) if isinstance(bnb_dtype, torch.dtype) else None
-    else:
-        return None
+    name = _stated_dtype_name(plugin)
     if name == "fp32" and tf32_enabled():
         return "tf32"
     return name

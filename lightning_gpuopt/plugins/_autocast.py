@@ -117,7 +117,10 @@ class _TrainerDeviceMixedPrecision(MixedPrecision):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype matmuls run in under this plugin's autocast (read by MFU/throughput callbacks)."""
+        """The dtype matmuls run in under this plugin's autocast (read by MFU/throughput callbacks).
+
+        Subclasses state ``fp8`` beside it: whether their matmuls run in float8 instead.
+        """
         return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
 
     @override

@@ -36,6 +36,11 @@ class BF16Precision(_TrainerDeviceMixedPrecision):
     def __init__(self) -> None:
         super().__init__()
 
+    @property
+    def fp8(self) -> bool:
+        """``False``: matmuls run in :attr:`compute_dtype` (bf16, or fp16 without bf16 support)."""
+        return False
+
     @override
     def _precision_for(self, device: torch.device) -> _AutocastPrecision:
         return "bf16-mixed" if supports_bf16(device) else "16-mixed"

@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_gpuopt.perf.units import GB
+
 __all__ = [
     "NonFiniteCheckpointError",
     "check_finite_weights",
@@ -203,12 +205,12 @@ def disk_full_error(path: Path, needed_bytes: int) -> OSError:
         needed_bytes: About how large it is.
     """
     try:
-        free = f", {shutil.disk_usage(path.parent).free / 1e9:.2f} GB free"
+        free = f", {shutil.disk_usage(path.parent).free / GB:.2f} GB free"
     except OSError:
         free = ""
     return OSError(
         errno.ENOSPC,
-        f"No space left on device at {path.parent} (needs ~{needed_bytes / 1e9:.2f} GB for {path.name}{free}). "
+        f"No space left on device at {path.parent} (needs ~{needed_bytes / GB:.2f} GB for {path.name}{free}). "
         + (f"The previous {path.name} is kept. " if path.exists() else "")
         + "Free space there, or point ModelCheckpoint(dirpath=...) / trainer.default_root_dir at a larger disk.",
     )

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.plugins._autocast import _TrainerDeviceMixedPrecision
 from lightning_gpuopt.plugins.float8_conversion import (
     RECIPES,
@@ -29,7 +30,6 @@ from lightning_gpuopt.plugins.float8_conversion import (
     float8_config,
     format_conversion_table,
     nothing_converted_message,
-    is_compiled,
     require_torchao,
     skip_reason,
 )
@@ -160,6 +160,12 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
         self._fsdp_float8_all_gather = False
         self._warned_not_compiled = False
         self._warned_nothing_converted = False
+
+    @property
+    def fp8(self) -> bool:
+        """``True``: the converted Linear layers run float8 matmuls (MFU counts against the fp8 peak);
+        the rest runs in :attr:`compute_dtype`, the bf16 autocast dtype."""
+        return True
 
     def _setup_for(self, module: "pl.LightningModule") -> None:
         """Adopt the Trainer's device and strategy, checking the hardware (before any conversion)."""

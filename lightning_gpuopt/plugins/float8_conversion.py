@@ -22,6 +22,13 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 import torch
 from torch import nn
 
+from lightning_gpuopt.perf.compiled import is_compiled  # re-exported; its home is perf/compiled.py
+from lightning_gpuopt.plugins.float8_report import (  # re-exported; their home is float8_report.py
+    CONV1D_REASON,
+    format_conversion_table,
+    nothing_converted_message,
+)
+
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
 
@@ -48,7 +55,6 @@ ModuleFilter = Union[str, list[str], Callable[[nn.Module, str], bool]]
 FP8_INSTALL_HINT = 'pip install "lightning-gpuopt[fp8]"'
 # Names an output/classifier head usually has; the head is kept in high precision (as torchtitan does).
 OUTPUT_LAYER_NAMES = frozenset({"lm_head", "output", "head", "classifier", "score", "out_head"})
-CONV1D_REASON = "Conv1D-style layer (weight stored in x out): not convertible, only nn.Linear converts"
 
 
 def require_torchao() -> None:
@@ -164,22 +170,6 @@ def skip_reason(
     return None
 
 
-def is_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` or any submodule runs under ``torch.compile``.
-
-    Detects ``torch.compile(module)`` wrappers (``OptimizedModule``), in-place ``Module.compile()``
-    (which sets ``_compiled_call_impl``) and a LightningModule passed compiled to ``Trainer.fit``
-    (Lightning stores ``_compiler_ctx``).
-    """
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if getattr(module, "_compiler_ctx", None):
-        return True
-    return any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
-    )
-
-
 def _cast_input_to_cpu_autocast_dtype(module: nn.Module, args: tuple) -> Optional[tuple]:
     # torchao's Float8Linear casts its input to the *CUDA* autocast dtype only; do the same for CPU
     # autocast so CPU-emulated float8 sees the same bf16 inputs as on the GPU (and every recipe's
@@ -269,59 +259,3 @@ def convert_linears_to_float8(
                 module.register_forward_pre_hook(_cast_input_to_cpu_autocast_dtype)
                 module._gpuopt_cpu_hook = True
     return report
-
-
-def format_conversion_table(report: list[tuple[str, str, Optional[str]]], recipe: str) -> str:
-    """A short text table of converted and skipped layers, e.g. for the log."""
-    converted = sum(reason is None for _, _, reason in report)
-    lines = [f"Float8Precision ({recipe}): {converted} of {len(report)} projection layers converted to float8"]
-    width = max((len(name) for name, _, _ in report), default=4)
-    lines.append(f"  {'layer'.ljust(width)}  {'in x out':>12}  float8")
-    for name, shape, reason in report:
-        lines.append(f"  {name.ljust(width)}  {shape:>12}  {'yes' if reason is None else 'no: ' + reason}")
-    return "\n".join(lines)
-
-
-def _size(shape: str) -> int:
-    in_f, out_f = shape.split("x")
-    return int(in_f) * int(out_f)
-
-
-def nothing_converted_message(report: list[tuple[str, str, Optional[str]]], recipe: str, module_name: str) -> Optional[str]:
-    """The warning for a conversion that converted no layer (naming the largest skipped one and why); ``None`` otherwise.
-
-    Example::
-
-        nothing_converted_message([("lm_head", "64x256", "output layer")], "tensorwise", "GPTModule")
-
-    Args:
-        report: Rows of :func:`convert_linears_to_float8`.
-        recipe: The float8 recipe.
-        module_name: The model's class name, for the message.
-    """
-    if any(reason is None for _, _, reason in report):
-        return None
-    if not report:
-        return (
-            f"Float8Precision converted nothing: {module_name} has no nn.Linear layer, so it trains in bf16 "
-            "without float8 matmuls. Use BF16Precision, or build the model's projections as nn.Linear."
-        )
-    name, shape, reason = max(report, key=lambda row: _size(row[1]))
-    conv1d = sum(r == CONV1D_REASON for _, _, r in report)
-    fix = []
-    if conv1d:
-        fix.append(
-            f"{conv1d} are Conv1D-style layers (Hugging Face GPT-2), which are not convertible: replace them "
-            "with nn.Linear (weight = conv.weight.T) before training"
-        )
-    if any(r and r.startswith("too small") for _, _, r in report):
-        fix.append(
-            "layers below torchao's size thresholds are skipped by module_filter='auto' because float8 would be "
-            "slower there: pass module_filter=['lm_head'] (or []) to convert them anyway"
-        )
-    fix.append("or use BF16Precision")
-    return (
-        f"Float8Precision ({recipe}) converted none of the {len(report)} projection layers of {module_name}, so "
-        f"it trains in bf16 without float8 matmuls. The largest, {name} ({shape}), was skipped: {reason}. "
-        + "; ".join(fix) + "."
-    )

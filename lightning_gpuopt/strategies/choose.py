@@ -37,6 +37,7 @@ from torch import nn
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.perf.activations import measure_activation_bytes
+from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.strategies.atomic_checkpoint import AtomicModelParallelStrategy
 
 __all__ = ["AUTO_STRATEGY", "MemoryEstimate", "choose_strategy", "estimate_memory", "estimate_module_memory"]
@@ -44,7 +45,6 @@ __all__ = ["AUTO_STRATEGY", "MemoryEstimate", "choose_strategy", "estimate_memor
 AUTO_STRATEGY = "gpuopt-auto"
 """The ``trainer.strategy`` value the ``gpuopt`` CLI resolves with :func:`choose_strategy`."""
 
-_GB = 1e9
 _STATE_BYTES_PER_PARAM = 16
 
 
@@ -244,10 +244,10 @@ def choose_strategy(
         est = estimate_module_memory(model, micro_batch, block_size, precision, activation_bytes)
     budget = headroom * device_memory
     numbers = (
-        f"{est['params'] / 1e6:,.0f}M params -> {est['model_state'] / _GB:.1f} GB weights+grads+AdamW, "
-        f"{est['activations'] / _GB:.1f} GB activations + {est['logits'] / _GB:.1f} GB logits at micro-batch "
-        f"{micro_batch} x {block_size} tokens; budget {budget / _GB:.1f} GB "
-        f"({headroom:.0%} of {device_memory / _GB:.1f} GB); figures: {est.figures}"
+        f"{est['params'] / 1e6:,.0f}M params -> {est['model_state'] / GB:.1f} GB weights+grads+AdamW, "
+        f"{est['activations'] / GB:.1f} GB activations + {est['logits'] / GB:.1f} GB logits at micro-batch "
+        f"{micro_batch} x {block_size} tokens; budget {budget / GB:.1f} GB "
+        f"({headroom:.0%} of {device_memory / GB:.1f} GB); figures: {est.figures}"
     )
     if est.total <= budget:
         if devices == 1:
@@ -255,15 +255,15 @@ def choose_strategy(
         return DDPStrategy(), f"DDP: a full replica fits on each device: {numbers}."
     if devices == 1:
         raise ValueError(
-            f"The model does not fit on one device ({est.total / _GB:.1f} GB > {numbers}) and FSDP2 needs several: "
+            f"The model does not fit on one device ({est.total / GB:.1f} GB > {numbers}) and FSDP2 needs several: "
             "train on more devices, lower data.batch_size, or "
             + ("set model.activation_checkpointing=true." if config is not None else "use activation checkpointing.")
         )
     sharded = est["model_state"] / devices + est["activations"] + est["logits"]
     fits = "fits" if sharded <= budget else "still does NOT fit: lower the micro-batch or enable activation checkpointing"
     reason = (
-        f"FSDP2 (ModelParallelStrategy): a full replica needs {est.total / _GB:.1f} GB, over the budget: {numbers}; "
-        f"sharded over {devices} devices it needs {sharded / _GB:.1f} GB per device and {fits}."
+        f"FSDP2 (ModelParallelStrategy): a full replica needs {est.total / GB:.1f} GB, over the budget: {numbers}; "
+        f"sharded over {devices} devices it needs {sharded / GB:.1f} GB per device and {fits}."
     )
     if config is None:
         reason += (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gpuopt.strategies import atomic_checkpoint
+from lightning_gpuopt.plugins import atomic_files as atomic_checkpoint  # the swap functions live in plugins/atomic_files
 from lightning_gpuopt.strategies.atomic_checkpoint import checkpoint_to_load, partial_path, previous_path, swap_in
 from tests._paths import REPO, SCRIPTS
 
@@ -94,14 +94,14 @@ def test_exchange_reports_real_errors(tmp_path):
 
 def test_a_replaced_checkpoint_that_cannot_be_deleted_does_not_fail_the_save(tmp_path, monkeypatch):
     # The new checkpoint is in place; deleting the old one is housekeeping (NFS can refuse while a file is open).
-    real_remove = atomic_checkpoint._remove
+    real_remove = atomic_checkpoint.remove_tree
 
     def refuses_old(path):
         if path.exists() and _step(path) == {"step 3"}:
             raise OSError(39, "Directory not empty", str(path))
         real_remove(path)
 
-    monkeypatch.setattr(atomic_checkpoint, "_remove", refuses_old)
+    monkeypatch.setattr(atomic_checkpoint, "remove_tree", refuses_old)
     last = _folder(tmp_path / "last.ckpt", 3)
     with pytest.warns(UserWarning, match="Could not delete the replaced checkpoint"):
         swap_in(_folder(partial_path(last), 6), last)

@@ -1,0 +1,158 @@
+"""What `NonFiniteGuard` does to one optimizer step, as plain functions: find, describe, skip, count.
+
+The callback (``nonfinite_guard.py``) decides when; these do the work on tensors and optimizers:
+:func:`find_nonfinite` (one device-side reduction over every gradient), :func:`describe_bad_step`
+(the warning's text, with the first bad parameter), :func:`skip_step` (leave the weights and the
+optimizer state bit-identical) and :func:`count_on_device` (deferred mode's counters, never read
+on the host between checks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+__all__ = ["count_on_device", "describe_bad_step", "find_nonfinite", "skip_step"]
+
+
+def _local(t: Tensor) -> Tensor:
+    # FSDP2 gradients are DTensors: check this rank's shard (ranks agree through an all-reduce).
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def find_nonfinite(optimizer: Optimizer) -> tuple[Tensor, list[tuple[int, Tensor]]]:
+    """Max-abs of every gradient the optimizer holds, in one device-side reduction (no host sync).
+
+    Example::
+
+        maxabs, params = find_nonfinite(optimizer)
+        bad = not bool(torch.isfinite(maxabs).all())   # the one host sync
+
+    Args:
+        optimizer: The optimizer about to step.
+
+    Returns:
+        ``(maxabs, params)``: a 1-D float32 tensor with ``max |grad|`` of each parameter that has a
+        gradient (NaN or Inf exactly when that gradient holds one; the infinity norm of finite values
+        cannot overflow), and the ``(param_group_index, parameter)`` pair of each entry.
+    """
+    params: list[tuple[int, Tensor]] = []
+    grads: list[Tensor] = []
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            # An FSDP2 shard can be empty on some ranks (a dimension smaller than the world size), and
+            # _foreach_norm refuses empty tensors.
+            if p.grad is not None and _local(p.grad).numel() > 0:
+                params.append((i, p))
+                grads.append(_local(p.grad))
+    if not grads:
+        return torch.zeros(0), params
+    norms = torch._foreach_norm(grads, math.inf)
+    device = norms[0].device
+    return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]), params
+
+
+def describe_bad_step(
+    trainer: Any,
+    module: nn.Module,
+    optimizer: Optimizer,
+    maxabs: Tensor,
+    params: list[tuple[int, Tensor]],
+    loss_bad: bool,
+    checked_gradients: bool = True,
+) -> str:
+    """The warning's account of a bad step: what was non-finite, when, and the first bad parameter by name.
+
+    Example::
+
+        describe_bad_step(trainer, module, optimizer, *find_nonfinite(optimizer), loss_bad=False)
+        # "non-finite gradients at global step 12 (epoch 0); 1 parameter(s) with NaN/Inf gradients in
+        #  param group(s) [0], first 'model.lm_head.weight' (param group 0, weight_decay=0.1)"
+
+    Args:
+        trainer: The Trainer (``global_step``, ``current_epoch``).
+        module: The LightningModule, for parameter names.
+        optimizer: The optimizer about to step.
+        maxabs: ``find_nonfinite``'s max-abs of each gradient.
+        params: ``find_nonfinite``'s ``(param_group_index, parameter)`` pairs.
+        loss_bad: Whether the loss was non-finite.
+        checked_gradients: Whether the gradients were checked (to say they were finite).
+    """
+    what = "non-finite loss" if loss_bad else "non-finite gradients"
+    text = f"{what} at global step {trainer.global_step} (epoch {trainer.current_epoch})"
+    flags = (~torch.isfinite(maxabs)).tolist() if maxabs.numel() else []
+    bad = [params[i] for i, f in enumerate(flags) if f]
+    if bad:
+        names = {id(p): n for n, p in module.named_parameters()}
+        group, param = bad[0]
+        groups = sorted({g for g, _ in bad})
+        wd = optimizer.param_groups[group].get("weight_decay")
+        text += (
+            f"; {len(bad)} parameter(s) with NaN/Inf gradients in param group(s) {groups}, first "
+            f"{names.get(id(param), '<unnamed>')!r} (param group {group}, weight_decay={wd})"
+        )
+    elif loss_bad and checked_gradients:
+        text += "; gradients are finite"
+    return text
+
+
+def skip_step(optimizer: Optimizer, scaler: Any = None) -> None:
+    """Make ``optimizer.step()`` leave every parameter and its optimizer state untouched.
+
+    Gradients are set to ``None`` (``torch.optim`` skips such parameters). Under an fp16
+    ``GradScaler`` that will unscale inside ``step()`` (fused optimizers), which asserts it saw
+    gradients, they are filled with NaN instead, so the scaler's own inf check skips the step.
+
+    Example::
+
+        skip_step(optimizer, trainer.precision_plugin.scaler)
+
+    Args:
+        optimizer: The optimizer about to step.
+        scaler: The precision plugin's ``GradScaler``, or ``None``.
+    """
+    if scaler is not None:
+        from torch.amp.grad_scaler import OptState
+
+        state = scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.UNSCALED:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.fill_(math.nan)
+            return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
+def count_on_device(pending: Optional[Tensor], bad: Tensor, global_step: int, consecutive_skips: int) -> Tensor:
+    """Deferred mode's counters after one more step, updated on the device: ``[bad steps, in a row now,
+    most in a row, first bad step or -1]`` (float32; read with one ``.tolist()`` at a check).
+
+    Example::
+
+        >>> pending = count_on_device(None, torch.tensor(1.0), global_step=7, consecutive_skips=0)
+        >>> count_on_device(pending, torch.tensor(0.0), global_step=8, consecutive_skips=0).tolist()
+        [1.0, 0.0, 1.0, 7.0]
+
+    Args:
+        pending: The counters so far, or ``None`` after a read.
+        bad: 1.0 if this step was bad, else 0.0 (a device scalar).
+        global_step: This step's ``trainer.global_step``.
+        consecutive_skips: Bad steps in a row at the last read (starts the "in a row" count).
+    """
+    device = bad.device
+    if pending is None:  # made on the device (a tensor from host numbers would wait for the stream)
+        pending = torch.zeros(4, device=device)
+        pending[1].fill_(float(consecutive_skips))
+        pending[3].fill_(-1.0)
+    count, consecutive, worst, first = pending.unbind()
+    consecutive = (consecutive + 1) * bad
+    step = torch.full((), float(global_step), device=device)
+    first = torch.where((first < 0) & (bad > 0), step, first)
+    return torch.stack([count + bad, consecutive, torch.maximum(worst, consecutive), first])

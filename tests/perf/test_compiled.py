@@ -1,0 +1,27 @@
+"""is_compiled: torch.compile wrappers, in-place Module.compile() and Lightning's compiled-module marker."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_gpuopt.perf.compiled import is_compiled
+from lightning_gpuopt.plugins.float8_conversion import is_compiled as old_path
+
+
+def test_plain_module_is_not_compiled():
+    assert not is_compiled(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+
+
+def test_wrapper_in_place_and_lightning_marker_are_detected():
+    layer = torch.nn.Linear(16, 16)
+    assert is_compiled(torch.nn.Sequential(torch.compile(layer)))  # a compiled submodule
+    in_place = torch.nn.Linear(16, 16)
+    in_place.compile()
+    assert is_compiled(in_place)
+    marked = torch.nn.Linear(16, 16)
+    marked._compiler_ctx = {"compiler": "dynamo"}
+    assert is_compiled(marked)
+
+
+def test_old_import_path_is_the_same_function():
+    assert old_path is is_compiled

@@ -1,0 +1,68 @@
+"""MFU arithmetic as plain functions: window metrics, the report and its advice, option checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gpuopt.perf.mfu import check_mfu_options, input_ids_of, mfu_peaks, summarise_windows, window_metrics
+
+
+def test_window_metrics_values():
+    m = window_metrics(tokens=8192, flops=8192 * 1e9, elapsed=2.0, steps=4, wait=0.5, replicas=2,
+                       peak=1e13, peak_fp8=2e13, measured_peak=8e12)
+    assert m == {
+        "perf/tokens_per_sec": 8192.0,
+        "perf/tokens_per_sec_per_device": 4096.0,
+        "perf/step_time_ms": 500.0,
+        "perf/dataloader_wait_pct": 25.0,
+        "perf/tflops_per_device": 4.096,
+        "perf/mfu": 0.4096,
+        "perf/mfu_fp8": 0.2048,
+        "perf/mfu_measured": 0.512,
+    }
+
+
+def test_unknown_flops_log_throughput_only():
+    m = window_metrics(tokens=100, flops=None, elapsed=1.0, steps=1, wait=0.0, replicas=1, peak=1e12)
+    assert "perf/mfu" not in m and "perf/tflops_per_device" not in m and m["perf/tokens_per_sec"] == 100.0
+
+
+def test_report_advice_names_the_fix():
+    history = [{"perf/tokens_per_sec": 10.0, "perf/step_time_ms": 5.0, "perf/dataloader_wait_pct": 20.0,
+                "mem/peak_pct": 30.0, "perf/mfu": 0.25}]
+    report = summarise_windows(history, window=2, warmup_steps=1, dtype="fp8", total_tokens=1000, total_flops=2e12,
+                               on_cuda=True, compiled=False)
+    assert "MFU 25.0%" in report["text"] and "1,000 tokens per device" in report["text"]
+    assert len(report["advice"]) == 3
+    assert "AutoBatchSize" in report["advice"][0] and "num_workers" in report["advice"][1]
+    assert "compile the model" in report["advice"][2]
+
+
+def test_too_short_a_run_says_how_many_steps_it_needs():
+    report = summarise_windows([], window=5, warmup_steps=3, dtype="bf16", total_tokens=0, total_flops=0.0)
+    assert "needs 8 optimizer steps" in report["text"] and report["advice"] == []
+
+
+def test_peaks_off_cuda_come_from_the_user_only():
+    assert mfu_peaks(torch.device("cpu"), "bf16") == (None, None, "a cpu device")
+    assert mfu_peaks(torch.device("cpu"), "bf16", 1e14) == (1e14, None, "a cpu device")
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"log_every_n_steps": 0}, "log_every_n_steps"),
+    ({"warmup_steps": -1}, "warmup_steps"),
+    ({"peak_flops": 0.0}, "peak_flops"),
+    ({"dtype": "int8"}, "dtype must be one of"),
+    ({"flops_per_token": -5.0}, "flops_per_token"),
+])
+def test_bad_options_name_the_option(kwargs, match):
+    args = {"log_every_n_steps": None, "warmup_steps": 0, "peak_flops": None, "dtype": None, "flops_per_token": None}
+    with pytest.raises(ValueError, match=match):
+        check_mfu_options(**{**args, **kwargs})
+
+
+def test_input_ids_of_each_batch_shape():
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    assert input_ids_of(ids) is ids and input_ids_of((ids, ids)) is ids and input_ids_of({"input_ids": ids}) is ids
+    assert input_ids_of({"tokens": ids}) is None
