@@ -13,13 +13,11 @@ from torch.utils.data import DataLoader
 from lightning_gpuopt.callbacks import AutoBatchSize, ExactResume
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.protocols import ResumableData, SavesAlone
-from tests.callbacks._auto_batch_helpers import OOMAbove, StepRecorder, TokenData
+from tests.callbacks._auto_batch_helpers import OOMAbove, StepRecorder, TokenData, cpu_trainer
 
 
 def _trainer(callbacks, max_steps, tmp_path) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                      default_root_dir=tmp_path)
+    return cpu_trainer(callbacks, max_steps, default_root_dir=tmp_path)
 
 
 class _AloneRecorder(pl.Callback):
