@@ -44,6 +44,7 @@ class TrainingState:
     weights: list[Tensor] = field(default_factory=list)
     grads_were_none: bool = True
     optimizers: list[Optional[dict]] = field(default_factory=list)
+    groups: list[list[dict]] = field(default_factory=list)  # each optimizer's param-group settings (lr, ...)
     schedulers: list[dict] = field(default_factory=list)
     scaler: Optional[dict] = None
     rng: dict[str, Any] = field(default_factory=dict)
@@ -57,6 +58,10 @@ class TrainingState:
             grads_were_none=all(p.grad is None for p in module.parameters()),
             optimizers=[
                 copy.deepcopy(opt.state_dict()) if len(opt.state) else None for opt in trainer.optimizers
+            ],
+            groups=[
+                [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
+                for opt in trainer.optimizers
             ],
             schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
             modes=[m.training for m in module.modules()],
@@ -74,9 +79,11 @@ class TrainingState:
         if self.grads_were_none:
             for p in module.parameters():
                 p.grad = None
-        for opt, saved in zip(trainer.optimizers, self.optimizers):
+        for opt, saved, groups in zip(trainer.optimizers, self.optimizers, self.groups):
             if saved is None:
                 opt.state.clear()  # the run had no optimizer state yet: drop what the trials created
+                for group, settings in zip(opt.param_groups, groups):  # and what a scheduler step changed
+                    group.update(copy.deepcopy(settings))
             else:
                 opt.load_state_dict(saved)
         for cfg, saved in zip(trainer.lr_scheduler_configs, self.schedulers):

@@ -79,11 +79,14 @@ def test_at_the_start_of_a_fresh_run_the_optimizer_state_the_trials_create_is_dr
             opt = trainer.optimizers[0]
             seen["empty_before"] = len(opt.state) == 0
             state = TrainingState.capture(trainer, pl_module)
-            # AutoBatchSize's trials run training_step and the optimizer step, not the LR scheduler:
-            # with no optimizer state to load back, restore() does not reset param_groups' lr.
-            _trial_step(trainer, pl_module, lr_step=False)
+            lr = [g["lr"] for g in opt.param_groups]
+            _trial_step(trainer, pl_module)  # an LR step too: put back even with no optimizer state to load
+            seen["lr_stepped"] = [g["lr"] for g in opt.param_groups] != lr
             seen["created"] = len(opt.state)
             state.restore(trainer, pl_module)
+            seen["lr_back"] = [g["lr"] for g in opt.param_groups] == lr
+            for cfg in trainer.lr_scheduler_configs:  # the scheduler's own count, put back by restore too
+                seen["scheduler_back"] = cfg.scheduler.last_epoch == 0
             pl_module.train()  # (restore put back the modes the module had here)
             seen["empty_after"] = len(opt.state) == 0
             seen["grads_none"] = all(p.grad is None for p in pl_module.parameters())
@@ -92,7 +95,8 @@ def test_at_the_start_of_a_fresh_run_the_optimizer_state_the_trials_create_is_dr
     with_trial = tiny_gpt_module(warmup_steps=1)
     _fit(with_trial, max_steps=2, callbacks=[Trial()])
     n_params = len(list(with_trial.parameters()))
-    assert seen == {"empty_before": True, "created": n_params, "empty_after": True, "grads_none": True}
+    assert seen == {"empty_before": True, "created": n_params, "empty_after": True, "grads_none": True,
+                    "lr_stepped": True, "lr_back": True, "scheduler_back": True}
 
     torch.manual_seed(0)
     without = tiny_gpt_module(warmup_steps=1)
