@@ -99,12 +99,12 @@ def missing_internals(trainer: pl.Trainer) -> list[str]:
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    roots = {"trainer": lambda: trainer, "module": pl.LightningModule, "checkpoint": ModelCheckpoint}
+    roots = {"trainer": trainer, "module": pl.LightningModule(), "checkpoint": ModelCheckpoint()}
     missing = []
     for entry in TOUCHED:
         kind, _, path = entry.partition(":") if entry.startswith("import:") else entry.partition(".")
         try:
-            _imported(path) if kind == "import" else _lookup(roots[kind](), path)
+            _imported(path) if kind == "import" else _lookup(roots[kind], path)
         except Exception:  # renamed, moved, or a property that no longer works: all the same to us
             missing.append(entry)
     return missing

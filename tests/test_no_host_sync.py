@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 

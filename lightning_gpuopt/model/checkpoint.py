@@ -10,7 +10,7 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import torch
 
