@@ -1,0 +1,142 @@
+"""Device facts: what the training device is, read once, as one value every decision takes.
+
+Which precision, attention kernel, optimizer kernel and allocator setting a run uses depends on the
+device. Each such decision is a plain function of a :class:`DeviceFacts` (``facts.bf16``,
+``facts.capability``, ...), so a test builds the facts of an H100, a V100 or a CPU
+(:data:`REFERENCE_DEVICES`) and checks the decision for each on any machine. :func:`read_device`
+is the one place that asks the driver (``torch.cuda``); the memory and RNG calls a run makes on
+its own GPU stay where they are used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from lightning_gpuopt.perf.peaks import GPUPeaks, find_gpu
+from lightning_gpuopt.perf.units import GiB
+
+__all__ = ["DeviceFacts", "REFERENCE_DEVICES", "cuda_device_count", "read_device"]
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """The facts about one training device that decisions in this package read.
+
+    Example::
+
+        facts = read_device(torch.device("cuda", 0))
+        facts.bf16, facts.fp8, facts.peak_tflops("bf16")  # True, True, 989.4 on an H100 SXM
+
+        REFERENCE_DEVICES["V100"].bf16  # False: the fp16 fallback applies there
+    """
+
+    type: str
+    """``"cuda"``, ``"cpu"`` (or another torch device type)."""
+    name: str
+    """What the driver reports (``"NVIDIA H100 80GB HBM3"``); ``"cpu"`` on a CPU."""
+    capability: Optional[tuple[int, int]] = None
+    """CUDA compute capability, ``None`` off CUDA."""
+    total_memory: Optional[int] = None
+    """Device memory in bytes, ``None`` off CUDA (host memory is not the limit the decisions need)."""
+    cudnn_version: Optional[int] = None
+    """``torch.backends.cudnn.version()`` (e.g. 91500 for 9.15), ``None`` without cuDNN."""
+    index: Optional[int] = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.type == "cuda"
+
+    @property
+    def bf16(self) -> bool:
+        """Native bfloat16 matmuls: every CPU torch runs on, CUDA from compute capability 8.0 (A100)."""
+        return self._capability_at_least(8, 0) if self.is_cuda else self.type == "cpu"
+
+    @property
+    def fp8(self) -> bool:
+        """Float8 tensor cores (``torch._scaled_mm``): compute capability 8.9 (L4, L40, H100) or newer."""
+        return self._capability_at_least(8, 9)
+
+    @property
+    def flash_attention(self) -> bool:
+        """The Flash kernels (SDPA's and the ``flash-attn`` package's): compute capability 8.0 or newer."""
+        return self._capability_at_least(8, 0)
+
+    @property
+    def fused_adamw(self) -> bool:
+        """``AdamW(fused=True)`` is the faster kernel here: on CUDA (the CPU kernel exists but is no faster)."""
+        return self.is_cuda
+
+    @property
+    def peaks(self) -> Optional[GPUPeaks]:
+        """The datasheet row of this GPU (:mod:`~lightning_gpuopt.perf.peaks`), ``None`` for a CPU or an unknown GPU."""
+        return find_gpu(self.name) if self.is_cuda else None
+
+    def peak_tflops(self, dtype: str) -> Optional[float]:
+        """Dense peak TFLOP/s for ``dtype`` (``"bf16"``, ``"fp8"``, ...), ``None`` when unknown."""
+        peaks = self.peaks
+        return None if peaks is None else getattr(peaks, dtype, None)
+
+    def describe(self) -> str:
+        """One line: ``"cuda:0 NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.1 GiB)"``."""
+        where = self.type if self.index is None else f"{self.type}:{self.index}"
+        if not self.is_cuda:
+            return where
+        cap = "?" if self.capability is None else f"{self.capability[0]}.{self.capability[1]}"
+        mem = "" if self.total_memory is None else f", {self.total_memory / GiB:.1f} GiB"
+        return f"{where} {self.name} (compute capability {cap}{mem})"
+
+    def _capability_at_least(self, major: int, minor: int) -> bool:
+        return self.is_cuda and self.capability is not None and tuple(self.capability) >= (major, minor)
+
+
+# The facts of common training devices, as ``read_device`` reports them there: for tests, and for
+# ``gpuopt doctor`` to say on one machine what another would do.
+REFERENCE_DEVICES: dict[str, DeviceFacts] = {
+    "H100 SXM": DeviceFacts("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * GiB, 91500, 0),
+    "H200": DeviceFacts("cuda", "NVIDIA H200", (9, 0), 141 * GiB, 91500, 0),
+    "A100": DeviceFacts("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GiB, 90100, 0),
+    "L4": DeviceFacts("cuda", "NVIDIA L4", (8, 9), 24 * GiB, 90100, 0),
+    "V100": DeviceFacts("cuda", "Tesla V100-SXM2-16GB", (7, 0), 16 * GiB, 90100, 0),
+    "T4": DeviceFacts("cuda", "Tesla T4", (7, 5), 16 * GiB, 90100, 0),
+    "cpu": DeviceFacts("cpu", "cpu"),
+}
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA devices, without initialising CUDA (NVML), so a later fork can still use the GPU."""
+    from lightning.fabric.accelerators.cuda import num_cuda_devices
+
+    return num_cuda_devices()
+
+
+def read_device(device: Union[torch.device, str, None] = None) -> DeviceFacts:
+    """Read the facts of ``device`` from the driver (the one place that does).
+
+    Example::
+
+        read_device("cuda")        # the current CUDA device
+        read_device(torch.device("cpu")).bf16  # True
+
+    Args:
+        device: A torch device; ``None`` means the device a Trainer with ``accelerator="auto"`` picks
+            (the current CUDA device if there is one, else the CPU).
+    """
+    if device is None:
+        device = "cuda" if cuda_device_count() > 0 else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DeviceFacts(device.type, device.type, index=device.index)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return DeviceFacts(
+        type="cuda",
+        name=props.name,
+        capability=(props.major, props.minor),
+        total_memory=int(props.total_memory),
+        cudnn_version=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        index=index,
+    )
+
