@@ -135,7 +135,7 @@ def skip_reason(name: str, settings: BenchSettings, device: torch.device) -> Opt
         raise ValueError(f"Unknown configuration {name!r}: choose from {list(CONFIGS)}.")
     if name == "gpuopt-fp8-compile-auto":
         try:
-            from lightning_gpuopt.plugins.float8_conversion import require_torchao
+            from lightning_gpuopt.precision.float8_layers import require_torchao
 
             require_torchao()
         except ImportError as err:
@@ -177,7 +177,7 @@ def lightning_parts(name: str, settings: BenchSettings) -> LightningParts:
     from lightning.pytorch.callbacks import ThroughputMonitor
 
     from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor
-    from lightning_gpuopt.plugins import BF16Precision
+    from lightning_gpuopt.precision import BF16Precision
 
     if name == BASELINE:
         return LightningParts("32-true", [], [], compile=False, auto_batch=None)
@@ -191,7 +191,7 @@ def lightning_parts(name: str, settings: BenchSettings) -> LightningParts:
         raise ValueError(f"{name!r} is not a Lightning configuration: choose from {choices}.")
     callbacks: list[Any] = [CUDASettings(), MFUMonitor(log_every_n_steps=10, report=False)]
     if name == "gpuopt-fp8-compile-auto":
-        from lightning_gpuopt.plugins import Float8Precision
+        from lightning_gpuopt.precision import Float8Precision
 
         plugin: Any = Float8Precision(recipe=settings.fp8_recipe, emulate=settings.fp8_emulate)
     else:

@@ -26,7 +26,8 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
 from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard, SigtermCheckpoint
-from lightning_gpuopt.plugins import AtomicCheckpointIO, BF16Precision, Float8Precision
+from lightning_gpuopt.checkpoint import AtomicCheckpointIO
+from lightning_gpuopt.precision import BF16Precision, Float8Precision
 
 PRECISIONS = ("bf16", "fp8", "fp16", "no")
 

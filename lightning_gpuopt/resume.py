@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from lightning_gpuopt.lightning_internals import last_batch_ready
+from lightning_gpuopt.internals import last_batch_ready
 
 __all__ = [
     "capture_rng_state",

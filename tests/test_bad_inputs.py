@@ -18,12 +18,13 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from lightning_gpuopt import GPT, GPTConfig, GPTModule, TextDataModule
 from lightning_gpuopt.callbacks import AutoBatchSize, CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard
-from lightning_gpuopt.cli import main
+from lightning_gpuopt.cli.main import main
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
-from lightning_gpuopt.perf.batch_search import per_device_batch
+from lightning_gpuopt.callbacks.auto_batch.search import per_device_batch
 from lightning_gpuopt.data.tokenizer import check_same_tokenizer
-from lightning_gpuopt.plugins import AtomicCheckpointIO, Float8Precision, NonFiniteCheckpointError
-from lightning_gpuopt.plugins.float8 import check_float8_device, check_float8_strategy
+from lightning_gpuopt.checkpoint import AtomicCheckpointIO, NonFiniteCheckpointError
+from lightning_gpuopt.precision import Float8Precision
+from lightning_gpuopt.precision.float8 import check_float8_device, check_float8_strategy
 from lightning_gpuopt.strategies import choose_strategy
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"

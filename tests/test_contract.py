@@ -18,10 +18,12 @@ import torch
 from torch import nn
 
 import lightning_gpuopt.callbacks as callbacks_pkg
-import lightning_gpuopt.plugins as plugins_pkg
+import lightning_gpuopt.checkpoint as checkpoint_pkg
+import lightning_gpuopt.precision as precision_pkg
 from tests._module_shapes import SHAPES, T, LoaderData, NoForwardModule, hand_flops_per_token, shape_loader
 from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard, SigtermCheckpoint
-from lightning_gpuopt.plugins import AtomicCheckpointIO, BF16Precision, Float8Precision
+from lightning_gpuopt.checkpoint import AtomicCheckpointIO
+from lightning_gpuopt.precision import BF16Precision, Float8Precision
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Float8Precision. the model is not compiled",
@@ -81,12 +83,13 @@ PIECES = {
 }
 # Exported, but not a piece to run here: exceptions, and AutoBatchSize, which needs a loader it can
 # resize (a datamodule's) and max_micro_batch_size on CPU: its contract over the same module shapes is
-# tests/callbacks/test_auto_batch_size_contracts.py.
-NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize"}
+# tests/callbacks/auto_batch/test_contracts.py. AtomicModelParallelStrategy is a strategy (tests/checkpoint).
+NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize", "AtomicModelParallelStrategy"}
 
 
 def test_every_export_is_covered():
-    assert set(callbacks_pkg.__all__) | set(plugins_pkg.__all__) == set(PIECES) | NOT_PIECES
+    exported = set(callbacks_pkg.__all__) | set(precision_pkg.__all__) | set(checkpoint_pkg.__all__)
+    assert exported == set(PIECES) | NOT_PIECES
 
 
 def _fit(piece, is_plugin, shape, tmp_path, extra=(), datamodule=False):
@@ -158,12 +161,12 @@ def test_contract(name, shape, tmp_path):
 @pytest.mark.parametrize("name", sorted(PIECES))
 def test_each_piece_builds_from_yaml_through_the_gpuopt_cli(name, tmp_path, text_dir):
     """`gpuopt fit --config` with the piece named in YAML builds it into the Trainer (nothing runs)."""
-    from lightning_gpuopt.cli import GPTCLI
+    from lightning_gpuopt.cli.main import GPTCLI
     from lightning_gpuopt.data import TextDataModule
     from lightning_gpuopt.model import GPTModule
 
     _, is_plugin = PIECES[name]
-    package = "plugins" if is_plugin else "callbacks"
+    package = {"AtomicCheckpointIO": "checkpoint"}.get(name, "precision") if is_plugin else "callbacks"
     group = "plugins" if is_plugin else "callbacks"
     config = tmp_path / "piece.yaml"
     config.write_text(

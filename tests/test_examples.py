@@ -27,7 +27,8 @@ def test_train_wikitext_validates_past_a_short_epoch_and_resumes(tmp_path, text_
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_gpuopt.callbacks import MFUMonitor, NonFiniteGuard
-    from lightning_gpuopt.plugins import AtomicCheckpointIO, BF16Precision
+    from lightning_gpuopt.checkpoint import AtomicCheckpointIO
+    from lightning_gpuopt.precision import BF16Precision
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(EXAMPLES))

@@ -1,6 +1,6 @@
 """Callbacks: CUDA settings, MFU monitoring, automatic batch size, exact resume, the non-finite guard, the SIGTERM checkpoint."""
 
-from lightning_gpuopt.callbacks.auto_batch_size import AutoBatchSize
+from lightning_gpuopt.callbacks.auto_batch.callback import AutoBatchSize
 from lightning_gpuopt.callbacks.cuda_settings import CUDASettings
 from lightning_gpuopt.callbacks.exact_resume import ExactResume
 from lightning_gpuopt.callbacks.mfu_monitor import MFUMonitor

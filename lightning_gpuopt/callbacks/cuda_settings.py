@@ -11,8 +11,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_gpuopt.precision.dtype import compute_dtype_name
 from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS as _SDPA_BACKENDS
+from lightning_gpuopt.precision.dtype import compute_dtype_name
 from lightning_gpuopt.perf.sdpa import SDPA_FLAGS as _SDPA_FLAGS
+from lightning_gpuopt.precision.dtype import compute_dtype_name
 from lightning_gpuopt.perf.sdpa import apply_auto_sdpa_order, attention_kernel, attention_row  # attention_kernel re-exported
 
 __all__ = ["CUDASettings", "attention_kernel"]
@@ -216,7 +219,7 @@ class CUDASettings(Callback):
         if self.sdpa_backends == "auto":
             self.report = [r for r in self.report if r[0] != "sdpa_backends"] + [apply_auto_sdpa_order(device)]
         if device.type == "cuda":
-            self.report = [r for r in self.report if r[0] != "attention_kernel"] + [attention_row(pl_module, trainer.precision_plugin, device)]
+            self.report = [r for r in self.report if r[0] != "attention_kernel"] + [attention_row(pl_module, compute_dtype_name(trainer.precision_plugin), device)]
         if isinstance(self.sdpa_backends, list) and "flash" in self.sdpa_backends and device.type == "cuda":
             if torch.cuda.get_device_capability(device)[0] < 8:
                 self.report = [

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpuopt.data.resumable import EpochSampler, make_resumable, not_exact_reason
-from lightning_gpuopt.lightning_internals import data_parallel_ranks, require_internals, wrap_train_dataloader
+from lightning_gpuopt.internals import data_parallel_ranks, require_internals, wrap_train_dataloader
 from lightning_gpuopt.protocols import ResumableData
 from lightning_gpuopt.resume import (
     capture_rng_state,

@@ -11,14 +11,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpuopt.lightning_internals import show_in_progress_bar
+from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.flops import count_flops_per_token, model_flops_per_token
 from lightning_gpuopt.perf.mfu import check_mfu_options, input_ids_of, mfu_peaks, summarise_windows, window_metrics
 from lightning_gpuopt.perf.mfu import memory_stats as _memory_stats  # by this name: tests replace it
 from lightning_gpuopt.perf.peaks import measure_peak_flops
 from lightning_gpuopt.perf.parallel import data_parallel_size
-from lightning_gpuopt.perf.precision import compute_dtype_name, is_fp8
+from lightning_gpuopt.precision.dtype import compute_dtype_name, is_fp8
 
 __all__ = ["MFUMonitor"]
 

@@ -26,14 +26,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpuopt.callbacks.nonfinite_checks import (  # find_nonfinite re-exported: its home is nonfinite_checks
+from lightning_gpuopt.callbacks.nonfinite_checks import (
     count_on_device,
     describe_bad_step,
     find_nonfinite,
     skip_step,
 )
 
-__all__ = ["NonFiniteError", "NonFiniteGuard", "find_nonfinite"]
+__all__ = ["NonFiniteError", "NonFiniteGuard"]
 
 Policy = Literal["skip", "stop"]
 Mode = Literal["auto", "step", "deferred"]

@@ -1,6 +1,7 @@
 """Text data: sources, BPE tokenizers, memory-mapped token files and ``TextDataModule``."""
 
-from lightning_gpuopt.data.datamodule import TextDataModule, default_cache_dir
+from lightning_gpuopt.data.cache import default_cache_dir
+from lightning_gpuopt.data.datamodule import TextDataModule
 from lightning_gpuopt.data.sources import Corpus, resolve_source, stdlib_files
 from lightning_gpuopt.data.tokenizer import EOT_TOKEN, load_tokenizer, train_bpe_tokenizer
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows, token_dtype, write_tokens

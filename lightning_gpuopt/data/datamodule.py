@@ -22,7 +22,7 @@ from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
 from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 from lightning_gpuopt.resume import step_boundary
 
-__all__ = ["TextDataModule", "default_cache_dir"]
+__all__ = ["TextDataModule"]
 
 
 

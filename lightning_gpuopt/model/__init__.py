@@ -3,7 +3,9 @@
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
 from lightning_gpuopt.model.config import PRESETS, GPTConfig
 from lightning_gpuopt.model.generation import generate
-from lightning_gpuopt.model.gpt import GPT, KVCache
+from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.model.kv_cache import KVCache
 from lightning_gpuopt.model.module import GPTModule
+from lightning_gpuopt.model.sharding import shard_gpt
 
-__all__ = ["CheckpointError", "GPT", "GPTConfig", "GPTModule", "KVCache", "PRESETS", "generate", "load_gpt"]
+__all__ = ["CheckpointError", "GPT", "GPTConfig", "GPTModule", "KVCache", "PRESETS", "generate", "load_gpt", "shard_gpt"]

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.generation import generate
-from lightning_gpuopt.model.kv_cache import KVCache  # re-exported: `from lightning_gpuopt.model.gpt import KVCache`
+from lightning_gpuopt.model.kv_cache import KVCache
 from lightning_gpuopt.model.loss import linear_cross_entropy
 
 __all__ = ["GPT", "KVCache"]

@@ -12,8 +12,8 @@ from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
-from lightning_gpuopt.lightning_internals import show_in_progress_bar
-from lightning_gpuopt.perf.precision import clip_without_scaler, compute_dtype_name
+from lightning_gpuopt.internals import show_in_progress_bar
+from lightning_gpuopt.precision.dtype import clip_without_scaler, compute_dtype_name
 from lightning_gpuopt.model.config import GPTConfig, check_data_fits
 from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.gpt import GPT
@@ -261,7 +261,7 @@ class GPTModule(pl.LightningModule):
         plugin = self.trainer.precision_plugin
         if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
             # Lightning's own "bf16-mixed" refuses to clip for the fused AdamW built on CUDA; bf16 has no
-            # scaler, so plain clipping is exact (lightning_gpuopt.perf.precision.clip_without_scaler).
+            # scaler, so plain clipping is exact (lightning_gpuopt.precision.dtype.clip_without_scaler).
             clip_without_scaler(plugin, optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)

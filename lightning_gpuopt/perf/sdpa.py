@@ -6,11 +6,10 @@ used and tested without a Trainer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from lightning_gpuopt.perf.precision import compute_dtype_name
 
 __all__ = ["SDPA_BACKENDS", "SDPA_FLAGS", "apply_auto_sdpa_order", "attention_kernel", "attention_row"]
 
@@ -87,19 +86,19 @@ def attention_kernel(
     return names.get(choice, choice.name.lower())
 
 
-def attention_row(module: Any, precision_plugin: Any, device: torch.device) -> tuple[str, str, str]:
+def attention_row(module: Any, compute_dtype: Optional[str], device: torch.device) -> tuple[str, str, str]:
     """The settings-table row naming the kernel SDPA runs for ``module``'s attention shape.
 
     The shape comes from ``module.config`` (``head_size``, ``block_size``, ``n_head``, ``dropout``),
-    else an assumed head dim 64 at T 1024; the dtype from the precision plugin.
+    else an assumed head dim 64 at T 1024; attention runs in bf16 under float8 (only the projections are float8).
 
     Example::
 
-        attention_row(gpt_module, trainer.precision_plugin, torch.device("cuda"))  # ("attention_kernel", "flash", ...)
+        attention_row(gpt_module, "bf16", torch.device("cuda"))  # ("attention_kernel", "flash", ...)
 
     Args:
         module: The LightningModule (or any object with a GPT-like ``config``).
-        precision_plugin: The Trainer's precision plugin.
+        compute_dtype: What the precision plugin computes in (``precision.dtype.compute_dtype_name``).
         device: Where attention runs.
     """
     config = getattr(module, "config", None)
@@ -107,9 +106,7 @@ def attention_row(module: Any, precision_plugin: Any, device: torch.device) -> t
     dropout = float(getattr(config, "dropout", 0.0) or 0.0)
     shape = "the model's" if head_dim and seq_len else "an assumed"
     head_dim, seq_len, n_head = head_dim or 64, seq_len or 1024, n_head or 1
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(
-        compute_dtype_name(precision_plugin), torch.float32
-    )
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(compute_dtype, torch.float32)
     kernel = attention_kernel(device, head_dim, seq_len, dtype, n_head, dropout)
     dtype_name = str(dtype).removeprefix("torch.")
     return ("attention_kernel", kernel, f"what SDPA runs for {shape} head dim {head_dim}, T {seq_len}, {dtype_name}, causal")

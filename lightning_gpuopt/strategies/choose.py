@@ -38,7 +38,7 @@ from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.perf.activations import measure_activation_bytes
 from lightning_gpuopt.perf.units import GB
-from lightning_gpuopt.strategies.atomic_checkpoint import AtomicModelParallelStrategy
+from lightning_gpuopt.checkpoint.model_parallel import AtomicModelParallelStrategy
 
 __all__ = ["AUTO_STRATEGY", "MemoryEstimate", "choose_strategy", "estimate_memory", "estimate_module_memory"]
 

@@ -188,7 +188,7 @@ def test_attention_kernel_names_a_backend():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_auto_puts_cudnn_first_on_hopper_and_reports_the_kernel(tmp_path):
     from lightning_gpuopt.callbacks.cuda_settings import attention_kernel
-    from lightning_gpuopt.plugins import BF16Precision
+    from lightning_gpuopt.precision import BF16Precision
 
     if torch.cuda.get_device_capability()[0] not in (9, 10) or (torch.backends.cudnn.version() or 0) < 91500:
         pytest.skip("cuDNN attention goes first on compute capability 9.x/10.x with cuDNN >= 9.15 only")

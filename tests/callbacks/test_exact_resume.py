@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_gpuopt.data import TextDataModule
-from lightning_gpuopt.strategies.atomic_checkpoint import partial_path
+from lightning_gpuopt.checkpoint.atomic_files import partial_path
 from tests._paths import SCRIPTS
 
 SCRIPT = SCRIPTS / "resume_fit.py"

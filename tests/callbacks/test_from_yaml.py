@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor, NonFiniteGuard
-from lightning_gpuopt.plugins import BF16Precision
+from lightning_gpuopt.precision import BF16Precision
 from tests._paths import REPO
 
 CONFIG = """
@@ -70,7 +70,7 @@ def test_every_recipe_builds_the_stack(config):
 
 
 def test_default_stack_builds():
-    from lightning_gpuopt.cli_defaults import CHECKPOINT_EVERY_N_STEPS, default_stack
+    from lightning_gpuopt.cli.defaults import CHECKPOINT_EVERY_N_STEPS, default_stack
 
     stack = default_stack()
     parser = _stack_parser()

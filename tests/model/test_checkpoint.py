@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_gpuopt import GPT, GPTConfig, GPTModule, TextDataModule
 from lightning_gpuopt.callbacks import MFUMonitor, NonFiniteGuard
 from lightning_gpuopt.model.checkpoint import CheckpointError, gpt_state_dict, load_gpt
-from lightning_gpuopt.plugins import AtomicCheckpointIO
+from lightning_gpuopt.checkpoint import AtomicCheckpointIO
 
 
 def _fit(tmp_path, cache_dir, text_dir, max_steps=4, ckpt_path=None, **fit_kw):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from lightning_gpuopt.perf.compiled import is_compiled
-from lightning_gpuopt.plugins.float8_conversion import is_compiled as old_path
 
 
 def test_plain_module_is_not_compiled():
@@ -21,7 +20,3 @@ def test_wrapper_in_place_and_lightning_marker_are_detected():
     marked = torch.nn.Linear(16, 16)
     marked._compiler_ctx = {"compiler": "dynamo"}
     assert is_compiled(marked)
-
-
-def test_old_import_path_is_the_same_function():
-    assert old_path is is_compiled

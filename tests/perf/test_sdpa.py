@@ -5,7 +5,6 @@ from __future__ import annotations
 import types
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS, apply_auto_sdpa_order, attention_kernel, attention_row
 
@@ -23,8 +22,8 @@ def test_auto_order_leaves_cpu_alone():
 
 def test_attention_row_reads_the_model_shape_and_the_plugin_dtype():
     module = types.SimpleNamespace(config=types.SimpleNamespace(head_size=32, block_size=64, n_head=4, dropout=0.0))
-    name, kernel, text = attention_row(module, MixedPrecision("bf16-mixed", "cpu"), torch.device("cpu"))
+    name, kernel, text = attention_row(module, "bf16", torch.device("cpu"))
     assert name == "attention_kernel" and kernel in SDPA_BACKENDS
     assert text == "what SDPA runs for the model's head dim 32, T 64, bfloat16, causal"
-    _, _, assumed = attention_row(object(), MixedPrecision("bf16-mixed", "cpu"), torch.device("cpu"))
+    _, _, assumed = attention_row(object(), "bf16", torch.device("cpu"))
     assert assumed == "what SDPA runs for an assumed head dim 64, T 1024, bfloat16, causal"

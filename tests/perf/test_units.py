@@ -8,7 +8,7 @@ import torch
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.perf.units import GB, GiB, MiB
-from lightning_gpuopt.plugins.checkpoint_safety import disk_full_error
+from lightning_gpuopt.checkpoint.safety import disk_full_error
 from lightning_gpuopt.strategies.choose import choose_strategy
 
 

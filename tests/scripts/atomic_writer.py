@@ -1,4 +1,4 @@
-"""Saves checkpoints of ~16 MB to one path in a loop until killed (tests/plugins/test_checkpoint_io.py SIGKILLs it).
+"""Saves checkpoints of ~16 MB to one path in a loop until killed (tests/checkpoint/test_io.py SIGKILLs it).
 
 Each checkpoint's tensor is filled with its step number, so a reader can tell a complete file from a mix.
 Usage: python atomic_writer.py PATH
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from lightning_gpuopt.plugins import AtomicCheckpointIO
+from lightning_gpuopt.checkpoint import AtomicCheckpointIO
 
 io = AtomicCheckpointIO()
 step = 0

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from lightning_gpuopt.callbacks import AutoBatchSize  # noqa: E402
 from tests._process_exit import finish  # noqa: E402
-from tests.callbacks._auto_batch_helpers import OOMAbove, StepRecorder, TokenData  # noqa: E402
+from tests.callbacks.auto_batch._helpers import OOMAbove, StepRecorder, TokenData  # noqa: E402
 
 
 class RankLimited(OOMAbove):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from lightning_gpuopt.model.checkpoint import read_checkpoint
-from lightning_gpuopt.plugins import AtomicCheckpointIO
+from lightning_gpuopt.checkpoint import AtomicCheckpointIO
 
 mount = Path(sys.argv[1])
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)

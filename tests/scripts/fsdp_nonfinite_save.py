@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
 from lightning_gpuopt.data import TextDataModule  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
-from lightning_gpuopt.strategies import AtomicModelParallelStrategy  # noqa: E402
+from lightning_gpuopt.checkpoint import AtomicModelParallelStrategy  # noqa: E402
 from tests._process_exit import finish  # noqa: E402
 
 out, texts = Path(sys.argv[1]), Path(sys.argv[2])

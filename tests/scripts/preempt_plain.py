@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E40
 
 from tests._module_shapes import NanoGPTModule, shape_loader  # noqa: E402
 from lightning_gpuopt.callbacks import ExactResume  # noqa: E402
-from lightning_gpuopt.plugins import AtomicCheckpointIO  # noqa: E402
+from lightning_gpuopt.checkpoint import AtomicCheckpointIO  # noqa: E402
 
 
 class Pause(Callback):

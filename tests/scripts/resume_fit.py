@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 from lightning_gpuopt.callbacks import AutoBatchSize, ExactResume, MFUMonitor  # noqa: E402
 from lightning_gpuopt.data import TextDataModule  # noqa: E402
 from lightning_gpuopt.model import GPTModule  # noqa: E402
-from lightning_gpuopt.plugins import BF16Precision  # noqa: E402
+from lightning_gpuopt.precision import BF16Precision  # noqa: E402
 from tests._process_exit import finish  # noqa: E402
 
 
@@ -101,7 +101,7 @@ def main() -> None:
 
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     elif strategy == "fsdp-atomic":
-        from lightning_gpuopt.strategies import AtomicModelParallelStrategy
+        from lightning_gpuopt.checkpoint import AtomicModelParallelStrategy
 
         strategy = AtomicModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     if args.kill_on_save:

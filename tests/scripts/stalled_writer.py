@@ -1,4 +1,4 @@
-"""Starts an AtomicCheckpointIO save that stalls half-way, until killed (tests/plugins/test_checkpoint_safety.py SIGKILLs it).
+"""Starts an AtomicCheckpointIO save that stalls half-way, until killed (tests/checkpoint/test_safety.py SIGKILLs it).
 
 The checkpoint holds an object whose pickling sleeps, so the save's temporary file exists, unfinished,
 when the process is killed: what a kill in the middle of a large save leaves.
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from lightning_gpuopt.plugins import AtomicCheckpointIO
+from lightning_gpuopt.checkpoint import AtomicCheckpointIO
 
 
 class _Stall:

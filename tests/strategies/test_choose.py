@@ -8,10 +8,10 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.callbacks import ExactResume
-from lightning_gpuopt.cli import GPTCLI
+from lightning_gpuopt.cli.main import GPTCLI
 from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.checkpoint import AtomicModelParallelStrategy
 from lightning_gpuopt.strategies import (
-    AtomicModelParallelStrategy,
     choose_strategy,
     estimate_memory,
     estimate_module_memory,

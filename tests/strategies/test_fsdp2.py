@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gpuopt.model import GPT, GPTConfig
-from lightning_gpuopt.strategies import shard_gpt
+from lightning_gpuopt.model import shard_gpt
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"

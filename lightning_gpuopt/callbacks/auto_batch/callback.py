@@ -1,0 +1,452 @@
+"""`AutoBatchSize`: the largest micro-batch that fits, with the global batch kept through gradient accumulation.
+
+The callback holds the decisions (which size, when to redo a step or stop), the checks and the
+logging, and what a new micro-batch takes beyond the batch-size attribute (the validation cadence,
+the check that the training loader really uses the new size). The work is elsewhere: the search in :mod:`lightning_gpuopt.callbacks.auto_batch.search` (plain
+functions), the trial steps in :mod:`lightning_gpuopt.callbacks.auto_batch.trial`, the recovery from an
+out-of-memory error later in training in :mod:`lightning_gpuopt.callbacks.auto_batch.recovery`, and every
+touch of Lightning's private loop state in :mod:`lightning_gpuopt.internals`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Literal, Optional
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from typing_extensions import override
+
+from lightning_gpuopt.callbacks.auto_batch import recovery as oom
+from lightning_gpuopt.callbacks.auto_batch.trial import batch_len, trial_steps
+from lightning_gpuopt.internals import drop_train_loader, require_internals
+from lightning_gpuopt.callbacks.auto_batch import search
+from lightning_gpuopt.callbacks.auto_batch.search import Trial
+from lightning_gpuopt.option_checks import check_auto_batch_options
+from lightning_gpuopt.perf.parallel import data_parallel_size
+from lightning_gpuopt.perf.oom import is_oom_error
+
+__all__ = ["AutoBatchSize"]
+
+
+def keep_validation_cadence(trainer: pl.Trainer, old: int, new: int) -> None:
+    """An integer ``val_check_interval`` counts micro-batches: rescale it from micro-batch ``old`` to
+    ``new`` so validation still runs every as many samples, or say why it cannot be.
+
+    Example::
+
+        keep_validation_cadence(trainer, old=8, new=4)  # val_check_interval 100 -> 200
+
+    Args:
+        trainer: The running Trainer.
+        old: The micro-batch the interval was set for.
+        new: The micro-batch from now on.
+    """
+    interval = trainer.val_check_interval
+    if not isinstance(interval, int) or old == new:
+        return
+    if (interval * old) % new == 0:
+        trainer.val_check_interval = interval * old // new
+    else:
+        rank_zero_warn(
+            f"AutoBatchSize: val_check_interval={interval} batches of {old} samples is not a whole number of "
+            f"micro-batches of {new}, so it is left as is and validation runs every {interval * new} samples instead "
+            f"of {interval * old}. Use a val_check_interval that is a multiple of {new // math.gcd(old, new)}."
+        )
+
+
+def loader_batch_size(loader: Any) -> Optional[int]:
+    """The batch size a DataLoader says it uses (``batch_size``, or its batch sampler's); ``None`` when it says none."""
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, replicas: int) -> bool:
+    """Raise, with the fix, if the training loader does not use the micro-batch ``expected``.
+
+    A DataLoader built once (in ``__init__`` or ``setup()``) ignores the batch size set on ``attr``
+    afterwards, and the run would train another global batch than the one reported. The loader's
+    own ``batch_size`` is compared; a loader without one (a custom batch sampler) is judged by the
+    samples in ``batch`` (the first dimension of its first tensor). Returns ``False`` when the
+    batch cannot tell (a short last batch of an epoch): check the next one. Warns once, and
+    returns ``True``, when neither tells.
+
+    Example::
+
+        check_batch(trainer, batch, expected=12, attr="batch_size", replicas=1)
+
+    Args:
+        trainer: The running Trainer (in ``on_train_batch_start``).
+        batch: The training batch.
+        expected: The micro-batch it must hold.
+        attr: The batch-size attribute that was set, for the message.
+        replicas: Data-parallel ranks, for the message.
+    """
+    held, what = loader_batch_size(trainer.train_dataloader), "the training DataLoader's batch_size is"
+    if held is None:
+        held, what = batch_len(batch), "the training batch holds"
+        if held is None:
+            rank_zero_warn(
+                f"AutoBatchSize: neither the training loader (no batch_size) nor its batch (no tensor) says how many "
+                f"samples it holds, so whether it uses micro-batch {expected} cannot be checked: make sure "
+                f"train_dataloader() builds its loader from `{attr}`."
+            )
+            return True
+        if held < expected and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return False
+    if held != expected:
+        accumulate = trainer.accumulate_grad_batches
+        raise ValueError(
+            f"AutoBatchSize set the micro-batch to {expected} through `{attr}`, but {what} {held}, so each optimizer "
+            f"step would train {held} x {accumulate} x {replicas} = {held * accumulate * replicas} samples instead of "
+            f"the global batch {expected * accumulate * replicas}. The training DataLoader ignores `{attr}`: build it "
+            f"inside train_dataloader() from self.{attr} (not once in __init__ or setup()), or remove AutoBatchSize "
+            "and set the batch size yourself."
+        )
+    return True
+
+
+def late_checkpoint_choice(saved: int, searched: int, same_batch: bool) -> tuple[bool, str, bool]:
+    """Which micro-batch to keep when a checkpoint's arrives after this run's search.
+
+    FSDP/FSDP2/DeepSpeed restore callbacks after ``on_fit_start``, so the search has run. The
+    checkpoint's micro-batch is used when it is smaller than what the search found to fit (so it
+    fits) and the per-device batch is the same: the run continues as the checkpoint's did
+    (Lightning's loop counters count its micro-batches). Returns ``(use_saved, message, warn)``.
+
+    Example::
+
+        late_checkpoint_choice(saved=4, searched=8, same_batch=True)  # (True, "...", False)
+
+    Args:
+        saved: The checkpoint's micro-batch.
+        searched: The one this run's search chose.
+        same_batch: Whether the per-device batch is the checkpoint's.
+    """
+    arrived = (
+        f"AutoBatchSize: the checkpoint's micro-batch ({saved}) arrived after this run's search (the strategy "
+        f"restores callbacks after fit start)"
+    )
+    if saved < searched and same_batch:
+        return (
+            True,
+            f"{arrived}; continuing with it, as the checkpoint's run did (the search found {searched} to fit)",
+            False,
+        )
+    message = f"{arrived}; keeping the search's micro-batch {searched}."
+    if saved == searched:
+        return False, message, False
+    why = (
+        f"{saved} is larger than what fits here"
+        if same_batch
+        else "the per-device batch changed since the checkpoint (another global batch or number of devices)"
+    )
+    return (
+        False,
+        (
+            f"{message} Not the checkpoint's, because {why}. Its loop counters count micro-batches of {saved}, so "
+            "Lightning's batch count in this epoch is off (the data position, kept in samples, is not)."
+        ),
+        True,
+    )
+
+
+def check_can_set_micro_batch(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str, max_micro: Optional[int]
+) -> None:
+    """Raise, with the fix, if ``AutoBatchSize`` cannot set this fit's micro-batch (at ``setup``, before any work).
+
+    Args:
+        trainer: The Trainer about to fit.
+        pl_module: Its module.
+        attr: The batch-size attribute to set, on the datamodule or the module.
+        max_micro: ``AutoBatchSize.max_micro_batch_size``.
+    """
+    if trainer.strategy.root_device.type == "cpu" and max_micro is None:
+        raise ValueError(
+            "AutoBatchSize on CPU needs max_micro_batch_size: running out of host memory kills the process "
+            "instead of raising an error, so the search must be bounded. Set AutoBatchSize(max_micro_batch_size=...)."
+        )
+    if not pl_module.automatic_optimization:
+        raise ValueError(
+            "AutoBatchSize needs automatic optimization (it sets trainer.accumulate_grad_batches); "
+            f"{type(pl_module).__name__} sets automatic_optimization=False."
+        )
+    if not lightning_hasattr(pl_module, attr):
+        raise ValueError(
+            f"AutoBatchSize sets the micro-batch through a `{attr}` attribute of the datamodule or the module, and "
+            f"neither {type(pl_module).__name__} nor the datamodule has one: add it (and use it in train_dataloader()), "
+            "or name yours with AutoBatchSize(batch_size_attr=...)."
+        )
+
+
+class AutoBatchSize(Callback):
+    """Finds the largest micro-batch that fits, and keeps the global batch with gradient accumulation.
+
+    At the start of ``fit``, with the run's own precision plugin, ``torch.compile`` setting,
+    strategy and model, it runs ``steps_per_trial`` real training steps (forward, backward and
+    optimizer step, on batches of the real shape taken from the training data) at candidate
+    micro-batch sizes, and keeps the largest that runs without running out of memory and leaves
+    ``memory_margin`` of the device's memory free. Only sizes that divide the per-device batch
+    are tried, so that
+
+        ``global_batch_size = micro_batch_size * accumulate_grad_batches * data-parallel ranks``
+
+    holds exactly: the optimisation (global batch, learning-rate schedule) is what you
+    configured, whatever the GPU. The datamodule's (or module's) ``batch_size`` is set to the
+    micro-batch and ``trainer.accumulate_grad_batches`` to the accumulation.
+
+    The search leaves no trace (weights, optimizer, schedulers, grad scaler, RNG, ``global_step``
+    and logged metrics are as before; other callbacks do not see the trial steps), and under DDP
+    and FSDP2 all ranks agree on the smallest size that fits on every rank. If the device runs out
+    of memory later in training, the step is redone from its first micro-batch with a smaller
+    micro-batch and more accumulation (same global batch, same sample order), or, where that
+    cannot be (micro-batch 1, multi-process runs), the last completed step is saved and the run
+    stops naming what to change. The first training batch after a decision is checked: a loader
+    that ignores the new size stops the run with the fix. Details: ``docs/callbacks.md``.
+
+    The decision, the search trace and the peak memory are logged once to every logger
+    (``auto_batch_size/*``, listed in ``docs/callbacks.md``) and to the console.
+
+    Example::
+
+        trainer = Trainer(
+            max_steps=5000,
+            plugins=[BF16Precision()],
+            callbacks=[AutoBatchSize(global_batch_size=512)],
+        )
+        trainer.fit(GPTModule(preset="124m"), datamodule=TextDataModule(block_size=1024))
+
+    Args:
+        global_batch_size: Samples per optimizer step over all devices. ``None`` keeps the batch
+            you configured: ``batch_size * accumulate_grad_batches * world_size``.
+        max_micro_batch_size: Largest micro-batch to try. Required on CPU, where running out of
+            memory kills the process instead of raising an error.
+        mode: ``"binsearch"`` doubles until a size fails, then bisects; ``"power"`` only doubles.
+        memory_margin: Fraction of the device's memory to leave free (CUDA only), as headroom
+            for fragmentation and longer sequences.
+        steps_per_trial: Training steps per tried size. The default 2 runs the second step with
+            the optimizer state the first one created, as every training step after the first
+            does; 1 measures less memory than training needs.
+        batch_size_attr: Name of the batch-size attribute on the datamodule or module.
+        recover_oom: Recover from out-of-memory errors later in training.
+
+    Note:
+        Data order after a recovery is the same if the training loader's order does not depend on
+        when it is created (no global-RNG ``shuffle``), or its datamodule implements
+        :class:`~lightning_gpuopt.protocols.ResumableData`. A ``max_epochs``-based LR schedule is
+        rebuilt when the search changes the global batch.
+    """
+
+    def __init__(
+        self,
+        global_batch_size: Optional[int] = None,
+        max_micro_batch_size: Optional[int] = None,
+        mode: Literal["binsearch", "power"] = "binsearch",
+        memory_margin: float = 0.1,
+        steps_per_trial: int = 2,
+        batch_size_attr: str = "batch_size",
+        recover_oom: bool = True,
+    ) -> None:
+        check_auto_batch_options(global_batch_size, max_micro_batch_size, mode, memory_margin, steps_per_trial)
+        self.global_batch_size = global_batch_size
+        self.max_micro_batch_size = max_micro_batch_size
+        self.mode = mode
+        self.memory_margin = memory_margin
+        self.steps_per_trial = steps_per_trial
+        self.batch_size_attr = batch_size_attr
+        self.recover_oom = recover_oom
+        self.micro_batch_size: Optional[int] = None
+        self.accumulate_grad_batches: Optional[int] = None
+        self.trials: list[Trial] = []
+        self.recoveries: list[dict[str, int]] = []  # the decisions above are saved in checkpoints
+        self._per_device: Optional[int] = None
+        self._restored: Optional[dict[str, Any]] = None
+        self._undo_retry: Optional[Callable[[], None]] = None
+        self._stopped = False  # this callback already stopped the run (and said why)
+        self._searched_in_this_fit = False
+        self._fit: Optional[tuple[pl.Trainer, pl.LightningModule]] = None  # the fit that searched, until teardown
+        self._check_batch: Optional[int] = None  # the micro-batch the next training batch must hold
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._searched_in_this_fit = False  # before any checkpoint is restored (also after a failed fit)
+        self._fit = None
+        check_can_set_micro_batch(trainer, pl_module, self.batch_size_attr, self.max_micro_batch_size)
+        if self.global_batch_size is not None:  # fails now, not after the data preparation
+            search.per_device_batch(self.global_batch_size, data_parallel_size(trainer))
+        require_internals(trainer, "AutoBatchSize")
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._check_batch is not None:  # the first training batch after a decision
+            expected, self._check_batch = self._check_batch, None
+            if not check_batch(trainer, batch, expected, self.batch_size_attr, data_parallel_size(trainer)):
+                self._check_batch = expected  # a short last batch: the next epoch's first is checked
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        configured = int(lightning_getattr(pl_module, self.batch_size_attr))
+        replicas = data_parallel_size(trainer)
+        configured_global = configured * trainer.accumulate_grad_batches * replicas
+        global_batch = self.global_batch_size or configured_global
+        self._per_device = search.per_device_batch(global_batch, replicas)
+        if self._restored is not None and self._apply_restored(trainer, pl_module):
+            return
+        candidates = search.micro_batch_candidates(self._per_device, self.max_micro_batch_size)
+        with trial_steps(trainer, pl_module, self.steps_per_trial, self.memory_margin) as trial:
+            best, self.trials = search.largest_fitting(candidates, trial, self.mode)
+        if best is None:
+            raise search.nothing_fits_error(self.memory_margin)
+        self._apply(trainer, pl_module, best, global_batch != configured_global)
+        self._report(trainer)
+        self._searched_in_this_fit = True
+        self._fit = (trainer, pl_module)
+
+    def _apply(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: int, global_batch_changed: bool
+    ) -> None:
+        self._set_micro_batch(trainer, pl_module, micro)
+        # `estimated_stepping_batches` (read by configure_optimizers) may have built the train loader
+        # with the old batch size: drop it so the fit loop builds it with the new one.
+        drop_train_loader(trainer)
+        if global_batch_changed and trainer.max_steps == -1:
+            # An epoch-based LR schedule was sized for the old number of optimizer steps per epoch.
+            trainer.strategy.setup_optimizers(trainer)
+
+    def _set_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: int) -> None:
+        old = int(lightning_getattr(pl_module, self.batch_size_attr))
+        self.micro_batch_size = micro
+        self.accumulate_grad_batches = self._per_device // micro
+        lightning_setattr(pl_module, self.batch_size_attr, micro)
+        trainer.accumulate_grad_batches = self.accumulate_grad_batches
+        keep_validation_cadence(trainer, old, micro)
+        self._check_batch = micro
+
+    def _apply_restored(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Use the decision saved in the checkpoint, unless the world size or the bounds changed."""
+        restored, self._restored = self._restored, None
+        if restored.get("per_device_batch") != self._per_device:
+            rank_zero_info("AutoBatchSize: the per-device batch changed since the checkpoint: searching again.")
+            return False
+        micro = restored["micro_batch_size"]
+        if self.max_micro_batch_size is not None and micro > self.max_micro_batch_size:
+            micro = search.micro_batch_candidates(self._per_device, self.max_micro_batch_size)[-1]
+        self._apply(trainer, pl_module, micro, global_batch_changed=False)
+        rank_zero_info(
+            f"AutoBatchSize: micro-batch {micro} x {self.accumulate_grad_batches} accumulation, from the checkpoint."
+        )
+        return True
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        table, trace = search.describe_search(self.trials)
+        replicas = data_parallel_size(trainer)
+        metrics = search.search_metrics(self.trials, self.micro_batch_size, self.accumulate_grad_batches, replicas)
+        rank_zero_info(
+            f"AutoBatchSize: micro-batch {self.micro_batch_size} x {self.accumulate_grad_batches} accumulation x "
+            f"{replicas} data-parallel devices = global batch {metrics['auto_batch_size/global_batch_size']}\n{table}"
+        )
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_hyperparams({"auto_batch_size/search": trace})
+
+    # ------------------------------------------------------------------ OOM later in training
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.recover_oom and trainer.world_size == 1 and self._undo_retry is None:
+            self._undo_retry = oom.retry_on_oom(trainer, lambda *args: self._recover(trainer, pl_module, *args))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._undo_retry is not None:
+            self._undo_retry()
+            self._undo_retry = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
+        if (
+            self._stopped
+            or trainer.state.fn != TrainerFn.FITTING
+            or not is_oom_error(exception)
+            or self.micro_batch_size is None
+        ):
+            return
+        # Multi-process runs (no in-process recovery): keep the last completed step where we can.
+        smaller = search.fallback_micro_batch(self.micro_batch_size, self._per_device or self.micro_batch_size)
+        path = oom.emergency_checkpoint(trainer) if not oom.is_sharded(trainer) else None
+        message = oom.stop_message(trainer, self.micro_batch_size, smaller, path)
+        if trainer.world_size > 1:  # the rank that ran out of memory may not be rank 0
+            warnings.warn(rank_prefixed_message(message, trainer.global_rank))
+        else:
+            rank_zero_warn(message)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._fit = None  # no reference to the Trainer outlives its fit
+
+    def _recover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data_fetcher: Any, message: str) -> None:
+        old = self.micro_batch_size or int(lightning_getattr(pl_module, self.batch_size_attr))
+        self._per_device = self._per_device or old * trainer.accumulate_grad_batches
+        new = search.fallback_micro_batch(old, self._per_device)
+        if new is None:
+            self._stopped = True
+            path = None if oom.is_sharded(trainer) else oom.emergency_checkpoint(trainer)
+            raise RuntimeError(oom.stop_message(trainer, old, None, path) + f" (error: {message})")
+        oom.redo_step(trainer, data_fetcher, old, new, lambda size: self._set_micro_batch(trainer, pl_module, size))
+        self.recoveries.append({"step": trainer.global_step, "from": old, "to": new})
+        rank_zero_warn(
+            f"AutoBatchSize: out of memory at step {trainer.global_step} with micro-batch {old} ({message}). "
+            f"Redoing the step with micro-batch {new} x {self.accumulate_grad_batches} accumulation: "
+            "the global batch and the data order are unchanged."
+        )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self._restored is not None:  # loaded, to be applied at the next fit start: it is still the state
+            return dict(self._restored)
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "per_device_batch": self._per_device,
+            "trials": [[t.micro_batch_size, t.fits, t.peak_memory, t.reason] for t in self.trials],
+            "recoveries": [dict(r) for r in self.recoveries],
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("micro_batch_size") is None:
+            return
+        if self._searched_in_this_fit:  # FSDP/FSDP2/DeepSpeed restore callbacks after on_fit_start
+            self._load_after_search(state_dict)
+            return
+        self._restored = dict(state_dict)
+        self.trials = [Trial(*t) for t in state_dict.get("trials", [])]
+        self.recoveries = [dict(r) for r in state_dict.get("recoveries", [])]
+
+    def _load_after_search(self, state_dict: dict[str, Any]) -> None:
+        """A checkpoint restored after this run's search: use its micro-batch where it is known to fit."""
+        saved = state_dict["micro_batch_size"]
+        same_batch = state_dict.get("per_device_batch") == self._per_device
+        use_saved, message, warn = late_checkpoint_choice(
+            saved, self.micro_batch_size, same_batch and self._fit is not None
+        )
+        if use_saved:
+            # The train loader is not built yet: the checkpoint's micro-batch applies from the first batch.
+            self._apply(*self._fit, saved, global_batch_changed=False)
+            self.recoveries = [dict(r) for r in state_dict.get("recoveries", [])]
+        (rank_zero_warn if warn else rank_zero_info)(
+            message + (f" ({saved} x {self.accumulate_grad_batches} accumulation)" if use_saved else "")
+        )

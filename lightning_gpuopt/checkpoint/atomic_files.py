@@ -1,0 +1,213 @@
+"""Atomic files: a file or a checkpoint folder on disk is the old one or the complete new one, never half written.
+
+Design note: a single file is streamed into a temporary file next to its target (named by
+:func:`~lightning_gpuopt.checkpoint.safety.temp_path`), fsynced and renamed over the target
+with ``os.replace`` (atomic on POSIX and Windows), and the folder is fsynced so the rename itself
+survives a power loss (:func:`atomic_save`). A folder (a distributed checkpoint) is written beside
+its target under a hidden name (:func:`partial_path`) and swapped in whole (:func:`swap_in`): on
+Linux file systems that support it (ext4, XFS, Btrfs, tmpfs) by one ``renameat2`` call with
+``RENAME_EXCHANGE``; elsewhere (e.g. NFS) by two renames through :func:`previous_path`, which
+:func:`checkpoint_to_load` falls back to if a kill came between them. ``AtomicCheckpointIO``
+(single files) and ``AtomicModelParallelStrategy`` (FSDP2 folders) both write through this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_gpuopt.checkpoint.safety import (
+    checkpoint_nbytes,
+    disk_full_error,
+    is_disk_full,
+    remove_orphaned_temps,
+    temp_path,
+)
+
+__all__ = ["atomic_save", "checkpoint_to_load", "fsync_path", "partial_path", "previous_path", "remove_tree", "swap_in"]
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def atomic_save(obj: Any, path: _PATH) -> None:
+    """``torch.save`` ``obj`` to ``path`` atomically: a temp file in the same folder, fsync, ``os.replace``.
+
+    If anything fails (pickling, a full disk, a kill), ``path`` keeps its old content and the
+    temporary file is removed (after a ``kill -9``, a ``.<name>.tmp-*`` file may be left, never ``path``
+    half-written; the next save into the folder removes it). A full disk raises an ``OSError``
+    (``ENOSPC``) saying where and about how many GB the checkpoint needs.
+
+    Example::
+
+        atomic_save({"step": 3, "weights": model.state_dict()}, "checkpoints/last.ckpt")
+
+    Args:
+        obj: Anything ``torch.save`` accepts.
+        path: The local file to write.
+    """
+    path = Path(str(path).removeprefix("file://"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphaned_temps(path.parent)  # what earlier saves killed mid-write left
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, Exception) and is_disk_full(err):
+            raise disk_full_error(path, checkpoint_nbytes(obj)) from err
+        raise
+    fsync_path(path.parent)  # make the rename itself durable
+
+
+def fsync_path(path: _PATH) -> None:
+    """Flush a file's data, or a folder's entries (renames, new files), to disk. A no-op off POSIX.
+
+    Example::
+
+        os.replace(tmp, target)
+        fsync_path(Path(target).parent)  # the rename survives a power loss
+
+    Args:
+        path: A local file or folder.
+    """
+    if os.name != "posix":  # Windows cannot open a folder to fsync it
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+
+def _hidden(path: Path, kind: str) -> Path:
+    digest = hashlib.sha1(path.name.encode()).hexdigest()[:16]
+    return path.with_name(f".gpuopt-{kind}-{digest}")
+
+
+def partial_path(path: Path) -> Path:
+    """Where a distributed checkpoint for ``path`` is written before it is swapped in: a hidden sibling.
+
+    Example::
+
+        partial_path(Path("ckpt/last.ckpt"))  # Path("ckpt/.gpuopt-partial-<16 hex digits>")
+
+    Args:
+        path: The checkpoint to write.
+    """
+    return _hidden(path, "partial")
+
+
+def previous_path(path: Path) -> Path:
+    """Where the checkpoint ``path`` replaces waits while a two-rename swap is under way: a hidden sibling.
+
+    Example::
+
+        previous_path(Path("ckpt/last.ckpt"))  # Path("ckpt/.gpuopt-old-<16 hex digits>")
+
+    Args:
+        path: The checkpoint being replaced.
+    """
+    return _hidden(path, "old")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # glibc < 2.28, or a libc without it
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False  # the file system cannot exchange
+    raise OSError(err, os.strerror(err), str(a), str(b))
+
+
+def remove_tree(path: Path) -> None:
+    """Delete ``path``, a folder with its contents or a file; nothing if it is not there.
+
+    Example::
+
+        remove_tree(partial_path(Path("ckpt/last.ckpt")))  # what a killed save left
+
+    Args:
+        path: A local file or folder.
+    """
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _remove_old(path: Path) -> None:
+    """Delete the replaced checkpoint; the new one is in place, so a failure only leaves it for the next save."""
+    try:
+        remove_tree(path)
+    except OSError as err:  # e.g. NFS ".nfs*" files of a shard another process still has open
+        warnings.warn(f"Could not delete the replaced checkpoint {path} ({err}); the next save of this name retries.")
+
+
+def swap_in(new: Path, path: Path) -> None:
+    """Make the complete folder ``new`` the checkpoint ``path``, so that a kill at any moment leaves a whole one.
+
+    Example::
+
+        swap_in(partial_path(Path("ckpt/last.ckpt")), Path("ckpt/last.ckpt"))
+
+    Args:
+        new: The written checkpoint (a sibling of ``path``, on the same file system).
+        path: The checkpoint to replace, or to create.
+    """
+    if not (path.exists() or path.is_symlink()):
+        os.replace(new, path)
+        fsync_path(path.parent)
+    elif _exchange(new, path):
+        fsync_path(path.parent)  # the exchange is durable before the old copy (now at `new`) goes
+        _remove_old(new)
+    else:
+        previous = previous_path(path)
+        remove_tree(previous)
+        os.replace(path, previous)
+        os.replace(new, path)
+        fsync_path(path.parent)
+        _remove_old(previous)
+
+
+def checkpoint_to_load(path: Path) -> Path:
+    """``path``, or the previous checkpoint a two-rename swap left aside when a kill came between the renames.
+
+    Example::
+
+        trainer.strategy.load_checkpoint(checkpoint_to_load(Path("ckpt/last.ckpt")))  # what load_checkpoint does
+
+    Args:
+        path: The checkpoint asked for.
+    """
+    previous = previous_path(path)
+    if not (path.exists() or path.is_symlink()) and previous.is_dir():
+        rank_zero_warn(
+            f"{path} is missing but {previous} holds the checkpoint it replaced: a save was stopped between its "
+            f"two renames. Loading {previous}."
+        )
+        return previous
+    return path

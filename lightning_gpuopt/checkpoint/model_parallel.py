@@ -1,0 +1,123 @@
+"""`AtomicModelParallelStrategy`: Lightning's FSDP2 strategy, whose distributed checkpoints are never half written.
+
+Lightning's ``ModelParallelStrategy`` writes a distributed checkpoint (a folder: one ``.distcp``
+file per rank, ``.metadata`` and ``meta.pt``) into the target folder in place. A run killed while
+it overwrites ``last.ckpt`` leaves a folder that mixes the new step's files with the old one's:
+killed after the shards and before ``meta.pt``, it loads without an error, with new weights and
+old loop counters. This subclass writes every rank's files into a hidden sibling folder and, once
+all ranks are done, rank 0 swaps it in (:func:`~lightning_gpuopt.checkpoint.atomic_files.swap_in`):
+
+* on Linux file systems that support it (ext4, XFS, Btrfs, tmpfs), one ``renameat2`` call with
+  ``RENAME_EXCHANGE`` swaps the two folders atomically, and the old one is deleted;
+* elsewhere (e.g. NFS), two renames: the old folder to ``.gpuopt-old-<id>``, the new one to the
+  target. A kill between them (microseconds) leaves the old checkpoint under that name, which
+  ``load_checkpoint`` falls back to with a warning when given the target path (``ckpt_path="last"``
+  does not look for it: rename it back by hand).
+
+A hidden folder a killed save left is deleted by the next save of the same name. The hidden names
+do not contain the target's name, so Lightning's scans for ``last*.ckpt`` and ``hpc_ckpt_<n>``
+never see them. Single-file checkpoints (``save_distributed_checkpoint=False``) go through
+Lightning's path unchanged (``AtomicCheckpointIO`` covers those on one device and DDP).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_gpuopt.checkpoint.atomic_files import (
+    checkpoint_to_load,
+    fsync_path,
+    partial_path,
+    previous_path,
+    remove_tree,
+    swap_in,
+)
+from lightning_gpuopt.checkpoint.safety import NonFiniteCheckpointError, non_finite_message, nonfinite_weights
+
+__all__ = ["AtomicModelParallelStrategy"]
+
+
+class AtomicModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 with Lightning) whose distributed checkpoints are replaced atomically.
+
+    Same arguments and behaviour as Lightning's ``ModelParallelStrategy``; only saving differs (see
+    the module docstring), and loading falls back to the previous checkpoint if a kill came between
+    the two renames of a save where the file system cannot exchange folders atomically. An error
+    while swapping on rank 0 is raised on every rank. A checkpoint whose weights hold NaN/Inf on
+    any rank is not written (:class:`~lightning_gpuopt.checkpoint.NonFiniteCheckpointError` on every
+    rank), so a diverged run never replaces a good checkpoint. ``choose_strategy`` and
+    ``trainer.strategy: gpuopt-auto`` use it.
+
+    Example::
+
+        trainer = Trainer(devices=8, strategy=AtomicModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1))
+
+    .. code-block:: yaml
+
+        trainer:
+          strategy:
+            class_path: lightning_gpuopt.checkpoint.AtomicModelParallelStrategy
+            init_args: {data_parallel_size: auto, tensor_parallel_size: 1}
+
+    Note:
+        The folder must be on a file system all ranks share (as for Lightning's own distributed
+        checkpoints); the hidden folder is created beside the target, so the swap stays on one file system.
+    """
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        partial = partial_path(path)
+        state = checkpoint.get("state_dict") or {}
+        bad = nonfinite_weights(state)  # this rank's shards; the ranks agree before anything is written
+        if not self.reduce_boolean_decision(not bad, all=True):
+            raise NonFiniteCheckpointError(
+                non_finite_message(path, len(bad), len(state), bad[0] if bad else "on another rank", path.exists())
+            )
+
+        def prepare() -> None:
+            remove_tree(partial)  # what a killed save left
+            partial.parent.mkdir(parents=True, exist_ok=True)
+
+        def commit() -> None:
+            fsync_path(partial / "meta.pt")  # the shards are fsynced by the distributed-checkpoint writer
+            fsync_path(partial)
+            swap_in(partial, path)
+
+        self._on_rank_zero(prepare, f"Could not prepare {partial} for the checkpoint {path}")
+        super().save_checkpoint(checkpoint, partial, storage_options)  # every rank writes its shard
+        self.barrier("atomic_checkpoint_written")
+        self._on_rank_zero(commit, f"Could not swap the checkpoint written to {partial} in as {path}")
+
+    def _on_rank_zero(self, work: Any, failure: str) -> None:
+        """Run ``work`` on rank 0; all ranks agree on the outcome, so an error is raised on every rank, none waits."""
+        error: Optional[BaseException] = None
+        if self.global_rank == 0:
+            try:
+                work()
+            except Exception as err:
+                error = err
+        if not self.reduce_boolean_decision(error is None, all=True):
+            raise RuntimeError(
+                failure + (f": {type(error).__name__}: {error}" if error is not None else " (the error is on rank 0).")
+            ) from error
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return super().load_checkpoint(checkpoint_to_load(Path(checkpoint_path)), weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        if self.global_rank == 0:
+            for leftover in (partial_path(Path(filepath)), previous_path(Path(filepath))):
+                remove_tree(leftover)

@@ -1,0 +1,5 @@
+"""The ``gpuopt`` command: LightningCLI with the package's stack by default."""
+
+from lightning_gpuopt.cli.main import GPTCLI, main
+
+__all__ = ["GPTCLI", "main"]

@@ -1,0 +1,166 @@
+"""The ``gpuopt`` command's default stack: what ``gpuopt fit`` runs with when a config says nothing.
+
+Design note: the stack is a set of *parser defaults* (jsonargparse ``set_defaults`` on
+``trainer.plugins`` and ``trainer.callbacks``), not callbacks forced on every run. So
+``--print_config`` shows it, a YAML file's own ``trainer.callbacks`` / ``trainer.plugins`` list
+replaces it, ``--trainer.callbacks+=X`` adds to it, ``--trainer.plugins null`` removes the plugin,
+and ``--trainer.plugins Float8Precision`` swaps bf16 for float8 in one flag. Only ``ExactResume``,
+``SigtermCheckpoint`` and atomic checkpoint writes are always on (the CLI adds them itself).
+
+The default stack:
+
+========================  ======================================================================
+``BF16Precision``         bf16 autocast (fp16 + ``GradScaler`` on GPUs without bf16)
+``CUDASettings``          TF32, cuDNN benchmark, SDPA backends, expandable segments
+``MFUMonitor``            tokens/s and MFU in the progress bar, end-of-fit report
+``NonFiniteGuard``        skip a step with a NaN/Inf loss or gradient (stop after 5 in a row)
+``ModelCheckpoint``       ``<default_root_dir>/checkpoints/last.ckpt`` every
+                          :data:`CHECKPOINT_EVERY_N_STEPS` optimizer steps and at the end of fit,
+                          not at every validation
+========================  ======================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import rank_zero_info
+
+__all__ = [
+    "CHECKPOINT_EVERY_N_STEPS",
+    "check_run_length",
+    "default_stack",
+    "fill_checkpoint_dirs",
+    "precision_for_estimate",
+    "replace_precision_plugins",
+]
+
+CHECKPOINT_EVERY_N_STEPS = 1000
+"""Optimizer steps between two saves of ``last.ckpt`` in the default stack."""
+
+
+def default_stack() -> dict[str, list[dict[str, Any]]]:
+    """Parser defaults for ``trainer.plugins`` and ``trainer.callbacks`` (see the module docstring).
+
+    Example::
+
+        parser.set_defaults(default_stack())   # in LightningCLI.add_arguments_to_parser
+
+    Returns:
+        ``{"trainer.plugins": [...], "trainer.callbacks": [...]}`` as ``class_path`` dictionaries.
+    """
+    return {
+        "trainer.plugins": [{"class_path": "lightning_gpuopt.precision.BF16Precision"}],
+        "trainer.callbacks": [
+            {"class_path": "lightning_gpuopt.callbacks.CUDASettings"},
+            {"class_path": "lightning_gpuopt.callbacks.MFUMonitor"},
+            {"class_path": "lightning_gpuopt.callbacks.NonFiniteGuard"},
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {
+                    "save_last": True,
+                    "save_top_k": 0,  # only last.ckpt: one file per run, rewritten atomically
+                    "every_n_train_steps": CHECKPOINT_EVERY_N_STEPS,
+                    "enable_version_counter": False,  # always last.ckpt, so --ckpt_path last finds it
+                },
+            },
+        ],
+    }
+
+
+def replace_precision_plugins(precision: Optional[str], plugins: Any) -> Any:
+    """``plugins`` without its precision plugins when ``trainer.precision`` is given.
+
+    Lightning refuses ``Trainer(precision=..., plugins=[<a Precision>])``. A ``trainer.precision``
+    the user sets is the more specific choice, so it replaces the stack's (or a recipe's)
+    precision plugin; one line says so.
+
+    Example::
+
+        replace_precision_plugins("32-true", [BF16Precision()])  # -> []
+        replace_precision_plugins(None, [BF16Precision()])       # -> [BF16Precision()]
+
+    Args:
+        precision: The ``trainer.precision`` value (``None`` when not set).
+        plugins: The ``trainer.plugins`` value: ``None``, one plugin or a list.
+
+    Returns:
+        The plugins to give the Trainer.
+    """
+    if precision is None or plugins is None:
+        return plugins
+    listed = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    dropped = [p for p in listed if isinstance(p, Precision)]
+    if not dropped:
+        return plugins
+    names = ", ".join(type(p).__name__ for p in dropped)
+    rank_zero_info(f"trainer.precision={precision!r} replaces the precision plugin {names} of trainer.plugins.")
+    return [p for p in listed if not isinstance(p, Precision)]
+
+
+def precision_for_estimate(precision: Optional[str], plugins: Any) -> str:
+    """The precision string ``choose_strategy``'s memory estimate needs, from ``trainer.precision`` or the plugins.
+
+    A mixed-precision plugin (``BF16Precision``, ``Float8Precision``) keeps activations in 16 bits,
+    like ``"bf16-mixed"``; without one or a ``trainer.precision`` the run is ``"32-true"``.
+
+    Example::
+
+        precision_for_estimate(None, [BF16Precision()])  # "bf16-mixed"
+
+    Args:
+        precision: The ``trainer.precision`` value (``None`` when not set).
+        plugins: The ``trainer.plugins`` value: ``None``, one plugin or a list.
+    """
+    if precision is not None:
+        return str(precision)
+    listed = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    return "bf16-mixed" if any(isinstance(p, MixedPrecision) for p in listed) else "32-true"
+
+
+def fill_checkpoint_dirs(trainer: Trainer) -> None:
+    """Give every ``ModelCheckpoint`` without a ``dirpath`` the folder ``<default_root_dir>/checkpoints``.
+
+    Lightning's own default puts checkpoints under the logger's new ``version_N`` folder, which a
+    new process does not know, so ``fit(ckpt_path="last")`` found nothing and trained from step 0.
+    A fixed folder is where the next ``gpuopt fit ... --ckpt_path last`` looks.
+
+    Example::
+
+        fill_checkpoint_dirs(trainer)   # runs/quickstart/checkpoints for default_root_dir=runs/quickstart
+
+    Args:
+        trainer: The Trainer, before ``fit``.
+    """
+    folder = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+            callback.dirpath = folder
+
+
+def check_run_length(trainer_config: Any) -> Optional[str]:
+    """The error message for a ``fit`` without a run length, else ``None``.
+
+    Without ``max_steps``, ``max_epochs``, ``max_time`` or ``fast_dev_run`` Lightning trains for
+    1000 epochs, and the LR schedule has no end to decay towards.
+
+    Example::
+
+        check_run_length({"max_steps": -1, "max_epochs": None})  # -> "gpuopt fit needs a run length: ..."
+
+    Args:
+        trainer_config: The parsed ``trainer`` group (a mapping).
+    """
+    get = trainer_config.get
+    if get("fast_dev_run") or get("max_time") or get("max_epochs") not in (None, -1):
+        return None
+    if get("max_steps") not in (None, -1):
+        return None
+    return (
+        "gpuopt fit needs a run length: set trainer.max_steps (e.g. --trainer.max_steps 3000), or "
+        "trainer.max_epochs / trainer.max_time, in the config or on the command line."
+    )

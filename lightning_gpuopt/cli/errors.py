@@ -1,0 +1,109 @@
+"""How the ``gpuopt`` command ends on an error: one clear message and an exit status, the traceback on request.
+
+* A configuration or data error (``ValueError``, which includes ``CheckpointError``, or an
+  ``ImportError`` naming a missing extra) prints ``gpuopt: error: <message>`` and exits with 2, the
+  status of the parser's own errors.
+* A run stopped because training diverged (``NonFiniteError``, ``NonFiniteCheckpointError``, or a
+  ``fit`` that ended with non-finite weights) or a full disk prints its message and exits with 1.
+* ``GPUOPT_TRACEBACK=1`` re-raises instead, with the full traceback. Any other error keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Optional, TypeVar
+
+from lightning_gpuopt.callbacks.nonfinite_guard import NonFiniteError
+from lightning_gpuopt.checkpoint.safety import NonFiniteCheckpointError, is_disk_full, nonfinite_weights
+
+__all__ = ["TRACEBACK_ENV", "check_fit_ended_finite", "explain_parser_error", "run_reporting_errors"]
+
+TRACEBACK_ENV = "GPUOPT_TRACEBACK"
+T = TypeVar("T")
+
+
+def explain_parser_error(message: str) -> str:
+    """A clear message for a ``--config`` file that is empty or not a mapping (jsonargparse: "Unexpected config: ...").
+
+    Example::
+
+        explain_parser_error("Unexpected config: ")  # "The --config file is empty ..."
+
+    Args:
+        message: jsonargparse's message.
+    """
+    prefix = "Unexpected config:"
+    if not message.startswith(prefix):
+        return message
+    text = message[len(prefix):].strip()
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not lines:
+        return (
+            "The --config file is empty (or holds only comments): give it the groups to set, e.g. "
+            "'trainer: {max_steps: 100}', or leave --config out to use the defaults."
+        )
+    return (
+        f"The --config file must be a YAML mapping of groups (trainer:, model:, data:, ...), got: {text[:200]!r}. "
+        "See examples/configs/quickstart.yaml."
+    )
+
+
+def check_fit_ended_finite(trainer: Any, module: Any) -> None:
+    """Raise :class:`NonFiniteError` if a finished ``fit`` left weights that hold NaN/Inf (this rank's shards).
+
+    The weights are checked, not the last loss: a step ``NonFiniteGuard`` skipped logs a NaN loss
+    but leaves the weights as they were.
+
+    Example::
+
+        trainer.fit(model, datamodule=data)
+        check_fit_ended_finite(trainer, model)
+
+    Args:
+        trainer: The Trainer after ``fit``.
+        module: The trained LightningModule.
+    """
+    params = dict(module.named_parameters())
+    bad = nonfinite_weights(params)
+    if bad:
+        loss = trainer.callback_metrics.get("train/loss")
+        loss_text = f"train/loss={float(loss)}, " if loss is not None else ""
+        raise NonFiniteError(
+            f"Training ended with non-finite weights ({len(bad)} of {len(params)} parameters hold NaN/Inf, first "
+            f"{bad[0]!r}; {loss_text}step {trainer.global_step}): the model diverged. Resume from the last good "
+            "checkpoint with a lower model.learning_rate or trainer.gradient_clip_val, and add "
+            "lightning_gpuopt.callbacks.NonFiniteGuard to stop at the first bad step."
+        )
+
+
+def _exit_status(err: BaseException) -> Optional[int]:
+    if isinstance(err, (NonFiniteError, NonFiniteCheckpointError)):
+        return 1
+    if isinstance(err, Exception) and is_disk_full(err):
+        return 1
+    if isinstance(err, (ValueError, ImportError)):
+        return 2
+    return None
+
+
+def run_reporting_errors(run: Callable[[], T]) -> T:
+    """Call ``run``; end the process with a short message and an exit status for the errors of the module docstring.
+
+    Example::
+
+        run_reporting_errors(lambda: GPTCLI(GPTModule, TextDataModule))
+
+    Args:
+        run: What the command does.
+    """
+    try:
+        return run()
+    except Exception as err:
+        status = _exit_status(err)
+        if status is None or os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0"):
+            raise
+        label = "training stopped" if status == 1 else "error"
+        sys.stderr.write(f"gpuopt: {label}: {err}\n(set {TRACEBACK_ENV}=1 to see the traceback)\n")
+        sys.stderr.flush()
+        raise SystemExit(status) from None

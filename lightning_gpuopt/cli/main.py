@@ -1,0 +1,268 @@
+"""The ``gpuopt`` command: LightningCLI over ``GPTModule`` and ``TextDataModule``.
+
+Example::
+
+    gpuopt fit --config examples/configs/quickstart.yaml
+    gpuopt fit --model.preset 124m --data.source data/wikitext-103-raw --trainer.max_steps 3000
+    GPUOPT_FIT__TRAINER__MAX_STEPS=100 gpuopt fit   # a --config file or a flag takes precedence over the environment
+    gpuopt fit --config examples/configs/quickstart.yaml --ckpt_path last   # continue the last run
+    gpuopt predict --config examples/configs/quickstart.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt \
+        --generate.prompts_file prompts.txt --generate.batch_size 64   # JSONL completions
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
+from lightning_gpuopt.cli.defaults import (
+    check_run_length,
+    default_stack,
+    fill_checkpoint_dirs,
+    precision_for_estimate,
+    replace_precision_plugins,
+)
+from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
+from lightning_gpuopt.data import TextDataModule
+from lightning_gpuopt.model import GPTModule
+from lightning_gpuopt.option_checks import check_trainer_options
+from lightning_gpuopt.perf.units import GB
+from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
+from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
+from lightning_gpuopt.cli.resume_checks import merge_checkpoint_settings, prepare_resumed_fit
+from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
+
+__all__ = ["GPTCLI", "main"]
+
+_UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
+
+
+class _SuggestingParser(LightningArgumentParser):
+    """Adds "did you mean ...?" to jsonargparse's unknown-option errors (a typo in YAML or on the command line)."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        message = explain_parser_error(message)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        known = [a.dest for a in parser._actions if a.dest and a.dest != "help"]
+        match = _UNKNOWN_OPTION.search(message)
+        if match:
+            key = f"{match.group(1)}.{match.group(2)}" if match.group(1) else match.group(2)
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+            if close:
+                message += f": did you mean '{close[0]}' (--{close[0]} on the command line)?"
+        elif message.lower().startswith("unrecognized arguments:"):
+            for arg in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(arg.lstrip("-").split("=")[0], known, n=1, cutoff=0.75)
+                if arg.startswith("--") and close:
+                    message += f"; for {arg.split('=')[0]} did you mean --{close[0]}?"
+        super().error(message, ex)
+
+
+
+class GPTCLI(LightningCLI):
+    """LightningCLI with the model's sequence length and vocabulary linked to the data's.
+
+    ``data.block_size`` sets ``model.block_size``, and the data's tokenizer vocabulary size sets
+    ``model.vocab_size``, so the two can never disagree. After ``predict`` the generated samples
+    are decoded and printed. Checkpoints are written with
+    :class:`~lightning_gpuopt.checkpoint.AtomicCheckpointIO` (atomic writes, ``weights_only=True``
+    reads) unless the config names another CheckpointIO plugin or the strategy brings its own.
+
+    With ``--ckpt_path``, the checkpoint's hyper-parameters are merged with what the command line
+    and config ask for by :mod:`lightning_gpuopt.cli.resume_checks` (architecture changes refused,
+    other settings applied and reported).
+
+    Without a config the Trainer runs the default stack of :mod:`lightning_gpuopt.cli.defaults`
+    (``BF16Precision``, ``CUDASettings``, ``MFUMonitor``, ``NonFiniteGuard``, a ``ModelCheckpoint``
+    keeping ``last.ckpt``); a ``trainer.precision`` replaces the precision plugin. ``ExactResume``
+    and ``SigtermCheckpoint`` are always added (a resumed ``fit --ckpt_path last`` continues
+    exactly, also after a SIGTERM, which ends ``gpuopt`` with status 143). With
+    ``trainer.strategy: gpuopt-auto`` the strategy is chosen for the model by
+    :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP or FSDP2), and the reason is logged;
+    ``--auto_strategy.device_memory_gb`` overrides the memory read from GPU 0.
+    """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        if self.parser_class is LightningArgumentParser:
+            self.parser_class = _SuggestingParser
+        return super().init_parser(**kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.block_size", "model.block_size")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.add_lightning_class_args(ExactResume, "exact_resume")
+        parser.add_lightning_class_args(SigtermCheckpoint, "sigterm_checkpoint")
+        parser.set_defaults(default_stack())
+        parser.add_argument("--generate.prompts_file", type=Optional[str], default=None,
+                            help="predict: a text file (one prompt per line) or JSONL (a \"prompt\" per line) to continue.")
+        parser.add_argument("--generate.batch_size", type=int, default=32,
+                            help="predict: rows per generation batch (prompts of equal token length share one).")
+        parser.add_argument("--generate.samples_per_prompt", type=int, default=1,
+                            help="predict: completions per prompt of the prompts file.")
+        parser.add_argument("--generate.output", type=Optional[str], default=None,
+                            help="predict: the JSONL file written; default <trainer.default_root_dir>/generations.jsonl.")
+        parser.add_argument(
+            "--auto_strategy.device_memory_gb", type=Optional[float], default=None,
+            help="Memory per device (GB) for trainer.strategy=gpuopt-auto; default: read from GPU 0.",
+        )
+
+    def _parse_ckpt_path(self) -> None:
+        # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: see resume_settings.
+        self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule)
+
+    def after_instantiate_classes(self) -> None:
+        if getattr(self, "checkpoint_settings", None) is not None:
+            self.checkpoint_settings.check_model(self.model)
+            self.checkpoint_settings.report()
+        if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
+            prepare_resumed_fit(self.trainer)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_trainer_options(config.get("trainer") or {})
+        _drop_checkpoint_callbacks_if_disabled(config)
+        if self.subcommand == "fit":
+            problem = check_run_length(config.get("trainer", {}))
+            if problem:
+                self.parser.error(problem)
+        generate = config.get("generate", {})
+        if self.subcommand != "predict" and generate.get("prompts_file"):
+            self.parser.error(f"generate.prompts_file is read by `gpuopt predict` only, not `gpuopt {self.subcommand}`.")
+        if generate.get("prompts_file"):
+            for name in ("batch_size", "samples_per_prompt"):
+                if generate.get(name, 1) < 1:
+                    self.parser.error(f"generate.{name} must be >= 1, got {generate.get(name)}.")
+            read_prompts(generate["prompts_file"])  # a missing or empty file fails before the model is built
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        trainer_cfg = config.get("trainer", {})
+        if trainer_cfg.get("strategy") == AUTO_STRATEGY and "strategy" not in kwargs:
+            kwargs["strategy"] = self._auto_strategy(config, trainer_cfg)
+        if "plugins" not in kwargs:
+            kwargs["plugins"] = replace_precision_plugins(trainer_cfg.get("precision"), trainer_cfg.get("plugins"))
+        trainer = super().instantiate_trainer(**kwargs)
+        # ExactResume and SigtermCheckpoint are always added; one the config lists itself (with its own
+        # arguments) comes first and stays, the added copy goes: two would each act on the same run.
+        for cls in (ExactResume, SigtermCheckpoint):
+            for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:
+                trainer.callbacks.remove(extra)
+        fill_checkpoint_dirs(trainer)
+        strategy = trainer.strategy
+        # Replace only Lightning's default single-file writer; a CheckpointIO the user or the strategy chose stays.
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
+
+    def _auto_strategy(self, config: Any, trainer_cfg: dict) -> Any:
+        devices = trainer_cfg.get("devices", "auto")
+        if devices in ("auto", -1, "-1"):
+            import torch
+
+            devices = max(1, torch.cuda.device_count())
+        elif isinstance(devices, str):
+            devices = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
+        elif isinstance(devices, (list, tuple)):
+            devices = len(devices)
+        devices *= int(trainer_cfg.get("num_nodes", 1) or 1)
+        memory_gb = config.get("auto_strategy", {}).get("device_memory_gb")
+        strategy, reason = choose_strategy(
+            self.model,
+            devices=devices,
+            device_memory=None if memory_gb is None else memory_gb * GB,
+            precision=precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins")),
+            micro_batch=self.datamodule.batch_size,
+            block_size=self.datamodule.block_size,
+        )
+        rank_zero_info(f"trainer.strategy={AUTO_STRATEGY}: {reason}")
+        return strategy
+
+    def before_predict(self) -> None:
+        if self.config.predict.get("ckpt_path") is None:
+            rank_zero_warn(
+                "gpuopt predict: no --ckpt_path given, so this samples an untrained (randomly initialised) model. "
+                "Pass --ckpt_path PATH/last.ckpt of a fit to sample the trained one."
+            )
+
+    def predict(self, model: Any, datamodule: Any = None, **kwargs: Any) -> Any:
+        """``trainer.predict`` on the data's prompts, or on ``generate.prompts_file`` in equal-length batches."""
+        options = self.config.predict.get("generate", {})
+        self._prompt_batches = None
+        if not options.get("prompts_file"):
+            return self.trainer.predict(model, datamodule=datamodule, **kwargs)
+        prompts = read_prompts(options["prompts_file"])
+        self._prompt_batches = PromptBatches.build(
+            prompts, datamodule.encode, options.get("samples_per_prompt", 1), options.get("batch_size", 32)
+        )
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(self._prompt_batches.tensors(), batch_size=None)
+        return self.trainer.predict(model, dataloaders=loader, **kwargs)
+
+    def after_predict(self) -> None:
+        predictions = self.trainer.predict_loop.predictions or []
+        if self._prompt_batches is not None:
+            records = self._prompt_batches.completions(predictions, self.datamodule.decode)
+            output = self.config.predict.get("generate", {}).get("output")
+            path = write_completions(records, output or Path(self.trainer.default_root_dir) / "generations.jsonl")
+            tokens = sum(len(r["tokens"]) for r in records)
+            rank_zero_info(f"gpuopt predict: wrote {len(records)} completions ({tokens} tokens) to {path}")
+            return
+        for batch in predictions:
+            for sample in batch:
+                print(self.datamodule.decode(sample), end="\n" + "-" * 80 + "\n")
+
+
+def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:
+    """``trainer.enable_checkpointing: false`` leaves out the ``ModelCheckpoint`` of the default stack (or
+    a recipe), which Lightning would otherwise refuse next to that flag; says so in one line."""
+    trainer = config.get("trainer") or {}
+    callbacks = trainer.get("callbacks") or []
+    if trainer.get("enable_checkpointing") is not False or not isinstance(callbacks, list):
+        return
+    kept = [c for c in callbacks if not str(getattr(c, "class_path", "")).endswith(".ModelCheckpoint")]
+    if len(kept) < len(callbacks):
+        trainer["callbacks"] = kept
+        rank_zero_info("trainer.enable_checkpointing=false: the ModelCheckpoint callback is left out; no checkpoint is written.")
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Run the ``gpuopt`` CLI. Every option can also come from an environment variable,
+    ``GPUOPT_<SUBCOMMAND>__<GROUP>__<OPTION>`` (e.g. ``GPUOPT_FIT__TRAINER__MAX_STEPS=100``); a value in a
+    ``--config`` file or a command-line flag takes precedence over it.
+
+    A SIGTERM during ``fit`` saves ``last.ckpt`` (``SigtermCheckpoint``) and ends the process with
+    status 143 (128 + SIGTERM), so a scheduler sees an interrupted job and can requeue it."""
+    def run() -> None:
+        cli = GPTCLI(
+            GPTModule,
+            TextDataModule,
+            seed_everything_default=1337,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt"},
+            args=args,  # None: LightningCLI reads sys.argv itself (and does not warn about `args`)
+        )
+        if cli.subcommand == "fit":
+            check_fit_ended_finite(cli.trainer, cli.model)  # a diverged run does not exit 0
+
+    try:
+        run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)
+    except SIGTERMException:  # a SystemExit, not an Exception: run_reporting_errors lets it through
+        end_distributed()
+        sys.exit(128 + signal.SIGTERM)
+    end_distributed()  # Lightning does this at exit for NCCL only; gloo groups can abort at shutdown
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""What a ``gpuopt fit/predict --ckpt_path`` run takes from the checkpoint, and what from the command line.
+
+Design note: LightningCLI parses the checkpoint's hyper-parameters over the configuration, so a
+``--model.n_layer 3`` or ``--model.temperature 0`` given with ``--ckpt_path`` was dropped without a
+word. Here the settings the user asked for (the ``model`` options whose value is not
+``GPTModule``'s default, from a flag, a ``--config`` file or the environment) are compared with the
+checkpoint's before anything is built:
+
+* architecture (``preset``, ``n_layer``, ``n_head``, ``n_embd``, and the ``block_size`` and
+  ``vocab_size`` the data sets) cannot change: the run is refused, naming both values and the fix;
+* everything else (learning rate and schedule, sampling settings, ``max_new_tokens``, compile,
+  dropout, ...) is applied over the checkpoint's value and reported; a resumed ``fit`` also gets
+  :class:`~lightning_gpuopt.callbacks.resumed_optimizer.ResumedOptimizerSettings`, which applies the
+  optimizer settings over the restored optimizer state.
+
+Lightning internals used (``tests/cli/test_resume_checks.py`` fails if an upgrade renames them): the CLI
+replaces ``LightningCLI._parse_ckpt_path`` with :func:`merge_checkpoint_settings`, and
+:func:`prepare_resumed_fit` turns off ``ModelCheckpoint``'s version counter
+(``lightning_internals.no_version_counter``, no public setter).
+
+The data's settings (``data.batch_size`` ...) are never taken from the checkpoint. The tokenizer
+itself is compared when the data module's state is restored (``TextDataModule.load_state_dict``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_gpuopt.internals import no_version_counter
+from lightning_gpuopt.model.checkpoint import CheckpointError, gptmodule_hparams, read_checkpoint
+from lightning_gpuopt.model.config import PRESETS
+
+__all__ = ["ARCHITECTURE", "CheckpointSettings", "asked_settings", "merge_checkpoint_settings", "prepare_resumed_fit"]
+
+ARCHITECTURE = ("preset", "n_layer", "n_head", "n_embd")  # block_size and vocab_size come from the data
+_SPECIAL_CKPT_PATHS = {"last", "best", "hpc", "registry"}
+
+# TextDataModule options that only predict reads: never a difference from the training run worth reporting.
+_PREDICT_ONLY_DATA = frozenset({"prompts", "samples_per_prompt"})
+
+
+def _norm(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def asked_settings(model_config: dict[str, Any], model_class: type) -> dict[str, Any]:
+    """The ``model`` options in ``model_config`` whose value is not ``model_class``'s default.
+
+    Example::
+
+        asked_settings({"preset": "tiny", "learning_rate": 0.02, "top_k": 50}, GPTModule)  # {"learning_rate": 0.02}
+
+    Args:
+        model_config: The parsed ``model`` group.
+        model_class: The module class whose ``__init__`` defaults are the unasked values.
+    """
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(model_class.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return {
+        k: _norm(v)
+        for k, v in model_config.items()
+        if k in defaults and k not in ("block_size", "vocab_size") and _norm(v) != _norm(defaults[k])
+    }
+
+
+@dataclass
+class CheckpointSettings:
+    """The outcome of comparing a run's configuration with its checkpoint's hyper-parameters.
+
+    Attributes:
+        path: The checkpoint.
+        subcommand: ``fit``, ``predict``, ...
+        saved: The checkpoint's ``GPTModule`` hyper-parameters.
+        applied: Settings asked for that differ from the checkpoint's: ``{name: (checkpoint's, asked)}``.
+        kept: Settings not asked for, whose configured default differs from the checkpoint's value,
+            which is used: ``{name: (checkpoint's, configured)}``.
+        data: ``data`` options that differ from the training run's (used as given):
+            ``{name: (checkpoint's, configured)}``.
+    """
+
+    path: str
+    subcommand: str
+    saved: dict[str, Any]
+    applied: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    kept: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    data: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    def check_model(self, model: Any) -> None:
+        """Refuse a built model whose data-linked shape (``block_size``, ``vocab_size``) is not the checkpoint's."""
+        errors = []
+        for name, flag in (("block_size", "data.block_size"), ("vocab_size", "data.vocab_size")):
+            saved, built = self.saved.get(name), getattr(model.config, name, None)
+            if saved is not None and built != saved:
+                fix = f"set {flag} {saved} (as in the training run)"
+                if name == "vocab_size":
+                    fix += ", or data.tokenizer to the training run's tokenizer.json"
+                errors.append(f"model.{name}={built} (linked from {flag}) but the checkpoint has {name}={saved}: {fix}")
+        if errors:
+            raise ValueError(_refusal(self.path, errors))
+
+    def report(self) -> None:
+        """Say which asked settings replace the checkpoint's (logged once, rank 0)."""
+        if self.applied:
+            changes = ", ".join(f"model.{k} {old!r} -> {new!r}" for k, (old, new) in self.applied.items())
+            rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: applied over the checkpoint's: {changes}.")
+        if self.kept:
+            kept = ", ".join(f"model.{k}={old!r} (default {new!r})" for k, (old, new) in self.kept.items())
+            rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: from the checkpoint: {kept}.")
+        if self.data:
+            data = ", ".join(f"data.{k} {old!r} -> {new!r}" for k, (old, new) in self.data.items())
+            rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: data unlike the training run's: {data}.")
+
+
+def _resolved(saved: dict[str, Any], name: str) -> Any:
+    """The checkpoint's value of an architecture field, with the preset's where the override was ``None``."""
+    if name == "preset" or saved.get(name) is not None:
+        return saved.get(name)
+    return PRESETS.get(saved.get("preset"), {}).get(name)
+
+
+def _refusal(path: str, problems: list[str]) -> str:
+    return (
+        f"The architecture cannot change when loading the checkpoint {path!r}: " + "; ".join(problems) + ". "
+        "Drop those options (the checkpoint's values are used), or start a new run without --ckpt_path."
+    )
+
+
+def _local_file(ckpt_path: Any) -> bool:
+    if not ckpt_path or str(ckpt_path) in _SPECIAL_CKPT_PATHS or "://" in str(ckpt_path):
+        return False
+    return not Path(ckpt_path).is_dir()  # a distributed (FSDP2) checkpoint folder: left to the strategy
+
+
+def merge_checkpoint_settings(parser: Any, config: Any, model_class: type) -> tuple[Any, Optional[CheckpointSettings]]:
+    """Merge a ``--ckpt_path`` checkpoint's hyper-parameters into ``config`` under the rules of the module docstring.
+
+    Example::
+
+        config, settings = merge_checkpoint_settings(cli.parser, cli.config, GPTModule)
+
+    Args:
+        parser: The CLI's parser (``parse_object`` merges values into a config).
+        config: The parsed configuration (with a subcommand).
+        model_class: The module class (its defaults tell asked settings from unasked ones).
+
+    Returns:
+        The merged configuration, and the comparison (``None`` when no local checkpoint file is given).
+
+    Raises:
+        CheckpointError: The file is missing, broken, or not a ``GPTModule``'s Lightning checkpoint.
+        ValueError: The configuration asks for another architecture than the checkpoint's.
+    """
+    subcommand = config.get("subcommand")
+    if not subcommand:
+        return config, None
+    ckpt_path = config[subcommand].get("ckpt_path")
+    if not _local_file(ckpt_path):
+        return config, None
+    path = os.fspath(ckpt_path)
+    checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped, not read: only the hyper-parameters are used
+    saved = {k: _norm(v) for k, v in gptmodule_hparams(checkpoint, path).items() if not k.startswith("_")}
+    if "pytorch-lightning_version" not in checkpoint:
+        raise CheckpointError(
+            f"{path!r} is not a Lightning checkpoint (no 'pytorch-lightning_version'): give a checkpoint written by "
+            "a Trainer fitting lightning_gpuopt.GPTModule; for weights alone, use lightning_gpuopt.model.load_gpt."
+        )
+    model_config = config[subcommand].model
+    model_config = model_config.as_dict() if hasattr(model_config, "as_dict") else dict(model_config)
+    asked = asked_settings(model_config, model_class)
+    refused = [
+        f"model.{k}={asked[k]!r} but the checkpoint has {k}={_resolved(saved, k)!r}"
+        for k in ARCHITECTURE
+        if k in asked and _resolved(saved, k) != asked[k]
+    ]
+    if refused:
+        raise ValueError(_refusal(path, refused))
+    known = set(inspect.signature(model_class.__init__).parameters) - {"self"}
+    merged = {k: v for k, v in saved.items() if k in known}
+    settings = CheckpointSettings(path, subcommand, saved)
+    for k, v in asked.items():
+        if k not in ARCHITECTURE and saved.get(k) != v:
+            settings.applied[k] = (saved.get(k), v)
+        merged[k] = v
+    for k, v in merged.items():
+        configured = _norm(model_config.get(k))
+        if k not in asked and k not in ("block_size", "vocab_size") and configured != v:
+            settings.kept[k] = (v, configured)
+    merged = {k: list(v) if isinstance(v, tuple) else v for k, v in merged.items()}
+    saved_data = checkpoint.get("datamodule_hyper_parameters") or {}
+    data_config = config[subcommand].get("data")
+    data_config = data_config.as_dict() if hasattr(data_config, "as_dict") else dict(data_config or {})
+    for k, v in data_config.items():
+        if k in _PREDICT_ONLY_DATA:  # what to generate from, not what was trained on
+            continue
+        if k in saved_data and _norm(saved_data[k]) != _norm(v):
+            settings.data[k] = (_norm(saved_data[k]), _norm(v))
+    config = parser.parse_object({subcommand: {"model": merged}}, config)
+    return config, settings
+
+
+def prepare_resumed_fit(trainer: Any) -> None:
+    """On a resumed ``fit``, make each ``ModelCheckpoint`` replace a file of the same name instead of adding ``-vN``.
+
+    A file of the same name in the checkpoint folder was written by the run being resumed (after the
+    checkpoint it resumes from, before it was stopped); Lightning's version counter would keep it and
+    write ``name-v1.ckpt`` beside it, never rotated out. The resumed run replaces it (atomically with
+    ``AtomicCheckpointIO``), and :class:`~lightning_gpuopt.callbacks.resumed_optimizer.ResumedOptimizerSettings`
+    is added so that optimizer settings asked for on the command line are applied over the restored ones.
+
+    Example::
+
+        prepare_resumed_fit(trainer)  # before trainer.fit(..., ckpt_path=...)
+
+    Args:
+        trainer: The Trainer of the resumed ``fit``.
+    """
+    from lightning_gpuopt.callbacks.resumed_optimizer import ResumedOptimizerSettings
+
+    for callback in trainer.checkpoint_callbacks:
+        no_version_counter(callback)
+    if not any(isinstance(c, ResumedOptimizerSettings) for c in trainer.callbacks):
+        trainer.callbacks.append(ResumedOptimizerSettings())

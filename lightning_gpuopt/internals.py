@@ -1,0 +1,298 @@
+"""Every access to Lightning's private state from this package goes through this module.
+
+Lightning has no public API for a few things we need: running a hidden training step, redoing a
+step with a smaller micro-batch, saving from one rank alone. Each function touches one or two
+private names, all listed in :data:`TOUCHED`; :func:`missing_internals` checks them on a Trainer,
+and ``AutoBatchSize`` and ``ExactResume(rebuild_loaders=True)`` call :func:`require_internals` at
+setup, so a Lightning upgrade that renames one fails at the start of ``fit``, naming it
+(``tests/test_internals.py`` runs the check, and each function in a real fit).
+Used elsewhere, and tested there: ``GPTCLI`` overrides ``LightningCLI._parse_ckpt_path``;
+``GPTModule`` reads the ``_device_mesh`` that ``ModelParallelStrategy`` sets on a module.
+Written against Lightning 2.6 (2.6.0 to 2.6.6 read); ``pyproject.toml`` allows 2.5 and later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+
+from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
+
+__all__ = [
+    "TOUCHED",
+    "build_train_loader",
+    "call_strategy_hook",
+    "drop_train_loader",
+    "dump_checkpoint",
+    "last_batch_ready",
+    "missing_internals",
+    "move_batch_position",
+    "no_version_counter",
+    "rebuild_train_loader",
+    "require_internals",
+    "show_in_progress_bar",
+    "data_parallel_ranks",
+    "throwaway_results",
+    "transfer_hooks",
+    "wrap_epoch_advance",
+    "wrap_train_dataloader",
+]
+
+# Private names, as "object.path": what `missing_internals` looks up. `trainer.` paths are read on the
+# Trainer, `module.` paths on a LightningModule, `checkpoint.` on a ModelCheckpoint, `import:` entries
+# are module attributes.
+TOUCHED = (
+    "trainer._logger_connector._progress_bar_metrics",  # progress-bar dict (show_in_progress_bar)
+    "trainer.fit_loop._data_source.dataloader",  # builds the train loader(s) (wrap/build_train_loader)
+    "trainer.fit_loop._combined_loader",  # the built train loaders (drop/rebuild_train_loader)
+    "trainer.fit_loop._data_fetcher",  # the running fetcher (rebuild_train_loader)
+    "trainer.fit_loop.epoch_loop.advance",  # one training batch (wrap_epoch_advance)
+    *(  # the counters move_batch_position writes (a renamed one would be created silently by setattr)
+        f"trainer.fit_loop.epoch_loop.batch_progress.{part}.{name}"
+        for part in ("current", "total")
+        for name in ("ready", "started", "processed", "completed")
+    ),
+    "trainer.fit_loop.epoch_loop.batch_progress.is_last_batch",
+    "trainer.fit_loop.epoch_loop._results",  # logged values of the epoch (throwaway_results)
+    "trainer.fit_loop.epoch_loop._num_ready_batches_reached",  # last batch of the epoch (last_batch_ready)
+    "trainer._checkpoint_connector.dump_checkpoint",  # a checkpoint as a dict (dump_checkpoint)
+    "trainer._accelerator_connector.use_distributed_sampler",  # the Trainer flag (data_parallel_ranks)
+    "module._current_fx_name",  # the hook being run (call_strategy_hook)
+    "module._on_before_batch_transfer",  # the module's batch hooks (transfer_hooks)
+    "import:lightning.pytorch.trainer.call._call_strategy_hook",
+    "import:lightning.pytorch.trainer.connectors.logger_connector.result._ResultCollection",
+    "import:lightning.fabric.utilities.data._set_sampler_epoch",
+    "import:lightning.pytorch.loops.fetchers._DataFetcher.setup",  # moved onto a rebuilt loader (rebuild_train_loader)
+    "checkpoint._enable_version_counter",  # ModelCheckpoint's, no public setter (no_version_counter)
+)
+
+
+def _lookup(root: Any, path: str) -> Any:
+    for name in path.split("."):
+        root = getattr(root, name)
+    return root
+
+
+def _imported(path: str) -> Any:
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module, then attributes
+        try:
+            return _lookup(importlib.import_module(".".join(parts[:cut])), ".".join(parts[cut:]))
+        except ModuleNotFoundError:
+            continue
+    raise ImportError(path)
+
+
+def missing_internals(trainer: pl.Trainer) -> list[str]:
+    """The names of :data:`TOUCHED` that this Lightning does not have (``[]`` when all are there).
+
+    Example::
+
+        assert missing_internals(pl.Trainer()) == []
+
+    Args:
+        trainer: Any Trainer (it need not have run).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    roots = {"trainer": trainer, "module": pl.LightningModule(), "checkpoint": ModelCheckpoint()}
+    missing = []
+    for entry in TOUCHED:
+        kind, _, path = entry.partition(":") if entry.startswith("import:") else entry.partition(".")
+        try:
+            _imported(path) if kind == "import" else _lookup(roots[kind], path)
+        except Exception:  # renamed, moved, or a property that no longer works: all the same to us
+            missing.append(entry)
+    return missing
+
+
+def require_internals(trainer: pl.Trainer, who: str) -> None:
+    """Raise, naming them, if any of :data:`TOUCHED` is missing in this Lightning.
+
+    Example::
+
+        require_internals(trainer, "AutoBatchSize")
+
+    Args:
+        trainer: The Trainer about to fit.
+        who: The piece that needs them, for the message.
+    """
+    missing = missing_internals(trainer)
+    if missing:
+        raise RuntimeError(
+            _gone(", ".join(missing)) + f" {who} cannot run with it: pin lightning to a version it supports."
+        )
+
+
+def _gone(name: str) -> str:
+    return f"lightning_gpuopt: {name} is gone in this Lightning version ({pl.__version__}); lightning_internals needs an update."
+
+
+def show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+    """Show plain numbers in the progress bar until they are replaced.
+
+    ``LightningModule.log(..., prog_bar=True)`` stores device tensors that the progress bar
+    converts with ``.item()`` on every refresh: one host-device synchronisation per training batch.
+    Numbers written here are already on the host.
+
+    Example::
+
+        show_in_progress_bar(trainer, {"loss": 2.31, "tok/s": 512000})
+
+    Args:
+        trainer: The running Trainer.
+        metrics: Names and plain ``int``/``float`` values.
+    """
+    bar = getattr(getattr(trainer, "_logger_connector", None), "_progress_bar_metrics", None)
+    if not isinstance(bar, dict):
+        raise RuntimeError(_gone("Trainer._logger_connector._progress_bar_metrics"))
+    bar.update(metrics)
+
+
+def _data_source(trainer: pl.Trainer) -> Any:
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    if source is None or not callable(getattr(source, "dataloader", None)):
+        raise RuntimeError(_gone("Trainer.fit_loop._data_source.dataloader"))
+    return source
+
+
+def wrap_train_dataloader(trainer: pl.Trainer, wrap: Callable[[Any], Any]) -> Callable[[], None]:
+    """Make the training loaders pass through ``wrap(loaders) -> loaders`` when Lightning builds them.
+
+    Returns a function that undoes it. Lightning builds the loaders in ``fit_loop.setup_data()``,
+    after the ``setup`` hooks and before it starts iterating, so a callback calls this in ``setup``.
+
+    Example::
+
+        undo = wrap_train_dataloader(trainer, lambda loaders: loaders)
+    """
+    source = _data_source(trainer)
+    original = source.dataloader
+    source.dataloader = lambda: wrap(original())
+
+    def undo() -> None:
+        source.__dict__.pop("dataloader", None)
+
+    return undo
+
+
+def build_train_loader(trainer: pl.Trainer) -> Any:
+    """What the module's or datamodule's ``train_dataloader()`` returns now, outside the fit loop."""
+    return _data_source(trainer).dataloader()
+
+
+def drop_train_loader(trainer: pl.Trainer) -> None:
+    """Forget the built train loaders, so the fit loop builds them again (e.g. with another batch size)."""
+    trainer.fit_loop._combined_loader = None
+
+
+def rebuild_train_loader(trainer: pl.Trainer, data_fetcher: Any) -> None:
+    """Build the train loaders again, in the same epoch (same sample order), and move the running
+    ``data_fetcher`` onto them; its next batch is the first of the epoch."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    fit_loop = trainer.fit_loop
+    fit_loop._combined_loader = None
+    fit_loop.setup_data()
+    for loader in fit_loop._combined_loader.flattened:
+        _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+    data_fetcher.setup(fit_loop._combined_loader)
+    iter(data_fetcher)
+    fit_loop._data_fetcher = data_fetcher
+
+
+def wrap_epoch_advance(
+    trainer: pl.Trainer, wrapper: Callable[[Callable[[Any], None], Any], None]
+) -> Callable[[], None]:
+    """Run each training batch as ``wrapper(advance, data_fetcher)``, where ``advance(data_fetcher)``
+    is Lightning's own; returns a function that undoes it.
+
+    Example::
+
+        undo = wrap_epoch_advance(trainer, lambda advance, fetcher: advance(fetcher))
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    original = epoch_loop.advance
+    epoch_loop.advance = lambda data_fetcher: wrapper(original, data_fetcher)
+
+    def undo() -> None:
+        epoch_loop.__dict__.pop("advance", None)
+
+    return undo
+
+
+def move_batch_position(trainer: pl.Trainer, batches: int) -> None:
+    """Set the epoch's batch counters to ``batches`` done (the totals move by the same amount), as if
+    the epoch had run that many batches: after a change of micro-batch, the same samples in new batches."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.is_last_batch = False
+    for name in ("ready", "started", "processed", "completed"):
+        total = getattr(progress.total, name) - getattr(progress.current, name) + batches
+        setattr(progress.total, name, total)
+        setattr(progress.current, name, batches)
+
+
+@contextlib.contextmanager
+def throwaway_results(trainer: pl.Trainer) -> Iterator[None]:
+    """Within it, what training steps log goes to a fresh collection that is dropped afterwards."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    epoch_loop = trainer.fit_loop.epoch_loop
+    results = epoch_loop._results
+    epoch_loop._results = _ResultCollection(training=True)
+    try:
+        yield
+    finally:
+        epoch_loop._results = results
+
+
+def call_strategy_hook(trainer: pl.Trainer, name: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a strategy hook (``training_step``, ``batch_to_device``) as the fit loop does, with the
+    module's ``_current_fx_name`` put back afterwards."""
+    from lightning.pytorch.trainer import call
+
+    module = trainer.lightning_module
+    previous = module._current_fx_name
+    try:
+        return call._call_strategy_hook(trainer, name, *args, **kwargs)
+    finally:
+        module._current_fx_name = previous
+
+
+def transfer_hooks(module: pl.LightningModule, batch: Any) -> Any:
+    """The module's (and datamodule's) ``on_before_batch_transfer`` applied to ``batch``."""
+    return module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The full checkpoint dict Lightning would save now (callbacks' ``on_save_checkpoint`` included)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def last_batch_ready(trainer: pl.Trainer) -> bool:
+    """Whether the epoch's last batch has been fetched (Lightning steps the optimizer on it)."""
+    return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+
+
+def data_parallel_ranks(trainer: pl.Trainer) -> tuple[int, int]:
+    """``(num_replicas, rank)`` of the samplers Lightning gives training loaders: ``(1, 0)`` on one
+    device or with ``Trainer(use_distributed_sampler=False)`` (each rank reads the whole dataset).
+
+    Example::
+
+        replicas, rank = data_parallel_ranks(trainer)  # (8, 3) on rank 3 of 8 under DDP
+    """
+    if not trainer._accelerator_connector.use_distributed_sampler:
+        return 1, 0
+    return data_parallel_size(trainer), data_parallel_rank(trainer)
+
+
+def no_version_counter(callback: Any) -> None:
+    """Make a ``ModelCheckpoint`` overwrite ``last.ckpt`` instead of writing ``last-v1.ckpt`` beside it
+    (``ModelCheckpoint(enable_version_counter=...)`` is stored privately, without a setter)."""
+    if getattr(callback, "_enable_version_counter", False):
+        callback._enable_version_counter = False

@@ -1,0 +1,273 @@
+"""`Float8Precision`: torchao float8 training of Linear layers, under bfloat16 autocast.
+
+Design note: the model is converted wherever the Trainer builds it. Modules built in the
+LightningModule's ``__init__`` are converted in ``convert_module`` (the strategy calls it in
+``setup``, before DDP wraps the model). Modules built in ``configure_model`` are converted the moment
+they are assigned to the LightningModule (a module-registration hook, active only inside
+``module_init_context``), i.e. before anything in ``configure_model`` can ``fully_shard`` or compile
+them; that is what FSDP2 (``ModelParallelStrategy``) needs, without the user editing their module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_gpuopt.perf.compiled import is_compiled
+from lightning_gpuopt.precision.autocast import _TrainerDeviceMixedPrecision
+from lightning_gpuopt.precision.float8_layers import (
+    RECIPES,
+    Float8Recipe,
+    convert_linears_to_float8,
+    float8_config,
+    format_conversion_table,
+    nothing_converted_message,
+    require_torchao,
+    skip_reason,
+)
+
+__all__ = ["Float8Precision", "check_float8_device", "check_float8_strategy"]
+
+
+def check_float8_device(device: torch.device, emulate: bool, capability: Optional[tuple[int, int]] = None) -> None:
+    """Raise a ``RuntimeError`` if ``device`` is a CUDA GPU without FP8 tensor cores and ``emulate`` is off.
+
+    FP8 matmuls (``torch._scaled_mm``) need compute capability 8.9 or newer (L4, L40, RTX 40xx, H100, B200).
+
+    Example::
+
+        check_float8_device(torch.device("cuda", 0), emulate=False)
+        check_float8_device(torch.device("cuda"), emulate=False, capability=(8, 0))  # raises: an A100
+
+    Args:
+        device: The device training runs on.
+        emulate: Whether float8 matmuls are emulated (allowed on any device).
+        capability: The GPU's compute capability; ``None`` asks the driver.
+    """
+    if device.type != "cuda" or emulate:
+        return
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < (8, 9):
+        raise RuntimeError(
+            f"Float8Precision needs a GPU with compute capability >= 8.9 (L4, L40, H100, ...) for float8 "
+            f"matmuls, but {device} has {capability[0]}.{capability[1]}. Use Float8Precision(emulate=True) to "
+            "test the float8 numerics (slowly) on this GPU, or BF16Precision() to train fast on it."
+        )
+
+
+def check_float8_strategy(strategy: Any) -> None:
+    """Raise a ``ValueError`` if ``strategy`` casts parameters or gradients to float16, which float8 training can't use.
+
+    Float8 training keeps master weights in float32 and runs the non-float8 ops under bfloat16
+    autocast; a ``FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.float16, ...))``
+    would hand float16 weights to the float8 layers (whose scales and amax history assume
+    bf16/fp32) and reduce gradients in float16, where they overflow.
+
+    Example::
+
+        check_float8_strategy(FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)))  # fine
+
+    Args:
+        strategy: The Trainer's strategy (any; only strategies with a ``mixed_precision`` setting are checked).
+    """
+    policy = getattr(strategy, "mixed_precision", None)
+    if policy is None:
+        return
+    bad = [f for f in ("param_dtype", "reduce_dtype", "buffer_dtype") if getattr(policy, f, None) == torch.float16]
+    if bad:
+        raise ValueError(
+            f"Float8Precision trains with bfloat16 autocast and float32 master weights, but the strategy's "
+            f"mixed_precision sets {', '.join(f'{f}=torch.float16' for f in bad)}. Use torch.bfloat16 there (or leave "
+            f"{type(strategy).__name__}(mixed_precision=None) and let the plugin set the precision)."
+        )
+
+
+class Float8Precision(_TrainerDeviceMixedPrecision):
+    """Float8 training with torchao: Linear layers run FP8 matmuls, everything else bf16 autocast.
+
+    Parameters, gradients and optimizer state stay float32, and the state dict has the keys and
+    dtypes of the unconverted model: a float8 checkpoint loads into a plain model for inference,
+    and resumes a float8 run. A table of converted and skipped layers (with the reason for each
+    skip) is logged, and kept in ``conversion_report``.
+
+    With ``ModelParallelStrategy`` (FSDP2) and the tensorwise recipe, weights are all-gathered in
+    float8 and their scales precomputed after each optimizer step (one all-reduce for all layers).
+
+    FP8 pays off for wide models (``n_embd`` >= 4096 or so) run under ``torch.compile``; without
+    compile it is several times slower than bf16, and the plugin warns once if the model is not compiled.
+
+    Example::
+
+        trainer = Trainer(plugins=[Float8Precision(recipe="rowwise")])
+
+        # LightningCLI / gpuopt YAML
+        trainer:
+          plugins:
+            - class_path: lightning_gpuopt.precision.Float8Precision
+              init_args: {recipe: rowwise}
+
+    Args:
+        recipe: torchao recipe: ``"tensorwise"`` (fastest), ``"rowwise"`` (more accurate scales),
+            ``"rowwise_with_gw_hp"`` (most accurate: weight gradients in high precision).
+        module_filter: Which Linear layers to convert. ``"auto"`` skips the output layer, layers
+            with dims not multiples of 16, and shapes too small for FP8 to pay off (torchao's
+            thresholds; see :func:`~lightning_gpuopt.precision.float8_layers.auto_skip_reason`).
+            A list of name patterns skips the layers whose name contains one (or matches it as a
+            glob), e.g. ``["lm_head", "*.attn.*"]``. A callable ``(module, fqn) -> bool`` returns
+            True to convert. Names are those of the LightningModule's state dict (``model.lm_head``).
+        emulate: Emulate float8 matmuls in high precision, for CPU runs and GPUs older than SM 8.9
+            (tests and debugging; slow).
+
+    Note:
+        With ``ModelParallelStrategy``, build the model in ``configure_model`` and assign it to an
+        attribute of the LightningModule (``self.model = ...``) before calling ``fully_shard``.
+    """
+
+    def __init__(
+        self,
+        recipe: Float8Recipe = "tensorwise",
+        module_filter: Union[str, list[str], Callable[[nn.Module, str], bool]] = "auto",
+        emulate: bool = False,
+    ) -> None:
+        require_torchao()
+        if recipe not in RECIPES:
+            raise ValueError(f"Float8Precision(recipe={recipe!r}) is not a torchao recipe: choose one of {list(RECIPES)}.")
+        if isinstance(module_filter, str) and module_filter != "auto":
+            raise ValueError(
+                f"Float8Precision(module_filter={module_filter!r}): use 'auto', a list of layer-name patterns "
+                f"to skip (e.g. [{module_filter!r}]), or a callable (module, fqn) -> bool."
+            )
+        if not (isinstance(module_filter, str) or callable(module_filter)):
+            if not isinstance(module_filter, (list, tuple)) or not all(isinstance(p, str) for p in module_filter):
+                raise ValueError(
+                    f"Float8Precision(module_filter={module_filter!r}): expected 'auto', a list of strings, or a callable."
+                )
+            module_filter = list(module_filter)
+        super().__init__()
+        self.recipe = recipe
+        self.module_filter = module_filter
+        self.emulate = emulate
+        self.conversion_report: list[tuple[str, str, Optional[str]]] = []
+        self._fsdp_float8_all_gather = False
+        self._warned_not_compiled = False
+        self._warned_nothing_converted = False
+
+    @property
+    def fp8(self) -> bool:
+        """``True``: the converted Linear layers run float8 matmuls (MFU counts against the fp8 peak);
+        the rest runs in :attr:`compute_dtype`, the bf16 autocast dtype."""
+        return True
+
+    def _setup_for(self, module: "pl.LightningModule") -> None:
+        """Adopt the Trainer's device and strategy, checking the hardware (before any conversion)."""
+        self._bind_from(module)
+        if self._bound_device is not None:
+            check_float8_device(self._bound_device, self.emulate)
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None:
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            check_float8_strategy(trainer.strategy)
+
+            self._fsdp_float8_all_gather = isinstance(trainer.strategy, ModelParallelStrategy) and self.recipe == "tensorwise"
+
+    def _convert(self, root: Module, prefix: str = "") -> None:
+        config = float8_config(self.recipe, self.emulate, self._fsdp_float8_all_gather)
+        on_cpu = self._bound_device is not None and self._bound_device.type == "cpu"
+        report = convert_linears_to_float8(root, config, self.module_filter, self.recipe, prefix, cpu_autocast_hook=on_cpu)
+        seen = {name for name, _, _ in self.conversion_report}  # skipped layers are seen again in setup
+        self.conversion_report.extend(row for row in report if row[0] not in seen)
+
+    def _on_register(self, parent: Module, name: str, child: Optional[Module]) -> Optional[Module]:
+        # Module-registration hook: convert whatever is assigned to a LightningModule, as soon as it is.
+        if child is None or not isinstance(parent, pl.LightningModule):
+            return None
+        self._setup_for(parent)
+        if isinstance(child, nn.Linear):  # torchao converts a root Linear by returning a new module
+            holder = nn.ModuleDict({name: child})
+            self._convert(holder)
+            return holder[name]
+        self._convert(child, prefix=f"{name}.")
+        return None
+
+    @override
+    @contextmanager
+    def module_init_context(self) -> Generator[None, None, None]:
+        handle = nn.modules.module.register_module_module_registration_hook(self._on_register)
+        try:
+            with super().module_init_context():
+                yield
+        finally:
+            handle.remove()
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        self._setup_for(module)
+        if _is_fully_sharded(module):
+            self._check_nothing_left_after_sharding(module)
+        else:
+            self._convert(module)
+        converted = sum(reason is None for _, _, reason in self.conversion_report)
+        rank_zero_info(format_conversion_table(self.conversion_report, self.recipe))
+        message = nothing_converted_message(self.conversion_report, self.recipe, type(module).__name__)
+        if message is not None and not self._warned_nothing_converted:
+            self._warned_nothing_converted = True
+            rank_zero_warn(message)
+        if converted and not is_compiled(module) and not self._warned_not_compiled:
+            self._warned_not_compiled = True
+            rank_zero_warn(
+                "Float8Precision: the model is not compiled, and float8 without torch.compile is several times "
+                "slower than bf16. Compile it: GPTModule(compile=True), `self.model.compile()` in configure_model, "
+                "or trainer.fit(torch.compile(module))."
+            )
+        return module
+
+    def _check_nothing_left_after_sharding(self, module: Module) -> None:
+        # FSDP2 has already sharded the model (in configure_model): a Linear converted now would keep
+        # FSDP's hooks on the old layer. Report layers the filter would have converted, with the fix.
+        from torchao.float8.float8_linear import Float8Linear
+
+        seen = {name for name, _, _ in self.conversion_report}
+        tied = frozenset(id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding))
+        missed = [
+            fqn
+            for fqn, m in module.named_modules()
+            if isinstance(m, nn.Linear)
+            and not isinstance(m, Float8Linear)
+            and fqn not in seen
+            and skip_reason(m, fqn, self.module_filter, self.recipe, tied) is None
+        ]
+        if missed:
+            raise RuntimeError(
+                f"Float8Precision could not convert {missed[:3]}{'...' if len(missed) > 3 else ''} to float8: they "
+                "were built outside configure_model and have been sharded by FSDP2 already. Build the model in "
+                "configure_model (assign it with `self.model = ...` before calling fully_shard) so Float8Precision "
+                "converts it first."
+            )
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if self._fsdp_float8_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            # One all-reduce for the amax of every float8 weight, instead of one per layer per forward.
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        return output
+
+
+def _is_fully_sharded(module: Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())

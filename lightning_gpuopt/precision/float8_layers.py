@@ -1,0 +1,327 @@
+"""Plain functions behind ``Float8Precision``: which Linear layers to convert, converting them, reporting it.
+
+Design note: conversion swaps ``nn.Linear`` for torchao's ``Float8Linear`` in place
+(``torchao.float8.convert_to_float8_training``). ``Float8Linear`` keeps the ``weight``/``bias``
+parameter objects of the layer it replaces and adds no buffers, so the state dict keeps the keys
+and dtypes of the unconverted model. Layers are chosen by a filter that, for every skipped layer,
+also says *why* it was skipped, so the plugin can print a table of its decisions.
+
+Hugging Face GPT-2-style ``Conv1D`` projections (a 2-D ``weight`` stored ``in x out``, with ``nx``/``nf``
+attributes, computing ``x @ weight + bias``) are not converted: ``Float8Linear`` replaces an
+``nn.Linear`` and keeps its ``out x in`` weight, and transposing theirs would change the state
+dict the model's own loaders expect. They are listed in the table as not convertible instead, so a
+model made of them does not look converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_gpuopt.perf.compiled import is_compiled
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
+__all__ = [
+    "CONV1D_REASON",
+    "FP8_INSTALL_HINT",
+    "Float8Recipe",
+    "ModuleFilter",
+    "auto_skip_reason",
+    "convert_linears_to_float8",
+    "float8_config",
+    "format_conversion_table",
+    "is_conv1d_like",
+    "nothing_converted_message",
+    "require_torchao",
+    "skip_reason",
+]
+
+CONV1D_REASON = "Conv1D-style layer (weight stored in x out): not convertible, only nn.Linear converts"
+"""The skip reason of a Hugging Face GPT-2-style ``Conv1D`` projection (see ``float8_conversion``)."""
+
+
+def format_conversion_table(report: list[tuple[str, str, Optional[str]]], recipe: str) -> str:
+    """A short text table of converted and skipped layers, e.g. for the log.
+
+    Example::
+
+        rows = [("h.0.mlp.fc", "64x256", None), ("lm_head", "64x256", "output layer")]
+        print(format_conversion_table(rows, "tensorwise"))
+
+    Args:
+        report: Rows ``(name, "in x out", skip reason or None)`` of ``convert_linears_to_float8``.
+        recipe: The float8 recipe, for the title.
+    """
+    converted = sum(reason is None for _, _, reason in report)
+    lines = [f"Float8Precision ({recipe}): {converted} of {len(report)} projection layers converted to float8"]
+    width = max((len(name) for name, _, _ in report), default=4)
+    lines.append(f"  {'layer'.ljust(width)}  {'in x out':>12}  float8")
+    for name, shape, reason in report:
+        lines.append(f"  {name.ljust(width)}  {shape:>12}  {'yes' if reason is None else 'no: ' + reason}")
+    return "\n".join(lines)
+
+
+def _size(shape: str) -> int:
+    in_f, out_f = shape.split("x")
+    return int(in_f) * int(out_f)
+
+
+def nothing_converted_message(
+    report: list[tuple[str, str, Optional[str]]], recipe: str, module_name: str
+) -> Optional[str]:
+    """The warning for a conversion that converted no layer (naming the largest skipped one and why); ``None`` otherwise.
+
+    Example::
+
+        nothing_converted_message([("lm_head", "64x256", "output layer")], "tensorwise", "GPTModule")
+
+    Args:
+        report: Rows of :func:`convert_linears_to_float8`.
+        recipe: The float8 recipe.
+        module_name: The model's class name, for the message.
+    """
+    if any(reason is None for _, _, reason in report):
+        return None
+    if not report:
+        return (
+            f"Float8Precision converted nothing: {module_name} has no nn.Linear layer, so it trains in bf16 "
+            "without float8 matmuls. Use BF16Precision, or build the model's projections as nn.Linear."
+        )
+    name, shape, reason = max(report, key=lambda row: _size(row[1]))
+    conv1d = sum(r == CONV1D_REASON for _, _, r in report)
+    fix = []
+    if conv1d:
+        fix.append(
+            f"{conv1d} are Conv1D-style layers (Hugging Face GPT-2), which are not convertible: replace them "
+            "with nn.Linear (weight = conv.weight.T) before training"
+        )
+    if any(r and r.startswith("too small") for _, _, r in report):
+        fix.append(
+            "layers below torchao's size thresholds are skipped by module_filter='auto' because float8 would be "
+            "slower there: pass module_filter=['lm_head'] (or []) to convert them anyway"
+        )
+    fix.append("or use BF16Precision")
+    return (
+        f"Float8Precision ({recipe}) converted none of the {len(report)} projection layers of {module_name}, so "
+        f"it trains in bf16 without float8 matmuls. The largest, {name} ({shape}), was skipped: {reason}. "
+        + "; ".join(fix) + "."
+    )
+
+
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# "auto", patterns of layer names to skip, or a callable (module, fqn) -> True to convert.
+ModuleFilter = Union[str, list[str], Callable[[nn.Module, str], bool]]
+FP8_INSTALL_HINT = 'pip install "lightning-gpuopt[fp8]"'
+# Names an output/classifier head usually has; the head is kept in high precision (as torchtitan does).
+OUTPUT_LAYER_NAMES = frozenset({"lm_head", "output", "head", "classifier", "score", "out_head"})
+
+
+def require_torchao() -> None:
+    """Raise an ``ImportError`` naming the ``fp8`` extra if ``torchao.float8`` cannot be imported."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"Float8Precision needs torchao: {FP8_INSTALL_HINT} (or pip install torchao).") from err
+
+
+def float8_config(recipe: str, emulate: bool = False, fsdp_float8_all_gather: bool = False) -> Float8LinearConfig:
+    """The torchao ``Float8LinearConfig`` of a recipe name, with emulation and FSDP2 float8 all-gather set.
+
+    Example::
+
+        config = float8_config("rowwise", emulate=True)
+
+    Args:
+        recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
+        emulate: Emulate float8 matmuls in high precision (CPU and pre-SM89 GPUs, for testing).
+        fsdp_float8_all_gather: All-gather FSDP2-sharded weights in float8 (tensorwise only).
+    """
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe not in RECIPES:
+        raise ValueError(f"Unknown float8 recipe {recipe!r}: choose one of {list(RECIPES)}.")
+    if fsdp_float8_all_gather and recipe != "tensorwise":
+        raise ValueError(f"Float8 all-gather needs the 'tensorwise' recipe, got {recipe!r}.")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+
+
+def _is_output_layer(module: nn.Linear, fqn: str, tied_weights: frozenset[int]) -> bool:
+    return fqn.rsplit(".", 1)[-1] in OUTPUT_LAYER_NAMES or id(module.weight) in tied_weights
+
+
+def auto_skip_reason(module: nn.Linear, fqn: str, recipe: str, tied_weights: frozenset[int] = frozenset()) -> Optional[str]:
+    """Why the ``"auto"`` filter keeps ``module`` in high precision, or ``None`` to convert it.
+
+    Skipped: the output layer (named ``lm_head``/``output``/``head``/``classifier``/... or whose
+    weight is tied to an embedding), layers whose dims are not multiples of 16 (a hardware
+    requirement of ``torch._scaled_mm``), and shapes below torchao's published thresholds for the
+    recipe, where the casts cost more than FP8 matmuls save. The thresholds are those of
+    ``torchao.float8.float8_linear_utils._auto_filter_for_tensorwise`` / ``_auto_filter_for_rowwise``
+    (torchao 0.18; benchmarks on H100 in https://github.com/pytorch/ao/tree/main/torchao/float8#performance),
+    with ``N = out_features`` and ``K = in_features``:
+
+    - tensorwise: skip if ``K <= 4096 and N <= 1024``;
+    - rowwise: skip if ``N <= 2048``, or ``K <= 1024``, or ``N <= 4096 and K <= 2048``;
+    - rowwise_with_gw_hp: torchao publishes none; we use the rowwise ones (it runs the same
+      rowwise kernels for two of its three matmuls and a high-precision one for the third).
+
+    Example::
+
+        auto_skip_reason(nn.Linear(4096, 16384), "mlp.c_fc", "tensorwise")  # None: convert
+
+    Args:
+        module: A Linear layer.
+        fqn: Its fully-qualified name.
+        recipe: The float8 recipe.
+        tied_weights: ``id()`` of weights shared with an ``nn.Embedding`` (tied output heads).
+    """
+    if _is_output_layer(module, fqn, tied_weights):
+        return "output layer"
+    N, K = module.weight.shape
+    if N % 16 or K % 16:
+        return f"dims {K}x{N} not multiples of 16"
+    if recipe == "tensorwise":
+        too_small = K <= 4096 and N <= 1024
+        rule = "in<=4096 and out<=1024"
+    else:
+        too_small = N <= 2048 or K <= 1024 or (N <= 4096 and K <= 2048)
+        rule = "out<=2048, in<=1024 or (out<=4096 and in<=2048)"
+    if too_small:
+        return f"too small for {recipe} FP8 ({rule})"
+    return None
+
+
+def skip_reason(
+    module: nn.Linear,
+    fqn: str,
+    module_filter: ModuleFilter,
+    recipe: str,
+    tied_weights: frozenset[int] = frozenset(),
+) -> Optional[str]:
+    """Why ``module`` is not converted under ``module_filter``, or ``None`` to convert it.
+
+    Whatever the filter, a layer whose dims are not multiples of 16 is skipped (FP8 matmuls need them).
+
+    Example::
+
+        skip_reason(layer, "model.lm_head", ["lm_head"], "tensorwise")  # "matches 'lm_head'"
+
+    Args:
+        module: A Linear layer.
+        fqn: Its fully-qualified name (as in the LightningModule's state dict, without ``_orig_mod.``).
+        module_filter: ``"auto"`` (see :func:`auto_skip_reason`), a list of name patterns to skip
+            (a pattern matches if it is a substring of the name or an ``fnmatch`` glob of it), or a
+            callable ``(module, fqn) -> bool`` returning True to convert.
+        recipe: The float8 recipe.
+        tied_weights: ``id()`` of weights shared with an ``nn.Embedding``.
+    """
+    if isinstance(module_filter, str):
+        return auto_skip_reason(module, fqn, recipe, tied_weights)
+    N, K = module.weight.shape
+    if N % 16 or K % 16:
+        return f"dims {K}x{N} not multiples of 16"
+    if callable(module_filter):
+        return None if module_filter(module, fqn) else "module_filter returned False"
+    for pattern in module_filter:
+        if pattern in fqn or fnmatch.fnmatchcase(fqn, pattern):
+            return f"matches {pattern!r}"
+    return None
+
+
+def _cast_input_to_cpu_autocast_dtype(module: nn.Module, args: tuple) -> Optional[tuple]:
+    # torchao's Float8Linear casts its input to the *CUDA* autocast dtype only; do the same for CPU
+    # autocast so CPU-emulated float8 sees the same bf16 inputs as on the GPU (and every recipe's
+    # high-precision matmuls get operands of one dtype).
+    if args and args[0].device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return (args[0].to(torch.get_autocast_dtype("cpu")),) + tuple(args[1:])
+    return None
+
+
+def is_conv1d_like(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face GPT-2-style ``Conv1D``: ``weight`` of shape ``(nx, nf)`` = in x out.
+
+    Recognised by structure (a 2-D ``weight`` parameter and integer ``nx``/``nf`` attributes matching
+    its shape), not by class name, so copies of the class in other libraries are found too.
+
+    Example::
+
+        is_conv1d_like(transformers.pytorch_utils.Conv1D(nf=768, nx=256))  # True
+    """
+    weight = getattr(module, "weight", None)
+    nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)
+    return (
+        not isinstance(module, nn.Linear)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and isinstance(nx, int)
+        and isinstance(nf, int)
+        and tuple(weight.shape) == (nx, nf)
+    )
+
+
+def convert_linears_to_float8(
+    root: nn.Module,
+    config: Float8LinearConfig,
+    module_filter: ModuleFilter,
+    recipe: str,
+    prefix: str = "",
+    cpu_autocast_hook: bool = False,
+) -> list[tuple[str, str, Optional[str]]]:
+    """Swap the ``nn.Linear`` layers of ``root`` that pass the filter for torchao ``Float8Linear``, in place.
+
+    Layers already converted are left alone, so it is safe to call again on the same model.
+
+    Example::
+
+        report = convert_linears_to_float8(model, float8_config("tensorwise"), "auto", "tensorwise")
+
+    Args:
+        root: The model (not itself a Linear).
+        config: From :func:`float8_config`.
+        module_filter: See :func:`skip_reason`.
+        recipe: The recipe ``config`` was made from (for the ``"auto"`` thresholds).
+        prefix: Prepended to names given to the filter and in the report (e.g. ``"model."``).
+        cpu_autocast_hook: Make converted layers follow CPU autocast (for CPU training).
+
+    Returns:
+        One ``(name, shape, skip reason or None)`` row per Linear layer newly considered.
+    """
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    tied = frozenset(id(m.weight) for m in root.modules() if isinstance(m, nn.Embedding))
+    # nn.MultiheadAttention reads out_proj.weight directly and never calls out_proj's forward.
+    mha_out = {id(m.out_proj) for m in root.modules() if isinstance(m, nn.MultiheadAttention)}
+    report: list[tuple[str, str, Optional[str]]] = []
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):
+            return False
+        name = prefix + fqn.replace("_orig_mod.", "")
+        if id(module) in mha_out:
+            reason: Optional[str] = "nn.MultiheadAttention.out_proj (its forward is never called)"
+        else:
+            reason = skip_reason(module, name, module_filter, recipe, tied)
+        report.append((name, f"{module.in_features}x{module.out_features}", reason))
+        return reason is None
+
+    reported = {name for name, _, _ in report}
+    for fqn, module in root.named_modules():
+        name = prefix + fqn.replace("_orig_mod.", "")
+        if is_conv1d_like(module) and name not in reported:
+            report.append((name, f"{module.nx}x{module.nf}", CONV1D_REASON))
+    convert_to_float8_training(root, module_filter_fn=keep, config=config)
+    if cpu_autocast_hook:
+        for module in root.modules():
+            if isinstance(module, Float8Linear) and not getattr(module, "_gpuopt_cpu_hook", False):
+                module.register_forward_pre_hook(_cast_input_to_cpu_autocast_dtype)
+                module._gpuopt_cpu_hook = True
+    return report

@@ -1,0 +1,91 @@
+"""Checkpoint safety: NaN/Inf weights are never written, temporary files of killed saves are removed, a full disk
+is reported."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_gpuopt import GPTModule, TextDataModule
+from lightning_gpuopt.model.checkpoint import load_gpt, read_checkpoint
+from lightning_gpuopt.checkpoint import AtomicCheckpointIO, NonFiniteCheckpointError
+from tests._paths import REPO, SCRIPTS
+
+
+def test_a_diverged_run_never_replaces_the_good_checkpoints(tmp_path, cache_dir, text_dir):
+    """No NonFiniteGuard, a learning rate of 1000: the writer refuses the NaN weights, the last good files stay."""
+    data = TextDataModule(source=str(text_dir), block_size=32, batch_size=4, vocab_size=300, num_workers=0, cache_dir=str(cache_dir))
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=32, warmup_steps=0, learning_rate=1000.0)
+    trainer = pl.Trainer(
+        max_steps=20, logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        plugins=[AtomicCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)],
+    )
+    with pytest.raises(NonFiniteCheckpointError, match=r"weight tensors hold NaN/Inf .*the run has diverged"):
+        trainer.fit(model, datamodule=data)
+    assert 1 <= trainer.global_step < 20
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "last.ckpt" in files and len(files) == 2  # last.ckpt and the top-1 file of the same (last good) step
+    for name in files:
+        ckpt = read_checkpoint(tmp_path / "ckpt" / name)
+        assert ckpt["global_step"] == trainer.global_step - 1
+        assert all(bool(torch.isfinite(t).all()) for t in ckpt["state_dict"].values() if t.is_floating_point())
+    load_gpt(tmp_path / "ckpt" / "last.ckpt")  # loads: the good model
+
+
+def test_nonfinite_weights_can_be_written_when_asked(tmp_path):
+    nan = {"state_dict": {"w": torch.full((4,), float("nan"))}}
+    with pytest.raises(NonFiniteCheckpointError, match="Not writing"):
+        AtomicCheckpointIO().save_checkpoint(nan, tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+    AtomicCheckpointIO(allow_nonfinite=True).save_checkpoint(nan, tmp_path / "a.ckpt")
+    assert torch.isnan(read_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"]).all()
+
+
+def test_the_temp_file_of_a_killed_save_is_removed_by_the_next_save(tmp_path):
+    path = tmp_path / "epoch=0-step=4.ckpt"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "stalled_writer.py"), str(path)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "stalled"  # half-way through writing its temporary file
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    orphans = list(tmp_path.glob(".epoch=0-step=4.ckpt.tmp-*"))
+    assert len(orphans) == 1 and not path.exists()
+    # Files that are not ours, and a save in progress in a live process, stay.
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ours_alive = orphans[0].name.replace(f"-{proc.pid}-", f"-{live.pid}-")
+        keep = [".last.ckpt.tmp-123", "notes.tmp", ".x.ckpt.tmp-zz-1-abcdefgh", ours_alive]
+        for name in keep:
+            (tmp_path / name).write_text("not a leftover")
+        AtomicCheckpointIO().save_checkpoint({"global_step": 8, "state_dict": {"w": torch.ones(3)}}, tmp_path / "last.ckpt")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep + ["last.ckpt"])
+    finally:
+        live.kill()
+        live.wait(timeout=30)
+
+
+def test_a_full_disk_is_reported_with_the_space_needed_and_the_old_checkpoint_kept(tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a small tmpfs in a private mount namespace")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(["unshare", "-rm", sys.executable, str(SCRIPTS / "disk_full_save.py"), str(mount)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    if out.returncode != 0 and "mount" in out.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip().splitlines()[-1]}")
+    assert out.returncode == 0, out.stderr
+    assert f"ERROR OSError errno=28: [Errno 28] No space left on device at {mount} (needs ~0.00 GB for last.ckpt" in out.stdout
+    assert "The previous last.ckpt is kept" in out.stdout
+    assert "STEP 1" in out.stdout and "FILES ['last.ckpt']" in out.stdout  # the old one, and no temporary file

@@ -1,0 +1,72 @@
+"""How `gpuopt` ends on errors: one message and exit 2 for a configuration error (a real process; the
+traceback with GPUOPT_TRACEBACK=1), exit 1 for a diverged run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gpuopt.cli.main import main
+from lightning_gpuopt.cli.errors import explain_parser_error
+from tests._paths import REPO
+
+ROOT = REPO
+
+
+def _gpuopt(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run([sys.executable, "-m", "lightning_gpuopt", *args], cwd=cwd, env=environ,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _data(text_dir: Path) -> list[str]:
+    return ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.block_size", "32",
+            "--data.batch_size", "4", "--data.num_workers", "0", "--model.preset", "tiny",
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0"]
+
+
+def test_a_configuration_error_is_one_message_and_exit_2(tmp_path, text_dir, cache_dir):
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"weights": torch.ones(2)}, foreign)
+    out = _gpuopt(["fit", *_data(text_dir), "--ckpt_path", str(foreign)], tmp_path)
+    assert out.returncode == 2
+    assert f"gpuopt: error: '{foreign}' is not a GPTModule checkpoint" in out.stderr
+    assert "Traceback" not in out.stderr and "GPUOPT_TRACEBACK=1" in out.stderr
+    assert not cache_dir.exists()  # refused before data preparation
+    out = _gpuopt(["fit", *_data(text_dir), "--ckpt_path", str(foreign)], tmp_path, GPUOPT_TRACEBACK="1")
+    assert out.returncode == 1 and "Traceback" in out.stderr and "CheckpointError" in out.stderr
+
+
+def test_a_diverged_fit_exits_1(tmp_path, text_dir, cache_dir, capsys, monkeypatch):
+    """No NonFiniteGuard and no checkpointing (the default stack's callbacks left out): the run used to end
+    with exit 0 and NaN weights."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", *_data(text_dir), "--trainer.max_steps", "12", "--model.learning_rate", "1000",
+              "--model.warmup_steps", "0", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "gpuopt: training stopped: Training ended with non-finite weights (28 of 28 parameters hold NaN/Inf" in err
+    assert "train/loss=nan, step 12): the model diverged" in err
+
+
+def test_an_empty_or_non_mapping_config_gets_a_real_message():
+    assert explain_parser_error("Unexpected config: ").startswith("The --config file is empty")
+    assert explain_parser_error("Unexpected config: # todo\n").startswith("The --config file is empty")
+    assert "must be a YAML mapping of groups" in explain_parser_error("Unexpected config: [1, 2]")
+    assert explain_parser_error("Something else") == "Something else"
+
+
+def test_checkpointing_off_leaves_out_the_default_model_checkpoint(tmp_path, text_dir, cache_dir, monkeypatch, caplog):
+    """The default stack has a ModelCheckpoint; `--trainer.enable_checkpointing false` must not collide with it."""
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("INFO"):
+        main(["fit", *_data(text_dir), "--trainer.max_steps", "2", "--trainer.enable_checkpointing", "false"])
+    assert "the ModelCheckpoint callback is left out" in caplog.text
+    assert not list(tmp_path.rglob("*.ckpt"))

@@ -1,0 +1,316 @@
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_gpuopt import GPTModule, TextDataModule
+from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard, SigtermCheckpoint
+from lightning_gpuopt.cli.main import GPTCLI
+from lightning_gpuopt.cli.defaults import CHECKPOINT_EVERY_N_STEPS
+from lightning_gpuopt.precision import BF16Precision, Float8Precision
+
+from tests._paths import REPO  # noqa: E402
+
+CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
+
+
+def test_every_shipped_config_is_there():
+    assert {p.stem for p in CONFIGS} == {"quickstart", "fast", "production", "max-quality", "mega", "h100", "multi-gpu"}
+
+
+class _ParseOnly(GPTCLI):
+    """Parses and validates a config without building the model and data (the recipes' WikiText-103
+    folder is not on the test machine)."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_config_parses_through_the_cli_parser(config):
+    cli = _ParseOnly(GPTModule, TextDataModule, run=False, args=["--config", str(config)])
+    raw = yaml.safe_load(config.read_text())
+    ns = cli.config
+    assert ns.model.preset == raw["model"]["preset"]
+    assert ns.trainer.max_steps == raw["trainer"]["max_steps"]
+    assert ns.model.block_size == raw["data"]["block_size"]  # linked from the data
+    # Every recipe runs the stack explicitly: no Lightning precision string, our plugin and callbacks.
+    assert ns.trainer.precision is None
+    assert [p.class_path for p in ns.trainer.plugins] == ["lightning_gpuopt.precision.BF16Precision"]
+    callbacks = {c.class_path.rsplit(".", 1)[1]: c.init_args for c in ns.trainer.callbacks}
+    assert {"CUDASettings", "MFUMonitor", "NonFiniteGuard", "ModelCheckpoint"} <= set(callbacks)
+    checkpoint = callbacks["ModelCheckpoint"]
+    assert checkpoint.save_last is True and checkpoint.every_n_train_steps >= 100
+    assert checkpoint.every_n_epochs is None  # not at every validation
+    # Validation runs every 500 optimizer steps in the WikiText-103 recipes (val_check_interval counts micro-batches).
+    if config.stem != "quickstart":
+        assert ns.trainer.val_check_interval == 500 * ns.trainer.accumulate_grad_batches
+        assert ns.trainer.check_val_every_n_epoch is None
+
+
+def test_h100_and_multi_gpu_recipes():
+    h100 = _ParseOnly(GPTModule, TextDataModule, run=False, args=["--config", str(REPO / "examples/configs/h100.yaml")]).config
+    auto = {c.class_path.rsplit(".", 1)[1]: c.init_args for c in h100.trainer.callbacks}["AutoBatchSize"]
+    assert auto.global_batch_size * h100.data.block_size == 524_288  # ~0.5M tokens per optimizer step
+    assert h100.model.preset == "124m" and h100.model.compile and h100.data.num_workers == 8
+    assert h100.model.learning_rate == 6e-4 and h100.model.warmup_steps == 1000
+    multi = _ParseOnly(GPTModule, TextDataModule, run=False, args=["--config", str(REPO / "examples/configs/multi-gpu.yaml")]).config
+    assert multi.trainer.strategy == "gpuopt-auto"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_every_key_has_a_comment(config):
+    for line in config.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#") and not line.rstrip().endswith(":"):
+            assert "#" in line, f"{config.name}: uncommented key: {line!r}"
+
+
+def test_quickstart_fast_dev_run(cache_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    quickstart = [c for c in CONFIGS if c.stem == "quickstart"][0]
+    cli = GPTCLI(GPTModule, TextDataModule, args=["fit", "--config", str(quickstart), "--trainer.fast_dev_run", "true"])
+    assert cli.trainer.global_step == 1
+    assert cli.datamodule.source == "stdlib"
+    assert cli.model.config.n_layer == 4 and cli.model.config.vocab_size == cli.datamodule.vocab_size
+    assert 3.0 < cli.trainer.callback_metrics["train/loss"].item() < 12.0
+
+
+def test_predict_prints_samples(text_dir, cache_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match="no --ckpt_path given, so this samples an untrained"):
+        GPTCLI(
+            GPTModule,
+            TextDataModule,
+            args=["predict", "--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0",
+                  "--data.prompts", "[the model]", "--data.samples_per_prompt", "2", "--model.max_new_tokens", "4"],
+        )
+    assert capsys.readouterr().out.count("the model") == 2
+
+
+def test_environment_variables_set_options(cache_dir):
+    env = {**os.environ, "GPUOPT_FIT__TRAINER__MAX_STEPS": "7", "GPUOPT_FIT__MODEL__LEARNING_RATE": "0.01"}
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_gpuopt", "fit", "--print_config"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+    assert config["trainer"]["max_steps"] == 7 and config["model"]["learning_rate"] == 0.01
+    # A --config file takes precedence: the quickstart's max_steps stays; a key it does not set comes from the env.
+    env["GPUOPT_FIT__TRAINER__NUM_SANITY_VAL_STEPS"] = "5"
+    quickstart = [c for c in CONFIGS if c.stem == "quickstart"][0]
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_gpuopt", "fit", "--config", str(quickstart), "--print_config"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+    assert config["trainer"]["max_steps"] == 300 and config["trainer"]["num_sanity_val_steps"] == 5
+
+
+def test_vocab_size_is_linked_from_the_data(tmp_path, cache_dir):
+    tok_src = tmp_path / "t.txt"
+    tok_src.write_text("hello world " * 100)
+    cli = GPTCLI(GPTModule, TextDataModule, run=False, args=["--data.source", str(tok_src), "--data.vocab_size", "320"])
+    assert cli.model.config.vocab_size == 320 == cli.datamodule.vocab_size
+
+
+def test_typo_in_option_is_reported():
+    with pytest.raises(SystemExit):
+        _ParseOnly(GPTModule, TextDataModule, run=False, args=["--model.presett", "124m"])
+
+
+def test_python_dash_m_is_the_gpuopt_command():
+    out = subprocess.run([sys.executable, "-m", "lightning_gpuopt", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "{fit,validate,test,predict}" in out.stdout and "gpuopt" in out.stdout
+
+
+def test_main_ends_the_process_group_after_a_successful_run(text_dir, cache_dir, tmp_path, monkeypatch):
+    """`gpuopt` destroys a gloo process group itself (Lightning does so at exit only for NCCL)."""
+    import torch.distributed as dist
+
+    from lightning_gpuopt.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        main(["fit", "--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0",
+              "--data.block_size", "16", "--data.batch_size", "2", "--model.preset", "tiny",
+              "--trainer.fast_dev_run", "true", "--trainer.accelerator", "cpu", "--trainer.devices", "1"])
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_default_stack_is_in_the_parsed_config():
+    ns = _ParseOnly(GPTModule, TextDataModule, run=False, args=[]).config
+    assert [p.class_path for p in ns.trainer.plugins] == ["lightning_gpuopt.precision.BF16Precision"]
+    names = [c.class_path.rsplit(".", 1)[1] for c in ns.trainer.callbacks]
+    assert names == ["CUDASettings", "MFUMonitor", "NonFiniteGuard", "ModelCheckpoint"]
+    checkpoint = ns.trainer.callbacks[-1].init_args
+    assert checkpoint.save_last is True and checkpoint.every_n_train_steps == CHECKPOINT_EVERY_N_STEPS
+    # Overridable: a flag replaces the plugin, another removes the callbacks.
+    ns = _ParseOnly(GPTModule, TextDataModule, run=False,
+                    args=["--trainer.plugins", "Float8Precision", "--trainer.callbacks", "null"]).config
+    assert ns.trainer.plugins.class_path == "lightning_gpuopt.precision.Float8Precision" and ns.trainer.callbacks is None
+
+
+def test_print_config_shows_the_stack():
+    out = subprocess.run([sys.executable, "-m", "lightning_gpuopt", "fit", "--print_config"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    trainer = yaml.safe_load(out.stdout)["trainer"]
+    assert trainer["plugins"][0]["class_path"] == "lightning_gpuopt.precision.BF16Precision"
+    assert [c["class_path"].rsplit(".", 1)[1] for c in trainer["callbacks"]] == [
+        "CUDASettings", "MFUMonitor", "NonFiniteGuard", "ModelCheckpoint"]
+    assert "args parameter is intended" not in out.stderr
+
+
+def _tiny(text_dir, *extra):
+    return ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0",
+            "--data.block_size", "16", "--data.batch_size", "2", "--model.preset", "tiny", *extra]
+
+
+def test_trainer_gets_the_stack(text_dir, cache_dir, tmp_path):
+    cli = GPTCLI(GPTModule, TextDataModule, run=False, args=_tiny(text_dir, "--trainer.default_root_dir", str(tmp_path)))
+    trainer = cli.trainer
+    assert isinstance(trainer.precision_plugin, BF16Precision)
+    kinds = {type(c) for c in trainer.callbacks}
+    assert {CUDASettings, MFUMonitor, NonFiniteGuard, ModelCheckpoint, ExactResume, SigtermCheckpoint} <= kinds
+    checkpoint = trainer.checkpoint_callback
+    assert checkpoint.dirpath == os.path.realpath(tmp_path / "checkpoints")  # fixed: --ckpt_path last finds it
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_trainer_precision_replaces_the_default_plugin(text_dir, cache_dir, tmp_path, precision):
+    cli = GPTCLI(GPTModule, TextDataModule, run=False,
+                 args=_tiny(text_dir, "--trainer.precision", precision, "--trainer.default_root_dir", str(tmp_path)))
+    assert not isinstance(cli.trainer.precision_plugin, BF16Precision)
+    assert cli.trainer.precision == precision
+
+
+def test_float8_with_one_flag(text_dir, cache_dir, tmp_path):
+    cli = GPTCLI(GPTModule, TextDataModule, run=False,
+                 args=_tiny(text_dir, "--trainer.plugins", "Float8Precision", "--trainer.plugins.emulate", "true",
+                            "--trainer.default_root_dir", str(tmp_path)))
+    assert isinstance(cli.trainer.precision_plugin, Float8Precision) and cli.trainer.precision_plugin.emulate
+
+
+def test_fit_without_a_run_length_names_the_option(capsys):
+    from lightning_gpuopt.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--model.preset", "tiny"])
+    assert exit_info.value.code == 2
+    assert "trainer.max_steps" in capsys.readouterr().err
+
+
+def _gpuopt(*args, cwd, env=None, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "lightning_gpuopt", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def _step(path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quickstart_sigterm_then_resume_last_then_readme_predict(text_dir, cache_dir, tmp_path):
+    """The quickstart (at a tiny size) in real processes: SIGTERM mid-run writes last.ckpt and exits non-zero;
+    `--ckpt_path last` continues from it; the README's predict command samples from that checkpoint."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    quickstart = REPO / "examples/configs/quickstart.yaml"
+    tiny = [*_tiny(text_dir), "--model.n_layer", "2", "--model.n_embd", "32", "--model.n_head", "2",
+            "--trainer.enable_progress_bar", "false"]
+    args = ["fit", "--config", str(quickstart), *tiny, "--trainer.max_steps", "60",
+            "--trainer.callbacks.every_n_train_steps", "10"]  # the quickstart's ModelCheckpoint is its last callback
+    ckpt = tmp_path / "runs" / "quickstart" / "checkpoints" / "last.ckpt"  # the quickstart's default_root_dir
+    proc = _gpuopt(*args, cwd=tmp_path, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ckpt.exists(), "no periodic last.ckpt"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "SigtermCheckpoint: received SIGTERM; saved" in out
+    stopped_at = _step(ckpt)
+    assert 10 <= stopped_at < 60
+    assert list(ckpt.parent.iterdir()) == [ckpt]
+
+    proc = _gpuopt(*args, "--ckpt_path", "last", cwd=tmp_path, env=env)  # the same command, continued
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "Restored all states from the checkpoint" in out and "no last checkpoint" not in out
+    assert _step(ckpt) == 60
+
+    readme = (REPO / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("gpuopt predict --config examples/configs/quickstart.yaml"))
+    argv = [str(quickstart) if a == "examples/configs/quickstart.yaml" else a for a in shlex.split(command)[1:]]
+    proc = _gpuopt(*argv, *tiny, "--model.max_new_tokens", "4", cwd=tmp_path, env=env)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "untrained" not in out and out.count("def main") == 4  # data.samples_per_prompt samples of the prompt
+
+
+def test_predict_from_prompts_file_writes_jsonl(text_dir, cache_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the model\nthe optimizer lowers\n\nthe model\n")
+    output = tmp_path / "out.jsonl"
+    with pytest.warns(UserWarning, match="untrained"):
+        GPTCLI(GPTModule, TextDataModule,
+               args=["predict", *_tiny(text_dir), "--model.max_new_tokens", "5",
+                     "--trainer.default_root_dir", str(tmp_path), "--generate.prompts_file", str(prompts),
+                     "--generate.batch_size", "4", "--generate.samples_per_prompt", "3", "--generate.output", str(output)])
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [(r["prompt"], r["sample"]) for r in records] == [
+        ("the model", 0), ("the model", 1), ("the model", 2),
+        ("the optimizer lowers", 0), ("the optimizer lowers", 1), ("the optimizer lowers", 2),
+        ("the model", 0), ("the model", 1), ("the model", 2)]
+    assert all(len(r["tokens"]) == 5 and isinstance(r["completion"], str) for r in records)
+
+
+def test_prompts_file_is_refused_outside_predict(text_dir, cache_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        GPTCLI(GPTModule, TextDataModule,
+               args=["fit", *_tiny(text_dir), "--trainer.max_steps", "1", "--generate.prompts_file", "p.txt"])
+    assert "read by `gpuopt predict` only" in capsys.readouterr().err
+
+
+def test_cli_defaults_helpers():
+    from lightning_gpuopt.cli.defaults import check_run_length, precision_for_estimate, replace_precision_plugins
+
+    bf16 = BF16Precision()
+    assert precision_for_estimate(None, [bf16]) == "bf16-mixed" and precision_for_estimate(None, None) == "32-true"
+    assert precision_for_estimate("16-mixed", [bf16]) == "16-mixed"
+    assert replace_precision_plugins(None, [bf16]) == [bf16] and replace_precision_plugins("32-true", bf16) == []
+    assert check_run_length({"max_steps": -1, "max_epochs": None}).startswith("gpuopt fit needs a run length")
+    assert check_run_length({"max_steps": 10}) is None and check_run_length({"max_steps": -1, "max_epochs": 2}) is None
+    assert check_run_length({"max_steps": -1, "fast_dev_run": True}) is None
+    assert check_run_length({"max_steps": -1, "max_time": "00:01:00:00"}) is None
+
+
+def test_prompts_file_problems_stop_before_anything_is_built(text_dir, cache_dir, tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="generate.prompts_file"):
+        GPTCLI(GPTModule, TextDataModule, args=["predict", *_tiny(text_dir), "--generate.prompts_file", str(tmp_path / "no.txt")])
+    (tmp_path / "p.txt").write_text("a\n")
+    with pytest.raises(SystemExit):
+        GPTCLI(GPTModule, TextDataModule,
+               args=["predict", *_tiny(text_dir), "--generate.prompts_file", str(tmp_path / "p.txt"), "--generate.batch_size", "0"])
+    assert "generate.batch_size must be >= 1, got 0" in capsys.readouterr().err
+    assert not (cache_dir.exists() and any(cache_dir.iterdir()))  # no tokenising happened

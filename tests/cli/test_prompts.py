@@ -1,0 +1,56 @@
+"""Prompts files -> equal-length batches -> JSONL records, with a real GPT."""
+
+import json
+
+import pytest
+import torch
+
+from lightning_gpuopt.model import GPT, GPTConfig
+from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
+
+
+def _encode(text):
+    return [ord(c) % 64 for c in text]
+
+
+def test_read_prompts_text_and_jsonl(tmp_path):
+    (tmp_path / "p.txt").write_text("def main(\n\nclass A:\\n    x\n")
+    assert read_prompts(tmp_path / "p.txt") == ["def main(", "class A:\n    x"]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a\nb"}) + "\n")
+    assert read_prompts(tmp_path / "p.jsonl") == ["a\nb"]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    with pytest.raises(ValueError, match='needs a "prompt" string'):
+        read_prompts(tmp_path / "bad.jsonl")
+    with pytest.raises(FileNotFoundError, match="generate.prompts_file"):
+        read_prompts(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no prompt"):
+        read_prompts(tmp_path / "empty.txt")
+
+
+def test_batches_group_equal_lengths_and_keep_prompt_order():
+    prompts = ["abc", "de", "fgh", "ij"]
+    batches = PromptBatches.build(prompts, _encode, samples_per_prompt=3, batch_size=4)
+    for batch in batches.batches:
+        assert len(batch) <= 4 and len({len(ids) for _, _, ids in batch}) == 1
+    assert sum(len(b) for b in batches.batches) == 12
+    assert [len(b) for b in batches.batches] == [4, 2, 4, 2]  # 6 rows of length 2, then 6 of length 3
+    tensors = batches.tensors()
+    outputs = [torch.cat([t, torch.full((t.size(0), 2), 7)], dim=1) for t in tensors]
+    records = batches.completions(outputs, lambda ids: "x" * len(ids))
+    assert [(r["prompt"], r["sample"]) for r in records] == [(p, s) for p in prompts for s in range(3)]
+    assert all(r["tokens"] == [7, 7] and r["completion"] == "xx" for r in records)
+
+
+def test_batched_greedy_generation_equals_one_prompt_at_a_time(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=32)).eval()
+    prompts = ["abc", "xyz", "hello", "world", "abc"]
+    batches = PromptBatches.build(prompts, _encode, samples_per_prompt=1, batch_size=8)
+    outputs = [model.generate(t, 6, temperature=0) for t in batches.tensors()]
+    records = batches.completions(outputs, lambda ids: "")
+    for record in records:
+        alone = model.generate(torch.tensor([_encode(record["prompt"])]), 6, temperature=0)[0, len(record["prompt"]):]
+        assert record["tokens"] == alone.tolist()
+    path = write_completions(records, tmp_path / "out" / "g.jsonl")
+    assert [json.loads(line)["prompt"] for line in path.read_text().splitlines()] == prompts

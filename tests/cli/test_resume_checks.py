@@ -1,0 +1,115 @@
+"""`gpuopt fit/predict --ckpt_path`: asked settings applied and reported, architecture and tokenizer changes refused,
+no `-vN` copies on a resumed fit (real Trainers through the CLI)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gpuopt import GPTModule, TextDataModule
+from lightning_gpuopt.callbacks.resumed_optimizer import ResumedOptimizerSettings, apply_optimizer_settings
+from lightning_gpuopt.cli.main import GPTCLI, main
+from lightning_gpuopt.model.checkpoint import read_checkpoint
+from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
+
+
+def _args(text_dir: Path, ckpt_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--data.source", str(text_dir), "--data.vocab_size", "300", "--data.block_size", "32", "--data.batch_size", "4",
+        "--data.num_workers", "0", "--trainer.default_root_dir", str(ckpt_dir.parent / "run"),
+        "--model.preset", "tiny", "--model.warmup_steps", "2", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "0",
+        "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath", str(ckpt_dir),
+        "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_top_k", "-1", *extra,
+    ]
+
+
+def _cli(args: list[str]) -> GPTCLI:
+    return GPTCLI(GPTModule, TextDataModule, save_config_kwargs={"overwrite": True}, args=args)
+
+
+@pytest.fixture
+def six_steps(tmp_path, cache_dir, text_dir, monkeypatch):
+    """A 6-step run saving every 2 steps: epoch=0-step={2,4,6}.ckpt."""
+    monkeypatch.chdir(tmp_path)  # the CLI writes config.yaml into the working folder
+    ckpt_dir = tmp_path / "ckpt"
+    _cli(["fit", *_args(text_dir, ckpt_dir, "--trainer.max_steps", "6")])
+    return ckpt_dir
+
+
+def test_resume_applies_the_asked_learning_rate_and_writes_no_version_copies(six_steps, text_dir, caplog):
+    # Resume from step 4 as after a kill that left the step-6 file of the abandoned run behind.
+    cli = _cli(["fit", *_args(text_dir, six_steps, "--trainer.max_steps", "8"),
+                "--ckpt_path", str(six_steps / "epoch=0-step=4.ckpt"), "--model.learning_rate", "0.02",
+                "--data.batch_size", "2"])
+    assert sorted(p.name for p in six_steps.iterdir()) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)]  # no -v1
+    resumed = [c for c in cli.trainer.callbacks if isinstance(c, ResumedOptimizerSettings)][0]
+    assert resumed.applied["learning_rate"] == (6e-4, 0.02) and resumed.applied["decay_steps"] == (4, 6)
+    assert cli.model.hparams.learning_rate == 0.02 and cli.datamodule.batch_size == 2
+    assert cli.checkpoint_settings.applied == {"learning_rate": (6e-4, 0.02)}
+    assert cli.checkpoint_settings.data == {"batch_size": (4, 2)}  # reported; the data's settings are used as given
+    optimizer = cli.trainer.optimizers[0]
+    assert optimizer.param_groups[0]["initial_lr"] == 0.02
+    # The learning rate is the new schedule's (peak 0.02, warm-up 2, 8 steps) at step 8.
+    reference = build_adamw(torch.nn.Linear(2, 2), 0.02, 0.1, (0.9, 0.95))
+    schedule = warmup_cosine_schedule(reference, 2, 8, 0.1)
+    for _ in range(8):
+        reference.step()
+        schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12)
+    saved = read_checkpoint(six_steps / "epoch=0-step=8.ckpt")
+    assert saved["hyper_parameters"]["learning_rate"] == 0.02 and saved["global_step"] == 8
+
+
+def test_predict_applies_the_asked_sampling_settings(six_steps, text_dir):
+    cli = _cli([
+        "predict", *_args(text_dir, six_steps), "--ckpt_path", str(six_steps / "epoch=0-step=6.ckpt"),
+        "--model.max_new_tokens", "3", "--model.temperature", "0", "--data.prompts", "[the model]",
+        "--data.samples_per_prompt", "2",
+    ])
+    samples = [s for batch in cli.trainer.predict_loop.predictions for s in batch]
+    prompt = len(cli.datamodule.encode("the model"))
+    assert len(samples) == 2 and all(len(s) == prompt + 3 for s in samples)
+    assert torch.equal(samples[0], samples[1])  # temperature 0: greedy, both the same
+    assert cli.checkpoint_settings.applied == {"max_new_tokens": (64, 3), "temperature": (0.8, 0.0)}
+
+
+def test_resume_on_another_corpus_is_refused(six_steps, tmp_path, text_dir, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.txt").write_text(" ".join(f"word{i % 97} and {i % 13} more" for i in range(4000)))
+    with pytest.raises(SystemExit) as info:
+        main(["fit", *_args(other, tmp_path / "ckpt2", "--trainer.max_steps", "8"),
+              "--ckpt_path", str(six_steps / "epoch=0-step=4.ckpt")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "is not the one the checkpoint was trained with" in err and "set data.tokenizer" in err
+    assert not (tmp_path / "ckpt2").exists()  # no step was taken
+
+
+def test_apply_optimizer_settings_scales_the_schedule_exactly():
+    model = torch.nn.Linear(4, 4)
+    optimizer = build_adamw(model, 1e-3, 0.1, (0.9, 0.95))
+    schedule = warmup_cosine_schedule(optimizer, 2, 10, 0.1)
+    for _ in range(5):
+        optimizer.step()
+        schedule.step()
+    before = optimizer.param_groups[0]["lr"]
+    apply_optimizer_settings(optimizer, 2e-3, 0.05, (0.8, 0.9), 2, 0.1, total_steps=10, steps_done=5)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2 * before, rel=1e-12)
+    assert optimizer.param_groups[0]["weight_decay"] == 0.05 and optimizer.param_groups[1]["weight_decay"] == 0.0
+    assert all(g["betas"] == (0.8, 0.9) for g in optimizer.param_groups)
+
+
+def test_the_lightning_internals_used_are_there():
+    """resume_settings replaces LightningCLI._parse_ckpt_path and turns off ModelCheckpoint._enable_version_counter:
+    fail here, not silently, if a Lightning upgrade renames them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI
+
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)
+    assert ModelCheckpoint(enable_version_counter=True)._enable_version_counter is True
