@@ -1,43 +1,60 @@
-"""Every access to Lightning's private state from this package goes through this module.
+"""Every private name of another library that this package touches goes through this module.
 
 Lightning has no public API for a few things we need: running a hidden training step, redoing a
-step with a smaller micro-batch, saving from one rank alone. Each function touches one or two
-private names, all listed in :data:`TOUCHED`; :func:`missing_internals` checks them on a Trainer,
-and ``AutoBatchSize`` and ``ExactResume(rebuild_loaders=True)`` call :func:`require_internals` at
-setup, so a Lightning upgrade that renames one fails at the start of ``fit``, naming it
-(``tests/test_internals.py`` runs the check, and each function in a real fit).
+step with a smaller micro-batch, saving from one rank alone. torch keeps the SDPA priority order,
+the kernel choice, the allocator settings and a ``GradScaler``'s per-optimizer state private;
+jsonargparse its parser's options; the standard library the refresh of the warning filters. Each
+function here touches one or two such names, all listed in :data:`TOUCHED`;
+:func:`missing_internals` checks them, and ``AutoBatchSize`` and ``ExactResume(rebuild_loaders=True)``
+call :func:`require_internals` at setup, so an upgrade that renames one fails at the start of
+``fit``, naming it (``tests/test_internals.py`` runs the check, and each function in a real fit).
 Used elsewhere, and tested there: ``GPTCLI`` overrides ``LightningCLI._parse_ckpt_path``;
 ``GPTModule`` reads the ``_device_mesh`` that ``ModelParallelStrategy`` sets on a module.
-Written against Lightning 2.6 (2.6.0 to 2.6.6 read); ``pyproject.toml`` allows 2.5 and later.
+Written against Lightning 2.6 (2.6.0 to 2.6.6 read) and torch 2.11 to 2.13.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import warnings
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 
 __all__ = [
     "TOUCHED",
+    "batch_counters",
     "build_train_loader",
     "call_strategy_hook",
+    "data_parallel_ranks",
     "drop_train_loader",
     "dump_checkpoint",
+    "foreach_norm",
+    "forget_scaler_steps",
+    "fused_sdp_choice",
+    "is_last_batch",
     "last_batch_ready",
     "missing_internals",
     "move_batch_position",
     "no_version_counter",
+    "parser_options",
     "rebuild_train_loader",
+    "reparametrize_module",
     "require_internals",
+    "scaler_unscaled",
+    "sdp_priority_order",
+    "sequential_parts",
+    "set_allocator_settings",
+    "set_sdp_priority_order",
     "show_in_progress_bar",
-    "data_parallel_ranks",
     "throwaway_results",
     "transfer_hooks",
+    "warning_filters_changed",
     "wrap_epoch_advance",
     "wrap_train_dataloader",
 ]
@@ -68,6 +85,19 @@ TOUCHED = (
     "import:lightning.fabric.utilities.data._set_sampler_epoch",
     "import:lightning.pytorch.loops.fetchers._DataFetcher.setup",  # moved onto a rebuilt loader (rebuild_train_loader)
     "checkpoint._enable_version_counter",  # ModelCheckpoint's, no public setter (no_version_counter)
+    # torch
+    "import:torch._C._get_sdp_priority_order",  # SDPA backend priorities (sdp_priority_order)
+    "import:torch._C._set_sdp_priority_order",  # (set_sdp_priority_order)
+    "import:torch._fused_sdp_choice",  # the kernel SDPA would pick (fused_sdp_choice)
+    "import:torch._foreach_norm",  # one kernel for many norms (foreach_norm)
+    "import:torch.nn.utils.stateless._reparametrize_module",  # tied weights kept (reparametrize_module)
+    "scaler._per_optimizer_states",  # GradScaler's unscale stage per optimizer (scaler_stage, forget_scaler_steps)
+    "scheduler._schedulers",  # SequentialLR's parts (sequential_parts)
+    "scheduler._milestones",
+    # jsonargparse
+    "parser._actions",  # the options a parser knows (parser_options)
+    # the standard library
+    "import:warnings._filters_mutated",  # refresh after removing one filter (warning_filters_changed)
 )
 
 
@@ -87,6 +117,16 @@ def _imported(path: str) -> Any:
     raise ImportError(path)
 
 
+def _library_roots() -> dict[str, Any]:
+    """One small object of each other library's classes whose private attributes :data:`TOUCHED` names."""
+    from jsonargparse import ArgumentParser
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, torch.optim.lr_scheduler.ConstantLR(optimizer, 1.0)], [1])
+    return {"scaler": torch.amp.GradScaler("cpu"), "scheduler": scheduler, "parser": ArgumentParser()}
+
+
 def missing_internals(trainer: pl.Trainer) -> list[str]:
     """The names of :data:`TOUCHED` that this Lightning does not have (``[]`` when all are there).
 
@@ -99,7 +139,7 @@ def missing_internals(trainer: pl.Trainer) -> list[str]:
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    roots = {"trainer": trainer, "module": pl.LightningModule(), "checkpoint": ModelCheckpoint()}
+    roots = {"trainer": trainer, "module": pl.LightningModule(), "checkpoint": ModelCheckpoint(), **_library_roots()}
     missing = []
     for entry in TOUCHED:
         kind, _, path = entry.partition(":") if entry.startswith("import:") else entry.partition(".")
@@ -129,7 +169,10 @@ def require_internals(trainer: pl.Trainer, who: str) -> None:
 
 
 def _gone(name: str) -> str:
-    return f"lightning_gpuopt: {name} is gone in this Lightning version ({pl.__version__}); lightning_internals needs an update."
+    return (
+        f"lightning_gpuopt: {name} is gone in this version (Lightning {pl.__version__}, torch {torch.__version__}); "
+        "lightning_gpuopt.internals needs an update."
+    )
 
 
 def show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
@@ -296,3 +339,84 @@ def no_version_counter(callback: Any) -> None:
     (``ModelCheckpoint(enable_version_counter=...)`` is stored privately, without a setter)."""
     if getattr(callback, "_enable_version_counter", False):
         callback._enable_version_counter = False
+
+
+def batch_counters(trainer: pl.Trainer) -> Any:
+    """The running epoch's batch counters (``.ready``, ``.processed``, ...), read only."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current
+
+
+def is_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the batch being trained is the epoch's last."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+# torch
+
+
+def sdp_priority_order() -> list[int]:
+    """SDPA's backend priority order (``SDPBackend`` values), highest first."""
+    return list(torch._C._get_sdp_priority_order())
+
+
+def set_sdp_priority_order(order: list[int]) -> None:
+    """Set SDPA's backend priority order; which backends are enabled does not change."""
+    torch._C._set_sdp_priority_order(order)
+
+
+def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool) -> int:
+    """The ``SDPBackend`` value SDPA would run for these inputs under the current flags and priorities."""
+    return int(torch._fused_sdp_choice(q, k, v, dropout_p=dropout_p, is_causal=is_causal))
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
+    """The ``ord``-norm of each tensor, in one kernel per device and dtype (what ``clip_grad_norm_`` uses)."""
+    return list(torch._foreach_norm(tensors, ord))
+
+
+def reparametrize_module(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
+    """Within it, ``model`` uses ``params`` instead of its own, tied weights kept tied."""
+    return torch.nn.utils.stateless._reparametrize_module(model, params, tie_weights=True)
+
+
+def set_allocator_settings(conf: str) -> None:
+    """Update the CUDA caching allocator's configuration at runtime (``conf`` as in ``PYTORCH_CUDA_ALLOC_CONF``)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings  # older torch
+    setter(conf)
+
+
+def scaler_unscaled(scaler: Any, optimizer: Any) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` already ran in this step (the gradients are unscaled)."""
+    from torch.amp.grad_scaler import OptState
+
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
+def forget_scaler_steps(scaler: Any) -> None:
+    """Forget every optimizer's unfinished step in ``scaler`` (each starts fresh, as after ``update``)."""
+    scaler._per_optimizer_states.clear()  # a defaultdict
+
+
+def sequential_parts(scheduler: Any) -> Optional[tuple[list[Any], list[int]]]:
+    """``(schedulers, milestones)`` of a ``SequentialLR``; ``None`` for any other scheduler."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.SequentialLR):
+        return list(scheduler._schedulers), [int(m) for m in scheduler._milestones]
+    return None
+
+
+# jsonargparse
+
+
+def parser_options(parser: Any) -> list[str]:
+    """The option names (``dest``) a jsonargparse/argparse parser knows, ``help`` left out."""
+    return [a.dest for a in parser._actions if a.dest and a.dest != "help"]
+
+
+# the standard library
+
+
+def warning_filters_changed() -> None:
+    """Tell ``warnings`` that ``warnings.filters`` was edited in place (as ``filterwarnings`` does)."""
+    warnings._filters_mutated()

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from lightning_gpuopt.internals import last_batch_ready
+from lightning_gpuopt.internals import batch_counters, last_batch_ready
 
 __all__ = [
     "capture_rng_state",
@@ -94,7 +94,7 @@ def step_boundary(trainer: pl.Trainer) -> int:
     Args:
         trainer: A Trainer in (or just after) ``fit``.
     """
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    progress = batch_counters(trainer)
     done = progress.processed
     last_batch_stepped = (
         done > 0 and done == progress.ready and last_batch_ready(trainer)
@@ -109,7 +109,7 @@ def microbatches_since_step(trainer: pl.Trainer) -> int:
     Args:
         trainer: A Trainer in (or just after) ``fit``.
     """
-    return trainer.fit_loop.epoch_loop.batch_progress.current.processed - step_boundary(trainer)
+    return batch_counters(trainer).processed - step_boundary(trainer)
 
 
 def rollback_fit_loop_state(fit_loop_state: dict[str, Any], boundary: int) -> None:

@@ -65,7 +65,7 @@ def test_a_renamed_private_name_stops_auto_batch_size_at_setup_naming_it(monkeyp
     assert missing_internals(trainer) == ["trainer.fit_loop.epoch_loop._num_ready_batches_reached"]
     module = NanoGPTModule()
     module.batch_size = 2
-    with pytest.raises(RuntimeError, match=r"_num_ready_batches_reached is gone in this Lightning version.*"
+    with pytest.raises(RuntimeError, match=r"_num_ready_batches_reached is gone in this version.*"
                                            r"AutoBatchSize cannot run with it"):
         trainer.fit(module, shape_loader("nanogpt", batch_size=2, n=8))
     assert trainer.global_step == 0
@@ -104,3 +104,32 @@ def test_loop_surgery_functions_in_a_real_fit():
     assert seen["last"] is False
     assert seen["checkpoint"]["global_step"] == 2 and "loops" in seen["checkpoint"]
     assert seen["moved"] == (1, 1, 2)
+
+
+def test_a_renamed_torch_or_stdlib_name_is_named(monkeypatch):
+    import warnings
+
+    import torch
+
+    from lightning_gpuopt.internals import missing_internals
+
+    monkeypatch.delattr(torch, "_foreach_norm")
+    monkeypatch.delattr(warnings, "_filters_mutated")
+    missing = missing_internals(pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False))
+    assert missing == ["import:torch._foreach_norm", "import:warnings._filters_mutated"]
+
+
+def test_library_accessors_read_what_the_objects_hold():
+    import torch
+    from jsonargparse import ArgumentParser
+
+    from lightning_gpuopt.internals import parser_options, sequential_parts
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, 0.5, total_iters=3)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    assert sequential_parts(torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], [3])) == ([warmup, cosine], [3])
+    assert sequential_parts(cosine) is None
+    parser = ArgumentParser()
+    parser.add_argument("--lr", type=float)
+    assert parser_options(parser) == ["lr"]

@@ -16,7 +16,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpuopt.data.resumable import EpochSampler, make_resumable, not_exact_reason
-from lightning_gpuopt.internals import data_parallel_ranks, require_internals, wrap_train_dataloader
+from lightning_gpuopt.internals import (
+    batch_counters,
+    data_parallel_ranks,
+    require_internals,
+    warning_filters_changed,
+    wrap_train_dataloader,
+)
 from lightning_gpuopt.protocols import ResumableData
 from lightning_gpuopt.resume import (
     capture_rng_state,
@@ -200,7 +206,7 @@ class ExactResume(Callback):
     def _remove_filter(self) -> None:
         if self._filter is not None and self._filter in warnings.filters:
             warnings.filters.remove(self._filter)
-            warnings._filters_mutated()
+            warning_filters_changed()
         self._filter = None
 
     @override
@@ -238,7 +244,7 @@ class ExactResume(Callback):
             return
         partial = microbatches_since_step(trainer)
         boundary = step_boundary(trainer)
-        step_started = trainer.fit_loop.epoch_loop.batch_progress.current.ready > boundary
+        step_started = batch_counters(trainer).ready > boundary
         if step_started and self._snapshot_step == trainer.global_step and self._snapshot is not None:
             rng = self._snapshot  # a step has started since the last optimizer step: the RNG as it found it
         else:

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_gpuopt.internals import foreach_norm, scaler_unscaled
+
 __all__ = ["count_on_device", "describe_bad_step", "find_nonfinite", "skip_step"]
 
 
@@ -51,7 +53,7 @@ def find_nonfinite(optimizer: Optimizer) -> tuple[Tensor, list[tuple[int, Tensor
                 grads.append(_local(p.grad))
     if not grads:
         return torch.zeros(0), params
-    norms = torch._foreach_norm(grads, math.inf)
+    norms = foreach_norm(grads, math.inf)
     device = norms[0].device
     return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]), params
 
@@ -116,10 +118,7 @@ def skip_step(optimizer: Optimizer, scaler: Any = None) -> None:
         scaler: The precision plugin's ``GradScaler``, or ``None``.
     """
     if scaler is not None:
-        from torch.amp.grad_scaler import OptState
-
-        state = scaler._per_optimizer_states[id(optimizer)]
-        if state["stage"] is not OptState.UNSCALED:
+        if not scaler_unscaled(scaler, optimizer):
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gpuopt.internals import sequential_parts
 from lightning_gpuopt.model.optim import warmup_cosine_schedule
 
 __all__ = ["ResumedOptimizerSettings", "apply_optimizer_settings", "restored_settings"]
@@ -85,8 +86,9 @@ def restored_settings(optimizer: Optimizer, scheduler: Any) -> dict[str, Any]:
         scheduler: Its ``warmup_cosine_schedule``, restored.
     """
     cosine, warmup = scheduler, 0
-    if hasattr(scheduler, "_milestones") and hasattr(scheduler, "_schedulers"):
-        cosine, warmup = scheduler._schedulers[-1], int(scheduler._milestones[-1])
+    parts = sequential_parts(scheduler)
+    if parts is not None:
+        cosine, warmup = parts[0][-1], parts[1][-1]
     if not hasattr(cosine, "T_max") or not hasattr(cosine, "eta_min"):
         return {}
     group = optimizer.param_groups[0]

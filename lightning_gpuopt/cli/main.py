@@ -36,6 +36,7 @@ from lightning_gpuopt.cli.defaults import (
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPTModule
+from lightning_gpuopt.internals import parser_options
 from lightning_gpuopt.option_checks import check_trainer_options
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
@@ -54,7 +55,7 @@ class _SuggestingParser(LightningArgumentParser):
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         message = explain_parser_error(message)
         parser = getattr(ex, "subcommand_parser", None) or self
-        known = [a.dest for a in parser._actions if a.dest and a.dest != "help"]
+        known = parser_options(parser)
         match = _UNKNOWN_OPTION.search(message)
         if match:
             key = f"{match.group(1)}.{match.group(2)}" if match.group(1) else match.group(2)

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_gpuopt.callbacks.auto_batch import recovery as oom
 from lightning_gpuopt.callbacks.auto_batch.trial import batch_len, trial_steps
-from lightning_gpuopt.internals import drop_train_loader, require_internals
+from lightning_gpuopt.internals import drop_train_loader, is_last_batch, require_internals
 from lightning_gpuopt.callbacks.auto_batch import search
 from lightning_gpuopt.callbacks.auto_batch.search import Trial
 from lightning_gpuopt.option_checks import check_auto_batch_options
@@ -99,7 +99,7 @@ def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, repli
                 f"train_dataloader() builds its loader from `{attr}`."
             )
             return True
-        if held < expected and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        if held < expected and is_last_batch(trainer):
             return False
     if held != expected:
         accumulate = trainer.accumulate_grad_batches
