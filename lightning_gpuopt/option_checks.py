@@ -1,132 +1,101 @@
-"""Range checks for numeric options, run when an object is built (before data preparation or any step).
+"""Small checks every public class uses on its own options, in its constructor, with one style of message.
 
-``GPTModule`` calls :func:`check_module_options` in its constructor; the ``gpuopt`` CLI calls
-:func:`check_trainer_options` on the parsed ``trainer`` group before anything is instantiated,
-for the Trainer arguments Lightning accepts without a check (a negative ``gradient_clip_val``
-turns clipping off without a word).
+Each raises a ``ValueError`` that names the option as ``Owner.name``, the range it must be in, and
+the value it got, before any data is prepared or any step runs::
+
+    check_number("GPTModule", "learning_rate", learning_rate, low=0, low_open=True)
+    check_int("AutoBatchSize", "max_micro_batch_size", value, minimum=1, optional=True)
+    check_choice("NonFiniteGuard", "policy", policy, ("skip", "stop"))
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
-__all__ = ["check_auto_batch_options", "check_module_options", "check_trainer_options"]
+__all__ = ["check_choice", "check_int", "check_number"]
 
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _finite(owner: str, name: str, value: Any) -> None:
+def _range(low: Optional[float], high: Optional[float], low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {high}"
+    return "a finite number"
+
+
+def check_number(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    low: Optional[float] = None,
+    high: Optional[float] = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+    hint: str = "",
+) -> None:
+    """Raise unless ``value`` is a finite number in the range (``None`` too when ``optional``).
+
+    Example::
+
+        check_number("GPTModule", "weight_decay", -1.0, low=0, hint=": a negative decay makes the weights grow")
+        # ValueError: GPTModule.weight_decay must be >= 0, got -1.0: a negative decay makes the weights grow.
+
+    Args:
+        owner: The class, as users write it.
+        name: The option.
+        value: What was given.
+        low: Lowest allowed value (``None``: no bound); ``low_open`` leaves ``low`` itself out.
+        high: Highest allowed value (``None``: no bound); ``high_open`` leaves ``high`` itself out.
+        optional: ``None`` is allowed.
+        hint: Appended to the message (the fix, or what the option means).
+    """
+    if optional and value is None:
+        return
+    where = f"{owner}.{name}"
     if not _number(value) or not math.isfinite(value):
-        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}.")
+        raise ValueError(f"{where} must be a finite number{' or None' if optional else ''}, got {value!r}{hint}.")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        bounds = _range(low, high, low_open, high_open)
+        raise ValueError(f"{where} must be {bounds}{' or None' if optional else ''}, got {value!r}{hint}.")
 
 
-def check_module_options(
-    learning_rate: float,
-    weight_decay: float,
-    betas: Sequence[float],
-    warmup_steps: int,
-    min_lr_ratio: float,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: Optional[int],
-) -> None:
-    """Raise a ``ValueError`` naming the option and its range for the first ``GPTModule`` option out of range.
+def check_int(owner: str, name: str, value: Any, *, minimum: int, optional: bool = False, hint: str = "") -> None:
+    """Raise unless ``value`` is an integer >= ``minimum`` (``None`` too when ``optional``).
 
     Example::
 
-        check_module_options(6e-4, 0.1, (0.9, 0.95), 100, 0.1, 64, 0.8, 50)   # passes
-        check_module_options(6e-4, -1.0, (0.9, 0.95), 100, 0.1, 64, 0.8, 50)  # ValueError: weight_decay must be >= 0
-
-    Args:
-        learning_rate: Peak learning rate, > 0.
-        weight_decay: AdamW weight decay, >= 0 (a negative one makes weights grow).
-        betas: Two AdamW betas, each in [0, 1).
-        warmup_steps: Warm-up steps, an integer >= 0.
-        min_lr_ratio: Final learning rate as a fraction of the peak, in [0, 1].
-        max_new_tokens: Tokens generated per prompt, an integer >= 1.
-        temperature: Sampling temperature, >= 0 (0 is greedy).
-        top_k: Top-k sampling, an integer >= 1, or ``None`` for no limit.
+        check_int("GPTModule", "max_new_tokens", 0, minimum=1)
+        # ValueError: GPTModule.max_new_tokens must be an integer >= 1, got 0.
     """
-    owner = "GPTModule"
-    _finite(owner, "learning_rate", learning_rate)
-    if learning_rate <= 0:
-        raise ValueError(f"GPTModule.learning_rate must be > 0, got {learning_rate}.")
-    _finite(owner, "weight_decay", weight_decay)
-    if weight_decay < 0:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(
-            f"GPTModule.weight_decay must be >= 0, got {weight_decay}: a negative decay makes the weights grow "
-            "every step. Use 0 for no decay (0.1 is the usual value)."
+            f"{owner}.{name} must be an integer >= {minimum}{' or None' if optional else ''}, got {value!r}{hint}."
         )
-    if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
-        raise ValueError(f"GPTModule.betas must be two numbers in [0, 1), e.g. (0.9, 0.95), got {betas!r}.")
-    for i, beta in enumerate(betas):
-        if not _number(beta) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"GPTModule.betas[{i}] must be in [0, 1), got {beta!r} (the usual values: (0.9, 0.95)).")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"GPTModule.warmup_steps must be >= 0, got {warmup_steps!r}.")
-    if not _number(min_lr_ratio) or not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(
-            f"GPTModule.min_lr_ratio must be in [0, 1] (the final learning rate as a fraction of learning_rate), "
-            f"got {min_lr_ratio!r}."
-        )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"GPTModule.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
-    _finite(owner, "temperature", temperature)
-    if temperature < 0:
-        raise ValueError(f"GPTModule.temperature must be >= 0 (0 is greedy), got {temperature}.")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"GPTModule.top_k must be an integer >= 1 or None (no limit), got {top_k!r}.")
 
 
-def check_trainer_options(trainer: Mapping[str, Any]) -> None:
-    """Raise a ``ValueError`` for a Trainer option Lightning would accept but that breaks training silently.
+def check_choice(owner: str, name: str, value: Any, choices: Sequence[Any], hint: str = "") -> None:
+    """Raise unless ``value`` is one of ``choices``.
 
     Example::
 
-        check_trainer_options({"gradient_clip_val": 1.0})   # passes
-        check_trainer_options({"gradient_clip_val": -1})    # ValueError: trainer.gradient_clip_val must be >= 0
-
-    Args:
-        trainer: The ``trainer`` group of a parsed ``gpuopt`` configuration (or ``Trainer`` keyword arguments).
+        check_choice("NonFiniteGuard", "mode", "lazy", ("auto", "step", "deferred"))
+        # ValueError: NonFiniteGuard.mode must be 'auto', 'step' or 'deferred', got 'lazy'.
     """
-    clip = trainer.get("gradient_clip_val")
-    if clip is not None and (not _number(clip) or not math.isfinite(clip) or clip < 0):
-        raise ValueError(
-            f"trainer.gradient_clip_val must be >= 0 or null (no clipping), got {clip!r}: a negative value turns "
-            "clipping off without a word. Use e.g. 1.0, or leave it unset."
-        )
-
-
-def check_auto_batch_options(
-    global_batch_size: Optional[int],
-    max_micro_batch_size: Optional[int],
-    mode: str,
-    memory_margin: float,
-    steps_per_trial: int,
-) -> None:
-    """Raise a ``ValueError`` naming the option and its range for the first ``AutoBatchSize`` option out of range.
-
-    Example::
-
-        check_auto_batch_options(512, None, "binsearch", 0.1, 2)   # passes
-
-    Args:
-        global_batch_size: ``None`` or >= 1.
-        max_micro_batch_size: ``None`` or >= 1.
-        mode: ``"binsearch"`` or ``"power"``.
-        memory_margin: In [0, 1).
-        steps_per_trial: >= 1.
-    """
-    if global_batch_size is not None and global_batch_size < 1:
-        raise ValueError(f"AutoBatchSize.global_batch_size must be >= 1 (or None), got {global_batch_size}.")
-    if max_micro_batch_size is not None and max_micro_batch_size < 1:
-        raise ValueError(f"AutoBatchSize.max_micro_batch_size must be >= 1 (or None), got {max_micro_batch_size}.")
-    if mode not in ("binsearch", "power"):
-        raise ValueError(f"AutoBatchSize.mode must be 'binsearch' or 'power', got {mode!r}.")
-    if not 0 <= memory_margin < 1:
-        raise ValueError(f"AutoBatchSize.memory_margin is the fraction of memory to keep free, in [0, 1): got {memory_margin}.")
-    if steps_per_trial < 1:
-        raise ValueError(f"AutoBatchSize.steps_per_trial must be >= 1, got {steps_per_trial}.")
+    if value not in choices:
+        names = [repr(c) for c in choices]
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        raise ValueError(f"{owner}.{name} must be {listed}, got {value!r}{hint}.")

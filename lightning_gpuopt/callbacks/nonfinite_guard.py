@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gpuopt.option_checks import check_choice, check_int
 from lightning_gpuopt.callbacks.nonfinite_checks import (
     count_on_device,
     describe_bad_step,
@@ -109,15 +110,10 @@ class NonFiniteGuard(Callback):
     def __init__(
         self, policy: Policy = "skip", max_consecutive_skips: int = 5, check_gradients: bool = True, mode: Mode = "auto"
     ) -> None:
-        if policy not in ("skip", "stop"):
-            raise ValueError(f"NonFiniteGuard.policy must be 'skip' or 'stop', got {policy!r}.")
-        if mode not in ("auto", "step", "deferred"):
-            raise ValueError(f"NonFiniteGuard.mode must be 'auto', 'step' or 'deferred', got {mode!r}.")
-        if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
-            raise ValueError(
-                f"NonFiniteGuard.max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r} "
-                "(use policy='stop' to stop at the first bad step)."
-            )
+        check_choice("NonFiniteGuard", "policy", policy, ("skip", "stop"))
+        check_choice("NonFiniteGuard", "mode", mode, ("auto", "step", "deferred"))
+        check_int("NonFiniteGuard", "max_consecutive_skips", max_consecutive_skips, minimum=1,
+                  hint=" (use policy='stop' to stop at the first bad step)")
         self.policy = policy
         self.max_consecutive_skips = max_consecutive_skips
         self.check_gradients = check_gradients

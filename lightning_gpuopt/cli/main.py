@@ -37,7 +37,7 @@ from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_e
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.internals import parser_options
-from lightning_gpuopt.option_checks import check_trainer_options
+from lightning_gpuopt.option_checks import check_number
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
@@ -131,7 +131,8 @@ class GPTCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        check_trainer_options(config.get("trainer") or {})
+        check_number("trainer", "gradient_clip_val", (config.get("trainer") or {}).get("gradient_clip_val"), low=0,
+                     optional=True, hint=": a negative value turns clipping off without a word. Use e.g. 1.0, or leave it unset")
         _drop_checkpoint_callbacks_if_disabled(config)
         if self.subcommand == "fit":
             problem = check_run_length(config.get("trainer", {}))

@@ -19,6 +19,7 @@ from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
 from lightning_gpuopt.data.tokenizer import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
+from lightning_gpuopt.option_checks import check_int, check_number
 from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 from lightning_gpuopt.resume import step_boundary
 
@@ -96,12 +97,9 @@ class TextDataModule(pl.LightningDataModule):
             ("prefetch_factor", prefetch_factor, 1),
             ("samples_per_prompt", samples_per_prompt, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"TextDataModule.{name} must be an integer >= {low}, got {value!r}.")
-        if not 0.0 < val_fraction < 0.5:
-            raise ValueError(f"TextDataModule.val_fraction must be in (0, 0.5), got {val_fraction!r}.")
-        if samples_per_epoch is not None and samples_per_epoch < 1:
-            raise ValueError(f"TextDataModule.samples_per_epoch must be >= 1 or None, got {samples_per_epoch!r}.")
+            check_int("TextDataModule", name, value, minimum=low)
+        check_number("TextDataModule", "val_fraction", val_fraction, low=0, high=0.5, low_open=True, high_open=True)
+        check_int("TextDataModule", "samples_per_epoch", samples_per_epoch, minimum=1, optional=True)
         self.save_hyperparameters()
         self.source = source
         self.block_size = block_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -19,7 +20,7 @@ from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
 from lightning_gpuopt.model.sharding import shard_gpt
-from lightning_gpuopt.option_checks import check_module_options
+from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 
 __all__ = ["GPTModule"]
 
@@ -123,13 +124,22 @@ class GPTModule(pl.LightningModule):
             loss_impl=loss_impl,
             loss_chunk_size=loss_chunk_size,
         )
-        check_module_options(
-            learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, max_new_tokens, temperature, top_k
-        )
+        own = "GPTModule"
+        check_number(own, "learning_rate", learning_rate, low=0, low_open=True)
+        check_number(own, "weight_decay", weight_decay, low=0, hint=": a negative decay makes the weights grow every "
+                     "step. Use 0 for no decay (0.1 is the usual value)")
+        if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
+            raise ValueError(f"GPTModule.betas must be two numbers in [0, 1), e.g. (0.9, 0.95), got {betas!r}.")
+        for i, beta in enumerate(betas):
+            check_number(own, f"betas[{i}]", beta, low=0, high=1, high_open=True, hint=" (the usual values: (0.9, 0.95))")
+        check_int(own, "warmup_steps", warmup_steps, minimum=0)
+        check_number(own, "min_lr_ratio", min_lr_ratio, low=0, high=1, hint=" (the final learning rate as a fraction of learning_rate)")
+        check_int(own, "max_new_tokens", max_new_tokens, minimum=1)
+        check_number(own, "temperature", temperature, low=0, hint=" (0 is greedy)")
+        check_int(own, "top_k", top_k, minimum=1, optional=True, hint=" (None: no limit)")
+        check_choice(own, "compile_scope", compile_scope, ("block", "model"))
         if compile_mode is not None and not compile:
             raise ValueError(f"GPTModule.compile_mode={compile_mode!r} has no effect: also set compile=True.")
-        if compile_scope not in ("block", "model"):
-            raise ValueError(f"GPTModule.compile_scope must be 'block' or 'model', got {compile_scope!r}.")
         self.model: Optional[GPT] = None
         self._last_train_loss: Optional[Tensor] = None
         self._progress_bar_step = 0

@@ -27,7 +27,7 @@ from lightning_gpuopt.callbacks.auto_batch.trial import batch_len, trial_steps
 from lightning_gpuopt.internals import drop_train_loader, is_last_batch, require_internals
 from lightning_gpuopt.callbacks.auto_batch import search
 from lightning_gpuopt.callbacks.auto_batch.search import Trial
-from lightning_gpuopt.option_checks import check_auto_batch_options
+from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 from lightning_gpuopt.perf.parallel import data_parallel_size
 from lightning_gpuopt.perf.oom import is_oom_error
 
@@ -255,7 +255,12 @@ class AutoBatchSize(Callback):
         batch_size_attr: str = "batch_size",
         recover_oom: bool = True,
     ) -> None:
-        check_auto_batch_options(global_batch_size, max_micro_batch_size, mode, memory_margin, steps_per_trial)
+        own = "AutoBatchSize"
+        check_int(own, "global_batch_size", global_batch_size, minimum=1, optional=True)
+        check_int(own, "max_micro_batch_size", max_micro_batch_size, minimum=1, optional=True)
+        check_choice(own, "mode", mode, ("binsearch", "power"))
+        check_number(own, "memory_margin", memory_margin, low=0, high=1, high_open=True, hint=" (the fraction of memory to keep free)")
+        check_int(own, "steps_per_trial", steps_per_trial, minimum=1)
         self.global_batch_size = global_batch_size
         self.max_micro_batch_size = max_micro_batch_size
         self.mode = mode
