@@ -41,11 +41,13 @@ LAYERS = (
     Layer("model/data", frozenset({"model", "data"}), False),
     Layer("plugins", frozenset({"plugins"}), True),
     Layer("callbacks/strategies", frozenset({"callbacks", "strategies"}), False),
-    Layer("cli", frozenset({"", "__main__", "cli", "cli_defaults", "cli_errors", "prompts", "resume_settings"}), True),
+    Layer("cli", frozenset({"", "__main__", "cli", "cli_defaults", "cli_errors", "doctor", "prompts", "resume_settings"}), True),
 )
 
 # Library files allowed over MAX_LINES, with the reason. Remove an entry when its file is split.
-LONG_FILES: dict[str, str] = {}
+LONG_FILES: dict[str, str] = {
+    "doctor.py": "gpuopt doctor: one short function per check of one report; split, the report would be in pieces",
+}
 
 
 def _module_name(path: Path, root: Path) -> str:
