@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence
+from typing import Callable, Literal, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -51,6 +51,7 @@ from lightning_gpuopt.plugins.float8_conversion import (
 __all__ = [
     "COMPILE_TIMEOUT_S",
     "Check",
+    "CompileProbe",
     "apply_cuda_settings",
     "attention_check",
     "compile_check",
@@ -210,29 +211,35 @@ if abs(got - want) > 1e-4 * max(1.0, abs(want)):
 """
 
 
-def start_compile_probe(facts: DeviceFacts) -> subprocess.Popen:
+class CompileProbe(NamedTuple):
+    process: subprocess.Popen
+    started: float
+    """``time.perf_counter()`` when it started."""
+
+
+def start_compile_probe(facts: DeviceFacts) -> CompileProbe:
     """Compile and run a tiny function on the device in a child process (a hung compiler can be stopped there)."""
-    return subprocess.Popen([sys.executable, "-c", _COMPILE_PROBE, str(_torch_device(facts))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-c", _COMPILE_PROBE, str(_torch_device(facts))],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return CompileProbe(process, time.perf_counter())
 
 
-def compile_check(probe: subprocess.Popen, facts: DeviceFacts, timeout_s: float = COMPILE_TIMEOUT_S) -> Check:
-    """Whether :func:`start_compile_probe`'s compile worked, with the reason and the fix when it did not."""
+def compile_check(probe: CompileProbe, facts: DeviceFacts, timeout_s: float = COMPILE_TIMEOUT_S) -> Check:
+    """Whether :func:`start_compile_probe`'s compile worked within ``timeout_s`` of its start, and the fix if not."""
     no_compile = "until then train without it (--model.compile false)"
-    start = time.perf_counter()
     try:
-        _, stderr = probe.communicate(timeout=timeout_s)
+        _, stderr = probe.process.communicate(timeout=max(0.0, timeout_s - (time.perf_counter() - probe.started)))
     except subprocess.TimeoutExpired:
-        probe.kill()
-        probe.communicate()
+        probe.process.kill()
+        probe.process.communicate()
         return Check(_COMPILE_NAME, "fail", f"compiling a one-line function did not finish in {timeout_s:.0f} s",
                      f"run `gpuopt doctor` again (the compile cache makes the second faster); {no_compile}")
-    if probe.returncode == 0:
-        return Check(_COMPILE_NAME, "pass", f"compiled and ran a function on {_torch_device(facts)} in "
-                     f"{time.perf_counter() - start:.1f} s (inductor)")
+    if probe.process.returncode == 0:
+        return Check(_COMPILE_NAME, "pass", f"compiled (inductor) and ran a function on {_torch_device(facts)}, "
+                     f"done within {time.perf_counter() - probe.started:.1f} s")
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)]
-    reason = (errors or lines or [f"exit status {probe.returncode}"])[-1]
+    reason = (errors or lines or [f"exit status {probe.process.returncode}"])[-1]
     if "C++ compiler" in reason or "Cxx" in reason:
         fix = f"install a C++ compiler (apt install g++), or set CXX to one; {no_compile}"
     elif facts.is_cuda:
@@ -324,6 +331,8 @@ def gpu_differences(here: DeviceFacts, gpu: DeviceFacts, settings: list[tuple[st
         gpu: The GPU to compare with.
         settings: ``CUDASettings`` rows ``(setting, value, status)``, from :func:`apply_cuda_settings`.
     """
+    if not gpu.is_cuda or gpu.capability is None:
+        raise ValueError(f"gpu_differences compares with a CUDA GPU, got {gpu.describe()}: pass e.g. REFERENCE_DEVICES['H100 SXM'].")
     dtype = "bf16" if gpu.bf16 else "fp16"
     changes = {
         "precision": f"{dtype} autocast on tensor cores ({gpu.peak_tflops(dtype)} dense TFLOP/s)"
@@ -371,9 +380,9 @@ def run_checks(steps: Optional[int] = None, preset: Optional[str] = None,
             checks += gpu_differences(facts, REFERENCE_DEVICES["H100 SXM"], rows)
         return checks
     finally:
-        if probe is not None and probe.poll() is None:  # an error above: stop the compile too
-            probe.kill()
-            probe.communicate()
+        if probe is not None and probe.process.poll() is None:  # an error above: stop the compile too
+            probe.process.kill()
+            probe.process.communicate()
         restore()
 
 
@@ -384,7 +393,7 @@ def exit_code(checks: Sequence[Check]) -> int:
 
 def format_table(checks: Sequence[Check]) -> str:
     """The checks as a text table, each fix on its own line under its check, and a count at the end."""
-    width = max(len(c.name) for c in checks)
+    width = max((len(c.name) for c in checks), default=5)
     lines = [f"{'check':<{width}}  status  detail"]
     for c in checks:
         lines.append(f"{c.name:<{width}}  {c.status:<6}  {c.detail}")
@@ -400,10 +409,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuopt doctor", description=(
         "What lightning_gpuopt will do on this machine: device, settings, attention kernel, torch.compile, "
         "float8, and measured training steps. Exit status 1 when a check failed."))
-    parser.add_argument("--json", type=Path, default=None, help="also write the checks to this JSON file")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per micro-batch (default 10 on a GPU, 3 else)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the checks to this JSON file")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="timed steps per micro-batch size (default 10 on a GPU, 3 elsewhere)")
     parser.add_argument("--preset", choices=list(PRESETS), default=None,
-                        help="GPTConfig preset to check (default 124m on a GPU, a 2-layer, 64-wide model else)")
+                        help="GPTConfig preset to check (default 124m on a GPU, a 2-layer, 64-wide model elsewhere)")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}.")

@@ -14,12 +14,14 @@ from lightning_gpuopt.cli import main
 from lightning_gpuopt.doctor import (
     Check,
     apply_cuda_settings,
+    compile_check,
     device_checks,
     exit_code,
     float8_checks,
     format_table,
     gpu_differences,
     settings_checks,
+    start_compile_probe,
     train_step_checks,
 )
 from lightning_gpuopt.model.config import GPTConfig
@@ -90,6 +92,13 @@ def test_exit_status_is_one_exactly_when_a_check_failed():
     assert "fix: do w" in table and table.endswith("1 passed, 1 failed, 0 for information")
     with pytest.raises(ValueError, match="Check.status"):
         Check("d", "ok", "nope")  # type: ignore[arg-type]
+
+
+def test_a_compile_past_its_time_limit_fails_and_is_stopped():
+    probe = start_compile_probe(CPU)
+    check = compile_check(probe, CPU, timeout_s=0)
+    assert check.status == "fail" and "did not finish in 0 s" in check.detail and "--model.compile false" in check.fix
+    assert probe.process.returncode is not None  # killed, not left running
 
 
 def test_device_checks_read_the_datasheet_peaks_of_a_known_gpu():
