@@ -35,6 +35,7 @@ from lightning_gpuopt.cli.defaults import (
 )
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
+from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.internals import parser_options
 from lightning_gpuopt.option_checks import check_number
@@ -46,6 +47,7 @@ from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_dist
 
 __all__ = ["GPTCLI", "main"]
 
+_DOCTOR_EPILOG = "gpuopt doctor: what this package will do on this machine (gpuopt doctor --help)."
 _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
 
 
@@ -245,14 +247,20 @@ def main(args: Optional[list[str]] = None) -> None:
     ``--config`` file or a command-line flag takes precedence over it.
 
     A SIGTERM during ``fit`` saves ``last.ckpt`` (``SigtermCheckpoint``) and ends the process with
-    status 143 (128 + SIGTERM), so a scheduler sees an interrupted job and can requeue it."""
+    status 143 (128 + SIGTERM), so a scheduler sees an interrupted job and can requeue it.
+
+    ``gpuopt doctor`` is handled before LightningCLI parses anything (:mod:`lightning_gpuopt.cli.doctor`)."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["doctor"]:
+        sys.exit(doctor_main(argv[1:]))
+
     def run() -> None:
         cli = GPTCLI(
             GPTModule,
             TextDataModule,
             seed_everything_default=1337,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt"},
+            parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG},
             args=args,  # None: LightningCLI reads sys.argv itself (and does not warn about `args`)
         )
         if cli.subcommand == "fit":
