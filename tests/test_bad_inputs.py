@@ -20,6 +20,8 @@ from lightning_gpuopt import GPT, GPTConfig, GPTModule, TextDataModule
 from lightning_gpuopt.callbacks import AutoBatchSize, CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard
 from lightning_gpuopt.cli.main import main
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
+from lightning_gpuopt.model.config import check_attention_runs
+from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from lightning_gpuopt.callbacks.auto_batch.search import per_device_batch
 from lightning_gpuopt.data.tokenizer import check_same_tokenizer
 from lightning_gpuopt.checkpoint import AtomicCheckpointIO, NonFiniteCheckpointError
@@ -158,6 +160,12 @@ class Case:
 
 
 
+def _flash_config() -> GPTConfig:
+    config = GPTConfig.from_name("tiny")
+    config.attention = "flash-attn"  # as GPTConfig(attention="flash-attn") with the package installed
+    return config
+
+
 def _liger_on_cpu():
     from lightning_gpuopt.model.loss import linear_cross_entropy
 
@@ -190,6 +198,10 @@ CASES = [
     Case("compile-mode-without-compile", lambda c: GPTModule(compile_mode="max-autotune"), ValueError, "also set compile=True"),
     Case("flash-attn-missing", lambda c: GPTModule(attention="flash-attn"), ImportError,
          r'pip install "lightning-gpuopt\[flash\]".*or use attention="sdpa"', skip=_requires_missing("flash_attn")),
+    Case("flash-attn-float32", lambda c: check_attention_runs(_flash_config(), REFERENCE_DEVICES["A100"], "fp32"), ValueError,
+         r"runs in fp16 or bf16 only, and this run computes in fp32 .*use bf16 precision .*or attention='sdpa'"),
+    Case("flash-attn-old-gpu", lambda c: check_attention_runs(_flash_config(), REFERENCE_DEVICES["V100"], "fp16"), ValueError,
+         r"needs a CUDA GPU of compute capability 8.0 or newer .*Tesla V100.*use attention='sdpa'"),
     Case("no-run-length", lambda c: c.fit(GPTModule(vocab_size=300, block_size=32), c.data(), max_steps=-1, max_epochs=-1),
          ValueError, r"set trainer.max_steps \(or max_epochs\)"),
     Case("data-longer-than-model-context", lambda c: c.fit(GPTModule(vocab_size=300, block_size=16), c.data()), ValueError,

@@ -42,7 +42,10 @@ class MFUMonitor(Callback):
 
     The first ``warmup_steps`` optimizer steps (compilation, cuDNN autotuning, allocator growth) are
     left out; after that, one value per window of ``log_every_n_steps`` optimizer steps is logged.
-    The device is synchronised only at the end of a window: steps in between queue work freely.
+    The device is synchronised only at the end of a window (and around a validation or checkpoint
+    save): steps in between queue work freely. Time spent in validation and in saving checkpoints is
+    left out of the window, so it counts neither as training time nor as waiting for data; the
+    first batch fetched after a save is counted with the save (no hook marks the save's end).
 
     ============================== ==========================================================================
     Key                            Meaning
@@ -54,7 +57,7 @@ class MFUMonitor(Callback):
     ``perf/mfu_fp8``               Under FP8 only: against the fp8 peak
     ``perf/mfu_measured``          With ``measure_peak=True``: against a timed bf16 matmul
     ``perf/step_time_ms``          Wall time of one optimizer step (all its micro-batches)
-    ``perf/dataloader_wait_pct``   Share of the window spent waiting for the next batch
+    ``perf/dataloader_wait_pct``   Share of the window spent waiting for the next batch (validation, saves left out)
     ``mem/allocated_gb``           CUDA memory held by tensors now (GiB)
     ``mem/reserved_gb``            CUDA memory reserved by the caching allocator (GiB)
     ``mem/peak_gb``                Peak memory held by tensors since the start (GiB)
@@ -133,6 +136,9 @@ class MFUMonitor(Callback):
         self._window_start: Optional[float] = None
         self._last_batch_end: Optional[float] = None
         self._tokens, self._flops, self._wait, self._flops_known = 0, 0.0, 0.0, True  # the current window
+        self._paused = 0.0  # seconds of the current window spent in validation or checkpoint saves
+        self._pause_start: Optional[float] = None
+        self._gap_paused = 0.0  # of those, the seconds since the last training batch
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -196,8 +202,40 @@ class MFUMonitor(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        now = self._clock()
+        self._end_pause(now)
         if self._last_batch_end is not None:
-            self._wait += self._clock() - self._last_batch_end
+            self._wait += max(now - self._last_batch_end - self._gap_paused, 0.0)
+        self._gap_paused = 0.0
+
+    def _start_pause(self, trainer: pl.Trainer) -> None:
+        """Validation or a checkpoint save begins between two training batches: its time is not the window's."""
+        if self._last_batch_end is not None and self._pause_start is None and not trainer.sanity_checking:
+            _synchronize(self._device)  # the training work queued so far belongs to the window
+            self._pause_start = self._clock()
+
+    def _end_pause(self, now: Optional[float] = None) -> None:
+        """The pause (if one began) ends: its seconds are taken out of the window and the wait for the next batch."""
+        if self._pause_start is None:
+            return
+        if now is None:
+            _synchronize(self._device)
+            now = self._clock()
+        paused, self._pause_start = now - self._pause_start, None
+        self._paused += paused
+        self._gap_paused += paused
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_pause(trainer)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_pause()  # a checkpoint saved next starts a pause of its own
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._start_pause(trainer)  # ends at the next training batch: the write has no hook of its own
 
     @override
     def on_train_batch_end(
@@ -226,7 +264,7 @@ class MFUMonitor(Callback):
     def _start_window(self) -> None:
         _synchronize(self._device)
         self._window_start = self._clock()
-        self._tokens, self._flops, self._wait, self._flops_known = 0, 0.0, 0.0, True
+        self._tokens, self._flops, self._wait, self._flops_known, self._paused = 0, 0.0, 0.0, True, 0.0
 
     def _end_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _synchronize(self._device)
@@ -234,7 +272,7 @@ class MFUMonitor(Callback):
         metrics = window_metrics(
             tokens=self._tokens,
             flops=self._flops if self._flops_known else None,
-            elapsed=now - self._window_start,
+            elapsed=now - self._window_start - self._paused,
             steps=self._window,
             wait=self._wait,
             replicas=data_parallel_size(trainer),
@@ -250,7 +288,7 @@ class MFUMonitor(Callback):
             if self.prog_bar:
                 self._show_in_progress_bar(trainer, metrics)
         self._window_start = self._clock()
-        self._tokens, self._flops, self._wait, self._flops_known = 0, 0.0, 0.0, True
+        self._tokens, self._flops, self._wait, self._flops_known, self._paused = 0, 0.0, 0.0, True, 0.0
 
     @override
     def state_dict(self) -> dict[str, Any]:

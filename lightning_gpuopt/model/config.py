@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from lightning_gpuopt.model.loss import LOSS_IMPLS, LossImpl
+from lightning_gpuopt.perf.device import DeviceFacts
 
-__all__ = ["GPTConfig", "PRESETS", "check_data_fits"]
+__all__ = ["GPTConfig", "PRESETS", "check_attention_runs", "check_data_fits"]
 
 Attention = Literal["sdpa", "flash-attn"]
 
@@ -51,7 +53,8 @@ class GPTConfig:
         bias: Whether Linear and LayerNorm layers have biases (GPT-2 has them).
         attention: ``"sdpa"`` uses ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch
             picks its Flash / cuDNN / memory-efficient kernel); ``"flash-attn"`` calls the
-            ``flash-attn`` package (CUDA only, fp16/bf16 only).
+            ``flash-attn`` package (compute capability 8.0 or newer, fp16/bf16 only: checked at
+            ``GPTModule.setup`` by :func:`check_attention_runs`).
         activation_checkpointing: Recompute each block's activations in the backward pass,
             trading about a third more compute for far less activation memory.
         padding_multiple: The multiple ``vocab_size`` is rounded up to.
@@ -162,4 +165,48 @@ def check_data_fits(config: GPTConfig, data_vocab_size: Any = None, data_block_s
         raise ValueError(
             f"The data's block_size={data_block_size} is longer than the model's block_size={config.block_size}: "
             f"set model.block_size >= {data_block_size} or data.block_size <= {config.block_size}."
+        )
+
+
+# The dtypes flash-attn's kernels take: fp16 and bf16 (under float8 training attention runs in bf16 autocast).
+_FLASH_ATTN_DTYPES = ("bf16", "fp16", "fp8")
+
+
+def check_attention_runs(config: GPTConfig, facts: DeviceFacts, dtype: Optional[str]) -> None:
+    """Raise ``ValueError`` naming the fix when ``attention="flash-attn"`` cannot run on this device and precision.
+
+    flash-attn runs on CUDA GPUs of compute capability 8.0 or newer, in fp16 or bf16 only; otherwise
+    its first call fails, after data preparation and model setup.
+
+    Example::
+
+        check_attention_runs(config, REFERENCE_DEVICES["A100"], "bf16")   # fine
+        check_attention_runs(config, REFERENCE_DEVICES["A100"], "fp32")   # ValueError: use bf16 precision
+
+    Args:
+        config: The model's configuration (only ``attention="flash-attn"`` is checked).
+        facts: The training device (:func:`~lightning_gpuopt.perf.device.read_device`).
+        dtype: The precision plugin's compute dtype name
+            (:func:`~lightning_gpuopt.precision.dtype.compute_dtype_name`); ``None`` when unknown.
+    """
+    if config.attention != "flash-attn":
+        return
+    if not facts.flash_attention:
+        raise ValueError(
+            f"GPTConfig(attention='flash-attn') needs a CUDA GPU of compute capability 8.0 or newer (A100, L4, "
+            f"H100), and this run's device is {facts.describe()}: use attention='sdpa', which picks a kernel "
+            "this device has."
+        )
+    if dtype is None:
+        warnings.warn(
+            "GPTConfig(attention='flash-attn') runs in fp16 or bf16 only, and the precision plugin does not say "
+            "its compute dtype: if it computes in float32 the first step fails. Use bf16 precision "
+            "(precision='bf16-mixed' or BF16Precision()), or attention='sdpa'.",
+            stacklevel=2,
+        )
+    elif dtype not in _FLASH_ATTN_DTYPES:
+        raise ValueError(
+            f"GPTConfig(attention='flash-attn') runs in fp16 or bf16 only, and this run computes in {dtype} "
+            "(the precision plugin's compute dtype): use bf16 precision (precision='bf16-mixed' or "
+            "BF16Precision()), or attention='sdpa'."
         )

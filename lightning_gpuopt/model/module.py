@@ -14,8 +14,9 @@ from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_gpuopt.internals import show_in_progress_bar
+from lightning_gpuopt.perf.device import read_device
 from lightning_gpuopt.precision.dtype import clip_without_scaler, compute_dtype_name
-from lightning_gpuopt.model.config import GPTConfig, check_data_fits
+from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
 from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
@@ -188,6 +189,9 @@ class GPTModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         check_data_fits(self.config, getattr(datamodule, "vocab_size", None), getattr(datamodule, "block_size", None))
+        if self._trainer is not None:  # before the model is built: flash-attn would fail at the first step
+            facts = read_device(self.trainer.strategy.root_device)
+            check_attention_runs(self.config, facts, compute_dtype_name(self.trainer.precision_plugin))
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)

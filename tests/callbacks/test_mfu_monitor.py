@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -76,6 +77,56 @@ def test_mfu_arithmetic_with_controlled_clock(tmp_path):
     # end-of-fit report: data wait is 17% of the time -> advice to add workers
     assert "tokens/s" in monitor.summary["text"]
     assert any("num_workers" in a for a in monitor.summary["advice"])
+
+
+class _PausingGPTModule(ClockedGPTModule):
+    """Each validation batch takes ``val_s`` seconds on the clock."""
+
+    def __init__(self, clock: FakeClock, step_s: float, val_s: float, **kwargs) -> None:
+        super().__init__(clock, step_s, **kwargs)
+        self._val_s = val_s
+
+    def validation_step(self, batch, batch_idx):
+        self._clock.advance(self._val_s)
+        return super().validation_step(batch, batch_idx)
+
+
+class _SlowCheckpointIO(TorchCheckpointIO):
+    """Writing a checkpoint takes ``save_s`` seconds on the clock."""
+
+    def __init__(self, clock: FakeClock, save_s: float) -> None:
+        self.clock, self.save_s = clock, save_s
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.clock.advance(self.save_s)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+@pytest.mark.parametrize("validate, save", [(True, False), (False, True), (True, True)])
+def test_validation_and_checkpoint_time_is_neither_data_wait_nor_training_time(tmp_path, validate, save):
+    # Every 3 steps (one per window of 3) a validation of 2 batches (10 s) and/or a checkpoint save (7 s).
+    clock = FakeClock()
+    step_s, fetch_s = 0.1, 0.02
+    module = _PausingGPTModule(clock, step_s, val_s=5.0, preset="tiny", warmup_steps=1)
+    monitor = MFUMonitor(log_every_n_steps=3, warmup_steps=2, peak_flops=2e9, clock=clock, prog_bar=False)
+    callbacks = [monitor, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)]
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=11, callbacks=callbacks[: 1 + save],
+        plugins=[_SlowCheckpointIO(clock, save_s=7.0)], logger=False, enable_model_summary=False,
+        enable_checkpointing=save, enable_progress_bar=False, num_sanity_val_steps=0, val_check_interval=3,
+        check_val_every_n_epoch=None, limit_val_batches=2 if validate else 0,
+    )
+    trainer.fit(module, loader(TokenBatches(30, B, T, clock=clock, fetch_s=fetch_s)), loader(TokenBatches(2, B, T)))
+
+    assert len(monitor.history) == 3
+    assert save == (tmp_path / "ckpt").is_dir() and clock.now > 100 + 11 * (step_s + fetch_s) + 20  # they ran
+    # A save alone: the batch fetched after it counts with the save (no hook marks the write's end).
+    fetches = 2 if save and not validate else 3
+    window_s = 3 * step_s + fetches * fetch_s
+    for metrics in monitor.history:
+        assert metrics["perf/dataloader_wait_pct"] == pytest.approx(100 * fetches * fetch_s / window_s, rel=1e-9)
+        assert metrics["perf/step_time_ms"] == pytest.approx(1000 * window_s / 3, rel=1e-9)
+        assert metrics["perf/tokens_per_sec"] == pytest.approx(3 * B * T / window_s, rel=1e-9)
 
 
 def test_no_sync_on_steps_that_do_not_log(tmp_path, monkeypatch):

@@ -1,7 +1,11 @@
+import warnings
+
 import pytest
 import torch
 
 from lightning_gpuopt.model import GPT, PRESETS, GPTConfig
+from lightning_gpuopt.model.config import check_attention_runs
+from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from tests._paths import REPO
 
 # (n_layer, n_embd) of each GPT-2 family preset, from the papers, not from PRESETS itself.
@@ -83,3 +87,36 @@ def test_readme_preset_table_is_what_the_code_computes():
     readme = (REPO / "README.md").read_text()
     table = readme.split("<!-- presets:start -->\n")[1].split("\n<!-- presets:end -->")[0]
     assert table == preset_table(), "regenerate with: python -m lightning_gpuopt.model.summary"
+
+
+def flash_config() -> GPTConfig:
+    """A tiny config asking for flash-attn, built without the package (the import is checked at construction)."""
+    config = GPTConfig.from_name("tiny")
+    config.attention = "flash-attn"
+    return config
+
+
+FLASH_DEVICES = {"H100 SXM", "H200", "A100", "L4"}  # compute capability 8.0 or newer
+
+
+@pytest.mark.parametrize("device", sorted(REFERENCE_DEVICES))
+def test_flash_attn_runs_on_ampere_or_newer_in_half_precision_only(device):
+    facts = REFERENCE_DEVICES[device]
+    for dtype in ("bf16", "fp16", "fp8", "fp32", "tf32"):
+        check_attention_runs(GPTConfig.from_name("tiny"), facts, dtype)  # sdpa runs everywhere
+        if device not in FLASH_DEVICES:
+            with pytest.raises(ValueError, match=r"compute capability 8.0 or newer .*use attention='sdpa'"):
+                check_attention_runs(flash_config(), facts, dtype)
+        elif dtype in ("fp32", "tf32"):
+            with pytest.raises(ValueError, match=rf"computes in {dtype} .*use bf16 precision .*or attention='sdpa'"):
+                check_attention_runs(flash_config(), facts, dtype)
+        else:
+            check_attention_runs(flash_config(), facts, dtype)
+
+
+def test_flash_attn_with_an_unknown_compute_dtype_warns():
+    with pytest.warns(UserWarning, match="does not say its compute dtype"):
+        check_attention_runs(flash_config(), REFERENCE_DEVICES["H100 SXM"], None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_attention_runs(flash_config(), REFERENCE_DEVICES["H100 SXM"], "bf16")

@@ -112,3 +112,14 @@ def test_checkpoint_round_trip_and_predict(tmp_path, text_dir, cache_dir):
     assert [tuple(o.shape) for o in out] == [(3, len(data.encode(p)) + 5) for p in ("the model", "loss")]
     assert torch.equal(out[0][0], out[0][1])  # greedy: every sample of a prompt is the same
     assert data.decode(out[0][0]).startswith("the model")
+
+
+def test_flash_attn_on_a_device_without_it_stops_in_setup_before_the_model_is_built(text_dir, cache_dir):
+    module = GPTModule(preset="tiny", vocab_size=300, block_size=32)
+    module.config.attention = "flash-attn"  # as GPTModule(attention="flash-attn") with the package installed
+    data = TextDataModule(source=str(text_dir), block_size=32, batch_size=4, vocab_size=300, num_workers=0, cache_dir=str(cache_dir))
+    trainer = pl.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"compute capability 8.0 or newer .*this run's device is cpu: use attention='sdpa'"):
+        trainer.fit(module, datamodule=data)
+    assert module.model is None and trainer.global_step == 0

@@ -33,12 +33,58 @@ def _local(t: Tensor) -> Tensor:
 
 
 @dataclass
+class _HostShard:
+    """A DTensor's local shard in host memory, with what rebuilds the DTensor on its device."""
+
+    local: Tensor
+    device: torch.device
+    spec: tuple  # (device mesh, placements, global shape, global stride)
+
+    def back(self) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.spec
+        local = self.local.to(self.device)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _to_host(value: Any) -> Any:
+    """A copy of an optimizer state dict with its tensors in host memory (DTensors as their local shard)."""
+    if isinstance(value, Tensor) and hasattr(value, "_local_tensor"):  # DTensor (FSDP2)
+        spec = (value.device_mesh, value.placements, value.shape, value.stride())
+        return _HostShard(value._local_tensor.detach().to("cpu", copy=True), value._local_tensor.device, spec)
+    if isinstance(value, Tensor):  # torchao's low-bit states move too (their subclasses implement the copy)
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _from_host(value: Any) -> Any:
+    """The state dict to load: DTensors rebuilt on their device (``load_state_dict`` moves plain tensors)."""
+    if isinstance(value, _HostShard):
+        return value.back()
+    if isinstance(value, dict):
+        return {k: _from_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_from_host(v) for v in value)
+    return value
+
+
+@dataclass
 class TrainingState:
     """Weights, optimizer and LR-scheduler state, grad-scaler state, RNG states and module modes.
 
-    Weights are copied to host memory so the copy does not take the device memory the search
-    measures. Optimizer state is copied only when it exists (it is empty at the start of a fresh
-    run; trial steps create it and ``restore`` drops it again).
+    Weights and optimizer state are copied to host memory, so the copies do not take the device
+    memory the search measures (Adam's state is twice the weights: a copy on the device would make
+    the search pick a smaller micro-batch, or find none). Optimizer state is copied only when it
+    exists. It is empty at the start of a fresh run (trial steps create it and ``restore`` drops it
+    again), and a checkpoint's optimizer state arrives after ``on_fit_start`` under every strategy,
+    so after the search; it exists when ``configure_optimizers`` hands over an optimizer that has
+    already stepped (one kept across fits) or a callback loads optimizer state in ``on_fit_start``.
+    ``restore`` loads it back onto its parameters' device and dtype.
     """
 
     weights: list[Tensor] = field(default_factory=list)
@@ -57,7 +103,7 @@ class TrainingState:
             weights=[_local(t.detach()).to("cpu", copy=True) for t in tensors],
             grads_were_none=all(p.grad is None for p in module.parameters()),
             optimizers=[
-                copy.deepcopy(opt.state_dict()) if len(opt.state) else None for opt in trainer.optimizers
+                _to_host(opt.state_dict()) if len(opt.state) else None for opt in trainer.optimizers
             ],
             groups=[
                 [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
@@ -85,7 +131,7 @@ class TrainingState:
                 for group, settings in zip(opt.param_groups, groups):  # and what a scheduler step changed
                     group.update(copy.deepcopy(settings))
             else:
-                opt.load_state_dict(saved)
+                opt.load_state_dict(_from_host(saved))
         for cfg, saved in zip(trainer.lr_scheduler_configs, self.schedulers):
             cfg.scheduler.load_state_dict(saved)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
