@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_gpuopt.lightning_internals import show_in_progress_bar
 from lightning_gpuopt.perf.precision import clip_without_scaler, compute_dtype_name
+from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.config import GPTConfig, check_data_fits
 from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.gpt import GPT
@@ -22,10 +23,6 @@ from lightning_gpuopt.model.sharding import shard_gpt
 from lightning_gpuopt.option_checks import check_module_options
 
 __all__ = ["GPTModule"]
-
-CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-CompileScope = Literal["block", "model"]
-
 
 class GPTModule(pl.LightningModule):
     """Trains a :class:`~lightning_gpuopt.model.GPT` language model.
@@ -161,12 +158,7 @@ class GPTModule(pl.LightningModule):
             mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
             shard_gpt(self.model, mesh, param_dtype=self._fsdp_param_dtype())
         if self.hparams.compile:  # after sharding: the compiled graph sees FSDP2's hooks
-            # Module.compile() compiles in place: state-dict keys stay those of the plain model.
-            if self.hparams.get("compile_scope", "block") == "block":
-                self.model.compile_blocks(mode=self.hparams.compile_mode)
-            else:
-                self.model.compile(mode=self.hparams.compile_mode)
-                self.model.compile_loss = True
+            compile_gpt(self.model, self.hparams.get("compile_scope", "block"), self.hparams.compile_mode)
 
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
         """bf16 under a bf16 precision (Lightning's or ``BF16Precision``), else keep float32."""
