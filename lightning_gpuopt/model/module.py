@@ -63,7 +63,8 @@ class GPTModule(pl.LightningModule):
         compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None`` is the default mode.
         compile_scope: ``"block"`` compiles each transformer block on its own (one graph shared by
             all blocks: compile time does not grow with depth) and the loss kernel; ``"model"``
-            compiles the whole model as one graph.
+            compiles the whole model as one graph (under FSDP2 each block instead, with a warning:
+            FSDP2's hooks break a whole-model graph at every block; see ``model/compiling.py``).
         loss_impl: ``"auto"``/``"chunked"``, ``"liger"`` or ``"plain"``; see ``GPTConfig.loss_impl``.
         loss_chunk_size: Tokens per chunk of the chunked loss.
         max_new_tokens: Tokens generated per prompt by ``predict_step``.
