@@ -6,7 +6,9 @@ compile of a sharded GPT therefore compiles each block's body at most, never the
 with activation checkpointing nothing at all: Dynamo cannot break a graph inside
 ``torch.utils.checkpoint`` and skips the whole forward (0 graphs captured, measured with torch 2.13).
 Compiling each block instead (what torchtitan does) gives the same graphs in every case, so under
-FSDP2 the ``"model"`` scope is run as ``"block"``, with a warning.
+FSDP2 the ``"model"`` scope is run as ``"block"``, with a warning. The modes that record CUDA graphs
+(``reduce-overhead``, ``max-autotune``) are run without them under FSDP2: a CUDA graph replays fixed
+memory addresses, and FSDP2 allocates its all-gather and reduce-scatter buffers anew every step.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from torch import nn
 
 from lightning_gpuopt.model.gpt import GPT
 
-__all__ = ["CompileMode", "CompileScope", "compile_gpt", "compile_settings"]
+__all__ = ["WITHOUT_CUDA_GRAPHS", "CompileMode", "CompileScope", "compile_gpt", "compile_settings"]
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 CompileScope = Literal["block", "model"]
+
+WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+"""``torch.compile`` modes that record CUDA graphs -> the same mode without them (``reduce-overhead`` is
+``default`` plus CUDA graphs)."""
 
 
 def compile_settings(scope: CompileScope, mode: Optional[str], fsdp2: bool) -> tuple[CompileScope, Optional[str], list[str]]:
@@ -44,6 +50,14 @@ def compile_settings(scope: CompileScope, mode: Optional[str], fsdp2: bool) -> t
             "compiles at all). Compiling each block instead; set compile_scope='block' to say so."
         )
         scope = "block"
+    if fsdp2 and mode in WITHOUT_CUDA_GRAPHS:
+        notes.append(
+            f"GPTModule.compile_mode={mode!r} under FSDP2: this mode records CUDA graphs, which replay fixed memory "
+            "addresses, but FSDP2 allocates the gathered parameters and reduced gradients anew each step, so the "
+            f"graphs are re-recorded or fall back instead of saving time. Compiling with {WITHOUT_CUDA_GRAPHS[mode]!r} "
+            "(the same without CUDA graphs); set it as compile_mode to say so."
+        )
+        mode = WITHOUT_CUDA_GRAPHS[mode]
     return scope, mode, notes
 
 

@@ -60,7 +60,8 @@ class GPTModule(pl.LightningModule):
         warmup_steps: Linear warm-up steps; then cosine decay over the rest of training.
         min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
         compile: Compile the model with ``torch.compile`` in ``configure_model``.
-        compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None`` is the default mode.
+        compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None`` is the default mode. Under
+            FSDP2 the modes that record CUDA graphs run without them, with a warning (``model/compiling.py``).
         compile_scope: ``"block"`` compiles each transformer block on its own (one graph shared by
             all blocks: compile time does not grow with depth) and the loss kernel; ``"model"``
             compiles the whole model as one graph (under FSDP2 each block instead, with a warning:

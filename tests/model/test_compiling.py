@@ -76,3 +76,18 @@ def test_is_compiled_is_false_for_a_whole_model_compile_that_captures_nothing(me
     plain.compile(backend=backend)  # no checkpointing: the block bodies compile between FSDP2's hooks
     plain(torch.randint(0, 256, (2, 16))).float().sum().backward()
     assert backend.graphs > 0 and is_compiled(plain)
+
+
+@pytest.mark.parametrize(
+    ("mode", "steered"), [("reduce-overhead", "default"), ("max-autotune", "max-autotune-no-cudagraphs")]
+)
+def test_under_fsdp2_cuda_graph_modes_are_steered_to_their_modes_without_cuda_graphs(mode, steered):
+    scope, got, notes = compile_settings("block", mode, fsdp2=True)
+    assert (scope, got) == ("block", steered)
+    assert len(notes) == 1 and f"compile_mode={mode!r} under FSDP2" in notes[0] and f"{steered!r}" in notes[0]
+    assert compile_settings("block", mode, fsdp2=False) == ("block", mode, [])  # one device, DDP: CUDA graphs stay
+
+
+@pytest.mark.parametrize("mode", [None, "default", "max-autotune-no-cudagraphs"])
+def test_modes_without_cuda_graphs_are_kept_under_fsdp2(mode):
+    assert compile_settings("block", mode, fsdp2=True) == ("block", mode, [])
