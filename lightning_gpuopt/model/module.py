@@ -163,10 +163,14 @@ class GPTModule(pl.LightningModule):
             compile_gpt(self.model, self.hparams.get("compile_scope", "block"), self.hparams.compile_mode)
 
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
-        """bf16 under a bf16 precision (Lightning's or ``BF16Precision``), else keep float32."""
+        """bf16 under a bf16 precision (Lightning's or ``BF16Precision``) and under a float8 one computing the
+        rest in bf16 (``Float8Precision``: its float8 layers gather in float8 or bf16), else keep float32."""
         if self._trainer is None:
             return None
-        return torch.bfloat16 if compute_dtype_name(self.trainer.precision_plugin) == "bf16" else None
+        plugin = self.trainer.precision_plugin
+        name = compute_dtype_name(plugin)
+        bf16_rest = name == "fp8" and getattr(plugin, "compute_dtype", None) == torch.bfloat16
+        return torch.bfloat16 if name == "bf16" or bf16_rest else None
 
     @override
     def setup(self, stage: str) -> None:
