@@ -55,3 +55,27 @@ def text_dir(tmp_path) -> Path:
         idx = torch.randint(0, len(words), (3000,), generator=g).tolist()
         (folder / f"doc{i}.txt").write_text(" ".join(words[j] for j in idx) + "\n")
     return folder
+
+
+@pytest.fixture
+def fsdp2_trainer():
+    """Builds one-device CPU Trainers under ``AtomicModelParallelStrategy`` (FSDP2 over a gloo group of one
+    process, in this process); the process group they start is destroyed afterwards."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from lightning_gpuopt.strategies import AtomicModelParallelStrategy
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+
+    def build(strategy=None, **kwargs) -> pl.Trainer:
+        strategy = strategy or AtomicModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+        defaults = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        return pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, **{**defaults, **kwargs})
+
+    try:
+        yield build
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

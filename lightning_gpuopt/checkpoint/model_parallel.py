@@ -1,4 +1,5 @@
-"""`AtomicModelParallelStrategy`: Lightning's FSDP2 strategy, whose distributed checkpoints are never half written.
+"""`AtomicModelParallelStrategy`: Lightning's FSDP2 strategy, whose distributed checkpoints are never half written
+(and which reduces gradients once per optimizer step under gradient accumulation).
 
 Lightning's ``ModelParallelStrategy`` writes a distributed checkpoint (a folder: one ``.distcp``
 file per rank, ``.metadata`` and ``meta.pt``) into the target folder in place. A run killed while
@@ -22,6 +23,8 @@ Lightning's path unchanged (``AtomicCheckpointIO`` covers those on one device an
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,6 +56,12 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
     rank), so a diverged run never replaces a good checkpoint. ``choose_strategy`` and
     ``trainer.strategy: gpuopt-auto`` use it.
 
+    Under gradient accumulation, gradients are reduce-scattered once per optimizer step, after the last
+    micro-batch, instead of after every one (Lightning's strategy skips the reduction only for DDP): each
+    rank then holds the whole model's unsharded float32 gradients between micro-batches (4 bytes per
+    parameter, as DDP does); ``sync_every_micro_batch=True`` keeps them sharded at one reduce-scatter
+    per micro-batch, for a model whose memory has no room for them.
+
     Example::
 
         trainer = Trainer(devices=8, strategy=AtomicModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1))
@@ -64,10 +73,35 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             class_path: lightning_gpuopt.checkpoint.AtomicModelParallelStrategy
             init_args: {data_parallel_size: auto, tensor_parallel_size: 1}
 
+    Args:
+        sync_every_micro_batch: Reduce-scatter gradients after every micro-batch (less memory, more traffic).
+        *args, **kwargs: Those of Lightning's ``ModelParallelStrategy``.
+
     Note:
         The folder must be on a file system all ranks share (as for Lightning's own distributed
         checkpoints); the hidden folder is created beside the target, so the swap stays on one file system.
     """
+
+    def __init__(self, *args: Any, sync_every_micro_batch: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sync_every_micro_batch = sync_every_micro_batch
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning runs each micro-batch but the last of an optimizer step inside this: FSDP2 then keeps
+        the gradients unsharded and reduce-scatters them once, after the last (as DDP's ``no_sync``)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [] if self.sync_every_micro_batch else self.lightning_module.modules()
+        sharded = [m for m in modules if isinstance(m, FSDPModule)]
+        for module in sharded:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in sharded:
+                module.set_requires_gradient_sync(True, recurse=False)
 
     @override
     def save_checkpoint(

@@ -7,7 +7,7 @@ compilation are applied to this model from outside; it stays plain PyTorch.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -242,7 +242,7 @@ class GPT(nn.Module):
         that ``forward(idx, targets=targets)`` matches without materialising the logits)."""
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
 
-    def compile_blocks(self, mode: Optional[str] = None) -> None:
+    def compile_blocks(self, mode: Optional[str] = None, backend: Union[str, Callable] = "inductor") -> None:
         """Compile each ``Block`` on its own (in place, so state-dict keys stay plain) and the loss's
         per-chunk kernel: the blocks share one graph, so compile time does not grow with depth.
 
@@ -253,9 +253,10 @@ class GPT(nn.Module):
 
         Args:
             mode: ``torch.compile`` mode (``None``: the default).
+            backend: ``torch.compile`` backend.
         """
         for block in self.transformer.h:
-            block.compile(mode=mode)
+            block.compile(mode=mode, backend=backend)
         self.compile_loss = True
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.device import read_device
 from lightning_gpuopt.precision.dtype import clip_without_scaler, compute_dtype_name
 from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
+from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
@@ -24,10 +25,6 @@ from lightning_gpuopt.model.sharding import shard_gpt
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 
 __all__ = ["GPTModule"]
-
-CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-CompileScope = Literal["block", "model"]
-
 
 class GPTModule(pl.LightningModule):
     """Trains a :class:`~lightning_gpuopt.model.GPT` language model.
@@ -65,10 +62,12 @@ class GPTModule(pl.LightningModule):
         warmup_steps: Linear warm-up steps; then cosine decay over the rest of training.
         min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
         compile: Compile the model with ``torch.compile`` in ``configure_model``.
-        compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None`` is the default mode.
+        compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None`` is the default mode. Under
+            FSDP2 the modes that record CUDA graphs run without them, with a warning (``model/compiling.py``).
         compile_scope: ``"block"`` compiles each transformer block on its own (one graph shared by
             all blocks: compile time does not grow with depth) and the loss kernel; ``"model"``
-            compiles the whole model as one graph.
+            compiles the whole model as one graph (under FSDP2 each block instead, with a warning:
+            FSDP2's hooks break a whole-model graph at every block; see ``model/compiling.py``).
         loss_impl: ``"auto"``/``"chunked"``, ``"liger"`` or ``"plain"``; see ``GPTConfig.loss_impl``.
         loss_chunk_size: Tokens per chunk of the chunked loss.
         max_new_tokens: Tokens generated per prompt by ``predict_step``.
@@ -172,18 +171,17 @@ class GPTModule(pl.LightningModule):
             mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
             shard_gpt(self.model, mesh, param_dtype=self._fsdp_param_dtype())
         if self.hparams.compile:  # after sharding: the compiled graph sees FSDP2's hooks
-            # Module.compile() compiles in place: state-dict keys stay those of the plain model.
-            if self.hparams.get("compile_scope", "block") == "block":
-                self.model.compile_blocks(mode=self.hparams.compile_mode)
-            else:
-                self.model.compile(mode=self.hparams.compile_mode)
-                self.model.compile_loss = True
+            compile_gpt(self.model, self.hparams.get("compile_scope", "block"), self.hparams.compile_mode)
 
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
-        """bf16 under a bf16 precision (Lightning's or ``BF16Precision``), else keep float32."""
+        """bf16 under a bf16 precision (Lightning's or ``BF16Precision``) and under a float8 one computing the
+        rest in bf16 (``Float8Precision``: its float8 layers gather in float8 or bf16), else keep float32."""
         if self._trainer is None:
             return None
-        return torch.bfloat16 if compute_dtype_name(self.trainer.precision_plugin) == "bf16" else None
+        plugin = self.trainer.precision_plugin
+        name = compute_dtype_name(plugin)
+        bf16_rest = name == "fp8" and getattr(plugin, "compute_dtype", None) == torch.bfloat16
+        return torch.bfloat16 if name == "bf16" or bf16_rest else None
 
     @override
     def setup(self, stage: str) -> None:

@@ -16,7 +16,8 @@ def is_compiled(module: nn.Module) -> bool:
 
     Detects ``torch.compile(module)`` wrappers (``OptimizedModule``), in-place ``Module.compile()``
     (which sets ``_compiled_call_impl``) and a LightningModule passed compiled to ``Trainer.fit``
-    (Lightning stores ``_compiler_ctx``).
+    (Lightning stores ``_compiler_ctx``). A compile that captures nothing does not count: one around
+    FSDP2-sharded blocks that run under activation checkpointing (see ``model/compiling.py``).
 
     Example::
 
@@ -30,8 +31,24 @@ def is_compiled(module: nn.Module) -> bool:
     """
     from torch._dynamo.eval_frame import OptimizedModule
 
-    if getattr(module, "_compiler_ctx", None):
+    if getattr(module, "_compiler_ctx", None) and _captures_graphs(module):
         return True
     return any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
+        (isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None) and _captures_graphs(m)
+        for m in module.modules()
     )
+
+
+def _captures_graphs(compiled: nn.Module) -> bool:
+    """False for a compile Dynamo skips whole: FSDP2-sharded submodules called through ``torch.utils.checkpoint``.
+
+    FSDP2's hooks are excluded from ``torch.compile``; inside a checkpointed region Dynamo cannot break
+    the graph there, and skips the forward that holds it (0 graphs, torch 2.13). The checkpointing is
+    known from ``config.activation_checkpointing`` (this package's ``GPTConfig``), as the call is in ``forward``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = [m for m in compiled.modules() if m is not compiled]
+    if not any(isinstance(m, FSDPModule) for m in inner):
+        return True
+    return not any(getattr(getattr(m, "config", None), "activation_checkpointing", None) is True for m in compiled.modules())

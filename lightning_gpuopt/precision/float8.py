@@ -100,7 +100,8 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
     skip) is logged, and kept in ``conversion_report``.
 
     With ``ModelParallelStrategy`` (FSDP2) and the tensorwise recipe, weights are all-gathered in
-    float8 and their scales precomputed after each optimizer step (one all-reduce for all layers).
+    float8 and their scales precomputed after each optimizer step (one all-reduce for all layers);
+    ``GPTModule`` gathers every other parameter in bf16 (``MixedPrecisionPolicy(param_dtype=bfloat16)``).
 
     FP8 pays off for wide models (``n_embd`` >= 4096 or so) run under ``torch.compile``; without
     compile it is several times slower than bf16, and the plugin warns once if the model is not compiled.

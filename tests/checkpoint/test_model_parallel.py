@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -125,3 +126,44 @@ def test_fsdp2_ranks_agree_to_refuse_a_nonfinite_checkpoint(tmp_path, text_dir):
     meta = torch.load(last / "meta.pt", weights_only=True)
     assert meta["global_step"] == step - 1  # the last good step, whole
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".gpuopt-")) == []
+
+
+class _GradientsPerMicroBatch(pl.Callback):
+    """Records, after each micro-batch's backward, whether the sharded gradients were reduced (FSDP2 sets
+    ``param.grad`` only in its reduce-scatter), and the full gradients before the optimizer step."""
+
+    def __init__(self) -> None:
+        self.reduced: list[bool] = []
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.reduced.append(all(p.grad is not None for p in pl_module.parameters()))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads = {n: p.grad.full_tensor().clone() for n, p in pl_module.named_parameters()}
+
+
+def _fit_one_step(fsdp2_trainer, batch_size: int, accumulate: int, **strategy_args):
+    from lightning_gpuopt.strategies import AtomicModelParallelStrategy
+    from tests.precision._helpers import tiny_gpt_module, token_loader
+
+    pl.seed_everything(0)
+    recorder = _GradientsPerMicroBatch()
+    strategy = AtomicModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, **strategy_args)
+    trainer = fsdp2_trainer(strategy, max_steps=1, accumulate_grad_batches=accumulate, callbacks=[recorder])
+    trainer.fit(tiny_gpt_module(), token_loader(n_seq=16, batch_size=batch_size))
+    return recorder
+
+
+def test_fsdp2_reduces_gradients_once_per_optimizer_step_and_they_equal_one_big_batch(fsdp2_trainer):
+    accumulated = _fit_one_step(fsdp2_trainer, batch_size=2, accumulate=4)
+    assert accumulated.reduced == [False, False, False, True]  # one reduce-scatter, after the last micro-batch
+    whole = _fit_one_step(fsdp2_trainer, batch_size=8, accumulate=1)  # the same 8 sequences in one micro-batch
+    assert whole.reduced == [True]
+    assert accumulated.grads.keys() == whole.grads.keys() and len(whole.grads) > 0
+    for name, grad in whole.grads.items():
+        torch.testing.assert_close(accumulated.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    every = _fit_one_step(fsdp2_trainer, batch_size=2, accumulate=4, sync_every_micro_batch=True)
+    assert every.reduced == [True, True, True, True]  # gradients stay sharded between micro-batches
+    for name, grad in whole.grads.items():
+        torch.testing.assert_close(every.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

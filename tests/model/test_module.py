@@ -123,3 +123,38 @@ def test_flash_attn_on_a_device_without_it_stops_in_setup_before_the_model_is_bu
     with pytest.raises(ValueError, match=r"compute capability 8.0 or newer .*this run's device is cpu: use attention='sdpa'"):
         trainer.fit(module, datamodule=data)
     assert module.model is None and trainer.global_step == 0
+class _GatheredWeights(pl.Callback):
+    """Records what FSDP2 hands each probed layer in the forward: the weight's class and its element dtype."""
+
+    LAYERS = ("transformer.ln_f", "transformer.h.0.ln_1", "transformer.h.0.mlp.c_fc")
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[str, torch.dtype]] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for name in self.LAYERS:
+            def record(module, args, name=name):
+                weight = module.weight
+                self.seen.setdefault(name, (type(weight).__name__, getattr(weight, "_data", weight).dtype))
+
+            pl_module.model.get_submodule(name).register_forward_pre_hook(record)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "linear"),
+    [("tensorwise", ("Float8TrainingTensor", torch.float8_e4m3fn)), ("rowwise", ("Parameter", torch.bfloat16))],
+)
+def test_float8_under_fsdp2_gathers_weights_in_float8_or_bf16_never_fp32(fsdp2_trainer, recipe, linear):
+    from tests.precision._helpers import tiny_gpt_module, token_loader
+
+    from lightning_gpuopt.precision import Float8Precision
+
+    probe = _GatheredWeights()
+    convert_all = Float8Precision(recipe=recipe, emulate=True, module_filter=lambda module, fqn: "lm_head" not in fqn)
+    trainer = fsdp2_trainer(plugins=[convert_all], max_steps=1, callbacks=[probe])
+    trainer.fit(tiny_gpt_module(), token_loader(n_seq=8, batch_size=4))
+    assert probe.seen == {  # what the all-gather carried: 1 byte per float8 weight (tensorwise), else 2
+        "transformer.ln_f": ("Parameter", torch.bfloat16),  # the root's: embedding, tied head, final norm
+        "transformer.h.0.ln_1": ("Parameter", torch.bfloat16),
+        "transformer.h.0.mlp.c_fc": linear,
+    }

@@ -1,0 +1,98 @@
+"""How ``GPTModule`` compiles the GPT: per block or as one graph, in a ``torch.compile`` mode.
+
+Design note, compile under FSDP2: FSDP2 excludes its hooks from ``torch.compile`` (each is wrapped
+in ``torch._dynamo.disable``), so a graph around a sharded block breaks at the block. A whole-model
+compile of a sharded GPT therefore compiles each block's body at most, never the embeddings, and
+with activation checkpointing nothing at all: Dynamo cannot break a graph inside
+``torch.utils.checkpoint`` and skips the whole forward (0 graphs captured, measured with torch 2.13).
+Compiling each block instead (what torchtitan does) gives the same graphs in every case, so under
+FSDP2 the ``"model"`` scope is run as ``"block"``, with a warning. The modes that record CUDA graphs
+(``reduce-overhead``, ``max-autotune``) are run without them under FSDP2: a CUDA graph replays fixed
+memory addresses, and FSDP2 allocates its all-gather and reduce-scatter buffers anew every step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal, Optional, Union
+
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from lightning_gpuopt.model.gpt import GPT
+
+__all__ = ["WITHOUT_CUDA_GRAPHS", "CompileMode", "CompileScope", "compile_gpt", "compile_settings"]
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+CompileScope = Literal["block", "model"]
+
+WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+"""``torch.compile`` modes that record CUDA graphs -> the same mode without them (``reduce-overhead`` is
+``default`` plus CUDA graphs)."""
+
+
+def compile_settings(scope: CompileScope, mode: Optional[str], fsdp2: bool) -> tuple[CompileScope, Optional[str], list[str]]:
+    """The scope and mode to compile with, and one message per setting changed to work under FSDP2.
+
+    Example::
+
+        compile_settings("model", None, fsdp2=True)  # ("block", None, ["GPTModule.compile_scope='model' ..."])
+
+    Args:
+        scope: The asked ``compile_scope``.
+        mode: The asked ``torch.compile`` mode.
+        fsdp2: Whether the GPT is sharded with FSDP2 (``fully_shard``).
+    """
+    notes = []
+    if fsdp2 and scope == "model":
+        notes.append(
+            "GPTModule.compile_scope='model' under FSDP2: FSDP2's hooks on each sharded block are excluded from "
+            "torch.compile, so a whole-model graph breaks at every block (with activation checkpointing nothing "
+            "compiles at all). Compiling each block instead; set compile_scope='block' to say so."
+        )
+        scope = "block"
+    if fsdp2 and mode in WITHOUT_CUDA_GRAPHS:
+        notes.append(
+            f"GPTModule.compile_mode={mode!r} under FSDP2: this mode records CUDA graphs, which replay fixed memory "
+            "addresses, but FSDP2 allocates the gathered parameters and reduced gradients anew each step, so the "
+            f"graphs are re-recorded or fall back instead of saving time. Compiling with {WITHOUT_CUDA_GRAPHS[mode]!r} "
+            "(the same without CUDA graphs); set it as compile_mode to say so."
+        )
+        mode = WITHOUT_CUDA_GRAPHS[mode]
+    return scope, mode, notes
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def compile_gpt(
+    model: GPT, scope: CompileScope = "block", mode: Optional[str] = None, backend: Union[str, Callable] = "inductor"
+) -> CompileScope:
+    """Compile ``model`` in place (state-dict keys stay those of the plain model), after any sharding.
+
+    Under FSDP2 the scope and mode are those of :func:`compile_settings`, with one warning per change.
+
+    Example::
+
+        compile_gpt(model, "block", mode="max-autotune-no-cudagraphs")
+
+    Args:
+        model: The GPT (sharded already, if it is to be: the graph must see FSDP2's parameters).
+        scope: ``"block"``: each block on its own, plus the loss kernel; ``"model"``: one whole-model graph.
+        mode: ``torch.compile`` mode (``None``: the default).
+        backend: ``torch.compile`` backend.
+
+    Returns:
+        The scope compiled.
+    """
+    scope, mode, notes = compile_settings(scope, mode, _is_fsdp2(model))
+    for note in notes:
+        rank_zero_warn(note)
+    if scope == "block":
+        model.compile_blocks(mode=mode, backend=backend)
+    else:
+        model.compile(mode=mode, backend=backend)
+        model.compile_loss = True
+    return scope
