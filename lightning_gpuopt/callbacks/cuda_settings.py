@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -40,17 +40,56 @@ def _set_allocator_settings(conf: str) -> None:
     setter(conf)
 
 
+def _tf32_nodes() -> dict[str, Any]:
+    """torch's per-backend TF32 settings (``fp32_precision``, torch >= 2.9) that the TF32 options write; empty before."""
+    b = torch.backends
+    if not hasattr(b, "fp32_precision"):
+        return {}
+    return {"cuda.matmul": b.cuda.matmul, "cudnn.conv": b.cudnn.conv, "cudnn.rnn": b.cudnn.rnn, "mkldnn.matmul": b.mkldnn.matmul}
+
+
+def _legacy_view(read: Callable[[], Any]) -> Any:
+    """A legacy TF32 flag, or ``None`` where the user set the new API so that torch refuses to read it."""
+    try:
+        return read()
+    except RuntimeError:  # "... you have used mix of the legacy and new APIs ..."
+        return None
+
+
+def _set_tf32(tf32: Optional[bool], matmul_precision: Optional[str]) -> None:
+    """Write TF32 through both APIs: the per-backend ``fp32_precision`` (what decides, whatever a user set
+    through ``torch.backends.fp32_precision``) and the legacy flags (which Lightning reads on CUDA)."""
+    if matmul_precision is not None:
+        torch.set_float32_matmul_precision(matmul_precision)
+    if tf32 is None:
+        return
+    torch.backends.cudnn.allow_tf32 = tf32
+    for name, node in _tf32_nodes().items():
+        if name != "mkldnn.matmul":  # CPU matmuls follow matmul_precision alone
+            node.fp32_precision = "tf32" if tf32 else "ieee"
+
+
 def _capture() -> dict[str, Any]:
     """The global state this callback may change."""
     return {
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        "matmul_precision": torch.get_float32_matmul_precision(),
+        "matmul_precision": _legacy_view(torch.get_float32_matmul_precision),
+        "tf32_cudnn": _legacy_view(lambda: torch.backends.cudnn.allow_tf32),
+        "fp32_precision": {name: node.fp32_precision for name, node in _tf32_nodes().items()},
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "sdpa_enabled": {name: getattr(torch._C, f"_get_{flag}_sdp_enabled")() for name, flag in _SDPA_FLAGS.items()},
         "sdpa_priority": list(torch._C._get_sdp_priority_order()),
         "env": {name: os.environ.get(name) for name in _ALLOC_ENV_VARS},
     }
+
+
+def _restore_tf32(saved: dict[str, Any]) -> None:
+    """Put back the TF32 state ``_capture`` saw: the legacy flags where they were readable, then each backend's."""
+    if saved["matmul_precision"] is not None:
+        torch.set_float32_matmul_precision(saved["matmul_precision"])
+    if saved["tf32_cudnn"] is not None:
+        torch.backends.cudnn.allow_tf32 = saved["tf32_cudnn"]
+    for name, node in _tf32_nodes().items():
+        node.fp32_precision = saved["fp32_precision"][name]
 
 
 class CUDASettings(Callback):
@@ -142,13 +181,11 @@ class CUDASettings(Callback):
         rows = []
         if self.expandable_segments is not None:  # first: nothing below may initialise CUDA before it
             rows.append(("expandable_segments", str(self.expandable_segments), self._apply_allocator(cuda)))
-        if self.tf32 is not None:
-            torch.backends.cuda.matmul.allow_tf32 = self.tf32
-            torch.backends.cudnn.allow_tf32 = self.tf32
-            rows.append(("tf32", str(self.tf32), "applied" if cuda else no_cuda))
         precision = self.matmul_precision or ({True: "high", False: "highest"}.get(self.tf32))
+        _set_tf32(self.tf32, precision)
+        if self.tf32 is not None:
+            rows.append(("tf32", str(self.tf32), "applied" if cuda else no_cuda))
         if precision is not None:
-            torch.set_float32_matmul_precision(precision)
             rows.append(("matmul_precision", precision, "applied" if cuda else no_cuda))
         if self.cudnn_benchmark is not None:
             torch.backends.cudnn.benchmark = self.cudnn_benchmark
@@ -180,10 +217,7 @@ class CUDASettings(Callback):
         saved, self._saved = self._saved, None
         if saved is None:
             return
-        torch.backends.cuda.matmul.allow_tf32 = saved["tf32_matmul"]
-        torch.backends.cudnn.allow_tf32 = saved["tf32_cudnn"]
-        torch.set_float32_matmul_precision(saved["matmul_precision"])
-        torch.backends.cuda.matmul.allow_tf32 = saved["tf32_matmul"]  # set_float32_matmul_precision also touches it
+        _restore_tf32(saved)
         torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
         for name, enabled in saved["sdpa_enabled"].items():
             getattr(torch._C, f"_set_sdp_use_{_SDPA_FLAGS[name]}")(enabled)

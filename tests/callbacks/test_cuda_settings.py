@@ -31,7 +31,8 @@ def test_applies_at_construction(monkeypatch):
     before = _capture()
     cb = CUDASettings(tf32=True, cudnn_benchmark=True, sdpa_backends=["efficient", "math"], expandable_segments=True)
     now = _capture()
-    assert now["tf32_matmul"] and now["tf32_cudnn"] and now["cudnn_benchmark"]
+    assert now["fp32_precision"] == {"cuda.matmul": "tf32", "cudnn.conv": "tf32", "cudnn.rnn": "tf32", "mkldnn.matmul": "tf32"}
+    assert now["tf32_cudnn"] and now["cudnn_benchmark"]
     assert now["matmul_precision"] == "high"
     assert now["sdpa_enabled"] == {"cudnn": False, "flash": False, "efficient": True, "math": True}
     assert now["sdpa_priority"][:2] == [2, 0]  # SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH first
@@ -66,7 +67,7 @@ def test_fit_reports_once_and_restores(tmp_path, monkeypatch, caplog):
     seen = {}
     monkeypatch.setattr(ClockedGPTModule, "on_train_start", lambda self: seen.update(_capture()))
     trainer2.fit(ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(2, 2, 16)))
-    assert seen["tf32_matmul"] and seen["sdpa_enabled"]["flash"] and not seen["sdpa_enabled"]["cudnn"]
+    assert seen["fp32_precision"]["cuda.matmul"] == "tf32" and seen["sdpa_enabled"]["flash"] and not seen["sdpa_enabled"]["cudnn"]
     assert _capture() == before
 
 
@@ -210,3 +211,60 @@ def test_auto_puts_cudnn_first_on_hopper_and_reports_the_kernel(tmp_path):
     assert report["sdpa_backends"][2].startswith("priority cudnn,flash,efficient,math")
     assert report["attention_kernel"][1] == "cudnn"
     assert _capture()["sdpa_priority"] == before["sdpa_priority"]  # restored at teardown
+
+
+def _fp32_precisions() -> dict[str, str]:
+    """torch's per-backend TF32 settings (the new API), as a user of it reads them."""
+    b = torch.backends
+    nodes = {"all": b, "cuda.matmul": b.cuda.matmul, "cudnn.conv": b.cudnn.conv, "cudnn.rnn": b.cudnn.rnn,
+             "mkldnn.matmul": b.mkldnn.matmul}
+    return {name: node.fp32_precision for name, node in nodes.items()}
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_tf32_after_the_user_set_the_new_api(monkeypatch, tf32):
+    # Once anything sets `fp32_precision`, torch refuses to read the legacy `allow_tf32` flags.
+    from lightning_gpuopt.perf.precision import tf32_enabled
+
+    _known_state(monkeypatch)
+    user = "ieee" if tf32 else "tf32"  # the opposite of what CUDASettings sets
+    torch.backends.fp32_precision = user  # reaches the backends nothing set explicitly (cuDNN here)
+    torch.backends.cuda.matmul.fp32_precision = user
+    before = _fp32_precisions()
+    cb = CUDASettings(tf32=tf32, cudnn_benchmark=None, sdpa_backends=None, expandable_segments=None)
+    want = "tf32" if tf32 else "ieee"
+    now = _fp32_precisions()
+    assert (now["cuda.matmul"], now["cudnn.conv"], now["cudnn.rnn"]) == (want, want, want)
+    assert tf32_enabled() is tf32
+    assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")  # Lightning reads this on CUDA
+    assert torch.backends.cudnn.allow_tf32 is tf32
+    cb._restore()
+    assert _fp32_precisions() == before
+    assert tf32_enabled() is not tf32
+
+
+def test_tf32_after_the_user_set_the_legacy_api(monkeypatch):
+    _known_state(monkeypatch)
+    torch.set_float32_matmul_precision("medium")
+    torch.backends.cudnn.allow_tf32 = False
+    before = _fp32_precisions()
+    cb = CUDASettings(tf32=True, cudnn_benchmark=None, sdpa_backends=None, expandable_segments=None)
+    assert _fp32_precisions()["cudnn.conv"] == "tf32" and torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == "high"
+    cb._restore()
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("medium", False)
+    assert _fp32_precisions() == before
+
+
+def test_fit_after_the_user_set_the_new_api(tmp_path, monkeypatch):
+    _known_state(monkeypatch)
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    before = _fp32_precisions()
+    mfu = MFUMonitor(peak_flops=1e12, log_every_n_steps=1, warmup_steps=0, report=False)
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[CUDASettings(), mfu],
+    )
+    trainer.fit(ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(2, 2, 16)))
+    assert mfu._dtype == "tf32"  # fp32 under CUDASettings' TF32
+    assert _fp32_precisions() == before
