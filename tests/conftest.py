@@ -11,6 +11,15 @@ import torch
 WIKITEXT2 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"
 
 
+def _fp32_precision_nodes() -> list:
+    """torch's per-backend TF32 settings (``fp32_precision``, torch >= 2.9), a parent before its children:
+    writing a parent rewrites its children."""
+    b = torch.backends
+    if not hasattr(b, "fp32_precision"):
+        return []
+    return [b, b.cudnn, b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn, b.mkldnn.matmul, b.mkldnn.conv, b.mkldnn.rnn]
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state(monkeypatch):
     """Seed every test and put back the global torch flags it may change."""
@@ -22,6 +31,7 @@ def _restore_global_state(monkeypatch):
         torch.get_float32_matmul_precision(),
         torch.get_default_dtype(),
         dict(os.environ),
+        [node.fp32_precision for node in _fp32_precision_nodes()],
     )
     yield
     torch.backends.cuda.matmul.allow_tf32 = saved[0]
@@ -29,6 +39,8 @@ def _restore_global_state(monkeypatch):
     torch.backends.cudnn.benchmark = saved[2]
     torch.set_float32_matmul_precision(saved[3])
     torch.set_default_dtype(saved[4])
+    for node, value in zip(_fp32_precision_nodes(), saved[6]):  # after the legacy flags, which write these too
+        node.fp32_precision = value
     os.environ.clear()
     os.environ.update(saved[5])
 

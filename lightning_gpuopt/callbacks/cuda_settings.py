@@ -12,13 +12,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_gpuopt.precision.dtype import compute_dtype_name
+from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, read_device
 from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS as _SDPA_BACKENDS
-from lightning_gpuopt.precision.dtype import compute_dtype_name
 from lightning_gpuopt.perf.sdpa import SDPA_FLAGS as _SDPA_FLAGS
-from lightning_gpuopt.precision.dtype import compute_dtype_name
-from lightning_gpuopt.perf.sdpa import apply_auto_sdpa_order, attention_kernel, attention_row  # attention_kernel re-exported
+from lightning_gpuopt.perf.sdpa import attention_row, auto_sdpa_order, flash_skipped, set_sdpa_priority
+from lightning_gpuopt.perf.tf32 import capture_tf32, restore_tf32, set_tf32
 
-__all__ = ["CUDASettings", "attention_kernel"]
+__all__ = ["CUDASettings", "plan_settings"]
 
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 _ALLOC_ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # new name first (torch >= 2.9), then legacy
@@ -43,12 +43,25 @@ def _set_allocator_settings(conf: str) -> None:
     setter(conf)
 
 
+def _apply_allocator(expandable_segments: bool, cuda_initialized: bool) -> str:
+    """Turn the allocator's expandable segments on or off; the settings-table status of doing so."""
+    var = _alloc_conf_var()
+    conf = _with_option(os.environ.get(var, ""), "expandable_segments", "True" if expandable_segments else "False")
+    if cuda_initialized:
+        try:
+            # The whole configuration, so the variable's other options stay in force.
+            _set_allocator_settings(conf)
+        except (RuntimeError, ValueError, AttributeError) as err:
+            return f"not applied: CUDA was already initialised and the allocator refused ({err})"
+        return "applied at runtime (CUDA already initialised): affects new memory segments"
+    os.environ[var] = conf
+    return f"applied via {var} before CUDA initialisation"
+
+
 def _capture() -> dict[str, Any]:
     """The global state this callback may change."""
     return {
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        "matmul_precision": torch.get_float32_matmul_precision(),
+        "tf32": capture_tf32(),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "sdpa_enabled": {name: getattr(torch._C, f"_get_{flag}_sdp_enabled")() for name, flag in _SDPA_FLAGS.items()},
         "sdpa_priority": list(torch._C._get_sdp_priority_order()),
@@ -56,14 +69,72 @@ def _capture() -> dict[str, Any]:
     }
 
 
+def _matmul_precision(tf32: Optional[bool], given: Optional[str]) -> Optional[str]:
+    """The ``torch.set_float32_matmul_precision`` value: as given, else ``high`` with TF32 and ``highest`` without."""
+    return given or {True: "high", False: "highest"}.get(tf32)
+
+
+def plan_settings(
+    facts: DeviceFacts,
+    *,
+    tf32: Optional[bool] = True,
+    cudnn_benchmark: Optional[bool] = True,
+    sdpa_backends: Union[None, Literal["auto"], list[str]] = "auto",
+    expandable_segments: Optional[bool] = True,
+    matmul_precision: Optional[str] = None,
+) -> list[tuple[str, str, str]]:
+    """What :class:`CUDASettings` with these options does on a device: its table, ``(setting, value, status)`` rows.
+
+    Example::
+
+        plan_settings(REFERENCE_DEVICES["V100"], sdpa_backends=["flash", "math"])
+        # [..., ("tf32", "True", "applied, no effect: TF32 tensor cores need compute capability >= 8.0"),
+        #  ..., ("sdpa_backends", "flash,math", "applied; flash needs compute capability >= 8.0, ...")]
+
+    Args:
+        facts: The training device (:func:`~lightning_gpuopt.perf.device.read_device`).
+        tf32: As :class:`CUDASettings`'s, and so are the other options.
+    """
+    done = "applied" if facts.is_cuda else "no effect: no CUDA device"
+    rows = []
+    if expandable_segments is not None:
+        rows.append(("expandable_segments", str(expandable_segments), done))
+    if tf32 is not None:
+        no_tf32_cores = tf32 and facts.is_cuda and tuple(facts.capability or (0, 0)) < (8, 0)  # TF32 came with Ampere
+        no_effect = ", no effect: TF32 tensor cores need compute capability >= 8.0" if no_tf32_cores else ""
+        rows.append(("tf32", str(tf32), done + no_effect))
+    precision = _matmul_precision(tf32, matmul_precision)
+    if precision is not None:
+        rows.append(("matmul_precision", precision, done))
+    if cudnn_benchmark is not None:
+        rows.append(("cudnn_benchmark", str(cudnn_benchmark), done))
+    if sdpa_backends == "auto":
+        rows.append(("sdpa_backends", "auto", auto_sdpa_order(facts)[1]))
+    elif sdpa_backends is not None:
+        skipped = "; flash needs compute capability >= 8.0, so it is skipped on this GPU" if flash_skipped(facts, sdpa_backends) else ""
+        rows.append(("sdpa_backends", ",".join(sdpa_backends), done + skipped))
+    return rows
+
+
+def _cpu_line(rows: list[tuple[str, str, str]]) -> str:
+    """The one line logged when training on a CPU, where none of the settings takes effect."""
+    if not rows:
+        return "CUDASettings: no CUDA device, nothing to set."
+    would = ", ".join(f"{name}={value}" for name, value, _ in rows)
+    return f"CUDASettings: no CUDA device, nothing to set (on a GPU: {would}; CUDASettings(verbose=True) shows the table)."
+
+
 class CUDASettings(Callback):
     """Turns on the fast CUDA defaults for transformer training, early enough to count, and restores them at teardown.
 
-    The settings are applied when the callback is constructed (before the ``Trainer`` sets up the
-    device, so the allocator option lands before the first CUDA allocation and Lightning's TF32 hint
-    sees TF32 on) and again at ``setup`` if a previous ``fit`` restored them. A table of what was set,
-    and what could not be and why, is logged once at ``setup`` (rank zero). At ``teardown`` the
-    previous global state is restored, so notebooks and test suites are left as they were.
+    On a machine with a CUDA device the settings are applied when the callback is constructed (before
+    the ``Trainer`` sets up the device, so the allocator option lands before the first CUDA allocation
+    and Lightning's TF32 hint sees TF32 on), and again at ``setup`` if a previous ``fit`` restored them;
+    what depends on the GPU (the ``"auto"`` attention order) waits for ``setup``, on the training
+    device. What is done on a device is :func:`plan_settings` of its facts. At ``setup`` a table of what
+    was set, and what could not be and why, is logged once (rank zero); training on a CPU, one line
+    (``verbose=True`` for the table). At ``teardown`` the previous global state is restored, so
+    notebooks and test suites are left as they were. Without a CUDA device nothing is set.
 
     Example::
 
@@ -77,8 +148,8 @@ class CUDASettings(Callback):
               init_args: {tf32: true, sdpa_backends: [flash, efficient, math], expandable_segments: true}
 
     Args:
-        tf32: Let fp32 matmuls and convolutions use TF32 tensor cores (``allow_tf32`` flags);
-            ``None`` leaves them.
+        tf32: Let fp32 matmuls and convolutions use TF32 tensor cores (torch's ``fp32_precision``
+            settings, and the legacy ``allow_tf32`` flags in step); ``None`` leaves them.
         cudnn_benchmark: Autotune cuDNN convolution algorithms (``torch.backends.cudnn.benchmark``);
             ``None`` leaves it.
         sdpa_backends: Scaled-dot-product-attention kernels allowed, in priority order, from
@@ -91,6 +162,7 @@ class CUDASettings(Callback):
             fewer out-of-memory errors with varying shapes); ``None`` leaves it.
         matmul_precision: ``torch.set_float32_matmul_precision`` value (``highest``, ``high``,
             ``medium``); ``None`` derives it from ``tf32`` (``high`` when on, ``highest`` when off).
+        verbose: Log the whole table also when training on a CPU (where one line says nothing takes effect).
 
     Note:
         With CUDA not yet initialised, the allocator option goes into ``PYTORCH_CUDA_ALLOC_CONF``
@@ -107,6 +179,7 @@ class CUDASettings(Callback):
         sdpa_backends: Union[None, Literal["auto"], list[str]] = "auto",
         expandable_segments: Optional[bool] = True,
         matmul_precision: Optional[str] = None,
+        verbose: bool = False,
     ) -> None:
         if sdpa_backends is not None and sdpa_backends != "auto":
             if isinstance(sdpa_backends, str):
@@ -131,62 +204,41 @@ class CUDASettings(Callback):
         self.sdpa_backends = list(sdpa_backends) if sdpa_backends not in (None, "auto") else sdpa_backends
         self.expandable_segments = expandable_segments
         self.matmul_precision = matmul_precision
+        self.verbose = verbose
         self.report: list[tuple[str, str, str]] = []  # (setting, value, status)
         self._saved: Optional[dict[str, Any]] = None
+        self._allocator_status: Optional[str] = None
         self._logged = False
         self._apply()
 
+    def _options(self) -> dict[str, Any]:
+        names = ("tf32", "cudnn_benchmark", "sdpa_backends", "expandable_segments", "matmul_precision")
+        return {name: getattr(self, name) for name in names}
+
     def _apply(self) -> None:
-        if self._saved is not None:  # already applied and not yet restored
-            return
+        """Set what does not depend on the GPU, where there is one (counted without initialising CUDA)."""
+        if self._saved is None and cuda_device_count() > 0:
+            self._set()
+
+    def _set(self) -> None:
+        """Save the global state, then set the allocator option, TF32, cuDNN autotuning and an SDPA list."""
         self._saved = _capture()
-        cuda = torch.cuda.is_available()
-        no_cuda = "set, no effect: no CUDA device"
-        rows = []
         if self.expandable_segments is not None:  # first: nothing below may initialise CUDA before it
-            rows.append(("expandable_segments", str(self.expandable_segments), self._apply_allocator(cuda)))
-        if self.tf32 is not None:
-            torch.backends.cuda.matmul.allow_tf32 = self.tf32
-            torch.backends.cudnn.allow_tf32 = self.tf32
-            rows.append(("tf32", str(self.tf32), "applied" if cuda else no_cuda))
-        precision = self.matmul_precision or ({True: "high", False: "highest"}.get(self.tf32))
-        if precision is not None:
-            torch.set_float32_matmul_precision(precision)
-            rows.append(("matmul_precision", precision, "applied" if cuda else no_cuda))
+            # Whether this process already initialised CUDA decides how the allocator can still be told.
+            self._allocator_status = _apply_allocator(self.expandable_segments, torch.cuda.is_initialized())
+        set_tf32(self.tf32, _matmul_precision(self.tf32, self.matmul_precision))
         if self.cudnn_benchmark is not None:
             torch.backends.cudnn.benchmark = self.cudnn_benchmark
-            rows.append(("cudnn_benchmark", str(self.cudnn_benchmark), "applied" if cuda else no_cuda))
         if isinstance(self.sdpa_backends, list):
             from torch.nn.attention import SDPBackend, _sdpa_kernel
 
             _sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[b]) for b in self.sdpa_backends], set_priority=True)
-            # The GPU's capability (flash needs >= 8.0) is read at setup, on the training device: reading
-            # it here would initialise CUDA in the process that builds the Trainer (fatal for fork launches).
-            rows.append(("sdpa_backends", ",".join(self.sdpa_backends), "applied" if cuda else no_cuda))
-        self.report = rows
-
-    def _apply_allocator(self, cuda: bool) -> str:
-        value = "True" if self.expandable_segments else "False"
-        var = _alloc_conf_var()
-        conf = _with_option(os.environ.get(var, ""), "expandable_segments", value)
-        if torch.cuda.is_initialized():
-            try:
-                # The whole configuration, so the variable's other options stay in force.
-                _set_allocator_settings(conf)
-            except (RuntimeError, ValueError, AttributeError) as err:
-                return f"not applied: CUDA was already initialised and the allocator refused ({err})"
-            return "applied at runtime (CUDA already initialised): affects new memory segments"
-        os.environ[var] = conf
-        return f"applied via {var} before CUDA initialisation" if cuda else f"{var} set, no effect: no CUDA device"
 
     def _restore(self) -> None:
         saved, self._saved = self._saved, None
         if saved is None:
             return
-        torch.backends.cuda.matmul.allow_tf32 = saved["tf32_matmul"]
-        torch.backends.cudnn.allow_tf32 = saved["tf32_cudnn"]
-        torch.set_float32_matmul_precision(saved["matmul_precision"])
-        torch.backends.cuda.matmul.allow_tf32 = saved["tf32_matmul"]  # set_float32_matmul_precision also touches it
+        restore_tf32(saved["tf32"])
         torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
         for name, enabled in saved["sdpa_enabled"].items():
             getattr(torch._C, f"_set_sdp_use_{_SDPA_FLAGS[name]}")(enabled)
@@ -196,6 +248,7 @@ class CUDASettings(Callback):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        # Only a process whose allocator exists (CUDA initialised) has a runtime setting to put back.
         if self.expandable_segments is not None and torch.cuda.is_initialized():
             conf = saved["env"][_alloc_conf_var()] or ""
             before = "expandable_segments:true" in conf.lower().replace(" ", "")
@@ -216,26 +269,25 @@ class CUDASettings(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._apply()  # after a previous fit restored the state
         device = trainer.strategy.root_device
-        if self.sdpa_backends == "auto":
-            self.report = [r for r in self.report if r[0] != "sdpa_backends"] + [apply_auto_sdpa_order(device)]
-        if device.type == "cuda":
-            self.report = [r for r in self.report if r[0] != "attention_kernel"] + [attention_row(pl_module, compute_dtype_name(trainer.precision_plugin), device)]
-        if isinstance(self.sdpa_backends, list) and "flash" in self.sdpa_backends and device.type == "cuda":
-            if torch.cuda.get_device_capability(device)[0] < 8:
-                self.report = [
-                    (name, value, status + "; flash needs compute capability >= 8.0, so it is skipped on this GPU")
-                    if name == "sdpa_backends" else (name, value, status)
-                    for name, value, status in self.report
-                ]
-        if self.cudnn_benchmark is not None and torch.backends.cudnn.benchmark != self.cudnn_benchmark:
-            self.report = [r for r in self.report if r[0] != "cudnn_benchmark"]
-            self.report.append(
-                ("cudnn_benchmark", str(self.cudnn_benchmark), "overridden by Trainer(benchmark=...): drop one of the two")
-            )
+        facts = read_device(device)
+        rows = plan_settings(facts, **self._options())
+        if facts.is_cuda:
+            rows = [(n, v, (self._allocator_status or st) if n == "expandable_segments" else st) for n, v, st in rows]
+            order = auto_sdpa_order(facts)[0] if self.sdpa_backends == "auto" else None
+            if order is not None:
+                set_sdpa_priority(order)
+            rows.append(attention_row(pl_module, compute_dtype_name(trainer.precision_plugin), device))
+        applied = self._saved is not None
+        if applied and self.cudnn_benchmark is not None and torch.backends.cudnn.benchmark != self.cudnn_benchmark:
+            rows = [r for r in rows if r[0] != "cudnn_benchmark"]
+            rows.append(("cudnn_benchmark", str(self.cudnn_benchmark), "overridden by Trainer(benchmark=...): drop one of the two"))
+        self.report = rows
         if not self._logged:
             self._logged = True
-            header = "CUDASettings:" if torch.cuda.is_available() else "CUDASettings (no CUDA device: nothing takes effect):"
-            rank_zero_info(f"{header}\n{self.table()}")
+            if facts.is_cuda or self.verbose:
+                rank_zero_info(f"CUDASettings on {facts.describe()}:\n{self.table()}")
+            else:
+                rank_zero_info(_cpu_line(rows))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

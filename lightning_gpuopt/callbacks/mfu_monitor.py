@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
+from lightning_gpuopt.perf.device import DeviceFacts, read_device
 from lightning_gpuopt.perf.flops import count_flops_per_token, model_flops_per_token
 from lightning_gpuopt.perf.mfu import check_mfu_options, input_ids_of, mfu_peaks, summarise_windows, window_metrics
 from lightning_gpuopt.perf.mfu import memory_stats as _memory_stats  # by this name: tests replace it
@@ -26,7 +27,7 @@ __all__ = ["MFUMonitor"]
 def _synchronize(device: torch.device) -> None:
     """Wait for the device's queued work: called only on steps that log."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # a measurement: the window's time must include the GPU's queued work
 
 
 class MFUMonitor(Callback):
@@ -127,7 +128,7 @@ class MFUMonitor(Callback):
 
     def _reset_run(self) -> None:
         self._window = 1
-        self._device = torch.device("cpu")
+        self._device, self._facts = torch.device("cpu"), DeviceFacts("cpu", "cpu")  # the training device, read at setup
         self._dtype: Optional[str] = None
         self._peak, self._peak_fp8, self._measured_peak = None, None, None  # FLOP/s: bf16, fp8, timed
         self._flops_cache: dict[Optional[int], Optional[float]] = {}
@@ -149,7 +150,7 @@ class MFUMonitor(Callback):
         self.summary = {}
         self.total_tokens, self.total_flops, self._at_step = 0, 0.0, (0, 0.0)
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
-        self._device = trainer.strategy.root_device
+        self._device, self._facts = trainer.strategy.root_device, read_device(trainer.strategy.root_device)
         plugin = trainer.precision_plugin
         self._dtype = self.dtype or compute_dtype_name(plugin)
         if self._dtype is None:
@@ -161,7 +162,7 @@ class MFUMonitor(Callback):
         if is_fp8(plugin) and self.dtype is None:
             self._dtype = "fp8"
         # MFU against the dense bf16 peak whatever the run computes in (see perf/mfu.py).
-        self._peak, self._peak_fp8, name = mfu_peaks(self._device, self._dtype, self.peak_flops)
+        self._peak, self._peak_fp8, name = mfu_peaks(self._facts, self._dtype, self.peak_flops)
         if self._peak is None:
             rank_zero_warn(
                 f"MFUMonitor has no bf16 peak FLOP/s for {name}, so perf/mfu is not logged: pass "
@@ -172,9 +173,9 @@ class MFUMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_global_step = trainer.global_step  # > 0 when resuming from a checkpoint
         if self.measure_peak:
-            if self._device.type == "cuda":
+            if self._facts.is_cuda:
                 self._measured_peak = measure_peak_flops(self._device, torch.bfloat16)
-                torch.cuda.reset_peak_memory_stats(self._device)  # the probe's matrices are not the model's
+                torch.cuda.reset_peak_memory_stats(self._device)  # memory of the run's own GPU: the probe's matrices are not the model's
             else:
                 rank_zero_warn("MFUMonitor(measure_peak=True) needs a CUDA device; perf/mfu_measured is not logged.")
         if self.warmup_steps == 0:
@@ -280,7 +281,7 @@ class MFUMonitor(Callback):
             peak_fp8=self._peak_fp8,
             measured_peak=self._measured_peak,
         )
-        metrics.update(_memory_stats(self._device))
+        metrics.update(_memory_stats(self._facts))
         self.history.append(metrics)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -332,6 +333,6 @@ class MFUMonitor(Callback):
             dtype=self._dtype,
             total_tokens=self.total_tokens,
             total_flops=self.total_flops,
-            on_cuda=self._device.type == "cuda",
+            on_cuda=self._facts.is_cuda,
             compiled=is_compiled(pl_module),
         )

@@ -38,7 +38,7 @@ from lightning_gpuopt.model.optim import build_adamw
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES, DeviceFacts, read_device
 from lightning_gpuopt.perf.flops import model_flops_per_token
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
-from lightning_gpuopt.perf.sdpa import apply_auto_sdpa_order, attention_kernel
+from lightning_gpuopt.perf.sdpa import attention_kernel, auto_sdpa_order, set_sdpa_priority
 from lightning_gpuopt.perf.units import GiB
 from lightning_gpuopt.precision.float8_layers import (
     FP8_INSTALL_HINT,
@@ -148,7 +148,7 @@ def apply_cuda_settings() -> tuple[list[tuple[str, str, str]], Callable[[], None
     """Apply the default stack's ``CUDASettings`` as a fit does; return its table rows and what undoes them.
 
     Call it before anything starts CUDA, as a fit constructs it: the allocator option must come first.
-    ``sdpa_backends="auto"`` is applied for a device later (``apply_auto_sdpa_order``), as at ``setup``.
+    ``sdpa_backends="auto"`` is applied for a device later (``auto_sdpa_order``), as at ``setup``.
     """
     settings = CUDASettings()
     return list(settings.report), lambda: settings.teardown(None, None, "fit")  # type: ignore[arg-type]  # reads neither
@@ -344,8 +344,9 @@ def gpu_differences(here: DeviceFacts, gpu: DeviceFacts, settings: list[tuple[st
         "cuda_settings": "CUDASettings sets " + ", ".join(f"{name}={value}" for name, value, _ in settings),
         "mfu": f"MFU against the datasheet peak of {gpu.peaks.name}" if gpu.peaks else "no datasheet peak: MFU not reported",
     }
-    if gpu.capability[0] in (9, 10):
-        changes["attention"] += "; CUDASettings puts cuDNN attention first with cuDNN 9.15 or newer"
+    order, why = auto_sdpa_order(gpu)
+    if order is not None:
+        changes["attention"] += f"; CUDASettings sets SDPA's {why}"
     if here.bf16 and not gpu.bf16:
         changes["precision"] = changes["precision"].replace("autocast", "autocast instead of bf16")
     header = Check("on_gpu", "info", f"what training on a GPU would change: {gpu.describe()}")
@@ -365,7 +366,10 @@ def run_checks(steps: Optional[int] = None, preset: Optional[str] = None,
     probe = None
     try:
         facts = read_device()
-        rows = [r for r in rows if r[0] != "sdpa_backends"] + [apply_auto_sdpa_order(_torch_device(facts))]
+        order, why = auto_sdpa_order(facts)
+        if order is not None:
+            set_sdpa_priority(order)
+        rows = [r for r in rows if r[0] != "sdpa_backends"] + [("sdpa_backends", "auto", why)]
         probe = start_compile_probe(facts)  # compiles while the checks below run; timed steps wait for it
         if preset is not None:
             config = GPTConfig.from_name(preset)

@@ -39,6 +39,7 @@ from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.internals import parser_options
 from lightning_gpuopt.option_checks import check_number
+from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
@@ -172,9 +173,7 @@ class GPTCLI(LightningCLI):
     def _auto_strategy(self, config: Any, trainer_cfg: dict) -> Any:
         devices = trainer_cfg.get("devices", "auto")
         if devices in ("auto", -1, "-1"):
-            import torch
-
-            devices = max(1, torch.cuda.device_count())
+            devices = max(1, cuda_device_count())
         elif isinstance(devices, str):
             devices = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
         elif isinstance(devices, (list, tuple)):

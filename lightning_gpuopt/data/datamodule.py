@@ -20,6 +20,7 @@ from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
 from lightning_gpuopt.data.tokenizer import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
 from lightning_gpuopt.option_checks import check_int, check_number
+from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 from lightning_gpuopt.resume import step_boundary
 
@@ -186,7 +187,7 @@ class TextDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------------------ dataloaders
     def _loader(self, split: str, train: bool) -> DataLoader:
         workers = self.num_workers
-        pin = torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
+        pin = cuda_device_count() > 0 if self.pin_memory is None else self.pin_memory  # pinned pages only speed up copies to a GPU
         return DataLoader(
             self.datasets[split],
             batch_size=self.batch_size,

@@ -79,7 +79,7 @@ def _count(model: nn.Module, args: tuple, forward: Optional[Callable[..., Any]])
     was_training = model.training
     model.train()
     # A step that draws on the CPU (or CUDA) generator itself must not move the run's random stream.
-    rng_devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    rng_devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []  # the RNG of the run's own GPU
     try:
         with torch.random.fork_rng(devices=rng_devices), torch.compiler.set_stance("force_eager"), counter:
             out = _first_tensor(run())

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_gpuopt.perf.device import DeviceFacts
 from lightning_gpuopt.perf.peaks import peak_flops as table_peak_flops
 from lightning_gpuopt.perf.units import GiB
 
@@ -89,50 +90,51 @@ def input_ids_of(batch: Any) -> Optional[Tensor]:
     return None
 
 
-def memory_stats(device: torch.device) -> dict[str, float]:
+def memory_stats(facts: DeviceFacts) -> dict[str, float]:
     """``mem/*`` metrics of a CUDA device in GiB (no synchronisation); empty elsewhere.
 
     Example::
 
-        memory_stats(torch.device("cuda", 0))  # {"mem/allocated_gb": 12.3, ..., "mem/peak_pct": 41.0}
+        memory_stats(read_device("cuda:0"))  # {"mem/allocated_gb": 12.3, ..., "mem/peak_pct": 41.0}
 
     Args:
-        device: The training device.
+        facts: The training device (:func:`~lightning_gpuopt.perf.device.read_device`).
     """
-    if device.type != "cuda":
+    if not facts.is_cuda or not facts.total_memory:
         return {}
-    total = torch.cuda.get_device_properties(device).total_memory
+    device = torch.device("cuda", facts.index)
+    # Measurements of the run's own GPU: what its caching allocator holds now and at its peak.
     peak = torch.cuda.max_memory_allocated(device)
     return {
         "mem/allocated_gb": torch.cuda.memory_allocated(device) / GiB,
         "mem/reserved_gb": torch.cuda.memory_reserved(device) / GiB,
         "mem/peak_gb": peak / GiB,
-        "mem/peak_pct": 100 * peak / total,
+        "mem/peak_pct": 100 * peak / facts.total_memory,
     }
 
 
 def mfu_peaks(
-    device: torch.device, dtype: str, peak_flops: Optional[float] = None
+    facts: DeviceFacts, dtype: str, peak_flops: Optional[float] = None
 ) -> tuple[Optional[float], Optional[float], str]:
-    """``(bf16 peak, fp8 peak, device name)`` in FLOP/s for MFU on ``device``; a peak is ``None`` when unknown.
+    """``(bf16 peak, fp8 peak, device name)`` in FLOP/s for MFU on a device; a peak is ``None`` when unknown.
 
     Example::
 
-        mfu_peaks(torch.device("cuda", 0), "fp8")  # (989.4e12, 1978.9e12, "NVIDIA H100 80GB HBM3")
+        mfu_peaks(REFERENCE_DEVICES["H100 SXM"], "fp8")  # (989.4e12, 1978.9e12, "NVIDIA H100 80GB HBM3")
 
     Args:
-        device: The training device (peaks are looked up for CUDA devices only).
+        facts: The training device (peaks are looked up for CUDA devices only, by the name in ``facts``).
         dtype: The run's matmul dtype (``fp8`` adds the fp8 peak).
         peak_flops: The user's dense bf16 peak, which replaces the table's.
     """
     peak = peak_fp8 = None
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = table_peak_flops(name, MFU_DTYPE)
+    if facts.is_cuda:
+        name = facts.name
+        peak = table_peak_flops(name, MFU_DTYPE)  # the fp16 peak where the GPU has no bf16 tensor cores
         if dtype == "fp8":
             peak_fp8 = table_peak_flops(name, "fp8")
     else:
-        name = f"a {device.type} device"
+        name = f"a {facts.type} device"
     if peak_flops is not None:
         peak = peak_flops
     return peak, peak_fp8, name

@@ -61,7 +61,7 @@ def free_memory(device: Optional[torch.device] = None) -> None:
     Args:
         device: The CUDA device whose peak-memory counters are reset too; ``None`` only frees.
     """
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # this process's own GPU memory: without CUDA in use there is no cache to return
         gc.collect()
         torch.cuda.empty_cache()
         if device is not None and device.type == "cuda":

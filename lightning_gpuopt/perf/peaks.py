@@ -129,7 +129,7 @@ def find_gpu(device_name: str) -> Optional[GPUPeaks]:
 
     Example::
 
-        find_gpu(torch.cuda.get_device_name()).bf16  # 989.4 on "NVIDIA H100 80GB HBM3"
+        find_gpu("NVIDIA H100 80GB HBM3").bf16  # 989.4 (DeviceFacts.peaks looks up the training GPU)
 
     Args:
         device_name: e.g. ``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA H200"``, ``"Tesla T4"``.
@@ -179,7 +179,7 @@ def peak_flops(device_name: str, dtype: Union[torch.dtype, str]) -> Optional[flo
         peak_flops("NVIDIA L40S", "fp8")  # 733e12
 
     Args:
-        device_name: The name the driver reports (``torch.cuda.get_device_name()``).
+        device_name: The name the driver reports (``DeviceFacts.name``).
         dtype: A ``torch.dtype`` or one of ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``.
     """
     gpu = find_gpu(device_name)
@@ -214,7 +214,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # timing on the GPU itself
     start.record()
     for _ in range(iters):
         a @ b

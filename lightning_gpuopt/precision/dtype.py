@@ -19,8 +19,14 @@ __all__ = ["LIGHTNING_PRECISIONS", "clip_without_scaler", "compute_dtype_name", 
 
 
 def tf32_enabled() -> bool:
-    """Whether fp32 matmuls on CUDA may run on TF32 tensor cores (global torch setting)."""
-    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    """Whether fp32 matmuls on CUDA may run on TF32 tensor cores (global torch setting).
+
+    Read through ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9), which answers whichever
+    API set it; the legacy flags refuse to be read once anything set the new one.
+    """
+    if hasattr(torch.backends, "fp32_precision"):
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 # Lightning's own precision plugins state their dtype only as a ``precision`` string: one row per

@@ -37,6 +37,7 @@ from torch import nn
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.perf.activations import measure_activation_bytes
+from lightning_gpuopt.perf.device import DeviceFacts, read_device
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.model_parallel import AtomicModelParallelStrategy
 
@@ -184,6 +185,7 @@ def choose_strategy(
     block_size: Optional[int] = None,
     headroom: float = 0.85,
     activation_bytes: Optional[float] = None,
+    device: Optional[DeviceFacts] = None,
 ) -> tuple[Union[Strategy, str], str]:
     """Pick DDP when the whole training state plus activations fits on one device, FSDP2 otherwise.
 
@@ -198,13 +200,15 @@ def choose_strategy(
         model: A ``GPTConfig``, ``GPT`` or ``GPTModule`` (estimated by the GPT formula), or any other
             ``nn.Module``/LightningModule (estimated from its parameters and measured activations).
         devices: Data-parallel devices (all nodes).
-        device_memory: Bytes of memory per device; ``None`` reads CUDA device 0's.
+        device_memory: Bytes of memory per device; ``None`` takes ``device``'s.
         precision: The Trainer's precision string.
         micro_batch: Sequences per device per micro-batch.
         block_size: Tokens per sequence; ``None`` uses the model's (``config.block_size`` and the like).
         headroom: Fraction of ``device_memory`` the estimate may use.
         activation_bytes: Activation bytes of one micro-batch on one device, where known better than
             the estimate (replaces activations and logits).
+        device: The GPU to plan for (``REFERENCE_DEVICES["V100"]``, ...), for its memory; ``None`` reads
+            this machine's current CUDA device (:func:`~lightning_gpuopt.perf.device.read_device`).
 
     Returns:
         ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or an
@@ -222,12 +226,13 @@ def choose_strategy(
     if not 0 < headroom <= 1:
         raise ValueError(f"choose_strategy(headroom=...) must be in (0, 1], got {headroom!r}.")
     if device_memory is None:
-        if not torch.cuda.is_available():
+        facts = device if device is not None else read_device()
+        if facts.total_memory is None:
             raise ValueError(
-                "choose_strategy cannot read a GPU's memory without CUDA: pass device_memory= (bytes), "
-                "or --auto_strategy.device_memory_gb in the gpuopt CLI."
+                f"choose_strategy cannot read a GPU's memory on {facts.describe()} (no CUDA): pass device_memory= (bytes) "
+                "or device= (e.g. perf.device.REFERENCE_DEVICES['H100 SXM']), or --auto_strategy.device_memory_gb in the gpuopt CLI."
             )
-        device_memory = float(torch.cuda.get_device_properties(0).total_memory)
+        device_memory = float(facts.total_memory)
     if config is not None:
         block_size = block_size or config.block_size
         est = estimate_memory(config, micro_batch, block_size, precision)

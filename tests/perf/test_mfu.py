@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from lightning_gpuopt.perf.mfu import check_mfu_options, input_ids_of, mfu_peaks, summarise_windows, window_metrics
 
 
@@ -45,8 +46,24 @@ def test_too_short_a_run_says_how_many_steps_it_needs():
 
 
 def test_peaks_off_cuda_come_from_the_user_only():
-    assert mfu_peaks(torch.device("cpu"), "bf16") == (None, None, "a cpu device")
-    assert mfu_peaks(torch.device("cpu"), "bf16", 1e14) == (1e14, None, "a cpu device")
+    assert mfu_peaks(REFERENCE_DEVICES["cpu"], "bf16") == (None, None, "a cpu device")
+    assert mfu_peaks(REFERENCE_DEVICES["cpu"], "bf16", 1e14) == (1e14, None, "a cpu device")
+
+
+# reference device -> (bf16 peak, fp8 peak under fp8) in TFLOP/s: the fp16 peak where there are no bf16 tensor cores
+PEAKS = {"H100 SXM": (989.4, 1978.9), "H200": (989.4, 1978.9), "A100": (312.0, None), "L4": (121.0, 242.5),
+         "V100": (125.0, None), "T4": (65.0, None), "cpu": (None, None)}
+
+
+@pytest.mark.parametrize("name", sorted(PEAKS))
+def test_peaks_from_device_facts(name):
+    facts = REFERENCE_DEVICES[name]
+    peak, peak_fp8, shown = mfu_peaks(facts, "fp8")
+    tflops = tuple(None if p is None else round(p / 1e12, 1) for p in (peak, peak_fp8))
+    assert tflops == PEAKS[name]
+    assert shown == (facts.name if facts.is_cuda else "a cpu device")
+    assert mfu_peaks(facts, "bf16")[1] is None  # the fp8 peak only under fp8
+    assert mfu_peaks(facts, "bf16", 1e14)[0] == 1e14  # the user's peak wins
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

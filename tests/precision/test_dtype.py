@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.precision import (
 
 from lightning_gpuopt.precision.dtype import LIGHTNING_PRECISIONS, compute_dtype_name, is_fp8
 from lightning_gpuopt.precision import BF16Precision, Float8Precision
+from lightning_gpuopt.precision.dtype import LIGHTNING_PRECISIONS, compute_dtype_name, is_fp8, tf32_enabled
 
 
 @pytest.fixture(autouse=True)
@@ -94,3 +95,11 @@ def test_a_custom_plugin_that_states_nothing_is_unknown():
         pass
 
     assert compute_dtype_name(Custom()) is None and not is_fp8(Custom())
+
+
+def test_tf32_read_through_the_new_api():
+    # Set through `fp32_precision` (torch >= 2.9), the legacy flags can no longer be read.
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    assert tf32_enabled() and compute_dtype_name(Precision()) == "tf32"
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    assert not tf32_enabled() and compute_dtype_name(Precision()) == "fp32"

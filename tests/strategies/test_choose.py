@@ -11,6 +11,8 @@ from lightning_gpuopt.callbacks import ExactResume
 from lightning_gpuopt.cli.main import GPTCLI
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.checkpoint import AtomicModelParallelStrategy
+from lightning_gpuopt.perf.device import REFERENCE_DEVICES
+from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.strategies import (
     choose_strategy,
     estimate_memory,
@@ -55,6 +57,15 @@ def test_bad_input_names_the_fix():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device_memory"):
             choose_strategy(GPTConfig.from_name("tiny"), devices=2)
+
+
+@pytest.mark.parametrize(("name", "plan"), [("H100 SXM", "DDP"), ("A100", "DDP"), ("V100", "FSDP2"), ("T4", "FSDP2")])
+def test_device_memory_from_device_facts(name, plan):
+    facts = REFERENCE_DEVICES[name]
+    strategy, reason = choose_strategy(GPTConfig.from_name("1.5b"), devices=8, micro_batch=1, block_size=1024, device=facts)
+    assert reason.startswith(plan) and f"of {facts.total_memory / GB:.1f} GB)" in reason
+    with pytest.raises(ValueError, match=r"on cpu \(no CUDA\): pass device_memory="):
+        choose_strategy(GPTConfig.from_name("tiny"), devices=2, device=REFERENCE_DEVICES["cpu"])
 
 
 def test_a_foreign_module_named_gpt_is_estimated_from_its_parameters_and_measured_activations():
