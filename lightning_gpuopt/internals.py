@@ -27,11 +27,15 @@ import torch
 from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 
 __all__ = [
+    "COMPILED_PREFIX",
     "TOUCHED",
     "batch_counters",
     "build_train_loader",
     "call_strategy_hook",
+    "compiled_by_lightning",
+    "compiled_wrapper_or_in_place",
     "data_parallel_ranks",
+    "disable_torch_function",
     "drop_train_loader",
     "dump_checkpoint",
     "foreach_norm",
@@ -39,6 +43,7 @@ __all__ = [
     "fused_sdp_choice",
     "is_last_batch",
     "last_batch_ready",
+    "local_tensor",
     "missing_internals",
     "move_batch_position",
     "no_version_counter",
@@ -46,14 +51,17 @@ __all__ = [
     "rebuild_train_loader",
     "reparametrize_module",
     "require_internals",
+    "sampler_sets_num_samples",
     "scaler_unscaled",
     "sdp_priority_order",
     "sequential_parts",
     "set_allocator_settings",
     "set_sdp_priority_order",
     "show_in_progress_bar",
+    "tensor_base",
     "throwaway_results",
     "transfer_hooks",
+    "uncompiled",
     "warning_filters_changed",
     "wrap_epoch_advance",
     "wrap_train_dataloader",
@@ -85,11 +93,19 @@ TOUCHED = (
     "import:lightning.fabric.utilities.data._set_sampler_epoch",
     "import:lightning.pytorch.loops.fetchers._DataFetcher.setup",  # moved onto a rebuilt loader (rebuild_train_loader)
     "checkpoint._enable_version_counter",  # ModelCheckpoint's, no public setter (no_version_counter)
+    "module._compiler_ctx",  # set by Trainer.fit on a compiled LightningModule (compiled_by_lightning)
+    "import:lightning.pytorch.cli.LightningCLI._parse_ckpt_path",  # GPTCLI overrides it (cli/main.py)
     # torch
     "import:torch._C._get_sdp_priority_order",  # SDPA backend priorities (sdp_priority_order)
     "import:torch._C._set_sdp_priority_order",  # (set_sdp_priority_order)
     "import:torch._fused_sdp_choice",  # the kernel SDPA would pick (fused_sdp_choice)
     "import:torch._foreach_norm",  # one kernel for many norms (foreach_norm)
+    "import:torch._dynamo.eval_frame.OptimizedModule",  # torch.compile's wrapper (compiled_wrapper_or_in_place, uncompiled)
+    "import:torch.nn.Module._compiled_call_impl",  # set by Module.compile() (compiled_wrapper_or_in_place)
+    "import:torch.Tensor._base",  # the tensor a view looks into (tensor_base)
+    "sampler._num_samples",  # a RandomSampler's own num_samples (sampler_sets_num_samples)
+    "import:torch._C.DisableTorchFunction",  # (disable_torch_function)
+    "import:torch.distributed.tensor.DTensor._local_tensor",  # a shard's own storage (local_tensor)
     "import:torch.nn.utils.stateless._reparametrize_module",  # tied weights kept (reparametrize_module)
     "scaler._per_optimizer_states",  # GradScaler's unscale stage per optimizer (scaler_stage, forget_scaler_steps)
     "scheduler._schedulers",  # SequentialLR's parts (sequential_parts)
@@ -124,7 +140,8 @@ def _library_roots() -> dict[str, Any]:
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0)
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, torch.optim.lr_scheduler.ConstantLR(optimizer, 1.0)], [1])
-    return {"scaler": torch.amp.GradScaler("cpu"), "scheduler": scheduler, "parser": ArgumentParser()}
+    sampler = torch.utils.data.RandomSampler(range(2))
+    return {"scaler": torch.amp.GradScaler("cpu"), "scheduler": scheduler, "parser": ArgumentParser(), "sampler": sampler}
 
 
 def missing_internals(trainer: pl.Trainer) -> list[str]:
@@ -377,6 +394,47 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
 def reparametrize_module(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
     """Within it, ``model`` uses ``params`` instead of its own, tied weights kept tied."""
     return torch.nn.utils.stateless._reparametrize_module(model, params, tie_weights=True)
+
+
+COMPILED_PREFIX = "_orig_mod."
+"""What ``torch.compile``'s wrapper puts before its module's names (state-dict keys, module names)."""
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile`` wrapper holds, else ``module`` itself."""
+    return getattr(module, "_orig_mod", module)
+
+
+def compiled_by_lightning(module: torch.nn.Module) -> bool:
+    """Whether Lightning recorded ``module`` as passed compiled to ``Trainer.fit``."""
+    return bool(getattr(module, "_compiler_ctx", None))
+
+
+def compiled_wrapper_or_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper or was compiled in place (``Module.compile()``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def tensor_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage a view ``t`` looks into, or ``t`` itself."""
+    return t._base if t._base is not None else t
+
+
+def sampler_sets_num_samples(sampler: Any) -> bool:
+    """Whether a ``RandomSampler`` was given its own ``num_samples`` (instead of the dataset's length)."""
+    return sampler._num_samples is not None
+
+
+def disable_torch_function() -> contextlib.AbstractContextManager:
+    """Within it, ``__torch_function__`` overrides (a ``TorchFunctionMode``) are not called."""
+    return torch._C.DisableTorchFunction()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank owns: a DTensor's local shard (its storage, so ``copy_`` writes through), else ``t``."""
+    return getattr(t, "_local_tensor", t)
 
 
 def set_allocator_settings(conf: str) -> None:

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_gpuopt.precision.dtype import compute_dtype_name
+from lightning_gpuopt.internals import sdp_priority_order, set_allocator_settings, set_sdp_priority_order
 from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, read_device
 from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS as _SDPA_BACKENDS
 from lightning_gpuopt.perf.sdpa import SDPA_FLAGS as _SDPA_FLAGS
@@ -35,14 +36,6 @@ def _with_option(conf: str, key: str, value: str) -> str:
     return ",".join([*options, f"{key}:{value}"])
 
 
-def _set_allocator_settings(conf: str) -> None:
-    """Update the CUDA caching allocator's configuration at runtime (``conf`` as in ``PYTORCH_CUDA_ALLOC_CONF``)."""
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
-    if setter is None:
-        setter = torch.cuda.memory._set_allocator_settings  # older torch (deprecated in newer ones)
-    setter(conf)
-
-
 def _apply_allocator(expandable_segments: bool, cuda_initialized: bool) -> str:
     """Turn the allocator's expandable segments on or off; the settings-table status of doing so."""
     var = _alloc_conf_var()
@@ -50,7 +43,7 @@ def _apply_allocator(expandable_segments: bool, cuda_initialized: bool) -> str:
     if cuda_initialized:
         try:
             # The whole configuration, so the variable's other options stay in force.
-            _set_allocator_settings(conf)
+            set_allocator_settings(conf)
         except (RuntimeError, ValueError, AttributeError) as err:
             return f"not applied: CUDA was already initialised and the allocator refused ({err})"
         return "applied at runtime (CUDA already initialised): affects new memory segments"
@@ -63,8 +56,8 @@ def _capture() -> dict[str, Any]:
     return {
         "tf32": capture_tf32(),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "sdpa_enabled": {name: getattr(torch._C, f"_get_{flag}_sdp_enabled")() for name, flag in _SDPA_FLAGS.items()},
-        "sdpa_priority": list(torch._C._get_sdp_priority_order()),
+        "sdpa_enabled": {name: getattr(torch.backends.cuda, f"{flag}_sdp_enabled")() for name, flag in _SDPA_FLAGS.items()},
+        "sdpa_priority": sdp_priority_order(),
         "env": {name: os.environ.get(name) for name in _ALLOC_ENV_VARS},
     }
 
@@ -241,8 +234,8 @@ class CUDASettings(Callback):
         restore_tf32(saved["tf32"])
         torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
         for name, enabled in saved["sdpa_enabled"].items():
-            getattr(torch._C, f"_set_sdp_use_{_SDPA_FLAGS[name]}")(enabled)
-        torch._C._set_sdp_priority_order(saved["sdpa_priority"])
+            getattr(torch.backends.cuda, f"enable_{_SDPA_FLAGS[name]}_sdp")(enabled)
+        set_sdp_priority_order(saved["sdpa_priority"])
         for name, value in saved["env"].items():
             if value is None:
                 os.environ.pop(name, None)
@@ -253,7 +246,7 @@ class CUDASettings(Callback):
             conf = saved["env"][_alloc_conf_var()] or ""
             before = "expandable_segments:true" in conf.lower().replace(" ", "")
             try:
-                _set_allocator_settings(_with_option(conf, "expandable_segments", str(before)))
+                set_allocator_settings(_with_option(conf, "expandable_segments", str(before)))
             except (RuntimeError, ValueError, AttributeError):
                 pass
 

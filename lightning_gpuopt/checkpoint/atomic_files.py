@@ -21,10 +21,9 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_gpuopt.checkpoint.safety import (
@@ -35,13 +34,16 @@ from lightning_gpuopt.checkpoint.safety import (
     temp_path,
 )
 
-__all__ = ["atomic_save", "checkpoint_to_load", "fsync_path", "partial_path", "previous_path", "remove_tree", "swap_in"]
+PathLike = Union[str, os.PathLike]
+"""A local path or a URL-like string, as Lightning's checkpoint IO takes."""
+
+__all__ = ["PathLike", "atomic_save", "checkpoint_to_load", "fsync_path", "partial_path", "previous_path", "remove_tree", "swap_in"]
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
-def atomic_save(obj: Any, path: _PATH) -> None:
+def atomic_save(obj: Any, path: PathLike) -> None:
     """``torch.save`` ``obj`` to ``path`` atomically: a temp file in the same folder, fsync, ``os.replace``.
 
     If anything fails (pickling, a full disk, a kill), ``path`` keeps its old content and the
@@ -75,7 +77,7 @@ def atomic_save(obj: Any, path: _PATH) -> None:
     fsync_path(path.parent)  # make the rename itself durable
 
 
-def fsync_path(path: _PATH) -> None:
+def fsync_path(path: PathLike) -> None:
     """Flush a file's data, or a folder's entries (renames, new files), to disk. A no-op off POSIX.
 
     Example::

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_gpuopt.model.checkpoint import read_checkpoint
-from lightning_gpuopt.checkpoint.atomic_files import atomic_save, fsync_path
+from lightning_gpuopt.checkpoint.atomic_files import PathLike, atomic_save, fsync_path
 from lightning_gpuopt.checkpoint.safety import check_finite_weights
 
 __all__ = ["AtomicCheckpointIO"]
 
 
-def _is_local(path: _PATH) -> bool:
+def _is_local(path: PathLike) -> bool:
     text = str(path)
     return "://" not in text or text.startswith("file://")
 
@@ -63,7 +62,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.allow_nonfinite = allow_nonfinite
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None) -> None:
         if not self.allow_nonfinite:
             check_finite_weights(checkpoint, path)  # before anything is written: the previous file stays
         if storage_options is not None or not _is_local(path):
@@ -73,7 +72,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: PathLike,
         map_location: Optional[Callable] = lambda storage, loc: storage,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:

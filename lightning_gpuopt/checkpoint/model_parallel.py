@@ -28,11 +28,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_gpuopt.checkpoint.atomic_files import (
+    PathLike,
     checkpoint_to_load,
     fsync_path,
     partial_path,
@@ -105,7 +105,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
     ) -> None:
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -146,11 +146,11 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             ) from error
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         return super().load_checkpoint(checkpoint_to_load(Path(checkpoint_path)), weights_only=weights_only)
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: PathLike) -> None:
         super().remove_checkpoint(filepath)
         if self.global_rank == 0:
             for leftover in (partial_path(Path(filepath)), previous_path(Path(filepath))):

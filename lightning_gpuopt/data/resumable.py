@@ -28,6 +28,8 @@ from torch.utils.data import (
 
 from lightning_gpuopt.data.sampler import ResumableSampler
 
+from lightning_gpuopt.internals import sampler_sets_num_samples
+
 __all__ = ["EpochSampler", "make_resumable", "not_exact_reason"]
 
 
@@ -120,7 +122,7 @@ def make_resumable(
     if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
         return loader, None
     sampler = loader.sampler
-    plain_random = type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
+    plain_random = type(sampler) is RandomSampler and not sampler.replacement and not sampler_sets_num_samples(sampler)
     if not (type(sampler) is SequentialSampler or plain_random) or type(loader.batch_sampler) is not BatchSampler:
         return loader, None
     generator = torch.Generator()

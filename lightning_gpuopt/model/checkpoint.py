@@ -17,6 +17,8 @@ import torch
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 
+from lightning_gpuopt.internals import COMPILED_PREFIX
+
 __all__ = ["CheckpointError", "gpt_state_dict", "gptmodule_hparams", "load_gpt", "read_checkpoint"]
 
 MapLocation = Union[str, torch.device, Callable, dict, None]
@@ -100,7 +102,7 @@ def gpt_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
         )
     out = {}
     for key, value in state.items():
-        key = key.replace("_orig_mod.", "")
+        key = key.replace(COMPILED_PREFIX, "")
         if key.startswith("model."):
             out[key[len("model.") :]] = value
     return out

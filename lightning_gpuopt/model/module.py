@@ -166,7 +166,7 @@ class GPTModule(pl.LightningModule):
         if self.model is not None:  # idempotent: Lightning may call it more than once
             return
         self.model = GPT(self.config)
-        mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy before this hook
+        mesh = self.device_mesh  # set by ModelParallelStrategy before this hook
         if mesh is not None:
             mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
             shard_gpt(self.model, mesh, param_dtype=self._fsdp_param_dtype())

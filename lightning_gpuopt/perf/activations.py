@@ -26,6 +26,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
+from lightning_gpuopt.internals import disable_torch_function, tensor_base, uncompiled
+
 __all__ = ["ActivationBytes", "measure_activation_bytes"]
 
 _LOGIT_BYTES = 10  # 16-bit logits, their float32 copy for the loss, and its gradient
@@ -61,7 +63,7 @@ class _AsFusedAttention(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
-            with torch._C.DisableTorchFunction():
+            with disable_torch_function():
                 return _FusedAttention.apply(args[0], args[1], args[2], dict(kwargs, **dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:]))))
         return func(*args, **kwargs)
 
@@ -79,7 +81,7 @@ def measure_activation_bytes(model: nn.Module, input_ids: Tensor, precision: str
         input_ids: The input (real or meta; only its shape and dtype are used).
         precision: The Trainer's precision string; with ``*-mixed`` float32 activations count 2 bytes.
     """
-    model = getattr(model, "_orig_mod", model)
+    model = uncompiled(model)
     params: dict[str, Tensor] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
@@ -89,7 +91,7 @@ def measure_activation_bytes(model: nn.Module, input_ids: Tensor, precision: str
     seen: dict[int, Tensor] = {}  # id -> tensor, kept alive so ids are not reused
 
     def pack(t: Tensor) -> Any:
-        base = t._base if t._base is not None else t
+        base = tensor_base(t)
         if id(base) not in skip and id(base) not in seen:
             seen[id(base)] = base
         return t

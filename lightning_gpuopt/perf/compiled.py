@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_gpuopt.internals import compiled_by_lightning, compiled_wrapper_or_in_place
+
 __all__ = ["is_compiled"]
 
 
@@ -29,14 +31,9 @@ def is_compiled(module: nn.Module) -> bool:
     Args:
         module: Any ``nn.Module`` (a LightningModule included).
     """
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if getattr(module, "_compiler_ctx", None) and _captures_graphs(module):
+    if compiled_by_lightning(module) and _captures_graphs(module):
         return True
-    return any(
-        (isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None) and _captures_graphs(m)
-        for m in module.modules()
-    )
+    return any(compiled_wrapper_or_in_place(m) and _captures_graphs(m) for m in module.modules())
 
 
 def _captures_graphs(compiled: nn.Module) -> bool:

@@ -20,6 +20,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_gpuopt.internals import reparametrize_module, uncompiled
+
 __all__ = [
     "FlopsCount",
     "count_flops_per_token",
@@ -61,7 +63,7 @@ def _to_meta(value: Any) -> Any:
 
 def _count(model: nn.Module, args: tuple, forward: Optional[Callable[..., Any]]) -> tuple[int, Tensor]:
     """FLOPs of a forward and backward on meta tensors, and the (meta) tensor back-propagated from."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
+    model = uncompiled(model)  # torch.compile wrapper
     params = {}
     # Each shared tensor once (tied embeddings): functional_call ties the other names to it.
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -72,7 +74,7 @@ def _count(model: nn.Module, args: tuple, forward: Optional[Callable[..., Any]])
     def run() -> Any:
         if forward is None:
             return functional_call(model, params, meta_args, tie_weights=True, strict=False)
-        with torch.nn.utils.stateless._reparametrize_module(model, params, tie_weights=True):
+        with reparametrize_module(model, params):
             return forward(model, *meta_args)
 
     counter = FlopCounterMode(display=False)
@@ -196,7 +198,7 @@ def training_step_flops(module: nn.Module, batch: Any, batch_idx: int = 0) -> in
     """
     if getattr(module, "automatic_optimization", True) is False:
         raise ValueError("the module optimises manually (automatic_optimization=False), so its step cannot be replayed")
-    module = getattr(module, "_orig_mod", module)
+    module = uncompiled(module)
     with _NoSideEffects(module):
         return _count(module, (batch, batch_idx), lambda m, b, i: m.training_step(b, i))[0]
 

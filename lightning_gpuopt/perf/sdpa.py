@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lightning_gpuopt.internals import fused_sdp_choice, sdp_priority_order, set_sdp_priority_order
 from lightning_gpuopt.perf.device import DeviceFacts
 
 __all__ = [
@@ -32,7 +33,7 @@ SDPA_BACKENDS = {
 }
 """Our backend names -> ``torch.nn.attention.SDPBackend`` member names."""
 SDPA_FLAGS = {"cudnn": "cudnn", "flash": "flash", "efficient": "mem_efficient", "math": "math"}
-"""Our backend names -> the suffix of ``torch._C._get_/_set_sdp_use_*`` (what ``sdpa_kernel`` calls)."""
+"""Our backend names -> the name in ``torch.backends.cuda.<name>_sdp_enabled()`` / ``enable_<name>_sdp()``."""
 
 # cuDNN attention first on Hopper and Blackwell (compute capability 9.x, 10.x) with a recent cuDNN; the
 # rest in PyTorch's own order, nothing disabled.
@@ -76,8 +77,8 @@ def set_sdpa_priority(order: Sequence[str]) -> None:
     from torch.nn.attention import SDPBackend
 
     first = [int(getattr(SDPBackend, SDPA_BACKENDS[b])) for b in order]
-    rest = [b for b in torch._C._get_sdp_priority_order() if b not in first]
-    torch._C._set_sdp_priority_order(first + rest)
+    rest = [b for b in sdp_priority_order() if b not in first]
+    set_sdp_priority_order(first + rest)
 
 
 def attention_kernel(
@@ -102,7 +103,7 @@ def attention_kernel(
     from torch.nn.attention import SDPBackend
 
     q = torch.zeros(1, n_head, seq_len, head_dim, device=device, dtype=dtype, requires_grad=True)  # as in training
-    choice = SDPBackend(torch._fused_sdp_choice(q, q, q, dropout_p=dropout_p, is_causal=True))
+    choice = SDPBackend(fused_sdp_choice(q, q, q, dropout_p=dropout_p, is_causal=True))
     names = {getattr(SDPBackend, v): k for k, v in SDPA_BACKENDS.items()}
     return names.get(choice, choice.name.lower())
 

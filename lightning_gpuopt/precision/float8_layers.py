@@ -27,6 +27,8 @@ from lightning_gpuopt.perf.compiled import is_compiled
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
 
+from lightning_gpuopt.internals import COMPILED_PREFIX
+
 __all__ = [
     "CONV1D_REASON",
     "FP8_INSTALL_HINT",
@@ -305,7 +307,7 @@ def convert_linears_to_float8(
     def keep(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):
             return False
-        name = prefix + fqn.replace("_orig_mod.", "")
+        name = prefix + fqn.replace(COMPILED_PREFIX, "")
         if id(module) in mha_out:
             reason: Optional[str] = "nn.MultiheadAttention.out_proj (its forward is never called)"
         else:
@@ -315,7 +317,7 @@ def convert_linears_to_float8(
 
     reported = {name for name, _, _ in report}
     for fqn, module in root.named_modules():
-        name = prefix + fqn.replace("_orig_mod.", "")
+        name = prefix + fqn.replace(COMPILED_PREFIX, "")
         if is_conv1d_like(module) and name not in reported:
             report.append((name, f"{module.nx}x{module.nf}", CONV1D_REASON))
     convert_to_float8_training(root, module_filter_fn=keep, config=config)

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_gpuopt.internals import forget_scaler_steps, local_tensor
 from lightning_gpuopt.resume import capture_rng_state, restore_rng_state
 
 __all__ = ["TrainingState", "forget_unfinished_scaler_step"]
@@ -24,12 +25,12 @@ def forget_unfinished_scaler_step(trainer: pl.Trainer) -> None:
     """
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:
-        scaler._per_optimizer_states.clear()  # a defaultdict: each optimizer starts fresh
+        forget_scaler_steps(scaler)
 
 
 def _local(t: Tensor) -> Tensor:
     """The tensor a rank owns: the local shard of a DTensor (FSDP2), the tensor itself otherwise."""
-    return getattr(t, "_local_tensor", t)  # DTensor: the shard's storage itself, so copy_ writes through
+    return local_tensor(t)
 
 
 @dataclass
@@ -50,9 +51,10 @@ class _HostShard:
 
 def _to_host(value: Any) -> Any:
     """A copy of an optimizer state dict with its tensors in host memory (DTensors as their local shard)."""
-    if isinstance(value, Tensor) and hasattr(value, "_local_tensor"):  # DTensor (FSDP2)
+    if isinstance(value, Tensor) and local_tensor(value) is not value:  # DTensor (FSDP2)
         spec = (value.device_mesh, value.placements, value.shape, value.stride())
-        return _HostShard(value._local_tensor.detach().to("cpu", copy=True), value._local_tensor.device, spec)
+        local = local_tensor(value)
+        return _HostShard(local.detach().to("cpu", copy=True), local.device, spec)
     if isinstance(value, Tensor):  # torchao's low-bit states move too (their subclasses implement the copy)
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, IterableDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import default_collate
 
 from lightning_gpuopt.callbacks.auto_batch.training_state import TrainingState, forget_unfinished_scaler_step
 from lightning_gpuopt.internals import (
