@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 
-__all__ = ["ResumableData", "SavesAlone", "saving_alone"]
+__all__ = ["CompilesItself", "ResumableData", "SavesAlone", "saving_alone"]
 
 
 @runtime_checkable
@@ -73,6 +73,22 @@ class SavesAlone(Protocol):
     """
 
     def saving_alone(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+@runtime_checkable
+class CompilesItself(Protocol):
+    """A LightningModule that compiles its own model (in ``configure_model``) and says in which mode.
+
+    ``GPTModule`` implements it. ``AutoBatchSize`` asks it: under a mode that tunes or records for
+    the shapes it saw (``max-autotune``, ``reduce-overhead``), the trial steps' graphs are dropped
+    after the search so training compiles its own.
+
+    The contract: ``compile_mode_in_use`` is ``None`` until the module has compiled, then the
+    ``torch.compile`` mode it compiled with (``"default"`` for the default mode), after any change
+    the module made to what was asked (e.g. under FSDP2).
+    """
+
+    compile_mode_in_use: Optional[str]
 
 
 @contextlib.contextmanager

@@ -69,7 +69,7 @@ def _is_fsdp2(model: nn.Module) -> bool:
 
 def compile_gpt(
     model: GPT, scope: CompileScope = "block", mode: Optional[str] = None, backend: Union[str, Callable] = "inductor"
-) -> CompileScope:
+) -> tuple[CompileScope, Optional[str]]:
     """Compile ``model`` in place (state-dict keys stay those of the plain model), after any sharding.
 
     Under FSDP2 the scope and mode are those of :func:`compile_settings`, with one warning per change.
@@ -85,7 +85,7 @@ def compile_gpt(
         backend: ``torch.compile`` backend.
 
     Returns:
-        The scope compiled.
+        The scope and the mode compiled with.
     """
     scope, mode, notes = compile_settings(scope, mode, _is_fsdp2(model))
     for note in notes:
@@ -93,6 +93,5 @@ def compile_gpt(
     if scope == "block":
         model.compile_blocks(mode=mode, backend=backend)
     else:
-        model.compile(mode=mode, backend=backend)
-        model.compile_loss = True
-    return scope
+        model.compile_whole(mode=mode, backend=backend)
+    return scope, mode

@@ -259,6 +259,16 @@ class GPT(nn.Module):
             block.compile(mode=mode, backend=backend)
         self.compile_loss = True
 
+    def compile_whole(self, mode: Optional[str] = None, backend: Union[str, Callable] = "inductor") -> None:
+        """Compile the whole model as one graph, in place (the loss chunk is inside it).
+
+        Args:
+            mode: ``torch.compile`` mode (``None``: the default).
+            backend: ``torch.compile`` backend.
+        """
+        self.compile(mode=mode, backend=backend)
+        self.compile_loss = True
+
     @torch.no_grad()
     def generate(
         self,

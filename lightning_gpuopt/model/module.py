@@ -141,6 +141,7 @@ class GPTModule(pl.LightningModule):
         if compile_mode is not None and not compile:
             raise ValueError(f"GPTModule.compile_mode={compile_mode!r} has no effect: also set compile=True.")
         self.model: Optional[GPT] = None
+        self.compile_mode_in_use: Optional[str] = None  # protocols.CompilesItself: set once compiled
         self._last_train_loss: Optional[Tensor] = None
         self._progress_bar_step = 0
         self._flops_per_token: dict[int, int] = {}
@@ -171,7 +172,9 @@ class GPTModule(pl.LightningModule):
             mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
             shard_gpt(self.model, mesh, param_dtype=self._fsdp_param_dtype())
         if self.hparams.compile:  # after sharding: the compiled graph sees FSDP2's hooks
-            compile_gpt(self.model, self.hparams.get("compile_scope", "block"), self.hparams.compile_mode)
+            _, mode = compile_gpt(self.model, self.hparams.get("compile_scope", "block"), self.hparams.compile_mode)
+            self.compile_mode_in_use = mode or "default"
+
 
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
         """bf16 under a bf16 precision (Lightning's or ``BF16Precision``) and under a float8 one computing the

@@ -6,7 +6,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_gpuopt.callbacks import MFUMonitor
-from lightning_gpuopt.callbacks import mfu_monitor as mfu_module
+from lightning_gpuopt.perf import mfu as mfu_arithmetic
 from tests.callbacks._mfu_helpers import ClockedGPTModule, FakeClock, TokenBatches, loader
 
 wandb = pytest.importorskip("wandb")
@@ -22,7 +22,7 @@ def test_metrics_arrive_in_offline_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_CONSOLE", "off")
     # CPU has no CUDA memory stats: stand in known numbers to check the mem/ keys travel too.
     fake_mem = {"mem/allocated_gb": 1.5, "mem/reserved_gb": 2.0, "mem/peak_gb": 1.75, "mem/peak_pct": 2.1875}
-    monkeypatch.setattr(mfu_module, "_memory_stats", lambda device: dict(fake_mem))
+    monkeypatch.setattr(mfu_arithmetic, "memory_stats", lambda facts: dict(fake_mem))
 
     clock = FakeClock()
     logger = WandbLogger(project="gpuopt-test", save_dir=str(tmp_path), offline=True)

@@ -50,9 +50,9 @@ def test_fsdp2_with_activation_checkpointing_compiles_graphs_in_either_scope(mes
     backend = CountingBackend()
     if scope == "model":
         with pytest.warns(UserWarning, match="compile_scope='model' under FSDP2.*Compiling each block instead"):
-            assert compile_gpt(model, scope, backend=backend) == "block"
+            assert compile_gpt(model, scope, backend=backend) == ("block", None)
     else:
-        assert compile_gpt(model, scope, backend=backend) == "block"
+        assert compile_gpt(model, scope, backend=backend) == ("block", None)
     model(torch.randint(0, 256, (2, 16))).float().sum().backward()  # logits: the loss kernel stays eager
     assert backend.graphs > 0
 

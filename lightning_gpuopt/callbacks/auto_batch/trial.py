@@ -29,6 +29,7 @@ from lightning_gpuopt.internals import (
 )
 from lightning_gpuopt.callbacks.auto_batch.search import Trial
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
+from lightning_gpuopt.protocols import CompilesItself
 from lightning_gpuopt.perf.units import GiB
 
 __all__ = ["batch_len", "trial_steps"]
@@ -80,9 +81,9 @@ def trial_steps(
 
 
 def _tuned_compile(pl_module: pl.LightningModule) -> bool:
-    """Whether the module says (GPTModule's hparams) it compiles with a tuning mode (max-autotune, reduce-overhead)."""
-    hparams = getattr(pl_module, "hparams", None) or {}
-    return bool(hparams.get("compile")) and hparams.get("compile_mode") not in (None, "default")
+    """Whether the module says (:class:`~lightning_gpuopt.protocols.CompilesItself`) it compiled with a mode
+    that tunes or records for the shapes it saw (max-autotune, reduce-overhead)."""
+    return isinstance(pl_module, CompilesItself) and pl_module.compile_mode_in_use not in (None, "default")
 
 
 def _trial(

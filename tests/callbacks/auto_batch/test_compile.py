@@ -37,3 +37,26 @@ def test_search_and_training_compile_at_most_twice(fresh_dynamo, scope, tmp_path
     # for the loss's per-chunk kernel. Before, the search ended with torch.compiler.reset() and
     # training compiled a third time.
     assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+
+
+def test_a_tuned_compile_is_asked_through_the_protocol_not_hparams():
+    """AutoBatchSize drops the trial graphs only for a module that says it compiled in a tuning mode."""
+    import lightning.pytorch as pl
+
+    from lightning_gpuopt import GPTModule
+    from lightning_gpuopt.callbacks.auto_batch.trial import _tuned_compile
+    from lightning_gpuopt.protocols import CompilesItself
+
+    module = GPTModule(preset="tiny", vocab_size=320, block_size=32, compile=True, compile_mode="max-autotune")
+    assert isinstance(module, CompilesItself) and not _tuned_compile(module)  # asked, not compiled yet
+    module.compile_mode_in_use = "max-autotune"
+    assert _tuned_compile(module)
+    module.compile_mode_in_use = "default"
+    assert not _tuned_compile(module)
+
+    class SaysTunedInHparams(pl.LightningModule):  # hparams alone no longer count
+        def __init__(self):
+            super().__init__()
+            self.save_hyperparameters({"compile": True, "compile_mode": "max-autotune"})
+
+    assert not _tuned_compile(SaysTunedInHparams())
