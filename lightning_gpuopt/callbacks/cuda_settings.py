@@ -14,6 +14,7 @@ from typing_extensions import override
 from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS as _SDPA_BACKENDS
 from lightning_gpuopt.perf.sdpa import SDPA_FLAGS as _SDPA_FLAGS
 from lightning_gpuopt.perf.sdpa import apply_auto_sdpa_order, attention_kernel, attention_row  # attention_kernel re-exported
+from lightning_gpuopt.protocols import bind_precision_plugin
 
 __all__ = ["CUDASettings", "attention_kernel"]
 
@@ -213,6 +214,7 @@ class CUDASettings(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._apply()  # after a previous fit restored the state
         device = trainer.strategy.root_device
+        bind_precision_plugin(trainer)  # the attention row reads the plugin's dtype for this device
         if self.sdpa_backends == "auto":
             self.report = [r for r in self.report if r[0] != "sdpa_backends"] + [apply_auto_sdpa_order(device)]
         if device.type == "cuda":

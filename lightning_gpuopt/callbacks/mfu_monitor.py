@@ -19,6 +19,7 @@ from lightning_gpuopt.perf.mfu import memory_stats as _memory_stats  # by this n
 from lightning_gpuopt.perf.peaks import measure_peak_flops
 from lightning_gpuopt.perf.parallel import data_parallel_size
 from lightning_gpuopt.perf.precision import compute_dtype_name, is_fp8
+from lightning_gpuopt.protocols import bind_precision_plugin
 
 __all__ = ["MFUMonitor"]
 
@@ -144,6 +145,7 @@ class MFUMonitor(Callback):
         self.total_tokens, self.total_flops, self._at_step = 0, 0.0, (0, 0.0)
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
         self._device = trainer.strategy.root_device
+        bind_precision_plugin(trainer)  # the dtype of this device (fp16 on a V100), before convert_module binds it
         plugin = trainer.precision_plugin
         self._dtype = self.dtype or compute_dtype_name(plugin)
         if self._dtype is None:
