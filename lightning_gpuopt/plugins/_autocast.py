@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, read_device
-from lightning_gpuopt.perf.precision import clip_without_scaler
+from lightning_gpuopt.perf.precision import clip_mixed_precision
 
 __all__ = ["trainer_device"]
 
@@ -113,7 +113,7 @@ class _TrainerDeviceMixedPrecision(MixedPrecision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        clip_without_scaler(self, optimizer, clip_val, gradient_clip_algorithm)
+        clip_mixed_precision(self, optimizer, clip_val, gradient_clip_algorithm)
 
     def _on_register(self, parent: Module, name: str, child: Optional[Module]) -> Optional[Module]:
         # Module-registration hook, active inside module_init_context (configure_model): bind to the Trainer's
