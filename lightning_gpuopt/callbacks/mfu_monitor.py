@@ -140,8 +140,7 @@ class MFUMonitor(Callback):
         if stage != "fit":
             return
         self._reset_run()
-        self.history = []
-        self.summary = {}
+        self.history, self.summary = [], {}
         self.total_tokens, self.total_flops, self._at_step = 0, 0.0, (0, 0.0)
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
         self._device = trainer.strategy.root_device
