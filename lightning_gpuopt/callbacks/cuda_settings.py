@@ -18,6 +18,7 @@ from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS as _SDPA_BACKENDS
 from lightning_gpuopt.perf.sdpa import SDPA_FLAGS as _SDPA_FLAGS
 from lightning_gpuopt.perf.sdpa import attention_row, auto_sdpa_order, flash_skipped, set_sdpa_priority
 from lightning_gpuopt.perf.tf32 import capture_tf32, restore_tf32, set_tf32
+from lightning_gpuopt.protocols import bind_precision_plugin
 
 __all__ = ["CUDASettings", "plan_settings"]
 
@@ -262,6 +263,7 @@ class CUDASettings(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._apply()  # after a previous fit restored the state
         device = trainer.strategy.root_device
+        bind_precision_plugin(trainer)  # the attention row reads the plugin's dtype for this device
         facts = read_device(device)
         rows = plan_settings(facts, **self._options())
         if facts.is_cuda:

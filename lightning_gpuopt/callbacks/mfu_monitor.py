@@ -20,6 +20,7 @@ from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
 from lightning_gpuopt.perf.parallel import data_parallel_size
 from lightning_gpuopt.precision.dtype import compute_dtype_name, is_fp8
+from lightning_gpuopt.protocols import bind_precision_plugin
 
 __all__ = ["MFUMonitor"]
 
@@ -146,11 +147,11 @@ class MFUMonitor(Callback):
         if stage != "fit":
             return
         self._reset_run()
-        self.history = []
-        self.summary = {}
+        self.history, self.summary = [], {}
         self.total_tokens, self.total_flops, self._at_step = 0, 0.0, (0, 0.0)
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
         self._device, self._facts = trainer.strategy.root_device, read_device(trainer.strategy.root_device)
+        bind_precision_plugin(trainer)  # the dtype of this device (fp16 on a V100), before convert_module binds it
         plugin = trainer.precision_plugin
         self._dtype = self.dtype or compute_dtype_name(plugin)
         if self._dtype is None:

@@ -30,8 +30,10 @@ from lightning_gpuopt.cli.defaults import (
     check_run_length,
     default_stack,
     fill_checkpoint_dirs,
+    float32_note,
     precision_for_estimate,
     replace_precision_plugins,
+    stack_device,
 )
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
@@ -88,8 +90,8 @@ class GPTCLI(LightningCLI):
     other settings applied and reported).
 
     Without a config the Trainer runs the default stack of :mod:`lightning_gpuopt.cli.defaults`
-    (``BF16Precision``, ``CUDASettings``, ``MFUMonitor``, ``NonFiniteGuard``, a ``ModelCheckpoint``
-    keeping ``last.ckpt``); a ``trainer.precision`` replaces the precision plugin. ``ExactResume``
+    (``BF16Precision`` on a GPU, float32 on a CPU, ``CUDASettings``, ``MFUMonitor``, ``NonFiniteGuard``, a
+    ``ModelCheckpoint`` keeping ``last.ckpt``); a ``trainer.precision`` replaces the precision plugin. ``ExactResume``
     and ``SigtermCheckpoint`` are always added (a resumed ``fit --ckpt_path last`` continues
     exactly, also after a SIGTERM, which ends ``gpuopt`` with status 143). With
     ``trainer.strategy: gpuopt-auto`` the strategy is chosen for the model by
@@ -107,7 +109,8 @@ class GPTCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.add_lightning_class_args(ExactResume, "exact_resume")
         parser.add_lightning_class_args(SigtermCheckpoint, "sigterm_checkpoint")
-        parser.set_defaults(default_stack())
+        self.stack_device = stack_device()
+        parser.set_defaults(default_stack(self.stack_device))
         parser.add_argument("--generate.prompts_file", type=Optional[str], default=None,
                             help="predict: a text file (one prompt per line) or JSONL (a \"prompt\" per line) to continue.")
         parser.add_argument("--generate.batch_size", type=int, default=32,
@@ -157,6 +160,9 @@ class GPTCLI(LightningCLI):
             kwargs["strategy"] = self._auto_strategy(config, trainer_cfg)
         if "plugins" not in kwargs:
             kwargs["plugins"] = replace_precision_plugins(trainer_cfg.get("precision"), trainer_cfg.get("plugins"))
+        note = float32_note(trainer_cfg.get("precision"), kwargs["plugins"], self.stack_device)
+        if note is not None:
+            rank_zero_info(note)
         trainer = super().instantiate_trainer(**kwargs)
         # ExactResume and SigtermCheckpoint are always added; one the config lists itself (with its own
         # arguments) comes first and stays, the added copy goes: two would each act on the same run.

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.device import read_device
-from lightning_gpuopt.precision.dtype import clip_without_scaler, compute_dtype_name
+from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype_name
 from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.loss import LossImpl
@@ -274,10 +274,10 @@ class GPTModule(pl.LightningModule):
         self, optimizer: Any, gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: Optional[str] = None
     ) -> None:
         plugin = self.trainer.precision_plugin
-        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
-            # Lightning's own "bf16-mixed" refuses to clip for the fused AdamW built on CUDA; bf16 has no
-            # scaler, so plain clipping is exact (lightning_gpuopt.precision.dtype.clip_without_scaler).
-            clip_without_scaler(plugin, optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+        if gradient_clip_val and isinstance(plugin, MixedPrecision):
+            # Lightning's own "bf16-mixed" and "16-mixed" refuse to clip for the fused AdamW built on CUDA; this
+            # clips unscaled gradients, exactly (lightning_gpuopt.precision.dtype.clip_mixed_precision).
+            clip_mixed_precision(plugin, optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

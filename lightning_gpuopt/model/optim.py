@@ -9,6 +9,8 @@ from torch import nn
 from torch.optim import AdamW, Optimizer
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
+from lightning_gpuopt.perf.device import DeviceFacts, read_device
+
 __all__ = ["build_adamw", "schedule_length", "warmup_cosine_schedule"]
 
 
@@ -19,6 +21,7 @@ def build_adamw(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     fused: bool | None = None,
+    device_facts: DeviceFacts | None = None,
 ) -> AdamW:
     """AdamW with weight decay on matrices and embeddings (params with >= 2 dims) only.
 
@@ -34,7 +37,9 @@ def build_adamw(
         weight_decay: Decoupled weight decay for params with >= 2 dims.
         betas: Adam betas.
         eps: Adam epsilon.
-        fused: Use the fused CUDA kernel; ``None`` chooses it when every parameter is on CUDA.
+        fused: Use the fused kernel; ``None`` chooses it where it is the faster one
+            (``DeviceFacts.fused_adamw``: on CUDA) for the device the parameters are on.
+        device_facts: The facts of that device; ``None`` reads them (``read_device``).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -42,7 +47,10 @@ def build_adamw(
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     if fused is None:
-        fused = all(p.device.type == "cuda" for p in params)
+        devices = {p.device for p in params}
+        if device_facts is None and len(devices) == 1:
+            device_facts = read_device(devices.pop())
+        fused = device_facts is not None and device_facts.fused_adamw  # parameters on several devices: not fused
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

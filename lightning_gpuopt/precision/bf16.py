@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpuopt.precision.autocast import _AutocastPrecision, _TrainerDeviceMixedPrecision, supports_bf16
+from lightning_gpuopt.perf.device import DeviceFacts
+from lightning_gpuopt.precision.autocast import _AutocastPrecision, _TrainerDeviceMixedPrecision
 
-__all__ = ["BF16Precision"]
+__all__ = ["BF16Precision", "autocast_precision"]
+
+
+def autocast_precision(facts: DeviceFacts) -> _AutocastPrecision:
+    """``"bf16-mixed"`` where the device runs bfloat16 natively (any CPU; CUDA from compute capability 8.0), else ``"16-mixed"``.
+
+    Example::
+
+        autocast_precision(REFERENCE_DEVICES["A100"])  # "bf16-mixed"
+        autocast_precision(REFERENCE_DEVICES["T4"])    # "16-mixed": T4 and V100 emulate bf16, slowly
+
+    Args:
+        facts: The training device's facts (:func:`~lightning_gpuopt.perf.device.read_device`).
+    """
+    return "bf16-mixed" if facts.bf16 else "16-mixed"
 
 
 class BF16Precision(_TrainerDeviceMixedPrecision):
@@ -18,7 +35,7 @@ class BF16Precision(_TrainerDeviceMixedPrecision):
     read its compute dtype. The autocast device is the one the Trainer trains on; nothing to set.
     On a GPU without native bfloat16 (T4, V100: compute capability < 8.0) it trains with float16
     autocast and a ``GradScaler`` instead, and warns once that it did. Gradients are unscaled
-    before gradient clipping (Lightning's ``MixedPrecision.optimizer_step``).
+    before gradient clipping, also for a fused optimizer (``AdamW(fused=True)``).
 
     Example::
 
@@ -42,17 +59,16 @@ class BF16Precision(_TrainerDeviceMixedPrecision):
         return False
 
     @override
-    def _precision_for(self, device: torch.device) -> _AutocastPrecision:
-        return "bf16-mixed" if supports_bf16(device) else "16-mixed"
+    def _precision_for(self, facts: DeviceFacts) -> _AutocastPrecision:
+        return autocast_precision(facts)
 
     @override
-    def _bind(self, device: torch.device) -> None:
-        before = self._bound_device
-        super()._bind(device)
-        if before != device and self.precision == "16-mixed":
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    def bind(self, device: Union[torch.device, str], facts: Optional[DeviceFacts] = None) -> None:
+        before = self.device_facts
+        super().bind(device, facts)
+        if self.device_facts != before and self.precision == "16-mixed":
             rank_zero_warn(
-                f"BF16Precision: {device} ({name}) has no native bfloat16 support, so training uses float16 "
-                "autocast with a GradScaler instead. Use a GPU with compute capability >= 8.0 (A100, H100, "
+                f"BF16Precision: {self.device_facts.describe()} has no native bfloat16 support, so training uses "
+                "float16 autocast with a GradScaler instead. Use a GPU with compute capability >= 8.0 (A100, H100, "
                 "L4, RTX 30xx or newer) for bfloat16."
             )

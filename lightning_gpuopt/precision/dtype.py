@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_gpuopt.perf.peaks import dtype_name
 
-__all__ = ["LIGHTNING_PRECISIONS", "clip_without_scaler", "compute_dtype_name", "is_fp8", "tf32_enabled"]
+__all__ = ["LIGHTNING_PRECISIONS", "clip_mixed_precision", "compute_dtype_name", "is_fp8", "tf32_enabled"]
 
 
 def tf32_enabled() -> bool:
@@ -108,22 +108,25 @@ def compute_dtype_name(plugin: Any) -> Optional[str]:
     return name
 
 
-def clip_without_scaler(
+def clip_mixed_precision(
     plugin: MixedPrecision,
     optimizer: Optimizer,
     clip_val: Union[int, float],
     algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
 ) -> None:
-    """Clip gradients under a ``MixedPrecision`` plugin, fused optimizers included, when it has no scaler.
+    """Clip gradients under a ``MixedPrecision`` plugin, fused optimizers included, always on unscaled gradients.
 
     Lightning's ``MixedPrecision.clip_gradients`` refuses any optimizer that can unscale gradients
     inside ``step()`` (``torch.optim.AdamW(fused=True)``, what ``GPTModule`` builds on CUDA), because
-    under fp16 such gradients are still scaled when clipping would run. Under bf16 there is no
-    scaler and nothing is scaled, so the plain clipping is exact; with a scaler this defers to Lightning.
+    under fp16 such gradients are still scaled when clipping runs. Under bf16 there is no scaler and
+    nothing is scaled, so the plain clipping is exact. Under fp16 this unscales them first
+    (``GradScaler.unscale_``, torch's documented way to clip under a scaler): ``GradScaler.step`` then
+    hands the fused kernel no scale to divide by again, only the inf check of the unscale, so the step
+    equals the one Lightning takes for a non-fused optimizer (which it unscales before clipping itself).
 
     Example::
 
-        clip_without_scaler(trainer.precision_plugin, optimizer, 1.0)
+        clip_mixed_precision(trainer.precision_plugin, optimizer, 1.0)
 
     Args:
         plugin: The Trainer's precision plugin.
@@ -131,7 +134,11 @@ def clip_without_scaler(
         clip_val: The clipping value (``trainer.gradient_clip_val``).
         algorithm: ``norm`` or ``value``.
     """
-    if plugin.scaler is None:
-        Precision.clip_gradients(plugin, optimizer, clip_val, GradClipAlgorithmType(algorithm))
-    else:
-        MixedPrecision.clip_gradients(plugin, optimizer, clip_val, GradClipAlgorithmType(algorithm))
+    if not clip_val or clip_val <= 0:
+        return
+    # torch's flag for an optimizer whose step() unscales (fused AdamW); Lightning has unscaled all others already.
+    unscales_in_step = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    has_grads = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+    if plugin.scaler is not None and unscales_in_step and has_grads:  # no gradients: a skipped backward, nothing to clip
+        plugin.scaler.unscale_(optimizer)
+    Precision.clip_gradients(plugin, optimizer, clip_val, GradClipAlgorithmType(algorithm))

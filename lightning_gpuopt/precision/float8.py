@@ -10,8 +10,6 @@ them; that is what FSDP2 (``ModelParallelStrategy``) needs, without the user edi
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -172,7 +170,7 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
         """Adopt the Trainer's device and strategy, checking the hardware (before any conversion)."""
         self._bind_from(module)
         if self._bound_device is not None:
-            check_float8_device(self._bound_device, self.emulate)
+            check_float8_device(self._bound_device, self.emulate, self.device_facts.capability)
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
             from lightning.pytorch.strategies import ModelParallelStrategy
@@ -188,8 +186,9 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
         seen = {name for name, _, _ in self.conversion_report}  # skipped layers are seen again in setup
         self.conversion_report.extend(row for row in report if row[0] not in seen)
 
+    @override
     def _on_register(self, parent: Module, name: str, child: Optional[Module]) -> Optional[Module]:
-        # Module-registration hook: convert whatever is assigned to a LightningModule, as soon as it is.
+        # Module-registration hook (module_init_context): convert whatever is assigned to a LightningModule, as soon as it is.
         if child is None or not isinstance(parent, pl.LightningModule):
             return None
         self._setup_for(parent)
@@ -199,16 +198,6 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
             return holder[name]
         self._convert(child, prefix=f"{name}.")
         return None
-
-    @override
-    @contextmanager
-    def module_init_context(self) -> Generator[None, None, None]:
-        handle = nn.modules.module.register_module_module_registration_hook(self._on_register)
-        try:
-            with super().module_init_context():
-                yield
-        finally:
-            handle.remove()
 
     @override
     def convert_module(self, module: Module) -> Module:

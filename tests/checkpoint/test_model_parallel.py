@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_gpuopt.checkpoint import atomic_files as atomic_checkpoint  # the swap functions live in plugins/atomic_files
+from lightning_gpuopt.checkpoint import atomic_files as atomic_checkpoint
 from lightning_gpuopt.checkpoint.atomic_files import checkpoint_to_load, partial_path, previous_path, swap_in
 from tests._paths import REPO, SCRIPTS
 

@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import shlex
 import signal
@@ -11,11 +12,13 @@ import pytest
 import yaml
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import Precision
 
 from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard, SigtermCheckpoint
 from lightning_gpuopt.cli.main import GPTCLI
 from lightning_gpuopt.cli.defaults import CHECKPOINT_EVERY_N_STEPS
+from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from lightning_gpuopt.precision import BF16Precision, Float8Precision
 
 from tests._paths import REPO  # noqa: E402
@@ -43,9 +46,13 @@ def test_config_parses_through_the_cli_parser(config):
     assert ns.model.preset == raw["model"]["preset"]
     assert ns.trainer.max_steps == raw["trainer"]["max_steps"]
     assert ns.model.block_size == raw["data"]["block_size"]  # linked from the data
-    # Every recipe runs the stack explicitly: no Lightning precision string, our plugin and callbacks.
+    # Every recipe runs the stack explicitly: no Lightning precision string, our plugin and callbacks. The
+    # quickstart, which also runs on a CPU, leaves the precision to the stack: float32 on this CPU.
     assert ns.trainer.precision is None
-    assert [p.class_path for p in ns.trainer.plugins] == ["lightning_gpuopt.precision.BF16Precision"]
+    if config.stem == "quickstart":
+        assert "plugins" not in raw["trainer"] and ns.trainer.plugins is None
+    else:
+        assert [p.class_path for p in ns.trainer.plugins] == ["lightning_gpuopt.precision.BF16Precision"]
     callbacks = {c.class_path.rsplit(".", 1)[1]: c.init_args for c in ns.trainer.callbacks}
     assert {"CUDASettings", "MFUMonitor", "NonFiniteGuard", "ModelCheckpoint"} <= set(callbacks)
     checkpoint = callbacks["ModelCheckpoint"]
@@ -151,9 +158,23 @@ def test_main_ends_the_process_group_after_a_successful_run(text_dir, cache_dir,
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("name", sorted(REFERENCE_DEVICES))
+def test_stack_precision_is_the_fastest_on_the_device(name):
+    from lightning_gpuopt.cli.defaults import default_stack, float32_note
+
+    facts = REFERENCE_DEVICES[name]
+    plugins = default_stack(facts)["trainer.plugins"]
+    if name == "cpu":  # bf16 autocast doubles the step time on a CPU
+        assert plugins is None and float32_note(None, None, facts).startswith("gpuopt: running in float32 on the CPU")
+        assert float32_note("bf16-mixed", None, facts) is None and float32_note(None, [BF16Precision()], facts) is None
+    else:  # BF16Precision itself falls back to fp16 where the GPU has no bf16
+        assert plugins == [{"class_path": "lightning_gpuopt.precision.BF16Precision"}]
+        assert float32_note(None, None, facts) is None
+
+
 def test_default_stack_is_in_the_parsed_config():
     ns = _ParseOnly(GPTModule, TextDataModule, run=False, args=[]).config
-    assert [p.class_path for p in ns.trainer.plugins] == ["lightning_gpuopt.precision.BF16Precision"]
+    assert ns.trainer.plugins is None  # this machine has no GPU: float32
     names = [c.class_path.rsplit(".", 1)[1] for c in ns.trainer.callbacks]
     assert names == ["CUDASettings", "MFUMonitor", "NonFiniteGuard", "ModelCheckpoint"]
     checkpoint = ns.trainer.callbacks[-1].init_args
@@ -169,7 +190,7 @@ def test_print_config_shows_the_stack():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     trainer = yaml.safe_load(out.stdout)["trainer"]
-    assert trainer["plugins"][0]["class_path"] == "lightning_gpuopt.precision.BF16Precision"
+    assert trainer["plugins"] is None  # no GPU here: float32, the faster on a CPU
     assert [c["class_path"].rsplit(".", 1)[1] for c in trainer["callbacks"]] == [
         "CUDASettings", "MFUMonitor", "NonFiniteGuard", "ModelCheckpoint"]
     assert "args parameter is intended" not in out.stderr
@@ -180,10 +201,14 @@ def _tiny(text_dir, *extra):
             "--data.block_size", "16", "--data.batch_size", "2", "--model.preset", "tiny", *extra]
 
 
-def test_trainer_gets_the_stack(text_dir, cache_dir, tmp_path):
-    cli = GPTCLI(GPTModule, TextDataModule, run=False, args=_tiny(text_dir, "--trainer.default_root_dir", str(tmp_path)))
+def test_trainer_gets_the_stack(text_dir, cache_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        cli = GPTCLI(GPTModule, TextDataModule, run=False, args=_tiny(text_dir, "--trainer.default_root_dir", str(tmp_path)))
     trainer = cli.trainer
-    assert isinstance(trainer.precision_plugin, BF16Precision)
+    assert type(trainer.precision_plugin) is Precision and trainer.precision == "32-true"  # on this CPU
+    said = [r.getMessage() for r in caplog.records if "float32" in r.getMessage()]
+    assert said == ["gpuopt: running in float32 on the CPU (bf16 autocast is ~2x slower there); pass "
+                    "--trainer.plugins BF16Precision to use bf16."]
     kinds = {type(c) for c in trainer.callbacks}
     assert {CUDASettings, MFUMonitor, NonFiniteGuard, ModelCheckpoint, ExactResume, SigtermCheckpoint} <= kinds
     checkpoint = trainer.checkpoint_callback
@@ -196,6 +221,14 @@ def test_trainer_precision_replaces_the_default_plugin(text_dir, cache_dir, tmp_
                  args=_tiny(text_dir, "--trainer.precision", precision, "--trainer.default_root_dir", str(tmp_path)))
     assert not isinstance(cli.trainer.precision_plugin, BF16Precision)
     assert cli.trainer.precision == precision
+
+
+def test_bf16_asked_for_on_a_cpu_is_kept(text_dir, cache_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        cli = GPTCLI(GPTModule, TextDataModule, run=False,
+                     args=_tiny(text_dir, "--trainer.plugins", "BF16Precision", "--trainer.default_root_dir", str(tmp_path)))
+    assert isinstance(cli.trainer.precision_plugin, BF16Precision)
+    assert not [r for r in caplog.records if "float32" in r.getMessage()]
 
 
 def test_float8_with_one_flag(text_dir, cache_dir, tmp_path):

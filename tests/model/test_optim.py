@@ -5,6 +5,7 @@ import torch
 
 from lightning_gpuopt.model import GPT, GPTConfig
 from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
+from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 
 
 def test_weight_decay_only_on_matrices_and_embeddings():
@@ -15,7 +16,17 @@ def test_weight_decay_only_on_matrices_and_embeddings():
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
     # every parameter once (the tied head/embedding weight too)
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-    assert opt.defaults["fused"] is False  # CPU parameters: the fused kernel is CUDA-only here
+    assert opt.defaults["fused"] is False  # CPU parameters: the CPU's fused kernel is no faster
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_DEVICES))
+def test_fused_kernel_where_the_device_facts_say_it_is_faster(name):
+    model = torch.nn.Linear(16, 16)
+    opt = build_adamw(model, lr=1e-3, device_facts=REFERENCE_DEVICES[name])
+    assert opt.defaults["fused"] is (name != "cpu")  # every CUDA device; the CPU kernel here is no faster
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()  # the fused kernel runs on these CPU parameters too
+    assert build_adamw(model, lr=1e-3, fused=False, device_facts=REFERENCE_DEVICES[name]).defaults["fused"] is False
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine():

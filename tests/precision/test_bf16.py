@@ -3,22 +3,26 @@ Lightning reads."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Union
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 
+from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from lightning_gpuopt.precision import BF16Precision, Float8Precision
+from lightning_gpuopt.precision.bf16 import autocast_precision
+from lightning_gpuopt.model import GPT, GPTConfig
 from tests.precision._helpers import (
+    TINY,
     ProbeGPT,
     plugin_trainer,
     token_loader,
 )
 
 torchao_float8 = pytest.importorskip("torchao.float8")
-
-
 
 
 pytestmark = pytest.mark.filterwarnings(
@@ -49,45 +53,94 @@ def test_plugins_are_built_without_initialising_cuda(monkeypatch):
     def initialises_cuda():
         raise AssertionError("initialised CUDA while building a precision plugin")
 
-    monkeypatch.setattr("lightning_gpuopt.precision.autocast.num_cuda_devices", lambda: 1)  # a GPU machine
+    monkeypatch.setattr("lightning_gpuopt.precision.autocast.cuda_device_count", lambda: 1)  # a GPU machine
     monkeypatch.setattr(torch.cuda, "_lazy_init", initialises_cuda)
     for plugin in (BF16Precision(), Float8Precision()):
-        assert (plugin.device, plugin.precision, plugin.scaler) == ("cuda", "bf16-mixed", None)
+        assert (plugin.device, plugin.precision, plugin.scaler, plugin.device_facts) == ("cuda", "bf16-mixed", None, None)
+        assert plugin.precision == "bf16-mixed" and plugin.device_facts is None  # reading binds nothing
     # The real device decides at setup (here the CPU a Trainer attaches).
     plugin = BF16Precision()
     monkeypatch.undo()
     trainer = plugin_trainer(plugin, max_steps=1)
     trainer.fit(ProbeGPT(), train_dataloaders=token_loader(n_seq=8))
-    assert (plugin.device, plugin.precision) == ("cpu", "bf16-mixed")
+    assert (plugin.device, plugin.precision, plugin.device_facts) == ("cpu", "bf16-mixed", REFERENCE_DEVICES["cpu"])
 
 
-def test_precision_is_decided_for_the_gpu_once_the_trainer_has_initialised_it(monkeypatch):
-    # Callbacks' setup and configure_model (FSDP2's parameter dtype) read the precision before convert_module.
-    # Before CUDA is initialised (the process that builds the Trainer) the plugin answers bf16 without
-    # asking; once the Trainer has set its GPU, the first read asks that GPU: here a V100-like one.
-    monkeypatch.setattr("lightning_gpuopt.precision.bf16.supports_bf16", lambda device: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+@pytest.mark.parametrize("name", sorted(REFERENCE_DEVICES))
+def test_autocast_precision_for_every_reference_device(name):
+    expected = "16-mixed" if name in ("V100", "T4") else "bf16-mixed"
+    assert autocast_precision(REFERENCE_DEVICES[name]) == expected
     plugin = BF16Precision()
-    assert plugin.precision == "bf16-mixed" and plugin._bound_device is None
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.warns(UserWarning, match="float16 autocast with a GradScaler"):
-        assert plugin.precision == "16-mixed"
-    assert plugin.device == "cuda" and plugin.compute_dtype == torch.float16 and plugin.scaler is not None
-    # Built after CUDA was initialised (a notebook that used the GPU first): the same answer, scaler included.
-    with pytest.warns(UserWarning, match="float16 autocast with a GradScaler"):
-        late = BF16Precision()
-        assert late.precision == "16-mixed" and isinstance(late.scaler, torch.amp.GradScaler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin.bind(torch.device("cpu"), REFERENCE_DEVICES[name])
+    assert plugin.precision == expected and plugin.device == "cpu"
+    assert plugin.compute_dtype == (torch.float16 if expected == "16-mixed" else torch.bfloat16)
+    fallback = [str(w.message) for w in caught if "float16 autocast with a GradScaler" in str(w.message)]
+    if expected == "16-mixed":
+        # Built for the device it scales on (a CUDA scaler on a CPU disables itself, with a warning).
+        assert isinstance(plugin.scaler, torch.amp.GradScaler) and plugin.scaler._device == "cpu"
+        assert plugin.scaler.is_enabled()
+        assert fallback == [f"BF16Precision: {REFERENCE_DEVICES[name].describe()} has no native bfloat16 support, "
+                            "so training uses float16 autocast with a GradScaler instead. Use a GPU with compute "
+                            "capability >= 8.0 (A100, H100, L4, RTX 30xx or newer) for bfloat16."]
+        assert "Tesla" in fallback[0]  # the GPU is named from the facts
+    else:
+        assert plugin.scaler is None and fallback == []
 
 
-def test_bf16_falls_back_to_fp16_with_grad_scaler_where_bf16_is_missing(monkeypatch):
-    # Simulates a T4/V100 on CPU: the capability check says "no bf16".
-    monkeypatch.setattr("lightning_gpuopt.precision.bf16.supports_bf16", lambda device: False)
+def test_callbacks_bind_the_plugin_at_setup_and_read_the_device_dtype(monkeypatch):
+    # Callbacks' setup runs before convert_module. MFUMonitor binds the plugin there, so it reads the dtype of
+    # the training device: fp16 where the device (a V100, as read_device would report it) has no bf16. A
+    # callback after it, as Lightning's ThroughputMonitor, reads the same.
+    from lightning_gpuopt.callbacks import MFUMonitor
+
+    monkeypatch.setattr("lightning_gpuopt.precision.autocast.read_device", lambda device: REFERENCE_DEVICES["V100"])
+    seen = {}
+
+    class Reader(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            seen["dtype"] = _plugin_to_compute_dtype(trainer.precision_plugin)
+
     plugin = BF16Precision()
+    mfu = MFUMonitor(log_every_n_steps=1, warmup_steps=0, peak_flops=1e12)
+    trainer = plugin_trainer(plugin, max_steps=1, callbacks=[mfu, Reader()])
+    with pytest.warns(UserWarning, match="Tesla V100.*float16 autocast with a GradScaler"):
+        trainer.fit(ProbeGPT(), train_dataloaders=token_loader(n_seq=8))
+    assert seen["dtype"] == torch.float16 and mfu._dtype == "fp16"
+    assert plugin.device_facts == REFERENCE_DEVICES["V100"] and plugin.device == "cpu"
+
+
+def test_configure_model_reads_the_dtype_of_the_training_device(monkeypatch):
+    # configure_model runs before convert_module (GPTModule picks FSDP2's parameter dtype there): the plugin
+    # binds as the first module is assigned to the LightningModule.
+    from lightning_gpuopt.precision.dtype import compute_dtype_name
+
+    monkeypatch.setattr("lightning_gpuopt.precision.autocast.read_device", lambda device: REFERENCE_DEVICES["T4"])
+
+    class BuiltInConfigureModel(ProbeGPT):
+        def __init__(self):
+            pl.LightningModule.__init__(self)
+            self.model, self.seen = None, {}
+
+        def configure_model(self):
+            if self.model is None:
+                self.model = GPT(GPTConfig(**TINY))
+                self.seen["dtype_in_configure_model"] = compute_dtype_name(self.trainer.precision_plugin)
+
+    module = BuiltInConfigureModel()
+    with pytest.warns(UserWarning, match="Tesla T4"):
+        plugin_trainer(BF16Precision(), max_steps=1).fit(module, train_dataloaders=token_loader(n_seq=8))
+    assert module.seen["dtype_in_configure_model"] == "fp16" and module.seen["autocast_dtype"] == torch.float16
+
+
+def test_bf16_falls_back_to_fp16_with_grad_scaler_where_bf16_is_missing():
+    plugin = BF16Precision()
+    with pytest.warns(UserWarning, match="Tesla V100.*float16 autocast with a GradScaler"):
+        plugin.bind(torch.device("cpu"), REFERENCE_DEVICES["V100"])
     module = ProbeGPT()
     trainer = plugin_trainer(plugin, max_steps=3, gradient_clip_val=0.5)
-    with pytest.warns(UserWarning, match="float16 autocast with a GradScaler"):
-        trainer.fit(module, train_dataloaders=token_loader(n_seq=24))
+    trainer.fit(module, train_dataloaders=token_loader(n_seq=24))
     assert plugin.precision == "16-mixed" and plugin.compute_dtype == torch.float16
     assert isinstance(plugin.scaler, torch.amp.GradScaler) and trainer.scaler is plugin.scaler
     assert module.seen["autocast_dtype"] == torch.float16 and module.seen["logits_dtype"] == torch.float16

@@ -103,3 +103,27 @@ def test_tf32_read_through_the_new_api():
     assert tf32_enabled() and compute_dtype_name(Precision()) == "tf32"
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     assert not tf32_enabled() and compute_dtype_name(Precision()) == "fp32"
+def test_clip_mixed_precision_unscales_a_fused_optimizer_once():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_gpuopt.precision.dtype import clip_mixed_precision
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)
+    plugin = MixedPrecision("16-mixed", "cpu")
+    scale = plugin.scaler.get_scale()
+    clip_mixed_precision(plugin, optimizer, 1.0)  # no gradients yet (a skipped backward): nothing unscaled
+    for step in range(2):
+        plugin.scaler.scale(layer(torch.randn(8, 16)).square().sum() * 100).backward()
+        scaled = float(torch.nn.utils.get_total_norm([p.grad for p in layer.parameters()]))
+        clip_mixed_precision(plugin, optimizer, 1.0)
+        clipped = float(torch.nn.utils.get_total_norm([p.grad for p in layer.parameters()]))
+        assert scaled > scale and clipped == pytest.approx(1.0, rel=1e-4)  # unscaled, then clipped
+        grad = layer.weight.grad.clone()
+        plugin.scaler.step(optimizer)
+        plugin.scaler.update()
+        if step == 0:  # the fused step saw the clipped gradients, not them divided by the scale again
+            torch.testing.assert_close(optimizer.state[layer.weight]["exp_avg"], 0.1 * grad)
+        optimizer.zero_grad()
+    assert plugin.scaler.get_scale() == scale  # no step skipped

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_gpuopt.model import GPT, GPTConfig
+from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from lightning_gpuopt.precision import BF16Precision, Float8Precision
 from lightning_gpuopt.precision.float8 import check_float8_device
 from lightning_gpuopt.precision.float8_layers import (
@@ -207,8 +208,8 @@ def test_float8_on_pre_sm89_gpu_names_emulate_and_bf16(monkeypatch):
     check_float8_device(torch.device("cuda", 0), emulate=False)
     check_float8_device(torch.device("cpu"), emulate=False)
 
-    # The plugin runs the check when it learns the Trainer's device, before converting anything.
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    # The plugin runs the check when it learns the Trainer's device, on its facts, before converting anything.
+    monkeypatch.setattr("lightning_gpuopt.precision.autocast.read_device", lambda device: REFERENCE_DEVICES["T4"])
     on_gpu = SimpleNamespace(_trainer=SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0))))
     with pytest.raises(RuntimeError, match="emulate=True"):
         Float8Precision()._setup_for(on_gpu)

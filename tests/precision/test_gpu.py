@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gpuopt.perf.device import read_device
 from lightning_gpuopt.precision import BF16Precision, Float8Precision
-from lightning_gpuopt.precision.autocast import supports_bf16
 from lightning_gpuopt.precision.float8_layers import convert_linears_to_float8, float8_config
 
 CUDA = torch.cuda.is_available()
@@ -82,8 +82,8 @@ def test_compiled_float8_step_not_slower_than_bf16_at_d4096():
 
 def test_bf16_precision_on_this_gpu():
     plugin = BF16Precision()
-    plugin._bind(torch.device("cuda", 0))
-    expected = torch.bfloat16 if supports_bf16(torch.device("cuda", 0)) else torch.float16
+    plugin.bind(torch.device("cuda", 0))
+    expected = torch.bfloat16 if read_device("cuda:0").bf16 else torch.float16
     assert plugin.compute_dtype == expected and plugin.device == "cuda"
     assert (plugin.scaler is None) == (expected == torch.bfloat16)
 
