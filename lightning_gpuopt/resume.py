@@ -53,7 +53,7 @@ def capture_rng_state() -> dict[str, Any]:
         },
         "python": {"version": version, "state": list(mt), "gauss": gauss},
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # the RNG of this process's own GPUs, not a decision
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

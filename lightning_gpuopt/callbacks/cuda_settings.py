@@ -219,7 +219,7 @@ class CUDASettings(Callback):
         self._saved = _capture()
         if self.expandable_segments is not None:  # first: nothing below may initialise CUDA before it
             # Whether this process already initialised CUDA decides how the allocator can still be told.
-            self._allocator_status = _apply_allocator(self.expandable_segments, torch.cuda.is_initialized())
+            self._allocator_status = _apply_allocator(self.expandable_segments, torch.cuda.is_initialized())  # runtime state: has the allocator started?
         set_tf32(self.tf32, _matmul_precision(self.tf32, self.matmul_precision))
         if self.cudnn_benchmark is not None:
             torch.backends.cudnn.benchmark = self.cudnn_benchmark

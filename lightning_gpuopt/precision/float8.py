@@ -35,31 +35,36 @@ from lightning_gpuopt.precision.float8_layers import (
 __all__ = ["Float8Precision", "check_float8_device", "check_float8_strategy"]
 
 
-def check_float8_device(device: torch.device, emulate: bool, capability: Optional[tuple[int, int]] = None) -> None:
-    """Raise a ``RuntimeError`` if ``device`` is a CUDA GPU without FP8 tensor cores and ``emulate`` is off.
+def check_float8_device(facts: DeviceFacts, emulate: bool) -> None:
+    """Raise a ``RuntimeError`` on a CUDA GPU without FP8 tensor cores unless ``emulate``; say once that a
+    device without CUDA emulates float8.
 
     FP8 matmuls (``torch._scaled_mm``) need compute capability 8.9 or newer (L4, L40, RTX 40xx, H100, B200).
 
     Example::
 
-        check_float8_device(torch.device("cuda", 0), emulate=False)
-        check_float8_device(torch.device("cuda"), emulate=False, capability=(8, 0))  # raises: an A100
+        check_float8_device(REFERENCE_DEVICES["H100 SXM"], emulate=False)  # fine
+        check_float8_device(REFERENCE_DEVICES["A100"], emulate=False)      # raises: compute capability 8.0
 
     Args:
-        device: The device training runs on.
+        facts: The training device (:func:`~lightning_gpuopt.perf.device.read_device`).
         emulate: Whether float8 matmuls are emulated (allowed on any device).
-        capability: The GPU's compute capability; ``None`` asks the driver.
     """
-    if device.type != "cuda" or emulate:
+    if emulate or facts.fp8:
         return
-    if capability is None:
-        capability = torch.cuda.get_device_capability(device)
-    if tuple(capability) < (8, 9):
-        raise RuntimeError(
-            f"Float8Precision needs a GPU with compute capability >= 8.9 (L4, L40, H100, ...) for float8 "
-            f"matmuls, but {device} has {capability[0]}.{capability[1]}. Use Float8Precision(emulate=True) to "
-            "test the float8 numerics (slowly) on this GPU, or BF16Precision() to train fast on it."
+    if not facts.is_cuda:
+        rank_zero_warn(
+            f"Float8Precision on {facts.describe()}: no float8 tensor cores, so the float8 layers compute in "
+            "high precision (emulated: the float8 numerics, slowly, no speed-up). Pass Float8Precision(emulate=True) "
+            "to say so, or use BF16Precision() for speed."
         )
+        return
+    major, minor = facts.capability or (0, 0)
+    raise RuntimeError(
+        f"Float8Precision needs a GPU with compute capability >= 8.9 (L4, L40, H100, ...) for float8 "
+        f"matmuls, but {facts.describe()} has {major}.{minor}. Use Float8Precision(emulate=True) to "
+        "test the float8 numerics (slowly) on this GPU, or BF16Precision() to train fast on it."
+    )
 
 
 def check_float8_strategy(strategy: Any) -> None:
@@ -170,7 +175,7 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
         """Adopt the Trainer's device and strategy, checking the hardware (before any conversion)."""
         self._bind_from(module)
         if self._bound_device is not None:
-            check_float8_device(self._bound_device, self.emulate, self.device_facts.capability)
+            check_float8_device(self.device_facts, self.emulate)
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
             from lightning.pytorch.strategies import ModelParallelStrategy

@@ -193,6 +193,20 @@ def test_float8_argument_errors():
         float8_config("rowwise", fsdp_float8_all_gather=True)
 
 
+@pytest.mark.parametrize("name", sorted(REFERENCE_DEVICES))
+def test_float8_device_check_for_every_reference_device(name):
+    facts = REFERENCE_DEVICES[name]
+    if facts.is_cuda and not facts.fp8:
+        with pytest.raises(RuntimeError, match="emulate=True"):
+            check_float8_device(facts, emulate=False)
+    elif not facts.is_cuda:
+        with pytest.warns(UserWarning, match=r"Float8Precision on cpu: no float8 tensor cores.*emulate=True"):
+            check_float8_device(facts, emulate=False)
+    else:
+        check_float8_device(facts, emulate=False)
+    check_float8_device(facts, emulate=True)  # emulation: no error, no word, anywhere
+
+
 def test_float8_without_torchao_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes `import torchao.float8` fail
     with pytest.raises(ImportError, match=r'pip install "lightning-gpuopt\[fp8\]"'):
@@ -200,13 +214,11 @@ def test_float8_without_torchao_names_the_extra(monkeypatch):
 
 
 def test_float8_on_pre_sm89_gpu_names_emulate_and_bf16(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(RuntimeError, match=r"8\.0.*emulate=True.*BF16Precision"):
-        check_float8_device(torch.device("cuda", 0), emulate=False)
-    check_float8_device(torch.device("cuda", 0), emulate=True)  # emulation is allowed anywhere
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    check_float8_device(torch.device("cuda", 0), emulate=False)
-    check_float8_device(torch.device("cpu"), emulate=False)
+    with pytest.raises(RuntimeError, match=r"A100.* has 8\.0.*emulate=True.*BF16Precision"):
+        check_float8_device(REFERENCE_DEVICES["A100"], emulate=False)
+    check_float8_device(REFERENCE_DEVICES["A100"], emulate=True)  # emulation is allowed anywhere
+    check_float8_device(REFERENCE_DEVICES["L4"], emulate=False)
+    check_float8_device(REFERENCE_DEVICES["H100 SXM"], emulate=False)
 
     # The plugin runs the check when it learns the Trainer's device, on its facts, before converting anything.
     monkeypatch.setattr("lightning_gpuopt.precision.autocast.read_device", lambda device: REFERENCE_DEVICES["T4"])
