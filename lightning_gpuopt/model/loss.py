@@ -89,7 +89,7 @@ def _grad_dtype(compute_dtype: torch.dtype, device_type: str) -> torch.dtype:
 def _exp_and_loss(logits: Tensor, targets: Tensor, ignore_index: int):
     """``exp(x - max)`` of the float32 logits (in place in ``x``), its row sums, and the chunk's loss sum."""
     x = logits.float()  # (n, V); the same tensor when the logits are float32
-    del logits  # a bf16 caller's reference is the only other one: this frame holds x, not both
+    del logits  # the only reference (the caller passed the matmul itself): bf16 logits die once x exists
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0).unsqueeze(1)  # (n, 1)
     row_max = x.amax(dim=1, keepdim=True)  # (n, 1)
