@@ -63,8 +63,9 @@ class GPTConfig:
             time, no full logits; any device), ``"liger"`` (Liger-Kernel's fused linear
             cross-entropy, CUDA, the ``liger`` extra), ``"plain"`` (full float32 logits, the
             reference) or ``"auto"`` (``"chunked"``).
-        loss_chunk_size: Tokens per chunk of the chunked loss: one chunk's logits are the largest
-            temporary (4096 x 50304 float32 = 0.8 GB).
+        loss_chunk_size: Tokens per chunk of the chunked loss; ``None`` (default): as many as fit one
+            chunk's logits in 512 MiB (``model.loss.chunk_tokens``: 2656 in float32, 1776 in bf16 at
+            a vocabulary of 50304).
 
     Note:
         ``padded_vocab_size`` and ``head_size`` are derived in ``__post_init__``; don't pass them.
@@ -81,7 +82,7 @@ class GPTConfig:
     activation_checkpointing: bool = False
     padding_multiple: int = 64
     loss_impl: LossImpl = "auto"
-    loss_chunk_size: int = 4096
+    loss_chunk_size: Optional[int] = None
     # Derived in __post_init__.
     padded_vocab_size: int = dataclasses.field(init=False)
     head_size: int = dataclasses.field(init=False)
@@ -89,6 +90,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padding_multiple", "loss_chunk_size"):
             value = getattr(self, name)
+            if name == "loss_chunk_size" and value is None:  # from the byte budget
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
         if self.n_embd % self.n_head != 0:

@@ -221,8 +221,9 @@ class GPT(nn.Module):
     def loss_from_hidden(self, hidden: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy from the final (normed) hidden states; targets of -1 are ignored.
 
-        The head matmul and the loss run together, ``config.loss_chunk_size`` tokens at a time
-        (:func:`~lightning_gpuopt.model.loss.linear_cross_entropy`, ``config.loss_impl``), so no
+        The head matmul and the loss run together, one chunk of tokens at a time
+        (:func:`~lightning_gpuopt.model.loss.linear_cross_entropy`, ``config.loss_impl``,
+        ``config.loss_chunk_size``), so no
         (B, T, vocab) float32 tensor is ever alive. A head that is no longer a plain ``nn.Linear``
         (replaced by a user's conversion) is called as it is, on the full logits.
 

@@ -3,12 +3,16 @@
 Design note. The head of a GPT maps hidden states ``(N, C)`` to logits ``(N, V)``; with
 ``V = 50304`` that tensor dwarfs every activation of a block (at N = 32·1024 tokens one float32
 copy is 6.6 GB), and a plain ``cross_entropy(logits.float(), targets)`` keeps about three such
-copies alive at the backward peak. Here the head matmul and the loss run together, ``chunk_size``
+copies alive at the backward peak. Here the head matmul and the loss run together, one chunk of
 tokens at a time: each chunk's logits are computed, the loss and the gradient of the logits
 (``softmax - one_hot``, in float32 arithmetic) are computed from them at once, the gradients of
-the hidden states and of the weight follow by two matmuls, and the chunk's logits are freed.
-The backward pass only scales the stored gradients by the incoming one. So no more than one
-chunk of logits is ever alive, the head costs no extra matmul, and the result is the mean
+the hidden states and of the weight follow by two matmuls into float32 buffers (the weight's
+accumulated there in place), and the chunk's logits are freed. The gradient is kept unscaled:
+the backward pass multiplies the float32 sums by the incoming gradient (which carries a
+GradScaler's scale) and by 1 / tokens, so no small fp16 entry rounds to zero before the scale
+arrives. A chunk is as many tokens as fit ``chunk_bytes`` (the logits plus their float32 copy),
+so a bf16 chunk weighs what a float32 one does, and a larger vocabulary gets fewer tokens. No more
+than one chunk of logits is ever alive, the head costs no extra matmul, and the result is the mean
 token loss of ``F.cross_entropy`` (targets equal to ``ignore_index`` count for nothing).
 Liger-Kernel's fused linear cross-entropy (``liger_kernel.transformers.functional``) works the same
 way with hand-written Triton kernels; ``impl="liger"`` calls it.
@@ -16,31 +20,76 @@ way with hand-written Triton kernels; ``impl="liger"`` calls it.
 The per-chunk loss-and-gradient function is a handful of elementwise operations and one
 reduction over the vocabulary; ``compile_chunk=True`` compiles it (once, with a dynamic number of
 rows, so any batch size reuses it) into two fused kernels that read each logit twice in bf16.
-Eager, it materialises float32 temporaries of one chunk: exact, and what CPU runs use.
+Eager, it holds the chunk's logits and one float32 copy: exact, and what CPU runs use.
+
+Why not torch's own ``F.linear_cross_entropy(..., options=nn.LinearCrossEntropyOptions())`` (torch
+>= 2.13, chunked too). ``python -m benchmarks.step_memory`` (vocab 50257, T 1024, micro-batch 4, a
+loaded 2-core CPU): autocast does not reach its custom op, so under bf16 its matmuls run in float32;
+with automatic options it peaks lowest (0.70 against our 1.10 GB) but takes 3.2x our time. With
+bf16 inputs and our chunk length it matches our memory (1.02 GB) and time (16 s against 23 s). It is
+not exact where ours is: its loss comes back in the inputs' dtype (a bf16 loss 200x further from
+float64 than ``F.cross_entropy``'s), and with fp16 inputs its gradients were non-finite.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Literal, get_args
+from typing import Callable, Literal, Optional, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LOSS_IMPLS", "LossImpl", "linear_cross_entropy", "resolve_loss_impl"]
+__all__ = ["CHUNK_BYTES", "LOSS_IMPLS", "LossImpl", "chunk_tokens", "linear_cross_entropy", "resolve_loss_impl"]
 
 LossImpl = Literal["auto", "chunked", "liger", "plain"]
 LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
 
 
-def _chunk_loss_and_grad(logits: Tensor, targets: Tensor, ignore_index: int, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum of token losses of one chunk and ``d(scale * sum)/d logits``, in the logits' dtype.
+# Bytes for one chunk's logits and their float32 arithmetic (512 MiB): the token count follows the
+# vocabulary, and a bf16 chunk (logits + float32 copy, 6 B a logit) weighs what a float32 one (4 B) does.
+CHUNK_BYTES = 2**29
 
-    ``logits`` is a temporary of the caller's and is overwritten: eager, the float32 arithmetic
-    then needs no tensor beyond one float32 copy of the chunk (none more when it is float32).
+# fp16 holds no number below 6e-8: a softmax entry of 1e-9 (there are many at a vocabulary of 50k)
+# would be lost in an fp16 gradient. The fp16 gradient is lifted by this power of two (exact) and the
+# lift taken off in float32 after the matmuls; |softmax - one_hot| <= 1, so 2**14 stays below fp16's 65504.
+_FP16_LIFT = 2.0**14
+
+
+def chunk_tokens(vocab_size: int, compute_dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's logits and their float32 arithmetic fit in ``chunk_bytes``.
+
+    A logit costs its bytes plus a float32 copy's when narrower than float32 (bf16: 2 + 4), else its
+    own (float32: 4). Above 16 the count is rounded down to a multiple of 16 (matmul tiles).
+
+    Example::
+
+        >>> chunk_tokens(50304, torch.float32), chunk_tokens(50304, torch.bfloat16)
+        (2656, 1776)
     """
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    per_logit = itemsize + 4 if itemsize < 4 else itemsize
+    tokens = max(1, chunk_bytes // (vocab_size * per_logit))
+    return tokens - tokens % 16 if tokens > 16 else tokens
+
+
+def _grad_dtype(compute_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype of the logits' gradient in the two gradient matmuls.
+
+    CUDA multiplies bf16/fp16 operands into a float32 result (``torch.mm(..., out_dtype=float32)``,
+    tensor cores, float32 accumulation): the gradient goes there in the compute dtype. Other devices
+    have no such kernel (``aten::mm.dtype`` is CUDA-only in torch 2.13): the gradient stays in float32
+    and the matmuls run in float32 on the float32 weight, exact and, without bf16 units, faster.
+    """
+    if device_type == "cuda" or compute_dtype == torch.float64:
+        return compute_dtype
+    return torch.float32
+
+
+def _exp_and_loss(logits: Tensor, targets: Tensor, ignore_index: int):
+    """``exp(x - max)`` of the float32 logits (in place in ``x``), its row sums, and the chunk's loss sum."""
     x = logits.float()  # (n, V); the same tensor when the logits are float32
+    del logits  # the only reference (the caller passed the matmul itself): bf16 logits die once x exists
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0).unsqueeze(1)  # (n, 1)
     row_max = x.amax(dim=1, keepdim=True)  # (n, 1)
@@ -48,15 +97,29 @@ def _chunk_loss_and_grad(logits: Tensor, targets: Tensor, ignore_index: int, sca
     exp = x.sub_(row_max).exp_()  # in place (torch.logsumexp would allocate two more (n, V) tensors)
     total = exp.sum(dim=1, keepdim=True)  # (n, 1)
     loss_sum = torch.where(valid, (total.log() - picked).squeeze(1), 0.0).sum()  # logsumexp - target logit
+    return exp, total, loss_sum, valid, safe
+
+
+def _chunk_loss_and_grad(
+    h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int, grad_dtype: torch.dtype, lift: float
+) -> tuple[Tensor, Tensor]:
+    """Sum of token losses of one chunk and ``lift * d(sum)/d logits`` in ``grad_dtype``.
+
+    The gradient is not divided by the token count: that factor, and the loss scale of a GradScaler,
+    arrive in the backward pass and are applied to the float32 results of the matmuls, so a small
+    fp16 gradient never rounds to zero. The logits are made here, so that no frame keeps the
+    compute-dtype logits alive next to their float32 copy longer than the copy takes.
+    """
+    exp, total, loss_sum, valid, safe = _exp_and_loss(h_c @ w.t(), targets, ignore_index)  # (n, V) logits
     grad = exp.div_(total)  # softmax
-    grad.scatter_add_(1, safe, torch.full_like(picked, -1.0))  # - one_hot(target)
-    grad.mul_((valid.to(grad.dtype) * scale).unsqueeze(1))  # ignored positions get no gradient
-    return loss_sum, grad.to(logits.dtype)
+    grad.scatter_add_(1, safe, torch.full_like(total, -1.0))  # - one_hot(target)
+    grad.mul_((valid.to(grad.dtype) * lift).unsqueeze(1))  # ignored positions get no gradient
+    return loss_sum, grad.to(grad_dtype)
 
 
-def _chunk_loss(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
-    """Sum of token losses of one chunk (no gradient: evaluation)."""
-    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+def _chunk_loss(h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+    """Sum of token losses of one chunk (no gradient: evaluation), in the same memory as training."""
+    return _exp_and_loss(h_c @ w.t(), targets, ignore_index)[2]
 
 
 @functools.cache
@@ -66,46 +129,63 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True)
 
 
+def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b`` with ``out`` float32, accumulated there in place (no (V, C) temporary)."""
+    if a.dtype == out.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif accumulate:  # bf16/fp16 operands on CUDA (see _grad_dtype)
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk):
         # A tensor, not a Python number: no host sync. With every target ignored it is inf and the
         # loss 0 * inf = NaN, as F.cross_entropy's mean over no tokens.
         scale = 1.0 / (targets != ignore_index).sum().float()
-        w = weight.to(compute_dtype)
-        h = hidden.to(compute_dtype)
+        w, h = weight.to(compute_dtype), hidden.to(compute_dtype)
+        grad_dtype = _grad_dtype(compute_dtype, hidden.device.type)
+        lift = _FP16_LIFT if grad_dtype == torch.float16 else 1.0
+        w_g, h_g = weight.to(grad_dtype), hidden.to(grad_dtype)  # the matmuls' operands (no copy on CUDA)
+        acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         grad_fn = _compiled(_chunk_loss_and_grad) if compile_chunk else _chunk_loss_and_grad
         loss_fn = _compiled(_chunk_loss) if compile_chunk else _chunk_loss
-        grad_h = torch.empty_like(hidden) if needs_grad[0] else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_grad[1] else None
+        grad_h = hidden.new_empty(hidden.shape, dtype=acc) if needs_grad[0] else None
+        grad_w = weight.new_zeros(weight.shape, dtype=acc) if needs_grad[1] else None
         for start in range(0, h.size(0), chunk_size):
+            end = start + chunk_size
             # The targets' slice as a tensor of its own: a view would make the compiled kernel guard on
             # the size of the whole batch's targets and compile again for each batch size.
-            h_c, t_c = h[start : start + chunk_size], targets[start : start + chunk_size].clone()
-            if grad_h is None and grad_w is None:  # evaluation: the chunk's logits die with the call
-                loss_sum += loss_fn(h_c @ w.t(), t_c, ignore_index)
+            h_c, t_c = h[start:end], targets[start:end].clone()
+            if grad_h is None and grad_w is None:  # evaluation
+                loss_sum += loss_fn(h_c, w, t_c, ignore_index)
                 continue
-            logits = h_c @ w.t()  # (n, V): the only vocabulary-sized tensor, one chunk of it
-            chunk_loss, g = grad_fn(logits, t_c, ignore_index, scale)
-            del logits
+            chunk_loss, g = grad_fn(h_c, w, t_c, ignore_index, grad_dtype, lift)  # g: (n, V), one chunk
             loss_sum += chunk_loss
             if grad_h is not None:
-                grad_h[start : start + chunk_size] = g @ w
+                _mm_into(grad_h[start:end], g, w_g, accumulate=False)  # (n, C)
             if grad_w is not None:
-                grad_w += g.t() @ h_c
+                _mm_into(grad_w, g.t(), h_g[start:end], accumulate=True)  # (V, C), float32, in place
             del g  # before the next chunk's logits exist: one chunk alive at a time
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+        ctx.scale = scale / lift
+        ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.save_for_backward(grad_h, grad_w)
         return loss_sum * scale
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        # grad_out is 1 / accumulation in a Lightning step; scaling costs one pass, checking costs a sync.
-        grad_h = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-        grad_w = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+        # grad_out carries 1 / accumulation and a GradScaler's scale; with 1 / tokens (and 1 / the fp16
+        # lift) it meets the float32 sums here. Scaling costs one pass, checking costs a sync.
+        factor = grad_out * ctx.scale
+        grad_h = (grad_h * factor).to(ctx.dtypes[0]) if grad_h is not None else None
+        grad_w = (grad_w * factor).to(ctx.dtypes[1]) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None, None
 
 
@@ -154,9 +234,10 @@ def linear_cross_entropy(
     weight: Tensor,
     targets: Tensor,
     ignore_index: int = -1,
-    chunk_size: int = 4096,
+    chunk_size: Optional[int] = None,
     impl: LossImpl = "auto",
     compile_chunk: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, without the full logits.
 
@@ -176,14 +257,18 @@ def linear_cross_entropy(
         weight: Output head, ``(V, C)`` (the tied token embedding in a GPT).
         targets: Token ids, ``hidden.shape[:-1]``; ``ignore_index`` marks positions without a target.
         ignore_index: Target value that contributes no loss.
-        chunk_size: Tokens per chunk; one chunk's ``(chunk_size, V)`` float32 logits are the largest
-            temporary (4096 x 50304 x 4 B = 0.8 GB eager in float32; the compiled chunk keeps them in bf16).
+        chunk_size: Tokens per chunk; ``None`` (default) takes as many as fit in ``chunk_bytes``
+            (:func:`chunk_tokens`: 2656 in float32, 1776 in bf16 at a vocabulary of 50304).
         impl: ``"chunked"`` (this module), ``"liger"`` (Liger-Kernel, CUDA), ``"plain"`` (full
             logits, the reference), or ``"auto"`` (see :func:`resolve_loss_impl`).
         compile_chunk: Compile the per-chunk loss and gradient (``"chunked"`` only).
+        chunk_bytes: Bytes for one chunk's logits and their float32 arithmetic when ``chunk_size``
+            is ``None`` (:data:`CHUNK_BYTES`, 512 MiB).
     """
-    if chunk_size < 1:
-        raise ValueError(f"linear_cross_entropy chunk_size must be >= 1, got {chunk_size}.")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy chunk_size must be >= 1 (or None: from chunk_bytes), got {chunk_size}.")
+    if chunk_bytes < 1:
+        raise ValueError(f"linear_cross_entropy chunk_bytes must be >= 1, got {chunk_bytes}.")
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(
             f"linear_cross_entropy: targets of shape {tuple(targets.shape)} do not match hidden states of "
@@ -198,6 +283,8 @@ def linear_cross_entropy(
         return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index)
     if impl == "liger":
         return _liger(hidden, weight, targets, ignore_index, compute_dtype)
+    if chunk_size is None:
+        chunk_size = chunk_tokens(weight.size(0), compute_dtype, chunk_bytes)
     return _chunked(hidden, weight, targets, ignore_index, chunk_size, compute_dtype, compile_chunk)
 
 

@@ -69,7 +69,7 @@ class GPTModule(pl.LightningModule):
             compiles the whole model as one graph (under FSDP2 each block instead, with a warning:
             FSDP2's hooks break a whole-model graph at every block; see ``model/compiling.py``).
         loss_impl: ``"auto"``/``"chunked"``, ``"liger"`` or ``"plain"``; see ``GPTConfig.loss_impl``.
-        loss_chunk_size: Tokens per chunk of the chunked loss.
+        loss_chunk_size: Tokens per chunk of the chunked loss; ``None``: from the vocabulary (see ``GPTConfig``).
         max_new_tokens: Tokens generated per prompt by ``predict_step``.
         temperature: Sampling temperature for ``predict_step`` (0 is greedy).
         top_k: Top-k sampling for ``predict_step``.
@@ -100,7 +100,7 @@ class GPTModule(pl.LightningModule):
         compile_mode: Optional[CompileMode] = None,
         compile_scope: CompileScope = "block",
         loss_impl: LossImpl = "auto",
-        loss_chunk_size: int = 4096,
+        loss_chunk_size: Optional[int] = None,
         max_new_tokens: int = 64,
         temperature: float = 0.8,
         top_k: Optional[int] = 50,

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpuopt.model import GPT, GPTConfig
-from lightning_gpuopt.model.loss import linear_cross_entropy, resolve_loss_impl
+from lightning_gpuopt.model.loss import chunk_tokens, linear_cross_entropy, resolve_loss_impl
 
 
 def _reference(h, w, y):
@@ -68,6 +69,109 @@ def test_under_bf16_autocast_matches_the_plain_path_within_bf16_tolerance():
     for a, b in zip(gl, ge):
         assert a.dtype == torch.float32  # gradients in the parameters' dtype, as autocast gives
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def _errors_against_float64(fn, h, w, y, dtype, loss_scale=1.0):
+    """Relative errors of the loss and of both gradients of ``fn`` (under autocast to ``dtype``, a
+    GradScaler-like ``loss_scale`` on the loss) against the float64 ``F.cross_entropy``."""
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = F.cross_entropy(h64 @ w64.t(), y, ignore_index=-1)
+    ref_grads = torch.autograd.grad(ref, [h64, w64])
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = fn(hh, ww, y)
+    grads = torch.autograd.grad(loss * loss_scale, [hh, ww])
+    errors = [float((loss.detach().double() - ref.detach()).abs() / ref.detach().abs())]
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.float32  # gradients in the parameters' dtype, as autocast gives
+        errors.append(float(((g / loss_scale).double() - r).norm() / r.norm()))
+    return errors
+
+
+def _plain(h, w, y):
+    return F.cross_entropy(F.linear(h, w).float(), y, ignore_index=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_as_exact_as_the_plain_loss_in_each_precision(dtype):
+    """Loss and gradients against float64, no further from it than F.cross_entropy in the same precision."""
+    h, w, y = _inputs(n=48, c=32, v=160)
+    h, y = h.detach().reshape(-1, 32), y.reshape(-1)
+    w = w.detach()
+    plain = _errors_against_float64(_plain, h, w, y, dtype)
+    ours = _errors_against_float64(lambda a, b, t: linear_cross_entropy(a, b, t, chunk_size=20), h, w, y, dtype)
+    for name, o, p in zip(("loss", "d hidden", "d weight"), ours, plain):
+        assert o <= max(1.5 * p, 1e-6), f"{name}: relative error {o:.2e}, plain {p:.2e}"
+    assert plain[2] > (1e-4 if dtype != torch.float32 else 0)  # the low precisions do differ from float64
+
+
+def test_fp16_gradients_keep_the_small_softmax_entries():
+    """Under fp16 the gradient of most logits is tiny (softmax / tokens, at 8192 tokens): none may
+    round to zero before the loss scale arrives, so the gradients stay as exact as the plain loss's."""
+    n, c, v = 8192, 32, 2048
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(n, c, generator=g), torch.randn(v, c, generator=g) * 0.3
+    y = torch.randint(0, v, (n,), generator=g)
+
+    class LogitGrads(TorchDispatchMode):  # the (tokens, V) gradient the matmuls receive
+        nonzero: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                for a in args:
+                    if isinstance(a, torch.Tensor) and a.numel() == n * v:
+                        LogitGrads.nonzero.append(float((a != 0).float().mean()))
+            return func(*args, **(kwargs or {}))
+
+    scale = 65536.0  # GradScaler's initial scale
+    plain = _errors_against_float64(_plain, h, w, y, torch.float16, scale)
+    with LogitGrads():
+        ours = _errors_against_float64(
+            lambda a, b, t: linear_cross_entropy(a, b, t, chunk_size=n), h, w, y, torch.float16, scale
+        )
+    assert LogitGrads.nonzero and min(LogitGrads.nonzero) > 0.99  # was 34%: the rest rounded to 0
+    assert ours[1] <= 1.5 * plain[1] and ours[2] <= 1.5 * plain[2], (ours, plain)  # was 20x plain's
+
+
+def _live_chunk_bytes(fn, v, c):
+    """The most bytes held at once by (tokens, V) tensors while ``fn`` runs, and the largest token count."""
+    live, peak, rows = {}, [0], [0]
+
+    class Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == v and t.shape[0] != c:
+                    live.setdefault(t.untyped_storage()._cdata, (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+                    rows[0] = max(rows[0], t.shape[0])
+            for key in [k for k, (ref, _) in live.items() if ref.expired()]:
+                del live[key]
+            peak[0] = max(peak[0], sum(nbytes for _, nbytes in live.values()))
+            return out
+
+    with Live():
+        fn()
+    return peak[0], rows[0]
+
+
+@pytest.mark.parametrize(("dtype", "per_logit"), [(torch.float32, 4), (torch.bfloat16, 6)])
+def test_the_chunk_follows_the_byte_budget(dtype, per_logit):
+    """A chunk is as many tokens as fit the budget at this vocabulary, and a bf16 chunk (logits + one
+    float32 copy) holds no more bytes than a float32 one."""
+    v, c, budget = 256, 16, 6 * 256 * 48
+    h, w, y = _inputs(n=100, c=c, v=v)
+    tokens = chunk_tokens(v, dtype, budget)
+    assert tokens == budget // (v * per_logit) // 16 * 16 and tokens == (64 if dtype == torch.float32 else 48)
+    assert chunk_tokens(4 * v, dtype, budget) < tokens  # a larger vocabulary: fewer tokens
+
+    def step():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = linear_cross_entropy(h, w, y, chunk_bytes=budget)
+        loss.backward()
+
+    peak, rows = _live_chunk_bytes(step, v, c)
+    assert rows == tokens
+    assert peak == tokens * v * per_logit <= budget  # one chunk's logits and its float32 copy, nothing more
 
 
 def test_every_target_ignored_gives_nan_like_cross_entropy():
