@@ -131,6 +131,10 @@ def _compiled(fn: Callable) -> Callable:
 
 def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
     """``out (+)= a @ b`` with ``out`` float32, accumulated there in place (no (V, C) temporary)."""
+    if a.dtype != out.dtype and a.device.type != "cuda":
+        # The CUDA kernel's arithmetic where torch has no such kernel (tests run the CUDA branch on a CPU):
+        # widening bf16/fp16 operands to float32 is exact, and the products are summed in float32 as there.
+        a, b = a.to(out.dtype), b.to(out.dtype)
     if a.dtype == out.dtype:
         if accumulate:
             out.addmm_(a, b)

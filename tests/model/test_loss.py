@@ -10,6 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpuopt.model import GPT, GPTConfig
+from lightning_gpuopt.model import loss as loss_module
 from lightning_gpuopt.model.loss import chunk_tokens, linear_cross_entropy, resolve_loss_impl
 
 
@@ -105,9 +106,14 @@ def test_as_exact_as_the_plain_loss_in_each_precision(dtype):
     assert plain[2] > (1e-4 if dtype != torch.float32 else 0)  # the low precisions do differ from float64
 
 
-def test_fp16_gradients_keep_the_small_softmax_entries():
+@pytest.mark.parametrize("branch", ["cpu", "cuda"])
+def test_fp16_gradients_keep_the_small_softmax_entries(branch, monkeypatch):
     """Under fp16 the gradient of most logits is tiny (softmax / tokens, at 8192 tokens): none may
-    round to zero before the loss scale arrives, so the gradients stay as exact as the plain loss's."""
+    round to zero before the loss scale arrives, so the gradients stay as exact as the plain loss's.
+    ``cuda`` runs CUDA's branch here: an fp16 gradient lifted by 2**14 into float32-accumulating matmuls."""
+    if branch == "cuda":
+        real = loss_module._grad_dtype
+        monkeypatch.setattr(loss_module, "_grad_dtype", lambda compute_dtype, device_type: real(compute_dtype, "cuda"))
     n, c, v = 8192, 32, 2048
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(n, c, generator=g), torch.randn(v, c, generator=g) * 0.3
@@ -131,6 +137,38 @@ def test_fp16_gradients_keep_the_small_softmax_entries():
         )
     assert LogitGrads.nonzero and min(LogitGrads.nonzero) > 0.99  # was 34%: the rest rounded to 0
     assert ours[1] <= 1.5 * plain[1] and ours[2] <= 1.5 * plain[2], (ours, plain)  # was 20x plain's
+
+
+def test_cuda_branch_lifts_fp16_gradients_above_fp16s_smallest(monkeypatch):
+    """CUDA's branch hands the matmuls an fp16 gradient: softmax entries below fp16's smallest (6e-8) survive
+    only through the 2**14 lift, taken off again in float32."""
+    real = loss_module._grad_dtype
+    monkeypatch.setattr(loss_module, "_grad_dtype", lambda compute_dtype, device_type: real(compute_dtype, "cuda"))
+    n, c, v = 1024, 32, 2048
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(n, c, generator=g), torch.randn(v, c, generator=g) * 0.6  # logits spread: many tiny softmax entries
+    y = torch.randint(0, v, (n,), generator=g)
+    seen = []
+
+    class LogitGrads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._to_copy and args[0].dtype == torch.float16 and args[0].numel() == n * v:
+                seen.append(float((args[0] != 0).float().mean()))  # the fp16 gradient, widened for the matmul
+            return func(*args, **(kwargs or {}))
+
+    h16, w16 = h.half().requires_grad_(), w.half().requires_grad_()
+    with LogitGrads():
+        linear_cross_entropy(h16, w16, y, chunk_size=n).backward()
+    assert seen and min(seen) > 0.99, seen  # without the lift about a tenth of the entries are 0 in fp16
+
+
+@pytest.mark.parametrize(
+    ("compute", "device", "expected"),
+    [(torch.float16, "cuda", torch.float16), (torch.bfloat16, "cuda", torch.bfloat16), (torch.float32, "cuda", torch.float32),
+     (torch.float16, "cpu", torch.float32), (torch.bfloat16, "cpu", torch.float32), (torch.float64, "cpu", torch.float64)],
+)
+def test_the_gradient_dtype_of_each_device(compute, device, expected):
+    assert loss_module._grad_dtype(compute, device) == expected
 
 
 def _live_chunk_bytes(fn, v, c):
