@@ -26,12 +26,12 @@ SCRIPT = SCRIPTS / "ddp_auto_batch.py"
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(global_batch_size=0), "global_batch_size must be >= 1"),
-        (dict(max_micro_batch_size=-2), "max_micro_batch_size must be >= 1"),
+        (dict(global_batch_size=0), "global_batch_size must be an integer >= 1 or None, got 0"),
+        (dict(max_micro_batch_size=-2), "max_micro_batch_size must be an integer >= 1 or None, got -2"),
         (dict(memory_margin=-0.1), r"memory_margin .* in \[0, 1\)"),
         (dict(memory_margin=1.0), r"memory_margin .* in \[0, 1\)"),
         (dict(mode="linear"), "mode must be 'binsearch' or 'power'"),
-        (dict(steps_per_trial=0), "steps_per_trial must be >= 1"),
+        (dict(steps_per_trial=0), "steps_per_trial must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_arguments(kwargs, match):
