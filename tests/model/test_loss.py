@@ -319,3 +319,42 @@ def test_config_refuses_an_unknown_loss_impl():
         GPTConfig(loss_impl="fused")
     with pytest.raises(ValueError, match="GPTConfig.loss_chunk_size must be a positive integer"):
         GPTConfig(loss_chunk_size=0)
+
+
+_LIGER_SCRIPT = """
+import torch, torch.nn.functional as F
+from lightning_gpuopt.model.loss import _liger
+torch.manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+    h, w = torch.randn(64, 32, dtype=torch.float64), torch.randn(128, 32, dtype=torch.float64) * 0.3
+    y = torch.randint(0, 128, (64,))
+    y[:5] = -1
+    h1, w1 = h.float().requires_grad_(), w.float().requires_grad_()
+    loss = _liger(h1, w1, y, -1, dtype)
+    loss.backward()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = F.cross_entropy(h2 @ w2.t(), y, ignore_index=-1)
+    ref.backward()
+    assert abs(float(loss) - float(ref)) < tol * float(ref), (dtype, float(loss), float(ref))
+    for got, want in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
+        error = float((got.double() - want).abs().max() / want.abs().max())
+        assert error < tol, (dtype, error)
+print("ok")
+"""
+
+
+@pytest.mark.triton
+def test_liger_loss_matches_cross_entropy_under_tritons_interpreter():
+    """loss_impl='liger' (Liger-Kernel's Triton kernels, CUDA only in training) run by Triton's CPU interpreter."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from tests._paths import REPO
+
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("needs triton and liger-kernel (pip install triton liger-kernel): Triton's interpreter runs them on a CPU")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-c", _LIGER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
