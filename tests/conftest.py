@@ -76,7 +76,7 @@ def fsdp2_trainer():
     import lightning.pytorch as pl
     import torch.distributed as dist
 
-    from lightning_gpuopt.strategies import AtomicModelParallelStrategy
+    from lightning_gpuopt.checkpoint import AtomicModelParallelStrategy
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")

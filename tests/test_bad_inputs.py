@@ -241,7 +241,7 @@ CASES = [
     Case("hf-without-datasets", lambda c: c.data(source="hf:wikitext:wikitext-2-raw-v1"), ImportError,
          "pip install datasets", skip=_requires_missing("datasets")),
     # ---------------------------------------------------------------- plugins, strategies, hardware
-    Case("fp8-on-old-gpu", lambda c: check_float8_device(torch.device("cuda", 0), emulate=False, capability=(8, 0)), RuntimeError,
+    Case("fp8-on-old-gpu", lambda c: check_float8_device(REFERENCE_DEVICES["A100"], emulate=False), RuntimeError,
          r"compute capability >= 8.9.*Float8Precision\(emulate=True\).*BF16Precision\(\)"),
     Case("fp8-with-fp16-strategy", lambda c: check_float8_strategy(_fsdp_fp16_strategy()), ValueError,
          "param_dtype=torch.float16, reduce_dtype=torch.float16. Use torch.bfloat16"),

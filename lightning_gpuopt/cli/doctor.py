@@ -30,7 +30,7 @@ from typing import Callable, Literal, NamedTuple, Optional, Sequence
 
 import torch
 
-from lightning_gpuopt.callbacks.cuda_settings import CUDASettings
+from lightning_gpuopt.callbacks.cuda_settings import CUDASettings, plan_settings
 from lightning_gpuopt.cli.errors import TRACEBACK_ENV
 from lightning_gpuopt.model.config import PRESETS, GPTConfig
 from lightning_gpuopt.model.gpt import GPT
@@ -40,6 +40,7 @@ from lightning_gpuopt.perf.flops import model_flops_per_token
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
 from lightning_gpuopt.perf.sdpa import attention_kernel, auto_sdpa_order, set_sdpa_priority
 from lightning_gpuopt.perf.units import GiB
+from lightning_gpuopt.precision.bf16 import autocast_precision
 from lightning_gpuopt.precision.float8_layers import (
     FP8_INSTALL_HINT,
     convert_linears_to_float8,
@@ -95,8 +96,15 @@ def _yes(flag: bool) -> str:
 
 
 def _compute_dtype(facts: DeviceFacts) -> torch.dtype:
-    """What ``BF16Precision`` autocasts to on this device: bf16, float16 where bf16 is missing (T4, V100)."""
-    return torch.bfloat16 if facts.bf16 else torch.float16
+    """What the ``gpuopt`` stack computes in on this device: on a GPU ``BF16Precision``'s autocast dtype
+    (bf16, float16 where bf16 is missing: T4, V100), on a CPU float32 (``cli.defaults.stack_precision_plugins``)."""
+    if not facts.is_cuda:
+        return torch.float32
+    return torch.bfloat16 if autocast_precision(facts) == "bf16-mixed" else torch.float16
+
+
+def _precision_words(dtype: torch.dtype) -> str:
+    return "float32" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} autocast"
 
 
 def _torch_device(facts: DeviceFacts) -> torch.device:
@@ -256,7 +264,7 @@ def _sync(device: torch.device) -> None:
 
 def _train_step(model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, batch: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-    with torch.autocast(batch.device.type, dtype=dtype):
+    with torch.autocast(batch.device.type, dtype=dtype, enabled=dtype != torch.float32):
         loss = model(batch[:, :-1], targets=batch[:, 1:])
     scaler.scale(loss).backward()
     scaler.step(optimizer)
@@ -268,8 +276,8 @@ def _train_step(model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.
 def train_step_checks(facts: DeviceFacts, config: GPTConfig, micro_batches: Sequence[int], steps: int) -> list[Check]:
     """Tokens/s, MFU and peak memory of ``steps`` timed training steps (after one untimed) per micro-batch size.
 
-    A plain loop doing what the default stack does: ``BF16Precision``'s autocast (float16 with a
-    ``GradScaler`` without bf16), AdamW (fused where ``facts.fused_adamw``), the model's chunked loss.
+    A plain loop doing what the default stack does: on a GPU ``BF16Precision``'s autocast (float16 with a
+    ``GradScaler`` without bf16), on a CPU float32; AdamW (fused where ``facts.fused_adamw``), the model's chunked loss.
     FLOPs per token are the model's own count (:func:`~lightning_gpuopt.perf.flops.model_flops_per_token`).
     """
     device, dtype = _torch_device(facts), _compute_dtype(facts)
@@ -320,16 +328,15 @@ def _measure(model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.Gra
     memory = (f"peak memory {torch.cuda.max_memory_allocated(device) / GiB:.2f} GiB" if facts.is_cuda
               else "memory not measured off CUDA")
     return Check(name, "pass", f"{tokens_s:,.0f} tokens/s, {mfu}, {memory} ({steps} steps of {micro_batch} x {T} "
-                 f"tokens, {str(dtype).removeprefix('torch.')} autocast, loss {loss:.3f})")
+                 f"tokens, {_precision_words(dtype)}, loss {loss:.3f})")
 
 
-def gpu_differences(here: DeviceFacts, gpu: DeviceFacts, settings: list[tuple[str, str, str]]) -> list[Check]:
+def gpu_differences(here: DeviceFacts, gpu: DeviceFacts) -> list[Check]:
     """What training on ``gpu`` (e.g. ``REFERENCE_DEVICES["H100 SXM"]``) would change against ``here``.
 
     Args:
         here: This machine's device.
         gpu: The GPU to compare with.
-        settings: ``CUDASettings`` rows ``(setting, value, status)``, from :func:`apply_cuda_settings`.
     """
     if not gpu.is_cuda or gpu.capability is None:
         raise ValueError(f"gpu_differences compares with a CUDA GPU, got {gpu.describe()}: pass e.g. REFERENCE_DEVICES['H100 SXM'].")
@@ -341,7 +348,7 @@ def gpu_differences(here: DeviceFacts, gpu: DeviceFacts, settings: list[tuple[st
         "attention": "Flash attention (SDPA)" if gpu.flash_attention else "memory-efficient attention (no Flash before 8.0)",
         "float8": f"Float8Precision runs float8 matmuls ({gpu.peak_tflops('fp8')} dense TFLOP/s)" if gpu.fp8
                   else "no float8 tensor cores (compute capability 8.9 needed): Float8Precision only emulates",
-        "cuda_settings": "CUDASettings sets " + ", ".join(f"{name}={value}" for name, value, _ in settings),
+        "cuda_settings": "CUDASettings sets " + ", ".join(f"{name}={value}" for name, value, _ in plan_settings(gpu)),
         "mfu": f"MFU against the datasheet peak of {gpu.peaks.name}" if gpu.peaks else "no datasheet peak: MFU not reported",
     }
     order, why = auto_sdpa_order(gpu)
@@ -381,7 +388,7 @@ def run_checks(steps: Optional[int] = None, preset: Optional[str] = None,
         micro_batches = (8, 16) if facts.is_cuda else (2, 8)
         checks += train_step_checks(facts, config, micro_batches, steps or (10 if facts.is_cuda else 3))
         if not facts.is_cuda:
-            checks += gpu_differences(facts, REFERENCE_DEVICES["H100 SXM"], rows)
+            checks += gpu_differences(facts, REFERENCE_DEVICES["H100 SXM"])
         return checks
     finally:
         if probe is not None and probe.process.poll() is None:  # an error above: stop the compile too

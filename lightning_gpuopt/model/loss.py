@@ -164,9 +164,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = weight.new_zeros(weight.shape, dtype=acc) if needs_grad[1] else None
         for start in range(0, h.size(0), chunk_size):
             end = start + chunk_size
-            # The targets' slice as a tensor of its own: a view would make the compiled kernel guard on
-            # the size of the whole batch's targets and compile again for each batch size.
+            # The slices as tensors of their own: a view would make the compiled kernel guard on the size
+            # of the whole batch and compile again for each batch size (the hidden chunk is n x C, small).
             h_c, t_c = h[start:end], targets[start:end].clone()
+            if compile_chunk:
+                h_c = h_c.clone()
             if grad_h is None and grad_w is None:  # evaluation
                 loss_sum += loss_fn(h_c, w, t_c, ignore_index)
                 continue

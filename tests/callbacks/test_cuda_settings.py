@@ -160,7 +160,7 @@ def test_runtime_allocator_update_keeps_the_other_options(monkeypatch):
     # CUDA already initialised: the allocator gets the whole configuration, not just expandable_segments.
     _known_state(monkeypatch)
     sent = []
-    monkeypatch.setattr("lightning_gpuopt.callbacks.cuda_settings._set_allocator_settings", sent.append)
+    monkeypatch.setattr("lightning_gpuopt.callbacks.cuda_settings.set_allocator_settings", sent.append)
     status = _apply_allocator(True, cuda_initialized=True)
     assert status == "applied at runtime (CUDA already initialised): affects new memory segments"
     assert sent == ["max_split_size_mb:128,expandable_segments:True"]
@@ -173,7 +173,7 @@ def test_runtime_allocator_update_keeps_the_other_options(monkeypatch):
     def refuses(conf):
         raise ValueError("Unrecognized key 'bogus' in Accelerator allocator config.")
 
-    monkeypatch.setattr("lightning_gpuopt.callbacks.cuda_settings._set_allocator_settings", refuses)
+    monkeypatch.setattr("lightning_gpuopt.callbacks.cuda_settings.set_allocator_settings", refuses)
     status = _apply_allocator(True, cuda_initialized=True)  # a bad user setting is reported, not raised
     assert status.startswith("not applied") and "Unrecognized key" in status
 

@@ -144,7 +144,7 @@ class _GradientsPerMicroBatch(pl.Callback):
 
 
 def _fit_one_step(fsdp2_trainer, batch_size: int, accumulate: int, **strategy_args):
-    from lightning_gpuopt.strategies import AtomicModelParallelStrategy
+    from lightning_gpuopt.checkpoint import AtomicModelParallelStrategy
     from tests.precision._helpers import tiny_gpt_module, token_loader
 
     pl.seed_everything(0)

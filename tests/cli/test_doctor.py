@@ -129,13 +129,11 @@ def test_settings_checks_fail_only_a_setting_that_was_not_applied():
 
 
 def test_what_a_gpu_would_change_follows_its_facts():
-    rows, restore = apply_cuda_settings()
-    restore()
-    h100 = {c.name: c.detail for c in gpu_differences(CPU, H100, rows)}
+    h100 = {c.name: c.detail for c in gpu_differences(CPU, H100)}
     assert "bf16 autocast" in h100["on_gpu.precision"] and "989.4" in h100["on_gpu.precision"]
-    assert "fused AdamW" in h100["on_gpu.optimizer"] and "cuDNN attention first" in h100["on_gpu.attention"]
+    assert "fused AdamW" in h100["on_gpu.optimizer"] and "priority cudnn,flash" in h100["on_gpu.attention"]
     assert "tf32=True" in h100["on_gpu.cuda_settings"] and "1978.9" in h100["on_gpu.float8"]
-    v100 = {c.name: c.detail for c in gpu_differences(CPU, V100, rows)}
+    v100 = {c.name: c.detail for c in gpu_differences(CPU, V100)}
     assert "fp16 autocast instead of bf16" in v100["on_gpu.precision"] and "GradScaler" in v100["on_gpu.precision"]
     assert "memory-efficient" in v100["on_gpu.attention"] and "only emulates" in v100["on_gpu.float8"]
 
@@ -144,7 +142,7 @@ def test_train_steps_measure_tokens_per_second():
     config = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)
     before = torch.random.get_rng_state()
     (check,) = train_step_checks(CPU, config, [4], steps=2)
-    assert check.status == "pass" and "2 steps of 4 x 16 tokens, bfloat16 autocast" in check.detail
+    assert check.status == "pass" and "2 steps of 4 x 16 tokens, float32" in check.detail  # the stack on a CPU
     assert float(check.detail.split(" tokens/s")[0].replace(",", "")) > 0
     assert torch.equal(torch.random.get_rng_state(), before)  # the doctor's seed does not leak
 

@@ -110,7 +110,7 @@ def test_bad_tokenizer_files(tmp_path, text_dir, cache_dir):
         (dict(block_size=0), "block_size must be an integer >= 1"),
         (dict(batch_size=2.5), "batch_size must be an integer >= 1"),
         (dict(val_fraction=0.6), r"val_fraction must be in \(0, 0.5\)"),
-        (dict(samples_per_epoch=0), "samples_per_epoch must be >= 1"),
+        (dict(samples_per_epoch=0), "samples_per_epoch must be an integer >= 1 or None, got 0"),
     ],
 )
 def test_bad_arguments(text_dir, cache_dir, kwargs, match):
