@@ -15,7 +15,8 @@ from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
 from lightning_gpuopt.perf.flops import count_flops_per_token, model_flops_per_token
-from lightning_gpuopt.perf.mfu import check_mfu_options, input_ids_of, mfu_peaks, summarise_windows, window_metrics
+from lightning_gpuopt.perf.mfu import MFU_DTYPES, input_ids_of, mfu_peaks, summarise_windows, window_metrics
+from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
 from lightning_gpuopt.perf.parallel import data_parallel_size
@@ -108,7 +109,14 @@ class MFUMonitor(Callback):
         report: bool = True,
         clock: Optional[Callable[[], float]] = None,
     ) -> None:
-        check_mfu_options(log_every_n_steps, warmup_steps, peak_flops, dtype, flops_per_token)
+        own = "MFUMonitor"
+        check_int(own, "log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
+        check_int(own, "warmup_steps", warmup_steps, minimum=0)
+        check_number(own, "peak_flops", peak_flops, low=0, low_open=True, optional=True, hint=" (in FLOP/s, e.g. 989.4e12)")
+        if peak_flops is not None and peak_flops < 1e9:
+            rank_zero_warn(f"MFUMonitor.peak_flops={peak_flops} looks like TFLOP/s; it is in FLOP/s (e.g. 989.4e12).")
+        check_choice(own, "dtype", dtype, (*MFU_DTYPES, None))
+        check_number(own, "flops_per_token", flops_per_token, low=0, low_open=True, optional=True)
         self.log_every_n_steps = log_every_n_steps
         self.warmup_steps = warmup_steps
         self.peak_flops = peak_flops

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_gpuopt.perf.device import DeviceFacts
@@ -21,7 +20,6 @@ from lightning_gpuopt.perf.units import GiB
 
 __all__ = [
     "MFU_DTYPES",
-    "check_mfu_options",
     "input_ids_of",
     "memory_stats",
     "mfu_peaks",
@@ -32,42 +30,6 @@ __all__ = [
 MFU_DTYPE = "bf16"
 MFU_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 """Matmul dtypes ``MFUMonitor(dtype=...)`` accepts."""
-
-
-def check_mfu_options(
-    log_every_n_steps: Optional[int],
-    warmup_steps: int,
-    peak_flops: Optional[float],
-    dtype: Optional[str],
-    flops_per_token: Optional[float],
-) -> None:
-    """Raise ``ValueError`` naming the option and a valid value for a bad ``MFUMonitor`` argument.
-
-    A ``peak_flops`` below 1e9 is taken for TFLOP/s given by mistake, and warned about once.
-
-    Example::
-
-        check_mfu_options(20, 3, 989.4e12, None, None)  # fine; peak_flops=989.4 warns (TFLOP/s, not FLOP/s)
-
-    Args:
-        log_every_n_steps: Optimizer steps per window (a positive int), or ``None``.
-        warmup_steps: Steps left out at the start (>= 0).
-        peak_flops: Dense bf16 peak in FLOP/s (> 0), or ``None``.
-        dtype: One of :data:`MFU_DTYPES`, or ``None``.
-        flops_per_token: Training FLOPs per token (> 0), or ``None``.
-    """
-    if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or log_every_n_steps < 1):
-        raise ValueError(f"MFUMonitor.log_every_n_steps must be a positive integer or None, got {log_every_n_steps!r}.")
-    if warmup_steps < 0:
-        raise ValueError(f"MFUMonitor.warmup_steps must be >= 0, got {warmup_steps}.")
-    if peak_flops is not None and not peak_flops > 0:
-        raise ValueError(f"MFUMonitor.peak_flops must be > 0 FLOP/s (e.g. 989.4e12), got {peak_flops!r}.")
-    if peak_flops is not None and peak_flops < 1e9:
-        rank_zero_warn(f"MFUMonitor.peak_flops={peak_flops} looks like TFLOP/s; it is in FLOP/s (e.g. 989.4e12).")
-    if dtype is not None and dtype not in MFU_DTYPES:
-        raise ValueError(f"MFUMonitor.dtype must be one of fp32, tf32, bf16, fp16, fp8 or None, got {dtype!r}.")
-    if flops_per_token is not None and not flops_per_token > 0:
-        raise ValueError(f"MFUMonitor.flops_per_token must be > 0, got {flops_per_token!r}.")
 
 
 def input_ids_of(batch: Any) -> Optional[Tensor]:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES
-from lightning_gpuopt.perf.mfu import check_mfu_options, input_ids_of, mfu_peaks, summarise_windows, window_metrics
+from lightning_gpuopt.callbacks import MFUMonitor
+from lightning_gpuopt.perf.mfu import input_ids_of, mfu_peaks, summarise_windows, window_metrics
 
 
 def test_window_metrics_values():
@@ -70,13 +71,12 @@ def test_peaks_from_device_facts(name):
     ({"log_every_n_steps": 0}, "log_every_n_steps"),
     ({"warmup_steps": -1}, "warmup_steps"),
     ({"peak_flops": 0.0}, "peak_flops"),
-    ({"dtype": "int8"}, "dtype must be one of"),
+    ({"dtype": "int8"}, r"MFUMonitor.dtype must be 'fp32', 'tf32', 'bf16', 'fp16', 'fp8' or None, got 'int8'"),
     ({"flops_per_token": -5.0}, "flops_per_token"),
 ])
 def test_bad_options_name_the_option(kwargs, match):
-    args = {"log_every_n_steps": None, "warmup_steps": 0, "peak_flops": None, "dtype": None, "flops_per_token": None}
     with pytest.raises(ValueError, match=match):
-        check_mfu_options(**{**args, **kwargs})
+        MFUMonitor(**kwargs)
 
 
 def test_input_ids_of_each_batch_shape():
