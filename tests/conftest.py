@@ -91,3 +91,20 @@ def fsdp2_trainer():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def mesh():
+    """A one-rank data-parallel device mesh on the CPU (gloo); the group and Dynamo's caches are reset afterwards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -15,19 +15,6 @@ needs_gloo = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def mesh():
-    """A one-rank data-parallel mesh on the CPU (gloo); the group is destroyed afterwards."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
-
-
 class CountingBackend:
     """A torch.compile backend that counts the graphs Dynamo hands it and runs each as traced."""
 

@@ -8,24 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_gpuopt.model import GPT, GPTConfig
-from lightning_gpuopt.model import shard_gpt
+from lightning_gpuopt.model import GPT, GPTConfig, shard_gpt
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
 )
-
-
-@pytest.fixture
-def mesh():
-    """A one-rank data-parallel mesh on the CPU (gloo); the group is destroyed afterwards."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _gpt() -> GPT:
