@@ -1,4 +1,4 @@
-"""The Lightning private state this package touches is where lightning_internals expects it (fails loudly on an upgrade)."""
+"""The private names of other libraries this package touches are where internals.py expects them (fails loudly on an upgrade)."""
 
 from __future__ import annotations
 
