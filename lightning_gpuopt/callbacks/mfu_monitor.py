@@ -174,7 +174,9 @@ class MFUMonitor(Callback):
             self._dtype = "fp8"
         # MFU against the dense bf16 peak whatever the run computes in (see perf/mfu.py).
         self._peak, self._peak_fp8, name = mfu_peaks(self._facts, self._dtype, self.peak_flops)
-        if self._peak is None:
+        if self._peak is None and not self._facts.is_cuda:  # expected off a GPU: said once, not as a warning
+            rank_zero_info(f"MFUMonitor: no peak FLOP/s for {name}, so perf/mfu is not logged (MFUMonitor(peak_flops=...) sets one).")
+        elif self._peak is None:
             rank_zero_warn(
                 f"MFUMonitor has no bf16 peak FLOP/s for {name}, so perf/mfu is not logged: pass "
                 "MFUMonitor(peak_flops=...) with the dense per-device peak from the datasheet."
