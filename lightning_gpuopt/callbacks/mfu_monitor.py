@@ -15,7 +15,7 @@ from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
 from lightning_gpuopt.perf.flops import count_flops_per_token, model_flops_per_token
-from lightning_gpuopt.perf.mfu import MFU_DTYPES, input_ids_of, mfu_peaks, summarise_windows, window_metrics
+from lightning_gpuopt.perf.mfu import MFU_DTYPES, WindowTotals, input_ids_of, mfu_peaks, summarise_windows, window_metrics
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
@@ -127,12 +127,14 @@ class MFUMonitor(Callback):
         self.prog_bar = prog_bar
         self.report = report
         self._clock = clock or time.perf_counter
-        self.history: list[dict[str, float]] = []  # one entry per logged window
+        self.history: list[dict[str, float]] = []  # one entry per logged window, resumes included
+        self.windows: list[WindowTotals] = []  # what each window of this fit measured: the report adds these up
         self.flops_source: Optional[str] = None  # how the FLOPs per token were found
         self.summary: dict[str, Any] = {}
-        self.total_tokens = 0  # tokens trained on in this fit (per device), resumes included
+        self.total_tokens = 0  # tokens trained on in the run (per device), the steps before a resume included
         self.total_flops = 0.0  # model FLOPs of those tokens (per device)
         self._at_step = (0, 0.0)  # (total_tokens, total_flops) at the last optimizer step
+        self._at_fit_start = (0, 0.0)  # (total_tokens, total_flops) restored from a checkpoint
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -155,8 +157,8 @@ class MFUMonitor(Callback):
         if stage != "fit":
             return
         self._reset_run()
-        self.history, self.summary = [], {}
-        self.total_tokens, self.total_flops, self._at_step = 0, 0.0, (0, 0.0)
+        self.history, self.windows, self.summary = [], [], {}
+        self.total_tokens, self.total_flops, self._at_step, self._at_fit_start = 0, 0.0, (0, 0.0), (0, 0.0)
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
         self._device, self._facts = trainer.strategy.root_device, read_device(trainer.strategy.root_device)
         bind_precision_plugin(trainer)  # the dtype of this device (fp16 on a V100), before convert_module binds it
@@ -172,7 +174,9 @@ class MFUMonitor(Callback):
             self._dtype = "fp8"
         # MFU against the dense bf16 peak whatever the run computes in (see perf/mfu.py).
         self._peak, self._peak_fp8, name = mfu_peaks(self._facts, self._dtype, self.peak_flops)
-        if self._peak is None:
+        if self._peak is None and not self._facts.is_cuda:  # expected off a GPU: said once, not as a warning
+            rank_zero_info(f"MFUMonitor: no peak FLOP/s for {name}, so perf/mfu is not logged (MFUMonitor(peak_flops=...) sets one).")
+        elif self._peak is None:
             rank_zero_warn(
                 f"MFUMonitor has no bf16 peak FLOP/s for {name}, so perf/mfu is not logged: pass "
                 "MFUMonitor(peak_flops=...) with the dense per-device peak from the datasheet."
@@ -181,6 +185,7 @@ class MFUMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_global_step = trainer.global_step  # > 0 when resuming from a checkpoint
+        self._at_fit_start = (self.total_tokens, self.total_flops)  # restored by load_state_dict when resuming
         if self.measure_peak:
             if self._facts.is_cuda:
                 self._measured_peak = measure_peak_flops(self._device, torch.bfloat16)
@@ -279,12 +284,20 @@ class MFUMonitor(Callback):
     def _end_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _synchronize(self._device)
         now = self._clock()
-        metrics = window_metrics(
+        totals = WindowTotals(
             tokens=self._tokens,
             flops=self._flops if self._flops_known else None,
-            elapsed=now - self._window_start - self._paused,
+            seconds=now - self._window_start - self._paused,
             steps=self._window,
             wait=self._wait,
+        )
+        self.windows.append(totals)
+        metrics = window_metrics(
+            tokens=totals.tokens,
+            flops=totals.flops,
+            elapsed=totals.seconds,
+            steps=totals.steps,
+            wait=totals.wait,
             replicas=data_parallel_size(trainer),
             peak=self._peak,
             peak_fp8=self._peak_fp8,
@@ -330,18 +343,28 @@ class MFUMonitor(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.report:
             return
-        self.summary = self._summarise(pl_module)
+        self.summary = self._summarise(trainer, pl_module)
         if trainer.is_global_zero:
             rank_zero_info(self.summary["text"])
 
-    def _summarise(self, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def _summarise(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        start_tokens, start_flops = self._at_fit_start
+        resumed = start_tokens > 0
+        peak_pcts = [m["mem/peak_pct"] for m in self.history[len(self.history) - len(self.windows):] if "mem/peak_pct" in m]
         return summarise_windows(
-            self.history,
+            self.windows,
             window=self._window,
             warmup_steps=self.warmup_steps,
             dtype=self._dtype,
-            total_tokens=self.total_tokens,
-            total_flops=self.total_flops,
+            fit_tokens=self.total_tokens - start_tokens,
+            fit_flops=self.total_flops - start_flops,
+            replicas=data_parallel_size(trainer),
+            peak=self._peak,
+            peak_fp8=self._peak_fp8,
+            measured_peak=self._measured_peak,
+            peak_memory_pct=max(peak_pcts) if peak_pcts else None,
+            run_tokens=self.total_tokens if resumed else None,
+            run_flops=self.total_flops if resumed else None,
             on_cuda=self._facts.is_cuda,
             compiled=is_compiled(pl_module),
         )

@@ -92,6 +92,7 @@ def default_stack(device: Optional[DeviceFacts] = None) -> dict[str, Any]:
     """
     return {
         "trainer.plugins": stack_precision_plugins(stack_device() if device is None else device),
+        "trainer.enable_model_summary": False,  # one line on the model instead (cli/run_summary.py)
         "trainer.callbacks": [
             {"class_path": "lightning_gpuopt.callbacks.CUDASettings"},
             {"class_path": "lightning_gpuopt.callbacks.MFUMonitor"},

@@ -46,6 +46,8 @@ from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
 from lightning_gpuopt.cli.resume_checks import merge_checkpoint_settings, prepare_resumed_fit
+from lightning_gpuopt.cli.quiet import quiet_lightning
+from lightning_gpuopt.cli.run_summary import model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
 
 __all__ = ["GPTCLI", "main"]
@@ -124,6 +126,16 @@ class GPTCLI(LightningCLI):
             help="Memory per device (GB) for trainer.strategy=gpuopt-auto; default: read from GPU 0.",
         )
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self.argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:]  # for the commands printed at the end
+        super().parse_arguments(parser, args)
+
+    def before_fit(self) -> None:
+        rank_zero_info(model_line(self.model))
+
+    def after_fit(self) -> None:
+        rank_zero_info("\n".join(where_things_went(self.trainer, self.argv)))
+
     def _parse_ckpt_path(self) -> None:
         # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: see resume_settings.
         self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule)
@@ -145,6 +157,8 @@ class GPTCLI(LightningCLI):
             if problem:
                 self.parser.error(problem)
         generate = config.get("generate", {})
+        if self.subcommand == "predict":
+            self.save_config_callback = None  # predict writes its samples, not a log folder with the config
         if self.subcommand != "predict" and generate.get("prompts_file"):
             self.parser.error(f"generate.prompts_file is read by `gpuopt predict` only, not `gpuopt {self.subcommand}`.")
         if generate.get("prompts_file"):
@@ -160,6 +174,8 @@ class GPTCLI(LightningCLI):
             kwargs["strategy"] = self._auto_strategy(config, trainer_cfg)
         if "plugins" not in kwargs:
             kwargs["plugins"] = replace_precision_plugins(trainer_cfg.get("precision"), trainer_cfg.get("plugins"))
+        if self.subcommand == "predict" and trainer_cfg.get("logger") in (None, True):
+            kwargs["logger"] = False  # predict logs nothing: no empty lightning_logs/version_N
         note = float32_note(trainer_cfg.get("precision"), kwargs["plugins"], self.stack_device)
         if note is not None:
             rank_zero_info(note)
@@ -260,7 +276,13 @@ def main(args: Optional[list[str]] = None) -> None:
         sys.exit(doctor_main(argv[1:]))
 
     def run() -> None:
-        cli = GPTCLI(
+        with quiet_lightning():
+            cli = _cli()
+        if cli.subcommand == "fit":
+            check_fit_ended_finite(cli.trainer, cli.model)  # a diverged run does not exit 0
+
+    def _cli() -> GPTCLI:
+        return GPTCLI(
             GPTModule,
             TextDataModule,
             seed_everything_default=1337,
@@ -268,8 +290,6 @@ def main(args: Optional[list[str]] = None) -> None:
             parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG},
             args=args,  # None: LightningCLI reads sys.argv itself (and does not warn about `args`)
         )
-        if cli.subcommand == "fit":
-            check_fit_ended_finite(cli.trainer, cli.model)  # a diverged run does not exit 0
 
     try:
         run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)

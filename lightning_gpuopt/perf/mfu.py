@@ -9,6 +9,7 @@ runs also get ``perf/mfu_fp8`` against the fp8 peak.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -20,6 +21,7 @@ from lightning_gpuopt.perf.units import GiB
 
 __all__ = [
     "MFU_DTYPES",
+    "WindowTotals",
     "input_ids_of",
     "memory_stats",
     "mfu_peaks",
@@ -150,19 +152,39 @@ def window_metrics(
     return metrics
 
 
-def _advice(
-    history: list[dict[str, float]], mean: dict[str, float], dtype: str, on_cuda: bool, compiled: bool
-) -> list[str]:
+@dataclass
+class WindowTotals:
+    """What one timing window measured, as counts: reports add these up rather than average rates.
+
+    Args:
+        tokens: Tokens this device trained on in the window.
+        flops: Model FLOPs of those tokens; ``None`` when some micro-batch's count is unknown.
+        seconds: Training seconds of the window (validation and saves left out).
+        steps: Optimizer steps in the window.
+        wait: Seconds of ``seconds`` spent waiting for batches.
+    """
+
+    tokens: int
+    flops: Optional[float]
+    seconds: float
+    steps: int
+    wait: float
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
+def _advice(peak_pct: Optional[float], wait_pct: float, dtype: str, on_cuda: bool, compiled: bool) -> list[str]:
     advice = []
-    peak_pct = max((m["mem/peak_pct"] for m in history if "mem/peak_pct" in m), default=None)
     if peak_pct is not None and peak_pct < 50:
         advice.append(
             f"Memory is mostly unused (peak {peak_pct:.0f}%): raise the micro-batch size (fewer "
             "accumulation steps) or add the AutoBatchSize callback."
         )
-    if mean["perf/dataloader_wait_pct"] > 5:
+    if wait_pct > 5:
         advice.append(
-            f"The model waits for data {mean['perf/dataloader_wait_pct']:.0f}% of the time: raise the DataLoader's "
+            f"The model waits for data {wait_pct:.0f}% of the time: raise the DataLoader's "
             "num_workers (TextDataModule(num_workers=...)) or pin_memory."
         )
     if dtype == "fp32" and on_cuda:
@@ -175,53 +197,88 @@ def _advice(
 
 
 def summarise_windows(
-    history: list[dict[str, float]],
+    windows: list[WindowTotals],
     *,
     window: int,
     warmup_steps: int,
     dtype: str,
-    total_tokens: int,
-    total_flops: float,
+    fit_tokens: int,
+    fit_flops: float,
+    replicas: int = 1,
+    peak: Optional[float] = None,
+    peak_fp8: Optional[float] = None,
+    measured_peak: Optional[float] = None,
+    peak_memory_pct: Optional[float] = None,
+    run_tokens: Optional[int] = None,
+    run_flops: Optional[float] = None,
     on_cuda: bool = False,
     compiled: bool = False,
 ) -> dict[str, Any]:
-    """The end-of-fit report: ``{"text", "advice", "mean"}`` from the logged windows, with advice that names the fix.
+    """The end-of-fit report: ``{"text", "advice", "metrics"}`` over this fit's measured windows, with advice that names the fix.
+
+    Every figure is a total divided by a total over the same span (tokens/s = all the windows'
+    tokens / all their seconds; ms/step = all their seconds / all their steps; MFU from the same
+    FLOPs and seconds), so the figures agree with each other however uneven the windows are.
 
     Example::
 
-        report = summarise_windows(monitor.history, window=20, warmup_steps=3, dtype="bf16",
-                                   total_tokens=10**6, total_flops=1e15, on_cuda=True)
-        print(report["text"])
+        >>> r = summarise_windows([WindowTotals(4096, None, 1.0, 1, 0.0), WindowTotals(4096, None, 3.0, 1, 0.0)],
+        ...                       window=1, warmup_steps=0, dtype="bf16", fit_tokens=8192, fit_flops=0.0)
+        >>> r["metrics"]["perf/tokens_per_sec"], r["metrics"]["perf/step_time_ms"]
+        (2048.0, 2000.0)
 
     Args:
-        history: The metrics of every logged window (:func:`window_metrics` plus ``mem/*``).
+        windows: What each window of this fit measured (:class:`WindowTotals`).
         window: Optimizer steps per window.
         warmup_steps: Optimizer steps left out at the start.
         dtype: The matmul dtype of the run.
-        total_tokens: Tokens per device in the fit.
-        total_flops: Model FLOPs of those tokens.
+        fit_tokens: Tokens per device trained on in this fit, warm-up included.
+        fit_flops: Model FLOPs of those tokens.
+        replicas: Data-parallel size (tokens/s is for all devices).
+        peak: Dense bf16 peak FLOP/s per device, for MFU.
+        peak_fp8: fp8 peak, for MFU against it.
+        measured_peak: A timed bf16 matmul's FLOP/s.
+        peak_memory_pct: The highest ``mem/peak_pct`` logged (CUDA only).
+        run_tokens: Tokens per device of the whole run when this fit resumed one; ``None`` for a fresh run.
+        run_flops: Model FLOPs of those tokens.
         on_cuda: Whether the run is on a CUDA device (the fp32 advice applies there only).
         compiled: Whether the module runs under ``torch.compile`` (the fp8 advice).
     """
-    if not history:
+    if not windows:
         text = (
             f"MFUMonitor: the run was too short to measure: it needs {warmup_steps + window} optimizer steps "
             f"(warmup_steps={warmup_steps} + log_every_n_steps={window})."
         )
         return {"text": text, "advice": []}
-    keys = {k for m in history for k in m}
-    mean = {k: sum(m[k] for m in history if k in m) / sum(k in m for m in history) for k in keys}
-    lines = [f"MFUMonitor report ({len(history)} windows of {window} steps, {dtype} matmuls):"]
-    if "perf/mfu" in mean:
-        fp8 = f" (fp8 peak: {100 * mean['perf/mfu_fp8']:.1f}%)" if "perf/mfu_fp8" in mean else ""
-        lines.append(f"  MFU {100 * mean['perf/mfu']:.1f}%{fp8}")
-    if "perf/tflops_per_device" in mean:
-        lines.append(f"  {mean['perf/tflops_per_device']:.3g} TFLOP/s per device")
-    lines.append(f"  {mean['perf/tokens_per_sec']:,.0f} tokens/s ({mean['perf/step_time_ms']:.1f} ms/step)")
-    if "mem/peak_pct" in mean:
-        lines.append(f"  peak memory {max(m.get('mem/peak_pct', 0) for m in history):.0f}% of the device")
-    lines.append(f"  data-loader wait {mean['perf/dataloader_wait_pct']:.1f}%")
-    lines.append(f"  {total_tokens:,} tokens per device in this fit ({total_flops / 1e12:.3g} model TFLOP)")
-    advice = _advice(history, mean, dtype, on_cuda, compiled)
+    flops = [w.flops for w in windows]
+    steps = sum(w.steps for w in windows)
+    metrics = window_metrics(
+        tokens=sum(w.tokens for w in windows),
+        flops=None if None in flops else sum(flops),
+        elapsed=sum(w.seconds for w in windows),
+        steps=steps,
+        wait=sum(w.wait for w in windows),
+        replicas=replicas,
+        peak=peak,
+        peak_fp8=peak_fp8,
+        measured_peak=measured_peak,
+    )
+    lines = [
+        f"MFUMonitor report ({_plural(len(windows), 'window')} of {_plural(window, 'step')} in this fit, "
+        f"{_plural(steps, 'step')} measured, {dtype} matmuls):"
+    ]
+    if "perf/mfu" in metrics:
+        fp8 = f" (fp8 peak: {100 * metrics['perf/mfu_fp8']:.1f}%)" if "perf/mfu_fp8" in metrics else ""
+        lines.append(f"  MFU {100 * metrics['perf/mfu']:.1f}%{fp8}")
+    if "perf/tflops_per_device" in metrics:
+        lines.append(f"  {metrics['perf/tflops_per_device']:.3g} TFLOP/s per device")
+    lines.append(f"  {metrics['perf/tokens_per_sec']:,.0f} tokens/s ({metrics['perf/step_time_ms']:.1f} ms/step)")
+    if peak_memory_pct is not None:
+        lines.append(f"  peak memory {peak_memory_pct:.0f}% of the device")
+    lines.append(f"  data-loader wait {metrics['perf/dataloader_wait_pct']:.1f}%")
+    lines.append(f"  {fit_tokens:,} tokens per device in this fit ({fit_flops / 1e12:.3g} model TFLOP)")
+    if run_tokens is not None:
+        lines.append(f"  the run so far, resumed: {run_tokens:,} tokens per device ({(run_flops or 0.0) / 1e12:.3g} model TFLOP)")
+    advice = _advice(peak_memory_pct, metrics["perf/dataloader_wait_pct"], dtype, on_cuda, compiled)
     lines += [f"  advice: {a}" for a in advice]
-    return {"text": "\n".join(lines), "advice": advice, "mean": mean}
+    return {"text": "\n".join(lines), "advice": advice, "metrics": metrics}

@@ -7,7 +7,7 @@ import torch
 
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from lightning_gpuopt.callbacks import MFUMonitor
-from lightning_gpuopt.perf.mfu import input_ids_of, mfu_peaks, summarise_windows, window_metrics
+from lightning_gpuopt.perf.mfu import WindowTotals, input_ids_of, mfu_peaks, summarise_windows, window_metrics
 
 
 def test_window_metrics_values():
@@ -31,18 +31,31 @@ def test_unknown_flops_log_throughput_only():
 
 
 def test_report_advice_names_the_fix():
-    history = [{"perf/tokens_per_sec": 10.0, "perf/step_time_ms": 5.0, "perf/dataloader_wait_pct": 20.0,
-                "mem/peak_pct": 30.0, "perf/mfu": 0.25}]
-    report = summarise_windows(history, window=2, warmup_steps=1, dtype="fp8", total_tokens=1000, total_flops=2e12,
-                               on_cuda=True, compiled=False)
+    windows = [WindowTotals(tokens=10, flops=2e12, seconds=1.0, steps=2, wait=0.2)]
+    report = summarise_windows(windows, window=2, warmup_steps=1, dtype="fp8", fit_tokens=1000, fit_flops=2e12,
+                               peak=8e12, peak_memory_pct=30.0, on_cuda=True, compiled=False)
     assert "MFU 25.0%" in report["text"] and "1,000 tokens per device" in report["text"]
     assert len(report["advice"]) == 3
     assert "AutoBatchSize" in report["advice"][0] and "num_workers" in report["advice"][1]
     assert "compile the model" in report["advice"][2]
 
 
+def test_report_divides_totals_over_the_same_span():
+    # a fast and a slow window: the mean of their rates (1,500 tokens/s) and of their step times would disagree
+    windows = [WindowTotals(tokens=2000, flops=2e12, seconds=1.0, steps=1, wait=0.0),
+               WindowTotals(tokens=2000, flops=2e12, seconds=3.0, steps=1, wait=0.4)]
+    report = summarise_windows(windows, window=1, warmup_steps=0, dtype="bf16", fit_tokens=4000, fit_flops=4e12,
+                               replicas=2, peak=1e13, run_tokens=9000, run_flops=9e12)
+    m = report["metrics"]
+    assert m["perf/tokens_per_sec"] == 2 * 4000 / 4.0 and m["perf/step_time_ms"] == 2000.0
+    assert m["perf/mfu"] == pytest.approx(4e12 / 4.0 / 1e13) and m["perf/dataloader_wait_pct"] == pytest.approx(10.0)
+    assert "2,000 tokens/s (2000.0 ms/step)" in report["text"] and "MFU 10.0%" in report["text"]
+    assert "2 windows of 1 step in this fit" in report["text"]
+    assert "the run so far, resumed: 9,000 tokens per device (9 model TFLOP)" in report["text"]
+
+
 def test_too_short_a_run_says_how_many_steps_it_needs():
-    report = summarise_windows([], window=5, warmup_steps=3, dtype="bf16", total_tokens=0, total_flops=0.0)
+    report = summarise_windows([], window=5, warmup_steps=3, dtype="bf16", fit_tokens=0, fit_flops=0.0)
     assert "needs 8 optimizer steps" in report["text"] and report["advice"] == []
 
 

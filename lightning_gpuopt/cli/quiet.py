@@ -1,0 +1,46 @@
+"""Lines Lightning prints for ``gpuopt``'s defaults that tell its users nothing they can act on, left out."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["QUIETED", "quiet_lightning"]
+
+QUIETED = {
+    # logger=True with CSVLogger is what gpuopt means; tensorboard is not needed.
+    "warning": (r"Starting from v1\.9\.0, `tensorboardX` has been removed",
+                # Lightning's own pytree helper under torch >= 2.10; nothing a user can change.
+                r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    # An advertisement printed at every Trainer construction, whatever the logger.
+    "info": ("💡 Tip: For seamless cloud logging",),
+}
+"""What is left out: warnings by message (regular expressions), info lines by their start."""
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(QUIETED["info"])
+
+
+@contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Leave out :data:`QUIETED` while the block runs; warnings filters and the logger are restored after.
+
+    Example::
+
+        with quiet_lightning():
+            GPTCLI(GPTModule, TextDataModule)
+    """
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    tips = _DropTips()
+    logger.addFilter(tips)
+    try:
+        with warnings.catch_warnings():
+            for message in QUIETED["warning"]:
+                warnings.filterwarnings("ignore", message=message)
+            yield
+    finally:
+        logger.removeFilter(tips)
