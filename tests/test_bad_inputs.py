@@ -146,6 +146,19 @@ def _lightning_ckpt(ctx: Ctx) -> str:
     return str(path)
 
 
+def _as_last(ctx: Ctx) -> str:
+    """:func:`_lightning_ckpt` as the ``last.ckpt`` of the run folder ``_cli_before_data`` uses."""
+    folder = ctx.tmp / "run" / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.replace(_lightning_ckpt(ctx), folder / "last.ckpt")
+    return "last"
+
+
+def _nonfinite_ckpt(ctx: Ctx) -> Path:
+    AtomicCheckpointIO(allow_nonfinite=True).save_checkpoint({"state_dict": {"w": torch.tensor([float("inf")])}}, ctx.tmp / "inf.ckpt")
+    return ctx.tmp / "inf.ckpt"
+
+
 def _requires_missing(module: str) -> Optional[str]:
     return f"{module} is installed" if importlib.util.find_spec(module) is not None else None
 
@@ -324,6 +337,21 @@ CASES = [
     Case("checkpoint-not-a-gptmodule", lambda c: load_gpt(_ckpt(c, {"state_dict": {}})), CheckpointError, "is not a GPTModule checkpoint"),
     Case("cli-foreign-checkpoint", lambda c: _cli_before_data(c, ["--ckpt_path", str(_ckpt(c, {"weights": torch.ones(2)}))]), SystemExit,
          r"gpuopt: error: .* is not a GPTModule checkpoint \(no 'preset' in its hyper_parameters\)"),
+    Case("resume-last-architecture-change", lambda c: _cli_before_data(c, ["--ckpt_path", _as_last(c), "--model.n_layer", "3"]),
+         SystemExit, r"loading the checkpoint .*last.ckpt.*model.n_layer=3 but the checkpoint has n_layer=2\. Drop those options"),
+    Case("fit-over-existing-run", lambda c: (_as_last(c), _cli_before_data(c, [])), SystemExit,
+         r"last.ckpt holds a run this fit would overwrite .*To continue it: .*--ckpt_path last.*--trainer.default_root_dir NEW_FOLDER"),
+    Case("ckpt-path-hpc-missing", lambda c: _cli_before_data(c, ["--ckpt_path", "hpc"]), SystemExit,
+         r"--ckpt_path hpc: no hpc_ckpt_N.ckpt in .*Pass the checkpoint's path"),
+    Case("ckpt-path-registry", lambda c: _cli_before_data(c, ["--ckpt_path", "registry:my-model"]), SystemExit,
+         r"needs a local file\. Download it from the model registry first .* and pass its path"),
+    Case("checkpoint-nonfinite-optimizer-state",
+         lambda c: AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(1)},
+                                                         "optimizer_states": [{"state": {0: {"exp_avg_sq": torch.tensor([float("inf")])}}}]},
+                                                        c.tmp / "last.ckpt"),
+         NonFiniteCheckpointError, r"1 of 1 optimizer-state tensors hold NaN/Inf \(first: 'optimizer_states.0.state.0.exp_avg_sq'\)"),
+    Case("checkpoint-nonfinite-on-load", lambda c: AtomicCheckpointIO().load_checkpoint(_nonfinite_ckpt(c)), CheckpointError,
+         r"holds NaN/Inf in 1 weight and 0 optimizer-state tensors .*Use an earlier checkpoint of the run"),
     Case("checkpoint-nonfinite-weights", lambda c: AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}}, c.tmp / "last.ckpt"),
          NonFiniteCheckpointError, r"Not writing the checkpoint .*1 of 1 weight tensors hold NaN/Inf \(first: 'w'\), the run has diverged"),
 ]

@@ -1,9 +1,11 @@
-"""`SigtermCheckpoint`: on SIGTERM, save ``last.ckpt`` where ``--ckpt_path last`` finds it."""
+"""`SigtermCheckpoint`: on SIGTERM or a first Ctrl-C, save ``last.ckpt`` where ``--ckpt_path last`` finds it."""
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+import signal
+import threading
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -24,6 +26,11 @@ class SigtermCheckpoint(Callback):
     resumes exactly (the step is replayed). Only SIGTERM saves: other exceptions (a
     ``NonFiniteError``, a crash) leave the last good checkpoint alone.
 
+    A first Ctrl-C (SIGINT) during ``fit`` does the same: it is turned into a SIGTERM to this process,
+    so the save happens at the same safe point, after the current micro-batch, instead of Lightning's
+    KeyboardInterrupt shutdown that saves nothing. A second Ctrl-C stops at once (Lightning's own
+    handling), for a save that takes too long.
+
     Unlike Lightning's ``OnExceptionCheckpoint``, it does not make a later ``fit`` without
     ``ckpt_path`` resume by itself, and it keeps the file after the run.
 
@@ -42,6 +49,20 @@ class SigtermCheckpoint(Callback):
         if not filename or os.sep in filename:
             raise ValueError(f"SigtermCheckpoint.filename must be a plain file name, got {filename!r}.")
         self.filename = filename
+        self._previous_sigint: Any = None
+        self._interrupted = False
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        # The first Ctrl-C: hand the second one back to the previous handler, then take Lightning's SIGTERM path.
+        self._restore_sigint()
+        self._interrupted = True
+        rank_zero_info("SigtermCheckpoint: Ctrl-C; saving last.ckpt after this batch (Ctrl-C again to stop at once).")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
 
     def _target(self, trainer: pl.Trainer) -> Optional[str]:
         for callback in trainer.checkpoint_callbacks:
@@ -58,11 +79,26 @@ class SigtermCheckpoint(Callback):
             )
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After Lightning has taken its snapshot of the handlers (it puts them all back at teardown). Only the main
+        # thread may set handlers; Lightning handles no SIGTERM on Windows.
+        if os.name == "posix" and threading.current_thread() is threading.main_thread():
+            self._interrupted = False
+            if self._previous_sigint is None:
+                self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_sigint()
+
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_sigint()
         if not isinstance(exception, SIGTERMException) or trainer.sanity_checking or trainer.fast_dev_run:
             return
         path = self._target(trainer)
         if path is None:
             return
         trainer.save_checkpoint(path)
-        rank_zero_info(f"SigtermCheckpoint: received SIGTERM; saved {path} (resume with --ckpt_path last).")
+        cause = "Ctrl-C" if self._interrupted else "SIGTERM"
+        rank_zero_info(f"SigtermCheckpoint: received {cause}; saved {path} (resume with --ckpt_path last).")

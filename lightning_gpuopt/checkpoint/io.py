@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_gpuopt.model.checkpoint import read_checkpoint
+from lightning_gpuopt.model.checkpoint import CheckpointError, read_checkpoint
 from lightning_gpuopt.checkpoint.atomic_files import PathLike, atomic_save, fsync_path
-from lightning_gpuopt.checkpoint.safety import check_finite_weights
+from lightning_gpuopt.checkpoint.safety import check_finite_weights, nonfinite_optimizer_state, nonfinite_weights
 
 __all__ = ["AtomicCheckpointIO"]
 
@@ -45,9 +45,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             - class_path: lightning_gpuopt.checkpoint.AtomicCheckpointIO
 
     Args:
-        allow_nonfinite: Write checkpoints whose weights hold NaN/Inf. By default such a save raises
-            :class:`~lightning_gpuopt.checkpoint.safety.NonFiniteCheckpointError` and writes
-            nothing, so a diverged run never replaces a good checkpoint.
+        allow_nonfinite: Write and read checkpoints whose weights or optimizer state hold NaN/Inf. By
+            default such a save raises :class:`~lightning_gpuopt.checkpoint.safety.NonFiniteCheckpointError`
+            and writes nothing, so a diverged run never replaces a good checkpoint, and such a load
+            raises :class:`~lightning_gpuopt.model.checkpoint.CheckpointError` before a resumed run
+            skips steps on it or a prediction samples from it.
 
     Note:
         Each save first removes the temporary files that earlier saves into the same folder left
@@ -76,6 +78,25 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Optional[Callable] = lambda storage, loc: storage,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
+        weights_only = True if weights_only is None else weights_only
         if not _is_local(path):
-            return super().load_checkpoint(path, map_location, True if weights_only is None else weights_only)
-        return read_checkpoint(str(path).removeprefix("file://"), map_location, True if weights_only is None else weights_only)
+            checkpoint = super().load_checkpoint(path, map_location, weights_only)
+        else:
+            checkpoint = read_checkpoint(str(path).removeprefix("file://"), map_location, weights_only)
+        if not self.allow_nonfinite:
+            _check_finite_on_load(checkpoint, path)
+        return checkpoint
+
+
+def _check_finite_on_load(checkpoint: dict[str, Any], path: PathLike) -> None:
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    bad = nonfinite_weights(state)
+    bad_optimizer, _ = nonfinite_optimizer_state(checkpoint)
+    if bad or bad_optimizer:
+        first = (bad or bad_optimizer)[0]
+        raise CheckpointError(
+            f"{str(path)!r} holds NaN/Inf in {len(bad)} weight and {len(bad_optimizer)} optimizer-state tensors (first: "
+            f"{first!r}): it was written by a run that had diverged, so a resume would skip every step and a "
+            "prediction would sample noise. Use an earlier checkpoint of the run, or start a new one; "
+            "AtomicCheckpointIO(allow_nonfinite=True) reads it anyway."
+        )

@@ -31,6 +31,7 @@ from lightning_gpuopt.perf.units import GB
 __all__ = [
     "NonFiniteCheckpointError",
     "check_finite_weights",
+    "nonfinite_optimizer_state",
     "checkpoint_nbytes",
     "disk_full_error",
     "is_disk_full",
@@ -75,6 +76,36 @@ def nonfinite_weights(state_dict: Any) -> list[str]:
     return [n for n, bad in zip(names, flags) if bad]
 
 
+def _flat_tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _flat_tensors(value, f"{prefix}.{key}", out)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _flat_tensors(value, f"{prefix}.{i}", out)
+    return out
+
+
+def nonfinite_optimizer_state(checkpoint: Any) -> tuple[list[str], int]:
+    """Names of the optimizer-state tensors of a Lightning checkpoint that hold NaN/Inf, and how many there are.
+
+    AdamW's ``exp_avg_sq`` can overflow to Inf while the weights are still finite; resumed, it turns
+    the next step's update into NaN at once, whatever the new learning rate.
+
+    Example::
+
+        nonfinite_optimizer_state(checkpoint)  # (["optimizer_states.0.state.3.exp_avg_sq"], 26)
+
+    Args:
+        checkpoint: A Lightning checkpoint dict (its ``optimizer_states`` are read).
+    """
+    states = checkpoint.get("optimizer_states") if isinstance(checkpoint, dict) else None
+    tensors = _flat_tensors(states or [], "optimizer_states", {})
+    return nonfinite_weights(tensors), len(tensors)
+
+
 def check_finite_weights(checkpoint: dict[str, Any], path: Any) -> None:
     """Raise :class:`NonFiniteCheckpointError` before writing ``checkpoint`` to ``path`` if its weights hold NaN/Inf.
 
@@ -83,20 +114,25 @@ def check_finite_weights(checkpoint: dict[str, Any], path: Any) -> None:
         check_finite_weights(checkpoint, "ckpt/last.ckpt")  # then write it
 
     Args:
-        checkpoint: A Lightning checkpoint dict (its ``state_dict`` is checked).
+        checkpoint: A Lightning checkpoint dict (its ``state_dict`` and ``optimizer_states`` are checked).
         path: Where it was to be written (named in the message).
     """
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     bad = nonfinite_weights(state)
     if bad:
         raise NonFiniteCheckpointError(non_finite_message(path, len(bad), len(state), bad[0], Path(str(path)).exists()))
+    bad, total = nonfinite_optimizer_state(checkpoint)
+    if bad:
+        raise NonFiniteCheckpointError(
+            non_finite_message(path, len(bad), total, bad[0], Path(str(path)).exists(), "optimizer-state tensors")
+        )
 
 
-def non_finite_message(path: Any, n_bad: int, n_total: int, first: str, kept: bool) -> str:
+def non_finite_message(path: Any, n_bad: int, n_total: int, first: str, kept: bool, what: str = "weight tensors") -> str:
     """The message of a refused non-finite save (shared with the distributed writer)."""
     path = Path(str(path))
     return (
-        f"Not writing the checkpoint {str(path)!r}: {n_bad} of {n_total} weight tensors hold NaN/Inf (first: "
+        f"Not writing the checkpoint {str(path)!r}: {n_bad} of {n_total} {what} hold NaN/Inf (first: "
         f"{first!r}), the run has diverged. "
         + (f"The previous {path.name} is kept. " if kept else f"The checkpoints already in {path.parent} are kept. ")
         + "Resume from the last good checkpoint with a lower model.learning_rate or trainer.gradient_clip_val, "

@@ -45,7 +45,7 @@ from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
-from lightning_gpuopt.cli.resume_checks import merge_checkpoint_settings, prepare_resumed_fit
+from lightning_gpuopt.cli.resume_checks import merge_checkpoint_settings, prepare_resumed_fit, resolve_run_folder
 from lightning_gpuopt.cli.quiet import quiet_lightning
 from lightning_gpuopt.cli.run_summary import model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
@@ -137,7 +137,9 @@ class GPTCLI(LightningCLI):
         rank_zero_info("\n".join(where_things_went(self.trainer, self.argv)))
 
     def _parse_ckpt_path(self) -> None:
-        # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: see resume_settings.
+        # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
+        # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built.
+        resolve_run_folder(self.config)
         self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule)
 
     def after_instantiate_classes(self) -> None:

@@ -32,11 +32,19 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt.cli.run_folder import existing_run_problem, resolve_ckpt_path
 from lightning_gpuopt.internals import no_version_counter
 from lightning_gpuopt.model.checkpoint import CheckpointError, gptmodule_hparams, read_checkpoint
 from lightning_gpuopt.model.config import PRESETS
 
-__all__ = ["ARCHITECTURE", "CheckpointSettings", "asked_settings", "merge_checkpoint_settings", "prepare_resumed_fit"]
+__all__ = [
+    "ARCHITECTURE",
+    "CheckpointSettings",
+    "asked_settings",
+    "merge_checkpoint_settings",
+    "prepare_resumed_fit",
+    "resolve_run_folder",
+]
 
 ARCHITECTURE = ("preset", "n_layer", "n_head", "n_embd")  # block_size and vocab_size come from the data
 _SPECIAL_CKPT_PATHS = {"last", "best", "hpc", "registry"}
@@ -138,6 +146,42 @@ def _local_file(ckpt_path: Any) -> bool:
     if not ckpt_path or str(ckpt_path) in _SPECIAL_CKPT_PATHS or "://" in str(ckpt_path):
         return False
     return not Path(ckpt_path).is_dir()  # a distributed (FSDP2) checkpoint folder: left to the strategy
+
+
+def resolve_run_folder(config: Any) -> None:
+    """Put the file ``--ckpt_path last`` / ``hpc`` names into ``config``; refuse a ``fit`` that would overwrite a run.
+
+    Called before :func:`merge_checkpoint_settings`, so a special path gets the checks an explicit one gets
+    (:mod:`lightning_gpuopt.cli.run_folder`).
+
+    Example::
+
+        resolve_run_folder(cli.config)  # config.fit.ckpt_path: "last" -> "/abs/runs/x/checkpoints/last.ckpt"
+
+    Args:
+        config: The parsed configuration (with a subcommand).
+
+    Raises:
+        ValueError: A ``fit`` without ``--ckpt_path`` into a folder holding a ``last.ckpt``; a special path
+            with no file (see :func:`~lightning_gpuopt.cli.run_folder.resolve_ckpt_path`).
+    """
+    subcommand = config.get("subcommand")
+    if not subcommand:
+        return
+    group = config[subcommand]
+    trainer = group.get("trainer")
+    ckpt_path = group.get("ckpt_path")
+    if subcommand == "fit":
+        problem = existing_run_problem(ckpt_path, trainer, f"gpuopt fit {_config_hint(group)}".strip())
+        if problem:
+            raise ValueError(problem)
+    group["ckpt_path"] = resolve_ckpt_path(ckpt_path, subcommand, trainer)
+
+
+def _config_hint(group: Any) -> str:
+    configs = group.get("config") or []
+    paths = [str(getattr(c, "relative", c)) for c in (configs if isinstance(configs, list) else [configs])]
+    return " ".join(f"--config {p}" for p in paths) + " ..." if paths else "..."
 
 
 def merge_checkpoint_settings(parser: Any, config: Any, model_class: type) -> tuple[Any, Optional[CheckpointSettings]]:

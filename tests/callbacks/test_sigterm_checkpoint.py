@@ -47,6 +47,18 @@ def test_sigterm_saves_last_and_resume_finds_it(tmp_path, text_dir, cache_dir):
     assert trainer.ckpt_path == str(last) and trainer.global_step == 20
 
 
+def test_ctrl_c_saves_like_sigterm_and_puts_the_handler_back(tmp_path, text_dir, cache_dir, caplog):
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SIGTERMException):
+            _fit(tmp_path, text_dir, lambda: os.kill(os.getpid(), signal.SIGINT))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 5
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # a later Ctrl-C stops at once again
+    assert "received Ctrl-C; saved" in caplog.text
+
+
 def test_other_exceptions_save_nothing(tmp_path, text_dir, cache_dir):
     def fail():
         raise RuntimeError("boom")

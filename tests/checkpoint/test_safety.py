@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_gpuopt import GPTModule, TextDataModule
-from lightning_gpuopt.model.checkpoint import load_gpt, read_checkpoint
+from lightning_gpuopt.callbacks.resumed_optimizer import ResumedOptimizerSettings
+from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt, read_checkpoint
 from lightning_gpuopt.checkpoint import AtomicCheckpointIO, NonFiniteCheckpointError
 from tests._paths import REPO, SCRIPTS
 
@@ -28,7 +29,8 @@ def test_a_diverged_run_never_replaces_the_good_checkpoints(tmp_path, cache_dir,
         max_steps=20, logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         plugins=[AtomicCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)],
     )
-    with pytest.raises(NonFiniteCheckpointError, match=r"weight tensors hold NaN/Inf .*the run has diverged"):
+    # AdamW's exp_avg_sq overflows before the weights do: the optimizer state is checked too.
+    with pytest.raises(NonFiniteCheckpointError, match=r"tensors hold NaN/Inf .*the run has diverged"):
         trainer.fit(model, datamodule=data)
     assert 1 <= trainer.global_step < 20
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
@@ -37,7 +39,21 @@ def test_a_diverged_run_never_replaces_the_good_checkpoints(tmp_path, cache_dir,
         ckpt = read_checkpoint(tmp_path / "ckpt" / name)
         assert ckpt["global_step"] == trainer.global_step - 1
         assert all(bool(torch.isfinite(t).all()) for t in ckpt["state_dict"].values() if t.is_floating_point())
+        moments = [t for s in ckpt["optimizer_states"][0]["state"].values() for t in s.values()]
+        assert moments and all(bool(torch.isfinite(t).all()) for t in moments)
     load_gpt(tmp_path / "ckpt" / "last.ckpt")  # loads: the good model
+    # The advice of the message, followed: resuming from last.ckpt with a lower learning rate trains on, finite.
+    stopped_at = trainer.global_step - 1
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=32, warmup_steps=0, learning_rate=1e-3)
+    trainer = pl.Trainer(
+        max_steps=stopped_at + 2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, plugins=[AtomicCheckpointIO()], enable_checkpointing=False,
+        callbacks=[ResumedOptimizerSettings()],  # applies the new learning rate, as `gpuopt fit --ckpt_path` does
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert trainer.optimizers[0].param_groups[0]["initial_lr"] == 1e-3
+    assert trainer.global_step == stopped_at + 2
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def test_nonfinite_weights_can_be_written_when_asked(tmp_path):
@@ -47,6 +63,27 @@ def test_nonfinite_weights_can_be_written_when_asked(tmp_path):
     assert not (tmp_path / "a.ckpt").exists()
     AtomicCheckpointIO(allow_nonfinite=True).save_checkpoint(nan, tmp_path / "a.ckpt")
     assert torch.isnan(read_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"]).all()
+
+
+def test_nonfinite_optimizer_state_is_neither_written_nor_read(tmp_path):
+    """Finite weights with an Inf in AdamW's exp_avg_sq (a learning rate of 1000): a resume would be NaN at once."""
+    good = {"state_dict": {"w": torch.ones(4)},
+            "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4),
+                                                "exp_avg_sq": torch.ones(4)}}, "param_groups": [{"lr": 0.1}]}]}
+    AtomicCheckpointIO().save_checkpoint(good, tmp_path / "last.ckpt")
+    bad = {**good, "optimizer_states": [{"state": {0: {"step": torch.tensor(4.0), "exp_avg": torch.zeros(4),
+                                                       "exp_avg_sq": torch.tensor([1.0, float("inf"), 1.0, 1.0])}}}]}
+    with pytest.raises(NonFiniteCheckpointError, match=r"1 of 3 optimizer-state tensors hold NaN/Inf .*exp_avg_sq"):
+        AtomicCheckpointIO().save_checkpoint(bad, tmp_path / "last.ckpt")
+    assert AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")["optimizer_states"][0]["state"][0]["step"] == 3
+    AtomicCheckpointIO(allow_nonfinite=True).save_checkpoint(bad, tmp_path / "bad.ckpt")
+    with pytest.raises(CheckpointError, match=r"NaN/Inf in 0 weight and 1 optimizer-state tensors .*exp_avg_sq"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "bad.ckpt")
+    nan = {"state_dict": {"w": torch.tensor([float("nan"), 1.0])}}
+    AtomicCheckpointIO(allow_nonfinite=True).save_checkpoint(nan, tmp_path / "nan.ckpt")
+    with pytest.raises(CheckpointError, match="Use an earlier checkpoint of the run"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "nan.ckpt")
+    assert torch.isnan(AtomicCheckpointIO(allow_nonfinite=True).load_checkpoint(tmp_path / "nan.ckpt")["state_dict"]["w"][0])
 
 
 def test_the_temp_file_of_a_killed_save_is_removed_by_the_next_save(tmp_path):
