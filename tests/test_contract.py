@@ -5,7 +5,9 @@ Hugging Face-style dict batches and outputs, litgpt's, a LightningModule without
 data given as the module's own loader or through a datamodule, and checked for: construction with
 defaults, two fits in a row with the same instance, a checkpoint that loads with ``weights_only=True``
 and a ``state_dict`` round trip, and the value the piece claims (FLOPs per token, skipped bad steps,
-bf16 autocast, float8 layers, restored global flags, an atomic checkpoint file).
+bf16 autocast, float8 layers, restored global flags, an atomic checkpoint file). The same module shapes
+also train through ``gpuopt fit --model <class path>`` with the default stack:
+``tests/cli/test_named_classes.py::test_contract_shapes_through_gpuopt``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``gpuopt`` command: LightningCLI over ``GPTModule`` and ``TextDataModule``.
+"""The ``gpuopt`` command: LightningCLI over ``GPTModule`` and ``TextDataModule``, or any module and data module.
 
 Example::
 
@@ -8,11 +8,13 @@ Example::
     gpuopt fit --config examples/configs/quickstart.yaml --ckpt_path last   # continue the last run
     gpuopt predict --config examples/configs/quickstart.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt \
         --generate.prompts_file prompts.txt --generate.batch_size 64   # JSONL completions
+    gpuopt fit --model my_pkg.NanoGPT --data my_pkg.Shakespeare --trainer.max_steps 5000   # your own classes, same stack
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import signal
 import sys
@@ -44,13 +46,14 @@ from lightning_gpuopt.option_checks import check_number
 from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
+from lightning_gpuopt.cli.named_classes import named_classes
 from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
 from lightning_gpuopt.cli.resume_checks import merge_checkpoint_settings, prepare_resumed_fit, resolve_run_folder
 from lightning_gpuopt.cli.quiet import quiet_lightning
 from lightning_gpuopt.cli.run_summary import model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
 
-__all__ = ["GPTCLI", "main"]
+__all__ = ["GPTCLI", "main", "make_cli"]
 
 _DOCTOR_EPILOG = "gpuopt doctor: what this package will do on this machine (gpuopt doctor --help)."
 _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
@@ -99,6 +102,14 @@ class GPTCLI(LightningCLI):
     ``trainer.strategy: gpuopt-auto`` the strategy is chosen for the model by
     :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP or FSDP2), and the reason is logged;
     ``--auto_strategy.device_memory_gb`` overrides the memory read from GPU 0.
+
+    A LightningModule or LightningDataModule of your own (``--model my_pkg.NanoGPT``,
+    ``--data.class_path ...``, see :func:`make_cli`) gets the same stack, ``ExactResume`` (with
+    ``rebuild_loaders`` on by default, so that a plain DataLoader of its own resumes mid-epoch exactly)
+    and ``SigtermCheckpoint``. The links between the data and the model, the resume checks of
+    ``GPTModule``'s architecture and the decoding of ``predict`` apply to ``GPTModule`` with
+    ``TextDataModule`` only: a module of your own is built as configured and ``--ckpt_path`` restores
+    its weights and training state.
     """
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -106,13 +117,26 @@ class GPTCLI(LightningCLI):
             self.parser_class = _SuggestingParser
         return super().init_parser(**kwargs)
 
+    @property
+    def trains_gpt(self) -> bool:
+        """Whether the model is ``GPTModule``, parsed flat (not a module of your own, see :mod:`.named_classes`)."""
+        return self._model_class is GPTModule and not self.subclass_mode_model
+
+    @property
+    def reads_text(self) -> bool:
+        """Whether the data is ``TextDataModule``, parsed flat."""
+        return self._datamodule_class is TextDataModule and not self.subclass_mode_data
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.block_size", "model.block_size")
-        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        if self.trains_gpt and self.reads_text:
+            parser.link_arguments("data.block_size", "model.block_size")
+            parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.add_lightning_class_args(ExactResume, "exact_resume")
         parser.add_lightning_class_args(SigtermCheckpoint, "sigterm_checkpoint")
         self.stack_device = stack_device()
         parser.set_defaults(default_stack(self.stack_device))
+        if not self.reads_text:  # a loader of your own resumes exactly when ExactResume may rebuild it
+            parser.set_defaults({"exact_resume.rebuild_loaders": True})
         parser.add_argument("--generate.prompts_file", type=Optional[str], default=None,
                             help="predict: a text file (one prompt per line) or JSONL (a \"prompt\" per line) to continue.")
         parser.add_argument("--generate.batch_size", type=int, default=32,
@@ -138,9 +162,11 @@ class GPTCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
-        # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built.
+        # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built. A
+        # module of your own is built as configured; the checkpoint gives its weights and training state.
         resolve_run_folder(self.config)
-        self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule)
+        if self.trains_gpt:
+            self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule)
 
     def after_instantiate_classes(self) -> None:
         if getattr(self, "checkpoint_settings", None) is not None:
@@ -163,6 +189,9 @@ class GPTCLI(LightningCLI):
             self.save_config_callback = None  # predict writes its samples, not a log folder with the config
         if self.subcommand != "predict" and generate.get("prompts_file"):
             self.parser.error(f"generate.prompts_file is read by `gpuopt predict` only, not `gpuopt {self.subcommand}`.")
+        if generate.get("prompts_file") and not (self.trains_gpt and self.reads_text):
+            self.parser.error("generate.prompts_file needs GPTModule and TextDataModule (it encodes the prompts with the "
+                              "data's tokenizer); for a module of your own, give the prompts as its predict data.")
         if generate.get("prompts_file"):
             for name in ("batch_size", "samples_per_prompt"):
                 if generate.get(name, 1) < 1:
@@ -209,8 +238,8 @@ class GPTCLI(LightningCLI):
             devices=devices,
             device_memory=None if memory_gb is None else memory_gb * GB,
             precision=precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins")),
-            micro_batch=self.datamodule.batch_size,
-            block_size=self.datamodule.block_size,
+            micro_batch=_micro_batch(self.datamodule),
+            block_size=getattr(self.datamodule, "block_size", None),
         )
         rank_zero_info(f"trainer.strategy={AUTO_STRATEGY}: {reason}")
         return strategy
@@ -246,9 +275,25 @@ class GPTCLI(LightningCLI):
             tokens = sum(len(r["tokens"]) for r in records)
             rank_zero_info(f"gpuopt predict: wrote {len(records)} completions ({tokens} tokens) to {path}")
             return
+        if not (self.trains_gpt and self.reads_text):
+            rank_zero_info(f"gpuopt predict: {len(predictions)} batches of predictions from "
+                           f"{type(self.model).__name__}.predict_step (trainer.predict_loop.predictions).")
+            return
         for batch in predictions:
             for sample in batch:
                 print(self.datamodule.decode(sample), end="\n" + "-" * 80 + "\n")
+
+
+def _micro_batch(datamodule: Any) -> int:
+    """The micro-batch size ``gpuopt-auto`` plans for: the data module's ``batch_size``."""
+    batch_size = getattr(datamodule, "batch_size", None)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise ValueError(
+            f"trainer.strategy={AUTO_STRATEGY} needs the micro-batch size to plan memory, read from the data module's "
+            f"batch_size attribute, but {'the module trains on its own loaders' if datamodule is None else f'{type(datamodule).__name__} has batch_size={batch_size!r}'}: give the data module "
+            "an int batch_size, or name the strategy (trainer.strategy: ddp or fsdp)."
+        )
+    return batch_size
 
 
 def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:
@@ -262,6 +307,39 @@ def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:
     if len(kept) < len(callbacks):
         trainer["callbacks"] = kept
         rank_zero_info("trainer.enable_checkpointing=false: the ModelCheckpoint callback is left out; no checkpoint is written.")
+
+
+def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
+    """The ``gpuopt`` CLI for ``args`` (``None``: ``sys.argv``), run unless ``run=False`` is passed.
+
+    ``GPTModule`` and ``TextDataModule`` unless the arguments name a module or data module of your own
+    (:func:`~lightning_gpuopt.cli.named_classes.named_classes`): then that class, parsed as
+    LightningCLI parses any class; with a module of your own and no ``data`` class, the module's
+    own loaders.
+
+    Example::
+
+        cli = make_cli(["fit", "--model", "my_pkg.NanoGPT", "--data", "my_pkg.Shakespeare", "--trainer.max_steps", "100"])
+
+    Args:
+        args: The command's arguments, without the program name.
+        kwargs: More arguments for :class:`GPTCLI` (``run=False`` ...).
+
+    Raises:
+        ValueError: ``GPTModule`` or ``TextDataModule`` named as a class where it is the default.
+    """
+    named = named_classes(sys.argv[1:] if args is None else args, os.environ)
+    options = dict(
+        seed_everything_default=1337,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG},
+        args=args,  # None: LightningCLI reads sys.argv itself (and does not warn about `args`)
+    )
+    return GPTCLI(
+        None if named.model else GPTModule,  # None: any LightningModule, given by its class path
+        None if named.model or named.data else TextDataModule,  # None: any data module, or the module's own loaders
+        **{**options, **kwargs},
+    )
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -279,19 +357,9 @@ def main(args: Optional[list[str]] = None) -> None:
 
     def run() -> None:
         with quiet_lightning():
-            cli = _cli()
+            cli = make_cli(args)
         if cli.subcommand == "fit":
             check_fit_ended_finite(cli.trainer, cli.model)  # a diverged run does not exit 0
-
-    def _cli() -> GPTCLI:
-        return GPTCLI(
-            GPTModule,
-            TextDataModule,
-            seed_everything_default=1337,
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG},
-            args=args,  # None: LightningCLI reads sys.argv itself (and does not warn about `args`)
-        )
 
     try:
         run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)

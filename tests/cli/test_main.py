@@ -24,10 +24,11 @@ from lightning_gpuopt.precision import BF16Precision, Float8Precision
 from tests._paths import REPO  # noqa: E402
 
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
+GPT_CONFIGS = [c for c in CONFIGS if c.stem != "hf-llama"]  # hf-llama trains a module of its own (examples/hf_llama.py)
 
 
 def test_every_shipped_config_is_there():
-    assert {p.stem for p in CONFIGS} == {"quickstart", "fast", "production", "max-quality", "mega", "h100", "multi-gpu"}
+    assert {p.stem for p in CONFIGS} == {"quickstart", "fast", "production", "max-quality", "mega", "h100", "multi-gpu", "hf-llama"}
 
 
 class _ParseOnly(GPTCLI):
@@ -38,7 +39,7 @@ class _ParseOnly(GPTCLI):
         pass
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", GPT_CONFIGS, ids=lambda p: p.stem)
 def test_config_parses_through_the_cli_parser(config):
     cli = _ParseOnly(GPTModule, TextDataModule, run=False, args=["--config", str(config)])
     raw = yaml.safe_load(config.read_text())
@@ -62,6 +63,24 @@ def test_config_parses_through_the_cli_parser(config):
     if config.stem != "quickstart":
         assert ns.trainer.val_check_interval == 500 * ns.trainer.accumulate_grad_batches
         assert ns.trainer.check_val_every_n_epoch is None
+
+
+def test_hf_llama_recipe_parses_through_the_cli_parser(monkeypatch):
+    """The recipe names its own module and TextDataModule by class path; the stack is listed as in every recipe."""
+    from lightning_gpuopt.cli.named_classes import named_classes
+
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    args = ["--config", str(REPO / "examples" / "configs" / "hf-llama.yaml")]
+    named = named_classes(["fit", *args], {})
+    assert (named.model, named.data) == ("hf_llama.TinyLlama", "lightning_gpuopt.data.TextDataModule")
+    ns = _ParseOnly(None, None, run=False, args=args).config  # as make_cli builds it for these names
+    sys.modules.pop("hf_llama", None)
+    assert ns.model.init_args.vocab_size == ns.data.init_args.vocab_size
+    assert ns.model.init_args.block_size == ns.data.init_args.block_size
+    assert ns.trainer.plugins is None and ns.trainer.precision is None  # the stack's: float32 on this CPU
+    names = [c.class_path.rsplit(".", 1)[1] for c in ns.trainer.callbacks]
+    assert names == ["CUDASettings", "MFUMonitor", "NonFiniteGuard", "ModelCheckpoint"]
+    assert ns.exact_resume.rebuild_loaders is True  # on for named data; TextDataModule's own sampler is left as it is
 
 
 def test_h100_and_multi_gpu_recipes():
