@@ -83,6 +83,20 @@ class _NoBatchSizeModule(GPTModule):
         return torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=4)
 
 
+class _StreamOfBatchesModule(_NoBatchSizeModule):
+    """Has a `batch_size`, but its IterableDataset yields whole batches (DataLoader(batch_size=None))."""
+
+    batch_size = 4
+
+    def train_dataloader(self):
+        class Batches(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                tokens = torch.zeros(4, 17, dtype=torch.long)
+                return iter([(tokens[:, :-1], tokens[:, 1:])] * 2)
+
+        return torch.utils.data.DataLoader(Batches(), batch_size=None)
+
+
 class _IgnoresBatchSizeModule(_NoBatchSizeModule):
     """Has a `batch_size`, but its loader is hard-coded to 4: the size AutoBatchSize sets is ignored."""
 
@@ -284,6 +298,9 @@ CASES = [
     Case("auto-batch-loader-ignores-size",
          lambda c: c.fit(_IgnoresBatchSizeModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=2)]),
          ValueError, r"The training DataLoader ignores `batch_size`: build it inside train_dataloader\(\) from self\.batch_size"),
+    Case("auto-batch-dataset-yields-batches",
+         lambda c: c.fit(_StreamOfBatchesModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=2)]),
+         ValueError, r"batch_size=None: its Batches yields whole batches.*DataLoader\(dataset, batch_size=self\.batch_size, collate_fn=\.\.\.\)"),
     Case("yaml-typo-in-key", lambda c: main(["fit", "--config", c.yaml("trainer:\n  max_step: 10\n")]), SystemExit,
          r"does not accept option 'trainer.max_step': did you mean 'trainer.max_steps'"),
     Case("yaml-typo-in-model-key", lambda c: main(["fit", "--config", c.yaml("model:\n  presett: tiny\n")]), SystemExit,
