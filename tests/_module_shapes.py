@@ -192,6 +192,8 @@ class LoaderData(pl.LightningDataModule):
         self.shape, self.batch_size, self.n = shape, batch_size, n
 
     def train_dataloader(self):
+        if self.shape == "iterable-collate":
+            return iterable_loader(self.batch_size, self.n)
         return shape_loader(self.shape, self.batch_size, self.n)
 
 
