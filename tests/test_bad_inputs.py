@@ -271,7 +271,7 @@ CASES = [
     Case("choose-strategy-no-parameters", lambda c: choose_strategy(_ForeignLM(build=False), devices=2, device_memory=16e9, block_size=32),
          ValueError, r"no parameters yet \(built in configure_model\?\): build them first"),
     Case("choose-strategy-no-activations", lambda c: choose_strategy(_ForeignLM(dict_input=True), devices=2, device_memory=16e9, block_size=32),
-         ValueError, r"could not estimate the activations of _ForeignLM .*pass choose_strategy\(activation_bytes=...\)"),
+         ValueError, r"could not estimate the activations of _ForeignLM .*pass choose_strategy\(batch=\.\.\.\) \(a training batch, measured over training_step\), activation_bytes=\.\.\."),
     Case("fp8-bad-module-filter", lambda c: Float8Precision(module_filter="lm_head"), ValueError, r"a list of layer-name patterns to skip \(e.g. \['lm_head'\]\)"),
     # ---------------------------------------------------------------- callback arguments
     Case("sdpa-unknown-backend", lambda c: CUDASettings(sdpa_backends=["flash", "fast"]), ValueError,
