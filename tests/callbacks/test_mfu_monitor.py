@@ -283,3 +283,30 @@ def test_monitor_counts_a_step_that_reads_a_value_whole_and_once(tmp_path):
     monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
     _trainer(tmp_path, [monitor], max_steps=3).fit(Counted(), shape_loader("nanogpt", batch_size=2))
     assert monitor.flops_source == "Counted.flops_per_token"
+
+
+def test_monitor_counts_a_hugging_face_llama_with_attention_masks(tmp_path):
+    """transformers' own LlamaForCausalLM in a LightningModule whose step logs loss.item(), on padded batches."""
+    from tests.perf.test_flops import _hf_models, hf_batch
+
+    class HFLlama(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _hf_models()["llama"]
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            self.log("train_loss", loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    module = HFLlama()
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    _trainer(tmp_path, [monitor], max_steps=3).fit(module, torch.utils.data.DataLoader([hf_batch(2)] * 3, batch_size=None))
+    weights = {id(m.weight): m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear)}
+    per_token = monitor.history[-1]["perf/tflops_per_device"] * 1e12 / monitor.history[-1]["perf/tokens_per_sec_per_device"]
+    assert per_token == pytest.approx(6 * sum(weights.values()) + 12 * 2 * 64 * 32, rel=0.03)
+    assert monitor.flops_source == "HFLlama.training_step, counted over a real step"

@@ -116,3 +116,34 @@ def test_flops_of_a_model_with_tied_embeddings():
     # PaLM's 6N counts the biases and LayerNorm weights too, as if they were matmul weights.
     vectors = sum(p.numel() for p in model.parameters() if p.ndim == 1)
     assert flops == model.flops_per_token(T) - 6 * vectors
+
+
+def _hf_models():
+    """Tiny Hugging Face LlamaForCausalLM and GPT2LMHeadModel, built from local configs (no download)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    V, D, H = 256, 64, 4
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=3 * D, num_hidden_layers=2, num_attention_heads=H,
+        num_key_value_heads=H, max_position_embeddings=T, attn_implementation="sdpa"))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=V, n_embd=D, n_layer=2, n_head=H, n_positions=T, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"))
+    return {"llama": llama, "gpt2": gpt2}
+
+
+def hf_batch(batch_size: int = B) -> dict:
+    """``input_ids``, ``attention_mask`` (every other row ends in padding) and ``labels`` (-100 on padding)."""
+    ids = torch.randint(0, 256, (batch_size, T), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(batch_size, T, dtype=torch.long)
+    mask[1::2, -T // 4:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hugging_face_models_with_an_attention_mask_match_the_hand_count(name):
+    torch.manual_seed(0)
+    model = _hf_models()[name]
+    batch = hf_batch()
+    weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
+    hand = 6 * sum(weights.values()) + 12 * 2 * 64 * T  # PaLM: 6 per matmul weight, 12·L·d·T attention
+    _, flops = count_step_flops(lambda: model(**batch).loss.backward())
+    assert flops / (B * T) == pytest.approx(hand, rel=0.03)
