@@ -51,6 +51,7 @@ __all__ = [
     "rebuild_train_loader",
     "reparametrize_module",
     "require_internals",
+    "sdpa_ops",
     "sampler_sets_num_samples",
     "scaler_unscaled",
     "sdp_priority_order",
@@ -66,6 +67,9 @@ __all__ = [
     "wrap_epoch_advance",
     "wrap_train_dataloader",
 ]
+
+_SDPA_OPS = ("flash_attention_for_cpu", "flash_attention_for_cpu_backward", "flash_attention_backward",
+             "efficient_attention_backward", "cudnn_attention_backward")
 
 # Private names, as "object.path": what `missing_internals` looks up. `trainer.` paths are read on the
 # Trainer, `module.` paths on a LightningModule, `checkpoint.` on a ModelCheckpoint, `import:` entries
@@ -100,6 +104,7 @@ TOUCHED = (
     "import:torch._C._set_sdp_priority_order",  # (set_sdp_priority_order)
     "import:torch._fused_sdp_choice",  # the kernel SDPA would pick (fused_sdp_choice)
     "import:torch._foreach_norm",  # one kernel for many norms (foreach_norm)
+    *(f"import:torch.ops.aten._scaled_dot_product_{name}" for name in _SDPA_OPS),  # counted as math (sdpa_ops)
     "import:torch._dynamo.eval_frame.OptimizedModule",  # torch.compile's wrapper (compiled_wrapper_or_in_place, uncompiled)
     "import:torch.nn.Module._compiled_call_impl",  # set by Module.compile() (compiled_wrapper_or_in_place)
     "import:torch.Tensor._base",  # the tensor a view looks into (tensor_base)
@@ -389,6 +394,13 @@ def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
     """The ``ord``-norm of each tensor, in one kernel per device and dtype (what ``clip_grad_norm_`` uses)."""
     return list(torch._foreach_norm(tensors, ord))
+
+
+def sdpa_ops() -> tuple[list[Any], list[Any]]:
+    """The fused SDPA operators as ``FlopCounterMode`` sees them: forward ones missing from its table
+    (torch's CPU flash kernel), and the backward ones of every kernel."""
+    ops = [getattr(torch.ops.aten, f"_scaled_dot_product_{name}") for name in _SDPA_OPS]
+    return ops[:1], ops[1:]
 
 
 def reparametrize_module(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:

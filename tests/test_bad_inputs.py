@@ -83,6 +83,20 @@ class _NoBatchSizeModule(GPTModule):
         return torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=4)
 
 
+class _StreamOfBatchesModule(_NoBatchSizeModule):
+    """Has a `batch_size`, but its IterableDataset yields whole batches (DataLoader(batch_size=None))."""
+
+    batch_size = 4
+
+    def train_dataloader(self):
+        class Batches(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                tokens = torch.zeros(4, 17, dtype=torch.long)
+                return iter([(tokens[:, :-1], tokens[:, 1:])] * 2)
+
+        return torch.utils.data.DataLoader(Batches(), batch_size=None)
+
+
 class _IgnoresBatchSizeModule(_NoBatchSizeModule):
     """Has a `batch_size`, but its loader is hard-coded to 4: the size AutoBatchSize sets is ignored."""
 
@@ -270,7 +284,7 @@ CASES = [
     Case("choose-strategy-no-parameters", lambda c: choose_strategy(_ForeignLM(build=False), devices=2, device_memory=16e9, block_size=32),
          ValueError, r"no parameters yet \(built in configure_model\?\): build them first"),
     Case("choose-strategy-no-activations", lambda c: choose_strategy(_ForeignLM(dict_input=True), devices=2, device_memory=16e9, block_size=32),
-         ValueError, r"could not estimate the activations of _ForeignLM .*pass choose_strategy\(activation_bytes=...\)"),
+         ValueError, r"could not estimate the activations of _ForeignLM .*pass choose_strategy\(batch=\.\.\.\) \(a training batch, measured over training_step\), activation_bytes=\.\.\."),
     Case("fp8-bad-module-filter", lambda c: Float8Precision(module_filter="lm_head"), ValueError, r"a list of layer-name patterns to skip \(e.g. \['lm_head'\]\)"),
     # ---------------------------------------------------------------- callback arguments
     Case("sdpa-unknown-backend", lambda c: CUDASettings(sdpa_backends=["flash", "fast"]), ValueError,
@@ -297,6 +311,9 @@ CASES = [
     Case("auto-batch-loader-ignores-size",
          lambda c: c.fit(_IgnoresBatchSizeModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=2)]),
          ValueError, r"The training DataLoader ignores `batch_size`: build it inside train_dataloader\(\) from self\.batch_size"),
+    Case("auto-batch-dataset-yields-batches",
+         lambda c: c.fit(_StreamOfBatchesModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=2)]),
+         ValueError, r"batch_size=None: its Batches yields whole batches.*DataLoader\(dataset, batch_size=self\.batch_size, collate_fn=\.\.\.\)"),
     Case("yaml-typo-in-key", lambda c: main(["fit", "--config", c.yaml("trainer:\n  max_step: 10\n")]), SystemExit,
          r"does not accept option 'trainer.max_step': did you mean 'trainer.max_steps'"),
     Case("yaml-typo-in-model-key", lambda c: main(["fit", "--config", c.yaml("model:\n  presett: tiny\n")]), SystemExit,

@@ -1,7 +1,9 @@
 """The contract every exported callback and plugin keeps, with modules written the way others write them.
 
 Each piece is run against every module shape of ``tests/_module_shapes.py`` (nanoGPT's forward,
-Hugging Face-style dict batches and outputs, litgpt's, a LightningModule without ``forward``), its
+Hugging Face-style dict batches and outputs, Hugging Face Llama with padded ``attention_mask`` batches and
+a step that reads ``loss.item()``, litgpt's, litgpt's fed by an ``IterableDataset`` with its own
+``collate_fn``, manual optimisation with two optimizers, a LightningModule without ``forward``), its
 data given as the module's own loader or through a datamodule, and checked for: construction with
 defaults, two fits in a row with the same instance, a checkpoint that loads with ``weights_only=True``
 and a ``state_dict`` round trip, and the value the piece claims (FLOPs per token, skipped bad steps,
@@ -22,7 +24,17 @@ from torch import nn
 import lightning_gpuopt.callbacks as callbacks_pkg
 import lightning_gpuopt.checkpoint as checkpoint_pkg
 import lightning_gpuopt.precision as precision_pkg
-from tests._module_shapes import SHAPES, T, LoaderData, NoForwardModule, hand_flops_per_token, shape_loader
+from tests._module_shapes import (
+    MORE_SHAPES,
+    SHAPES,
+    T,
+    LitGPTModule,
+    LoaderData,
+    NoForwardModule,
+    hand_flops_per_token,
+    iterable_loader,
+    shape_loader,
+)
 from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard, SigtermCheckpoint
 from lightning_gpuopt.checkpoint import AtomicCheckpointIO
 from lightning_gpuopt.precision import BF16Precision, Float8Precision
@@ -34,8 +46,20 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:.*is not resumable.*",
 )
 
-SHAPE_CLASSES = {**SHAPES, "noforward": NoForwardModule}
-B, STEPS = 2, 2
+SHAPE_CLASSES = {
+    **SHAPES,
+    "noforward": NoForwardModule,
+    "hf-llama-mask": MORE_SHAPES["hf-llama-mask"],
+    "two-optimizers": MORE_SHAPES["two-optimizers"],
+    "iterable-collate": LitGPTModule,
+}
+B, STEPS = 2, 2  # batches per fit
+
+
+def _loader(shape: str):
+    if shape == "iterable-collate":
+        return iterable_loader(B)
+    return shape_loader({"noforward": "litgpt", "two-optimizers": "litgpt"}.get(shape, shape), B)
 
 
 def _fresh(shape: str) -> pl.LightningModule:
@@ -44,16 +68,14 @@ def _fresh(shape: str) -> pl.LightningModule:
 
 
 class _Poison(pl.Callback):
-    """Makes one gradient NaN in the first optimizer step, the bad step NonFiniteGuard must skip."""
-
-    def __init__(self):
-        self.before = None
+    """Makes every gradient NaN in the first batch: the bad batch NonFiniteGuard must skip, and count once
+    however many optimizers see it."""
 
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_step == 0:
-            p = next(p for p in pl_module.parameters() if p.grad is not None)
-            p.grad.view(-1)[0] = float("nan")
-            self.before = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            for p in pl_module.parameters():
+                if p.grad is not None:
+                    p.grad.view(-1)[0] = float("nan")
 
 
 class _Seen(pl.Callback):
@@ -96,16 +118,15 @@ def test_every_export_is_covered():
 
 def _fit(piece, is_plugin, shape, tmp_path, extra=(), datamodule=False):
     module = _fresh(shape)
+    steps = STEPS * getattr(module, "steps_per_batch", 1)  # two manual optimizers: two global steps a batch
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_progress_bar=False,
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
         callbacks=[*([] if is_plugin else [piece]), *extra], plugins=[piece] if is_plugin else None,
     )
-    data = dict(datamodule=LoaderData(shape if shape != "noforward" else "litgpt", B)) if datamodule else dict(
-        train_dataloaders=shape_loader(shape if shape != "noforward" else "litgpt", B)
-    )
+    data = dict(datamodule=LoaderData("litgpt", B)) if datamodule else dict(train_dataloaders=_loader(shape))
     trainer.fit(module, **data)
-    assert trainer.global_step == STEPS
+    assert trainer.global_step == steps
     return trainer, module
 
 
@@ -141,7 +162,7 @@ def test_contract(name, shape, tmp_path):
     path = tmp_path / "a.ckpt"
     trainer.save_checkpoint(path)
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    assert saved["global_step"] == STEPS
+    assert saved["global_step"] == trainer.global_step
     if name == "AtomicCheckpointIO":
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("a.ckpt")) == ["a.ckpt"]  # no partial file left
     if not is_plugin:

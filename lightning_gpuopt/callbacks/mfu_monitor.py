@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
-from lightning_gpuopt.perf.flops import count_flops_per_token, model_flops_per_token
+from lightning_gpuopt.perf.flops import StepFlopCounter, model_flops_per_token
 from lightning_gpuopt.perf.mfu import MFU_DTYPES, WindowTotals, input_ids_of, mfu_peaks, summarise_windows, window_metrics
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 from lightning_gpuopt.perf import mfu
@@ -38,10 +38,11 @@ class MFUMonitor(Callback):
     Tokens per micro-batch are the element count of the input ids (``batch[0]`` for tuples,
     ``batch["input_ids"]`` for dicts) or ``tokens_fn(batch)``. Training FLOPs per token come from
     ``flops_per_token=``, else the module's ``flops_per_token(seq_len)`` (``GPTModule`` has one), else
-    they are counted once per sequence length on meta tensors over the module's ``training_step`` and
-    its backward (:func:`~lightning_gpuopt.perf.flops.count_flops_per_token`, which falls back to
-    ``forward(input_ids)`` with a warning where the step cannot run on meta tensors); ``flops_source``
-    says which. The peak is the **dense, per-GPU** datasheet number (:mod:`lightning_gpuopt.perf.peaks`).
+    they are counted over the first real training step at each sequence length: its forward, loss,
+    backward(s) and optimizer step(s), whatever the batch holds or the step reads
+    (:class:`~lightning_gpuopt.perf.flops.StepFlopCounter`; attention as the math kernel computes
+    it). That one step runs eagerly and a few times slower; with ``warmup_steps=0`` it is in the first
+    window. ``flops_source`` says which count was used. The peak is the **dense, per-GPU** datasheet number (:mod:`lightning_gpuopt.perf.peaks`).
 
     The first ``warmup_steps`` optimizer steps (compilation, cuDNN autotuning, allocator growth) are
     left out; after that, one value per window of ``log_every_n_steps`` optimizer steps is logged.
@@ -143,6 +144,9 @@ class MFUMonitor(Callback):
         self._dtype: Optional[str] = None
         self._peak, self._peak_fp8, self._measured_peak = None, None, None  # FLOP/s: bf16, fp8, timed
         self._flops_cache: dict[Optional[int], Optional[float]] = {}
+        if getattr(self, "_counter", None) is not None:
+            self._abandon_count()
+        self._counter, self._counting = StepFlopCounter(), None  # the step being counted, by sequence length
         self._last_global_step: Optional[int] = None
         self._steps = 0  # optimizer steps seen in this fit
         self._window_start: Optional[float] = None
@@ -202,18 +206,44 @@ class MFUMonitor(Callback):
             return self.flops_per_token
         input_ids = input_ids_of(batch)
         seq_len = int(input_ids.shape[-1]) if input_ids is not None and input_ids.dim() > 0 else None
+        if self._counter.running:  # this step was counted (started at on_train_batch_start)
+            self._flops_cache[self._counting] = self._counted(pl_module, self._counter.stop(), tokens)
         if seq_len not in self._flops_cache:
-            flops = model_flops_per_token(pl_module, seq_len)
-            self.flops_source = f"{type(pl_module).__name__}.flops_per_token"
-            if flops is None:
-                count = count_flops_per_token(pl_module, batch, batch_idx, tokens, input_ids)
-                if count.warning:
-                    rank_zero_warn(f"MFUMonitor: {count.warning}")
-                if count.info:
-                    rank_zero_info(f"MFUMonitor: {count.info}")
-                self.flops_source, flops = count.source, count.per_token
-            self._flops_cache[seq_len] = flops
+            self._flops_cache[seq_len] = model_flops_per_token(pl_module, seq_len)
+            if self._flops_cache[seq_len] is not None:
+                self.flops_source = f"{type(pl_module).__name__}.flops_per_token"
         return self._flops_cache[seq_len]
+
+    def _counted(self, pl_module: pl.LightningModule, flops: int, tokens: int) -> Optional[float]:
+        """FLOPs per token from the counted step, or ``None`` with the warning naming the fix."""
+        name = type(pl_module).__name__
+        fix = f"define `flops_per_token(seq_len)` on {name} or pass MFUMonitor(flops_per_token=...)."
+        if tokens <= 0:
+            rank_zero_warn(
+                f"MFUMonitor found no tokens in the batch of {name}, so TFLOP/s and MFU are not logged: pass "
+                "MFUMonitor(tokens_fn=...) or give the batch an input-ids tensor (batch[0] or batch['input_ids'])."
+            )
+            return None
+        if flops <= 0:
+            rank_zero_warn(f"MFUMonitor counted no matmul FLOPs in a training step of {name}, so TFLOP/s and MFU are not logged: {fix}")
+            return None
+        self.flops_source = f"{name}.training_step, counted over a real step"
+        rank_zero_info(f"MFUMonitor: {flops / tokens / 1e6:.4g} MFLOPs per token, counted over a real training step of {name}.")
+        return flops / tokens
+
+    def _start_count(self, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Count the FLOPs of this step when this sequence length has no count yet and nothing else gives one."""
+        if self.flops_per_token is not None or self._counter.running or callable(getattr(pl_module, "flops_per_token", None)):
+            return
+        input_ids = input_ids_of(batch)
+        seq_len = int(input_ids.shape[-1]) if input_ids is not None and input_ids.dim() > 0 else None
+        if seq_len not in self._flops_cache:
+            self._counting = seq_len
+            self._counter.start()
+
+    def _abandon_count(self) -> None:
+        if self._counter.running:
+            self._counter.stop()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -222,6 +252,7 @@ class MFUMonitor(Callback):
         if self._last_batch_end is not None:
             self._wait += max(now - self._last_batch_end - self._gap_paused, 0.0)
         self._gap_paused = 0.0
+        self._start_count(pl_module, batch)
 
     def _start_pause(self, trainer: pl.Trainer) -> None:
         """Validation or a checkpoint save begins between two training batches: its time is not the window's."""
@@ -338,6 +369,14 @@ class MFUMonitor(Callback):
         if "perf/mfu" in metrics:
             shown["mfu"] = round(metrics["perf/mfu"], 4)
         show_in_progress_bar(trainer, shown)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._abandon_count()  # a step that raised mid-count: the counting mode must not outlive it
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._abandon_count()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

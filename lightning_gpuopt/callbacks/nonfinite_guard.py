@@ -57,6 +57,9 @@ class NonFiniteGuard(Callback):
       stops with :class:`NonFiniteError`.
     - ``policy="stop"``: the step is skipped and the run stops at once with :class:`NonFiniteError`.
 
+    Bad steps are counted per batch: under manual optimisation with several optimizers, each bad
+    optimizer step is skipped, and the batch counts once (towards ``max_consecutive_skips`` too).
+
     Stopping raises inside the step, so no checkpoint is written after the bad step: the last
     ``ModelCheckpoint`` file stays the last good state.
 
@@ -89,9 +92,10 @@ class NonFiniteGuard(Callback):
             scaler) or ``"auto"``.
 
     Attributes:
-        skipped_steps: Bad steps skipped by this callback so far.
+        skipped_steps: Bad batches whose optimizer steps this callback skipped so far (a batch whose two manual
+            optimizers both see NaN counts once).
         scaler_skips: Steps the fp16 ``GradScaler`` skipped itself (overflowing gradients, finite loss).
-        consecutive_skips: Bad steps in a row right now.
+        consecutive_skips: Bad batches in a row right now.
         last_report: The message of the last bad or scaler-skipped step.
         active_mode: ``"step"`` or ``"deferred"``: what ``mode`` resolved to at the first step of the last fit.
 
@@ -126,7 +130,13 @@ class NonFiniteGuard(Callback):
         self._deferred: Optional[bool] = None  # decided at the first optimizer step
         self._pending: Optional[Tensor] = None  # deferred: [bad steps, consecutive, worst consecutive, first bad step]
         self._last_step = -1
+        # This batch: an optimizer stepped, a bad step was counted, deferred mode's flag over its optimizers.
+        self._stepped, self._batch_bad, self._batch_flag = False, False, None
         self.active_mode: Optional[str] = None  # "step" or "deferred", once the first step decided it
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        self._stepped, self._batch_bad = False, False
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
@@ -170,9 +180,9 @@ class NonFiniteGuard(Callback):
         if trainer.world_size > 1:
             status = trainer.strategy.reduce(status, reduce_op="sum")
         n_loss_bad, n_grads_bad = status.tolist()  # the one host sync per optimizer step
+        self._stepped = True
         if not n_loss_bad and not n_grads_bad:
-            self.consecutive_skips = 0
-            return
+            return  # the batch's count of bad steps in a row is settled at its end (another optimizer may follow)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         where = describe_bad_step(trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad), self.check_gradients)
         if scaler is not None and not n_loss_bad:
@@ -182,6 +192,9 @@ class NonFiniteGuard(Callback):
             rank_zero_warn(f"NonFiniteGuard: {self.last_report}")
             return
         skip_step(optimizer, scaler)
+        if self._batch_bad:
+            return  # another optimizer of a batch already counted (manual optimisation): one bad batch, one count
+        self._batch_bad = True
         self.skipped_steps += 1
         self.consecutive_skips += 1
         self.last_report = where
@@ -213,10 +226,21 @@ class NonFiniteGuard(Callback):
             # The collective itself (Lightning's strategy.reduce adds a barrier, which waits for the GPU).
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         optimizer.found_inf = bad  # the fused kernel skips the whole update when it is 1
-        self._pending = count_on_device(self._pending, bad, trainer.global_step, self.consecutive_skips)
+        if self._batch_flag is None:
+            self._batch_flag = (bad, trainer.global_step)
+        else:  # another optimizer of the same batch (manual optimisation): the batch is bad if either step is
+            self._batch_flag = (torch.maximum(self._batch_flag[0], bad), self._batch_flag[1])
+
+    def _count_batch(self) -> None:
+        """Deferred mode: add the finished batch's flag (over all its optimizers) to the device counters."""
+        if self._batch_flag is not None:
+            bad, step = self._batch_flag
+            self._batch_flag = None
+            self._pending = count_on_device(self._pending, bad, step, self.consecutive_skips)
 
     def _read_deferred(self, trainer: Optional["pl.Trainer"], when: str) -> None:
         """The host sync of deferred mode: report (or stop on) the bad steps since the last read."""
+        self._count_batch()
         if self._pending is None:
             return
         count, consecutive, worst, first = (int(v) for v in self._pending.tolist())
@@ -240,6 +264,9 @@ class NonFiniteGuard(Callback):
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._stepped and not self._batch_bad:
+            self.consecutive_skips = 0  # a batch whose optimizer steps were all finite
+        self._count_batch()
         step = trainer.global_step
         if self._deferred and step != self._last_step and step % max(1, trainer.log_every_n_steps) == 0:
             self._last_step = step
@@ -258,7 +285,7 @@ class NonFiniteGuard(Callback):
         for optimizer in trainer.optimizers:
             if hasattr(optimizer, "found_inf"):
                 del optimizer.found_inf
-        self._deferred, self._pending, self._loss_bad = None, None, None
+        self._deferred, self._pending, self._loss_bad, self._batch_flag = None, None, None, None
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -19,18 +19,19 @@ loss, and its gradient), the vocabulary read from the last dimension of the outp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
-from lightning_gpuopt.internals import disable_torch_function, tensor_base, uncompiled
+from lightning_gpuopt.internals import disable_torch_function, reparametrize_module, tensor_base, uncompiled
 
-__all__ = ["ActivationBytes", "measure_activation_bytes"]
+__all__ = ["ActivationBytes", "measure_activation_bytes", "measure_step_activation_bytes"]
 
 _LOGIT_BYTES = 10  # 16-bit logits, their float32 copy for the loss, and its gradient
+_LOGIT_GRAD_BYTES = 4  # the float32 gradient of the logits alone (a training step saves the rest itself)
 
 
 class ActivationBytes(NamedTuple):
@@ -68,24 +69,16 @@ class _AsFusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def measure_activation_bytes(model: nn.Module, input_ids: Tensor, precision: str = "bf16-mixed") -> ActivationBytes:
-    """Bytes of the tensors ``model(input_ids)`` saves for its backward, and of its logits, counted on meta tensors.
-
-    Example::
-
-        est = measure_activation_bytes(model, torch.zeros(8, 1024, dtype=torch.long, device="meta"))
-        est.total / 1e9  # GB for one micro-batch of 8 x 1024 tokens
-
-    Args:
-        model: Any ``nn.Module`` whose forward takes a ``(batch, seq_len)`` tensor of token ids.
-        input_ids: The input (real or meta; only its shape and dtype are used).
-        precision: The Trainer's precision string; with ``*-mixed`` float32 activations count 2 bytes.
-    """
-    model = uncompiled(model)
+def _meta_params(model: nn.Module) -> dict[str, Tensor]:
     params: dict[str, Tensor] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
         params[name] = meta.requires_grad_(tensor.requires_grad and tensor.is_floating_point())
+    return params
+
+
+def _saved_bytes(model: nn.Module, params: dict[str, Tensor], run: Callable[[], Any], precision: str) -> tuple[int, Any]:
+    """Bytes of the tensors ``run()`` saves for backward (each storage once, parameters not), and its output."""
     skip = {id(t) for t in params.values()}
     mixed = str(precision).endswith("-mixed")
     seen: dict[int, Tensor] = {}  # id -> tensor, kept alive so ids are not reused
@@ -100,18 +93,114 @@ def measure_activation_bytes(model: nn.Module, input_ids: Tensor, precision: str
     model.train()
     try:
         with torch.compiler.set_stance("force_eager"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _AsFusedAttention():
-            out = functional_call(model, params, (torch.empty_like(input_ids, device="meta"),), tie_weights=True, strict=False)
+            out = run()
     finally:
         model.train(was_training)
-    total = 0
-    for t in seen.values():
-        size = 2 if mixed and t.dtype == torch.float32 else t.element_size()
-        total += t.numel() * size
+    total = sum(t.numel() * (2 if mixed and t.dtype == torch.float32 else t.element_size()) for t in seen.values())
+    return total, out
+
+
+def measure_activation_bytes(model: nn.Module, input_ids: Tensor, precision: str = "bf16-mixed") -> ActivationBytes:
+    """Bytes of the tensors ``model(input_ids)`` saves for its backward, and of its logits, counted on meta tensors.
+
+    Example::
+
+        est = measure_activation_bytes(model, torch.zeros(8, 1024, dtype=torch.long, device="meta"))
+        est.total / 1e9  # GB for one micro-batch of 8 x 1024 tokens
+
+    Args:
+        model: Any ``nn.Module`` whose forward takes a ``(batch, seq_len)`` tensor of token ids.
+        input_ids: The input (real or meta; only its shape and dtype are used).
+        precision: The Trainer's precision string; with ``*-mixed`` float32 activations count 2 bytes.
+    """
+    model = uncompiled(model)
+    params = _meta_params(model)
+    ids = torch.empty_like(input_ids, device="meta")
+    total, out = _saved_bytes(model, params, lambda: functional_call(model, params, (ids,), tie_weights=True, strict=False), precision)
     logits = _logits(out)
     # (B, T, vocab) logits, or nanoGPT's (B, 1, vocab) for the last position: a vocabulary per position
     covers = logits is not None and logits.dim() == input_ids.dim() + 1 and logits.shape[0] == input_ids.shape[0]
     vocab = logits.shape[-1] if covers and logits.shape[1] in (1, input_ids.shape[1]) else 0
     return ActivationBytes(total, input_ids.numel() * vocab * _LOGIT_BYTES)
+
+
+_READS = {torch.Tensor.item: 1, torch.Tensor.__bool__: True, torch.Tensor.__float__: 1.0, torch.Tensor.__int__: 1}
+
+
+class _StandInReads(TorchFunctionMode):
+    """Answers a host read of a meta tensor (``.item()``, ``bool()``, ``float()``, ``int()``) with 1, and counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if func in _READS and args and isinstance(args[0], Tensor) and args[0].is_meta:
+            self.reads += 1
+            value = _READS[func]
+            return bool(value) if args[0].dtype == torch.bool and func is torch.Tensor.item else value
+        return func(*args, **(kwargs or {}))
+
+
+def measure_step_activation_bytes(module: nn.Module, batch: Any, precision: str = "bf16-mixed") -> tuple[ActivationBytes, int]:
+    """Bytes of the tensors ``module.training_step(batch, 0)`` saves for its backward, on meta tensors; and
+    how many host reads (``loss.item()``, a mask check) were answered with 1 to let it run.
+
+    The step is the one training runs, so any batch (a dict with ``attention_mask`` and ``labels``) and
+    a LightningModule without ``forward`` are measured, the logits and the loss's copies of them among
+    the saved tensors; ``logits`` is their float32 gradient, allocated in the backward (4 bytes per
+    token of the first integer tensor and entry of the vocabulary, the largest ``nn.Embedding``).
+    ``self.log`` does nothing during the call. A read answered with 1 takes the branch a real value of 1 would (Hugging Face's "no
+    padding" mask check: no mask); the result is an estimate for a strategy choice, not a count.
+
+    Example::
+
+        est, reads = measure_step_activation_bytes(lightning_module, next(iter(loader)))
+        est.total / 1e9  # GB for one micro-batch of that loader's size
+
+    Args:
+        module: A LightningModule (or any module with ``training_step``) using automatic optimisation.
+        batch: A training batch as the loader yields it (real or meta tensors; shapes and dtypes are used).
+        precision: The Trainer's precision string; with ``*-mixed`` float32 activations count 2 bytes.
+    """
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ValueError("the module optimises manually (automatic_optimization=False): its step needs a Trainer")
+    module = uncompiled(module)
+    params = _meta_params(module)
+    meta_batch = _to_meta(batch)
+    reads = _StandInReads()
+    shadowed = [name for name in ("log", "log_dict") if hasattr(module, name) and name not in module.__dict__]
+    for name in shadowed:
+        setattr(module, name, lambda *args, **kwargs: None)
+    # The vocabulary: the largest embedding table. The logits and the loss's copies are saved tensors; their
+    # float32 gradient, allocated in the backward, is not, and is added apart.
+    vocab = max((m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)), default=0)
+    try:
+        with reparametrize_module(module, params), reads:
+            total, _ = _saved_bytes(module, params, lambda: module.training_step(meta_batch, 0), precision)
+    finally:
+        for name in shadowed:
+            delattr(module, name)
+    ids = next((t for t in _tensors(batch) if not t.is_floating_point() and t.dim() >= 2), None)
+    tokens = ids.numel() if ids is not None else 0
+    return ActivationBytes(total, tokens * vocab * _LOGIT_GRAD_BYTES), reads.reads
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else []
+    return [t for item in items for t in _tensors(item)]
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, Mapping):
+        return {k: _to_meta(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
 
 
 def _logits(out: Any) -> Any:

@@ -1,35 +1,37 @@
-"""Training FLOPs per token of any model, counted without allocating its memory.
+"""Training FLOPs per token of any model: counted over one real training step, or on meta tensors.
 
-Design note: the FLOPs MFU needs are those of what training runs, the loss included: the
-module's ``training_step`` and the backward of its loss. :func:`training_step_flops` counts
-exactly that, on meta tensors. ``model(input_ids)`` is a weaker stand-in: a forward without
-targets may compute the head for the last position only (karpathy/nanoGPT does), which counts
-12-22% too few FLOPs; :func:`forward_positions` tells how many positions such an output covers,
-so the caller can say so instead of reporting a low MFU in silence.
+Design note: the FLOPs MFU needs are those of what training runs, the loss included: the module's
+``training_step`` and the backward of its loss, whatever its batch holds (masks, labels), whatever it
+reads on the host (``loss.item()``, Hugging Face's SDPA mask check) and however many optimizers it
+steps. :class:`StepFlopCounter` counts exactly that, over one real step of the run (the first at each
+sequence length), under ``torch.utils.flop_counter.FlopCounterMode``: no replay, no extra memory.
+Attention is counted as the math kernel computes it, whatever kernel runs: ``Q K^T`` and ``P V``
+forward, four matmuls backward, the full ``T x T`` (PaLM's 12·L·d·T); the fused kernels'
+recomputation of the scores in their backward is not model FLOPs, and torch's CPU flash kernel,
+which ``FlopCounterMode`` does not know, is counted the same way. The counted step runs eagerly (a
+compiled module is run uncompiled for that step) and a few times slower than usual, the dispatch
+mode looking at every operator: its cost is that one step.
+
+:func:`measure_training_flops` counts a forward and backward of ``model(*args)`` on meta tensors,
+without allocating anything: exact for a model whose forward reads no values, for the plans made
+before a run (``choose_strategy``-style estimates, tests of a plain ``nn.Module``).
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from lightning_gpuopt.internals import reparametrize_module, uncompiled
+from lightning_gpuopt.internals import reparametrize_module, sdpa_ops, uncompiled
 
-__all__ = [
-    "FlopsCount",
-    "count_flops_per_token",
-    "forward_positions",
-    "measure_training_flops",
-    "model_flops_per_token",
-    "training_step_flops",
-]
+__all__ = ["StepFlopCounter", "count_step_flops", "measure_training_flops", "model_flops_per_token"]
 
 
 def _first_tensor(output: Any) -> Tensor:
@@ -112,95 +114,10 @@ def measure_training_flops(model: nn.Module, *args: Any, forward: Optional[Calla
     Note:
         Sharded (FSDP2 ``DTensor``) parameters are counted at their global shape, so the result is
         the FLOPs of the whole model, as MFU needs. A forward without targets may not compute every
-        position (see :func:`forward_positions`); :func:`training_step_flops` counts what training runs.
+        position (nanoGPT's computes the head for the last one only), and a forward that reads a value
+        (``.item()``) cannot run on meta tensors: :class:`StepFlopCounter` counts what training runs.
     """
     return _count(model, args, forward)[0]
-
-
-def forward_positions(model: nn.Module, input_ids: Tensor) -> tuple[int, Optional[int]]:
-    """FLOPs of a forward and backward of ``model(input_ids)``, and how many positions its output covers.
-
-    The second value is the size of the output's sequence dimension (dim 1) when the output has one
-    and it differs from the input's: nanoGPT's ``forward(idx)`` without targets returns logits of
-    shape ``(B, 1, vocab)``, so the count misses the head (and loss) for all but one position.
-    ``None`` means the output covers every position (or has no sequence dimension to compare).
-
-    Example::
-
-        flops, covered = forward_positions(model, torch.zeros(2, 64, dtype=torch.long))
-        if covered is not None:
-            print(f"forward covers {covered} of 64 positions: the count is low")
-
-    Args:
-        model: Any ``nn.Module`` taking token ids.
-        input_ids: A ``(batch, seq_len)`` tensor (real or meta).
-    """
-    flops, out = _count(model, (input_ids,), None)
-    if input_ids.dim() == 2 and out.dim() >= 2 and out.shape[0] == input_ids.shape[0]:
-        if out.shape[1] != input_ids.shape[1]:
-            return flops, int(out.shape[1])
-    return flops, None
-
-
-class _NoSideEffects:
-    """Runs ``training_step`` of a LightningModule without ``self.log`` and without keeping attribute changes.
-
-    ``log``/``log_dict`` are shadowed on the instance (they would record meta values); every
-    submodule's attributes are put back afterwards (a step counter, a cached value), lists and dicts
-    as shallow copies. Parameters and buffers are already swapped for meta tensors by the caller.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __enter__(self) -> None:
-        self.saved = []
-        for m in self.module.modules():
-            attrs = {k: v for k, v in m.__dict__.items() if k not in _MODULE_STATE}
-            contents = {k: copy.copy(v) for k, v in attrs.items() if type(v) in (list, dict, set)}
-            self.saved.append((m, attrs, contents))
-        for name in ("log", "log_dict"):
-            if hasattr(self.module, name):
-                setattr(self.module, name, lambda *args, **kwargs: None)
-
-    def __exit__(self, *exc: Any) -> None:
-        for m, attrs, contents in self.saved:
-            for k in [k for k in m.__dict__ if k not in attrs and k not in _MODULE_STATE]:
-                del m.__dict__[k]
-            m.__dict__.update(attrs)
-            for k, copied in contents.items():  # the same list/dict/set object, its old contents
-                attrs[k].clear()
-                attrs[k].update(copied) if not isinstance(copied, list) else attrs[k].extend(copied)
-
-
-_MODULE_STATE = ("_parameters", "_buffers", "_modules")
-
-
-def training_step_flops(module: nn.Module, batch: Any, batch_idx: int = 0) -> int:
-    """FLOPs of ``module.training_step(batch, batch_idx)`` and the backward of its loss, on meta tensors.
-
-    This is what a training step computes, whatever the module's ``forward`` does without targets:
-    the forward, the loss (a dict's ``"loss"`` entry when the step returns a dict) and its backward.
-    Parameters, buffers and the batch are meta tensors for the call, ``self.log`` does nothing and
-    attribute changes are undone, so the module is left as it was. A step that reads a value
-    (``loss.item()``), steps an optimizer itself (manual optimisation) or indexes by data raises:
-    count ``forward`` instead, or give the module ``flops_per_token(seq_len)``.
-
-    Example::
-
-        flops = training_step_flops(lightning_module, (input_ids, targets))
-        flops_per_token = flops / input_ids.numel()
-
-    Args:
-        module: A LightningModule (or any module with ``training_step``).
-        batch: A training batch as the loader yields it (real or meta tensors).
-        batch_idx: Passed on to ``training_step``.
-    """
-    if getattr(module, "automatic_optimization", True) is False:
-        raise ValueError("the module optimises manually (automatic_optimization=False), so its step cannot be replayed")
-    module = uncompiled(module)
-    with _NoSideEffects(module):
-        return _count(module, (batch, batch_idx), lambda m, b, i: m.training_step(b, i))[0]
 
 
 def model_flops_per_token(module: nn.Module, seq_len: int) -> Optional[float]:
@@ -220,67 +137,88 @@ def model_flops_per_token(module: nn.Module, seq_len: int) -> Optional[float]:
     return float(fn(seq_len) if takes_arg else fn())
 
 
-class FlopsCount(NamedTuple):
-    """Training FLOPs per token (``None`` if they could not be counted), how, and what to tell the user."""
-
-    per_token: Optional[float]
-    source: Optional[str]
-    warning: Optional[str] = None
-    info: Optional[str] = None
+def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(query, key, value)  # Q K^T and P V over the full T x T, causal or not
 
 
-def count_flops_per_token(
-    module: nn.Module, batch: Any, batch_idx: int, tokens: int, input_ids: Optional[Tensor]
-) -> FlopsCount:
-    """Training FLOPs per token of a module without ``flops_per_token``: its training step, else its forward.
+def _sdpa_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return 2 * sdpa_flop_count(query, key, value)  # the math kernel's four matmuls; no recomputed scores
 
-    :func:`training_step_flops` first; where the step cannot run on meta tensors, a forward and
-    backward of ``module(input_ids)`` (:func:`forward_positions`), with a warning when its output
-    does not cover every position (the count is then low). Never raises: a module that cannot be
-    counted gets ``per_token=None`` and a warning naming the fix.
+
+def _attention_as_math() -> dict[Any, Callable[..., int]]:
+    """``FlopCounterMode(custom_mapping=...)``: every SDPA kernel counted as the math kernel computes it."""
+    forward, backward = sdpa_ops()  # torch's CPU flash kernel is not in FlopCounterMode's table: 0 there
+    return {**{op: _sdpa_forward for op in forward}, **{op: _sdpa_backward for op in backward}}
+
+
+class StepFlopCounter:
+    """Counts the FLOPs of everything that runs between :meth:`start` and :meth:`stop`: one real training step.
+
+    Matmuls, convolutions and attention are counted (element-wise operations are not, as in MFU);
+    attention as the math kernel computes it whatever kernel runs (see the module's design note).
+    Between ``start`` and ``stop`` ``torch.compile`` is set to run eagerly (``set_stance("force_eager")``),
+    so a compiled module's operators are seen; it compiles at the next step.
 
     Example::
 
-        count = count_flops_per_token(lightning_module, batch, 0, tokens=batch[0].numel(), input_ids=batch[0])
-        count.per_token, count.source
+        counter = StepFlopCounter()
+        counter.start()            # e.g. in on_train_batch_start
+        ...                        # the training step: forward, loss, backward(s), optimizer step(s)
+        flops = counter.stop()     # e.g. in on_train_batch_end
+
+    Note:
+        Activation checkpointing recomputes the forward in the backward: that recomputation is
+        counted too (the count is then the hardware's FLOPs, not the model's). Under FSDP2 the
+        parameters are gathered whole before each matmul, so the count is that of the whole model
+        on this rank's batch.
+    """
+
+    def __init__(self) -> None:
+        self._stack: Optional[contextlib.ExitStack] = None
+        self._counter: Optional[FlopCounterMode] = None
+
+    @property
+    def running(self) -> bool:
+        return self._stack is not None
+
+    def start(self) -> None:
+        if self._stack is not None:
+            raise RuntimeError("StepFlopCounter.start() called twice without stop()")
+        self._counter = FlopCounterMode(display=False, custom_mapping=_attention_as_math())
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        stack.enter_context(self._counter)
+        self._stack = stack
+
+    def stop(self) -> int:
+        """End the count; the FLOPs counted since :meth:`start`."""
+        if self._stack is None or self._counter is None:
+            raise RuntimeError("StepFlopCounter.stop() called before start()")
+        stack, self._stack = self._stack, None
+        stack.close()
+        return int(self._counter.get_total_flops())
+
+
+def count_step_flops(step: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``step()`` once on real tensors and count its FLOPs: ``(its result, FLOPs)``.
+
+    Example::
+
+        def step():
+            loss = module.training_step(batch, 0)
+            loss.backward()
+            return loss
+
+        loss, flops = count_step_flops(step)
+        flops / batch[0].numel()   # training FLOPs per token
 
     Args:
-        module: A LightningModule.
-        batch: A training batch.
-        batch_idx: Its index, passed on to ``training_step``.
-        tokens: Tokens in the batch (FLOPs are divided by it).
-        input_ids: The batch's token-id tensor, for the forward fallback (``None`` if there is none).
+        step: Any callable: a training step with its backward, a forward, a whole loop iteration.
     """
-    name = type(module).__name__
-    fix = "Define `flops_per_token(seq_len)` on the module or pass MFUMonitor(flops_per_token=...)."
-    if tokens <= 0:
-        return FlopsCount(None, None, warning=(
-            f"found no tokens in the batch of {name}, so TFLOP/s and MFU are not logged: pass "
-            "MFUMonitor(tokens_fn=...) or give the batch an input-ids tensor (batch[0] or batch['input_ids'])."
-        ))
+    counter = StepFlopCounter()
+    counter.start()
     try:
-        per_token = training_step_flops(module, batch, batch_idx) / tokens
-        source = f"{name}.training_step on meta tensors"
-        return FlopsCount(per_token, source, info=f"{per_token / 1e6:.4g} MFLOPs per token, counted over {source}.")
-    except Exception as err:
-        step_error = err
-    try:
-        if input_ids is None:
-            raise ValueError("no input-ids tensor in the batch")
-        flops, covered = forward_positions(module, input_ids)
-    except Exception as err:  # any model: no FLOPs rather than a stopped run
-        return FlopsCount(None, None, warning=(
-            f"could not count the FLOPs of {name} (training_step: {step_error}; forward: {err}); TFLOP/s and MFU "
-            f"are not logged. {fix}"
-        ))
-    per_token, source, seq_len = flops / tokens, f"{name}.forward(input_ids) on meta tensors", int(input_ids.shape[-1])
-    if covered is not None:
-        return FlopsCount(per_token, source, warning=(
-            f"FLOPs counted through {name}.forward(input_ids) (its training_step could not run on meta tensors: "
-            f"{step_error}), and that forward's output covers {covered} of {seq_len} positions, so TFLOP/s and MFU "
-            f"are low. {fix[:-1]}, or let training_step run without reading values (no .item())."
-        ))
-    return FlopsCount(per_token, source, info=(
-        f"{per_token / 1e6:.4g} MFLOPs per token, counted over {source} (training_step could not run on meta "
-        f"tensors: {step_error}); the loss is not counted."
-    ))
+        result = step()
+    finally:
+        flops = counter.stop()
+    return result, flops

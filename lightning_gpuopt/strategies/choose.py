@@ -18,10 +18,13 @@ Design note, the memory estimate (bytes on one device; stated so it can be check
   at their own dtype (or the ``*-true`` precision's), ``4 x itemsize`` bytes each when trainable
   (weights, gradients, two AdamW moments in the parameter dtype: 16 for float32), ``itemsize`` when
   frozen. Activations: ``activation_bytes=``, else the module's own
-  ``activation_bytes(micro_batch, block_size, precision)``, else measured by
-  :func:`lightning_gpuopt.perf.activations.measure_activation_bytes` (the tensors ``forward(input_ids)``
-  saves for backward, on meta tensors, attention as the fused kernels save it), plus the logits by
-  the rule above with the vocabulary read from the output.
+  ``activation_bytes(micro_batch, block_size, precision)``, else measured on meta tensors, attention
+  as the fused kernels save it: given a training ``batch``, over the step training runs
+  (:func:`lightning_gpuopt.perf.activations.measure_step_activation_bytes`: the tensors
+  ``training_step(batch)`` saves for backward, scaled from the batch's samples to ``micro_batch``; any
+  batch shape, host reads answered with 1), else over
+  ``forward(input_ids)`` (:func:`~lightning_gpuopt.perf.activations.measure_activation_bytes`) plus the
+  logits by the rule above with the vocabulary read from the output.
 * **Headroom**: the sum must fit in ``headroom`` (default 85%) of the device's memory; the rest is
   the CUDA context, the allocator's fragmentation and communication buffers.
 """
@@ -36,7 +39,7 @@ from torch import nn
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
-from lightning_gpuopt.perf.activations import measure_activation_bytes
+from lightning_gpuopt.perf.activations import measure_activation_bytes, measure_step_activation_bytes
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.model_parallel import AtomicModelParallelStrategy
@@ -109,6 +112,7 @@ def estimate_module_memory(
     block_size: int,
     precision: str = "bf16-mixed",
     activation_bytes: Optional[float] = None,
+    batch: Any = None,
 ) -> MemoryEstimate:
     """Training memory of any module on one device without sharding (see the module's design note).
 
@@ -124,6 +128,8 @@ def estimate_module_memory(
         precision: The Trainer's precision string.
         activation_bytes: Activation bytes of one micro-batch on one device, if known; else the module's
             ``activation_bytes(micro_batch, block_size, precision)``, else measured.
+        batch: A training batch as the loader yields it (real or meta tensors): activations are measured
+            over ``training_step(batch)``, scaled to ``micro_batch`` samples; ``None`` measures ``forward(input_ids)``.
     """
     name = type(module).__name__
     unique = {id(p): p for p in module.parameters()}.values()
@@ -148,6 +154,22 @@ def estimate_module_memory(
     elif callable(own):
         activations, logits = float(own(micro_batch, block_size, precision)), 0.0
         figures += f", activations from {name}.activation_bytes()"
+    elif batch is not None:
+        samples = _batch_shape(batch)[0]
+        try:
+            measured, reads = measure_step_activation_bytes(module, batch, precision)
+        except Exception as err:
+            raise ValueError(
+                f"choose_strategy could not estimate the activations of {name} (training_step(batch) on meta tensors "
+                f"failed: {err}): pass choose_strategy(activation_bytes=...) (bytes of one micro-batch on one device) "
+                "or give the module an `activation_bytes(micro_batch, block_size, precision)` method."
+            ) from err
+        activations, logits = (float(v) * micro_batch / samples for v in (measured.saved, measured.logits))
+        answered = f"; {reads} host read(s) answered with 1" if reads else ""
+        figures += (
+            f", activations measured (tensors training_step(batch) saves for backward, on meta tensors, "
+            f"{samples} sample(s) scaled to {micro_batch}{answered})"
+        )
     else:
         ids = torch.zeros(micro_batch, block_size, dtype=torch.long, device="meta")
         try:
@@ -155,7 +177,8 @@ def estimate_module_memory(
         except Exception as err:
             raise ValueError(
                 f"choose_strategy could not estimate the activations of {name} (forward(input_ids) on meta tensors "
-                f"failed: {err}): pass choose_strategy(activation_bytes=...) (bytes of one micro-batch on one device) "
+                f"failed: {err}): pass choose_strategy(batch=...) (a training batch, measured over training_step), "
+                "activation_bytes=... (bytes of one micro-batch on one device) "
                 "or give the module an `activation_bytes(micro_batch, block_size, precision)` method."
             ) from err
         activations, logits = float(measured.saved), float(measured.logits)
@@ -163,6 +186,15 @@ def estimate_module_memory(
     est = MemoryEstimate(params=params, model_state=state, activations=activations, logits=logits)
     est.figures = figures
     return est
+
+
+def _batch_shape(batch: Any) -> tuple[int, int]:
+    """Samples and tokens per sample of a batch: the first and last dimensions of its first tensor."""
+    values = [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if isinstance(batch, dict) else list(batch)
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0]), int(value.shape[-1])
+    raise ValueError("choose_strategy(batch=...) holds no tensor with a batch dimension: give a batch as the loader yields it.")
 
 
 def _block_size_of(model: Any) -> Optional[int]:
@@ -186,6 +218,7 @@ def choose_strategy(
     headroom: float = 0.85,
     activation_bytes: Optional[float] = None,
     device: Optional[DeviceFacts] = None,
+    batch: Any = None,
 ) -> tuple[Union[Strategy, str], str]:
     """Pick DDP when the whole training state plus activations fits on one device, FSDP2 otherwise.
 
@@ -209,6 +242,8 @@ def choose_strategy(
             the estimate (replaces activations and logits).
         device: The GPU to plan for (``REFERENCE_DEVICES["V100"]``, ...), for its memory; ``None`` reads
             this machine's current CUDA device (:func:`~lightning_gpuopt.perf.device.read_device`).
+        batch: A training batch of any module but ours (a Hugging Face dict with ``attention_mask``, ...):
+            its activations are measured over ``training_step(batch)`` instead of ``forward(input_ids)``.
 
     Returns:
         ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or an
@@ -240,13 +275,13 @@ def choose_strategy(
             est["activations"], est["logits"] = float(activation_bytes), 0.0
             est.figures += "; activation_bytes= as given"
     else:
-        block_size = block_size or _block_size_of(model)
+        block_size = block_size or _block_size_of(model) or (_batch_shape(batch)[1] if batch is not None else None)
         if block_size is None:
             raise ValueError(
                 f"choose_strategy cannot tell the sequence length of {type(model).__name__}: pass block_size= "
                 "(tokens per sequence)."
             )
-        est = estimate_module_memory(model, micro_batch, block_size, precision, activation_bytes)
+        est = estimate_module_memory(model, micro_batch, block_size, precision, activation_bytes, batch)
     budget = headroom * device_memory
     numbers = (
         f"{est['params'] / 1e6:,.0f}M params -> {est['model_state'] / GB:.1f} GB weights+grads+AdamW, "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -237,33 +239,44 @@ def test_on_gpu_bf16_mfu_is_plausible_and_memory_is_reported(tmp_path):
         assert 0 < m["mem/peak_gb"] and 0 < m["mem/peak_pct"] < 100
 
 
-@pytest.mark.parametrize("shape", ["nanogpt", "llama", "litgpt"])
+@pytest.mark.parametrize("shape", ["nanogpt", "llama", "litgpt", "hf-llama-mask", "hf-gpt2-mask", "two-optimizers"])
 def test_monitor_counts_what_the_training_step_runs(tmp_path, shape):
-    from tests._module_shapes import SHAPES, hand_flops_per_token, shape_loader
+    from tests._module_shapes import MORE_SHAPES, SHAPES, hand_flops_per_token, shape_loader
 
-    module = SHAPES[shape]()
+    module = {**SHAPES, **MORE_SHAPES}[shape]()
+    steps = getattr(module, "steps_per_batch", 1)  # two manual optimizers: two global steps per batch
     monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
-    _trainer(tmp_path, [monitor], max_steps=3).fit(module, shape_loader(shape, batch_size=2))
-    assert monitor.flops_source == f"{type(module).__name__}.training_step on meta tensors"
-    (metrics,) = monitor.history
-    per_token = metrics["perf/tflops_per_device"] * 1e12 / metrics["perf/tokens_per_sec_per_device"]
+    _trainer(tmp_path, [monitor], max_steps=3 * steps).fit(module, shape_loader(shape.replace("two-optimizers", "litgpt"), batch_size=2))
+    assert monitor.flops_source == f"{type(module).__name__}.training_step, counted over a real step"
+    per_token = monitor.history[-1]["perf/tflops_per_device"] * 1e12 / monitor.history[-1]["perf/tokens_per_sec_per_device"]
     assert per_token == pytest.approx(hand_flops_per_token(module), rel=0.03)
 
 
-def test_monitor_warns_when_it_must_count_a_forward_that_skips_positions(tmp_path):
+def test_monitor_counts_a_step_that_reads_a_value_whole_and_once(tmp_path):
     from tests._module_shapes import NanoGPTModule, hand_flops_per_token, shape_loader
 
-    class Reads(NanoGPTModule):  # the step reads the loss, so it cannot run on meta tensors
+    class Reads(NanoGPTModule):  # nanoGPT's forward without targets covers one position; the step reads the loss
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             self.last_loss = float(loss.detach())
             return loss
 
+    counted = []
+
+    class Counts(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            counted.append(monitor._counter.running)
+
     monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
-    with pytest.warns(UserWarning, match=r"covers 1 of 32 positions.*flops_per_token\(seq_len\)") as record:
-        _trainer(tmp_path, [monitor], max_steps=3).fit(Reads(), shape_loader("nanogpt", batch_size=2))
-    assert sum("covers 1 of 32" in str(w.message) for w in record) == 1
-    assert monitor.flops_source == "Reads.forward(input_ids) on meta tensors"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "counts low" warning
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|has no bf16 peak|self.log|logging interval).*")
+        _trainer(tmp_path, [Counts(), monitor], max_steps=3).fit(Reads(), shape_loader("nanogpt", batch_size=2))
+    assert monitor.flops_source == "Reads.training_step, counted over a real step"
+    per_token = monitor.history[-1]["perf/tflops_per_device"] * 1e12 / monitor.history[-1]["perf/tokens_per_sec_per_device"]
+    assert per_token == pytest.approx(hand_flops_per_token(Reads()), rel=1e-6)
+    assert counted == [True, False, False]  # one counted step: the first; nothing left counting after fit
+    assert not monitor._counter.running
     # and the module's own count is the first choice
     class Counted(Reads):
         def flops_per_token(self, seq_len):
@@ -332,3 +345,30 @@ def test_a_resumed_report_gives_this_fits_figures_and_the_runs_totals(tmp_path):
     assert _report_figures(text) == (pytest.approx(B * T / 3.0, abs=0.5), pytest.approx(3000.0))
     assert f"{2 * B * T:,} tokens per device in this fit" in text
     assert f"the run so far, resumed: {6 * B * T:,} tokens per device" in text
+
+
+def test_monitor_counts_a_hugging_face_llama_with_attention_masks(tmp_path):
+    """transformers' own LlamaForCausalLM in a LightningModule whose step logs loss.item(), on padded batches."""
+    from tests.perf.test_flops import _hf_models, hf_batch
+
+    class HFLlama(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _hf_models()["llama"]
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            self.log("train_loss", loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    module = HFLlama()
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    _trainer(tmp_path, [monitor], max_steps=3).fit(module, torch.utils.data.DataLoader([hf_batch(2)] * 3, batch_size=None))
+    weights = {id(m.weight): m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear)}
+    per_token = monitor.history[-1]["perf/tflops_per_device"] * 1e12 / monitor.history[-1]["perf/tokens_per_sec_per_device"]
+    assert per_token == pytest.approx(6 * sum(weights.values()) + 12 * 2 * 64 * 32, rel=0.03)
+    assert monitor.flops_source == "HFLlama.training_step, counted over a real step"

@@ -190,3 +190,54 @@ def test_state_dict_round_trip_is_weights_only_safe(tmp_path):
     other = NonFiniteGuard()
     other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
     assert (other.skipped_steps, other.scaler_skips, other.consecutive_skips) == (3, 2, 1)
+
+
+def _two_optimizer_run(guard, bad_batches, fused=False, **kw):
+    """TwoOptimizerModule (manual optimisation, two optimizers) whose loss is NaN on the given batches."""
+    from tests._module_shapes import TwoOptimizerModule, shape_loader
+
+    class Poisoned(TwoOptimizerModule):
+        def training_step(self, batch, batch_idx):
+            if batch_idx in bad_batches:
+                batch = (batch[0], batch[1])
+                self.model.lm_head.weight.data[0, 0] = math.nan  # every gradient goes NaN, in both optimizers
+                try:
+                    return super().training_step(batch, batch_idx)
+                finally:
+                    self.model.lm_head.weight.data[0, 0] = 0.0
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            first, second = super().configure_optimizers()
+            if not fused:
+                return first, second
+            return (torch.optim.AdamW(first.param_groups[0]["params"], lr=1e-3, fused=True),
+                    torch.optim.SGD(second.param_groups[0]["params"], lr=1e-2, fused=True))
+
+    torch.manual_seed(0)
+    module, snap = Poisoned(), Snapshots()
+    trainer = _trainer(callbacks=[guard, snap], max_steps=8, **kw)
+    trainer.fit(module, shape_loader("litgpt", batch_size=4))
+    return trainer, module, snap
+
+
+def test_two_manual_optimizers_count_one_bad_batch_once():
+    guard = NonFiniteGuard(max_consecutive_skips=2, mode="step")
+    with pytest.warns(UserWarning, match=r"skipped non-finite loss at global step 2 .*\(1/2 in a row\)"):
+        trainer, _, snap = _two_optimizer_run(guard, bad_batches={1})
+    # one bad batch: skipped once, not stopped as if two bad steps had come in a row; both optimizers skipped
+    assert guard.skipped_steps == 1 and guard.consecutive_skips == 0 and trainer.global_step == 8
+    changed = [k for k in snap.before[2] if not torch.equal(snap.before[2][k], snap.before[4][k])]
+    assert changed == ["model.lm_head.weight"]  # only the poke of the test itself, undone after the step
+    assert not torch.equal(snap.before[4]["model.h.0.attn.qkv.weight"], snap.before[6]["model.h.0.attn.qkv.weight"])
+
+
+def test_two_manual_optimizers_count_bad_batches_in_a_row_and_deferred():
+    guard = NonFiniteGuard(max_consecutive_skips=2, mode="step")
+    with pytest.warns(UserWarning, match="1/2 in a row"), pytest.raises(NonFiniteError, match="after 2 non-finite steps in a row"):
+        _two_optimizer_run(guard, bad_batches={1, 2})
+    assert guard.skipped_steps == 2
+    guard = NonFiniteGuard(max_consecutive_skips=2, mode="deferred")
+    with pytest.warns(UserWarning, match=r"1 optimizer step\(s\) .* first at global step 2; 1 in a row now \(read at logging step 4\)"):
+        trainer, _, _ = _two_optimizer_run(guard, bad_batches={1}, fused=True, log_every_n_steps=4)
+    assert guard.skipped_steps == 1 and trainer.global_step == 8

@@ -130,8 +130,30 @@ def test_a_foreign_module_without_what_is_needed_gets_the_fix():
         def forward(self, batch):
             return self.model(batch["input_ids"])
 
-    with pytest.raises(ValueError, match=r"pass choose_strategy\(activation_bytes=...\)"):
+    with pytest.raises(ValueError, match=r"pass choose_strategy\(batch=\.\.\.\) .*, activation_bytes=\.\.\."):
         choose_strategy(DictInput(), devices=2, device_memory=16e9, block_size=32)
+
+
+def test_a_training_batch_measures_the_step_hf_wrappers_included():
+    """With batch=, activations come from training_step(batch) on meta tensors: HF-style wrappers without a
+    forward of their own, whose mask check reads a value, get a decision; the others agree with forward(input_ids)."""
+    from tests._module_shapes import MORE_SHAPES, SHAPES, shape_loader
+
+    for shape in ("hf-llama-mask", "hf-gpt2-mask"):
+        module, batch = MORE_SHAPES[shape](), next(iter(shape_loader(shape, batch_size=2)))
+        with pytest.raises(ValueError, match=r"pass choose_strategy\(batch=\.\.\.\)"):
+            choose_strategy(module, devices=2, device_memory=1e9, block_size=32, micro_batch=4)
+        strategy, reason = choose_strategy(module, devices=2, device_memory=1e9, micro_batch=4, batch=batch)
+        assert isinstance(strategy, DDPStrategy) and "x 32 tokens" in reason  # the sequence length read from the batch
+        assert "training_step(batch) saves for backward" in reason and "2 sample(s) scaled to 4" in reason
+        assert "2 host read(s) answered with 1" in reason  # the mask check and the logged loss.item()
+        assert all(p.device.type == "cpu" and p.grad is None for p in module.parameters())  # untouched
+    for shape, cls in SHAPES.items():
+        batch = next(iter(shape_loader(shape, batch_size=2)))
+        step = estimate_module_memory(cls(), 4, 32, precision="32-true", batch=batch)
+        forward = estimate_module_memory(cls(), 4, 32, precision="32-true")
+        assert step.total == pytest.approx(forward.total, rel=0.05), shape
+        assert step["activations"] > forward["activations"]  # the loss's own tensors, which forward never ran
 
 
 @pytest.mark.parametrize(("memory_gb", "expected"), [(80, DDPStrategy), (0.001, AtomicModelParallelStrategy)])

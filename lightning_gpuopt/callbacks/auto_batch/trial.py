@@ -200,7 +200,8 @@ def _training_step(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
 
 
 class _SampleBatches:
-    """Batches of any size with the real shape, dtype and device, built from the training data."""
+    """Batches of any size with the real shape, dtype and device: raw samples of the training data,
+    batched by the loader's own ``collate_fn`` (the default or the dataset's custom one)."""
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, pl_module
@@ -211,18 +212,33 @@ class _SampleBatches:
             )
         self.collate = loader.collate_fn or default_collate
         self.dataset = loader.dataset
+        self.samples: Optional[list[Any]] = None
         if isinstance(self.dataset, IterableDataset):
-            # Enough samples for the largest candidate, read once; trial batches repeat them.
-            batch = next(iter(loader))
-            self.samples = [_index(batch, i) for i in range(batch_len(batch))]
-        else:
-            if len(self.dataset) == 0:
-                raise ValueError("AutoBatchSize: the training dataset is empty.")
-            self.samples = None
+            if loader.batch_size is None and loader.batch_sampler is None:
+                raise ValueError(
+                    f"AutoBatchSize cannot set the micro-batch of a DataLoader with batch_size=None: its "
+                    f"{type(self.dataset).__name__} yields whole batches of its own size. Let the loader batch "
+                    "single samples: yield one sample at a time and return DataLoader(dataset, batch_size=self.batch_size, "
+                    "collate_fn=...) from train_dataloader()."
+                )
+            # Raw samples read from the dataset in this process, as many as the largest trial needs; repeated if it ends.
+            self.samples, self._stream = [], iter(self.dataset)
+        elif len(self.dataset) == 0:
+            raise ValueError("AutoBatchSize: the training dataset is empty.")
+
+    def _stream_samples(self, size: int) -> list[Any]:
+        while self._stream is not None and len(self.samples) < size:
+            try:
+                self.samples.append(next(self._stream))
+            except StopIteration:
+                self._stream = None
+        if not self.samples:
+            raise ValueError("AutoBatchSize: the training dataset is empty.")
+        return [self.samples[i % len(self.samples)] for i in range(size)]
 
     def __call__(self, size: int) -> Any:
         if self.samples is not None:
-            items = [self.samples[i % len(self.samples)] for i in range(size)]
+            items = self._stream_samples(size)
         else:
             items = [self.dataset[i % len(self.dataset)] for i in range(size)]
         batch = self.trainer.precision_plugin.convert_input(self.collate(items))
@@ -250,11 +266,3 @@ def batch_len(batch: Any) -> Optional[int]:
         if found is not None:
             return found
     return None
-
-
-def _index(batch: Any, i: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[i]
-    if isinstance(batch, dict):
-        return {k: _index(v, i) for k, v in batch.items()}
-    return type(batch)(_index(v, i) for v in batch) if isinstance(batch, (list, tuple)) else batch

@@ -184,6 +184,54 @@ def test_search_over_an_iterable_dataset_leaves_the_rng_untouched():
     assert torch.equal(before.snapshot["torch_rng"], after.snapshot["torch_rng"])
 
 
+class _StreamWithCollate(TokenData):
+    """An IterableDataset of raw token rows batched by the loader's own collate_fn (rows -> shifted (x, y))."""
+
+    def __init__(self, batch_size: int = 16, batched_by_dataset: bool = False):
+        super().__init__(batch_size=batch_size)
+        self.batched_by_dataset = batched_by_dataset
+
+    def train_dataloader(self):
+        dataset, size = self.dataset, self.batch_size
+
+        class Rows(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return (torch.cat([dataset[i][0], dataset[i][1][-1:]]) for i in range(len(dataset)))
+
+        def collate(rows):
+            stacked = torch.stack(rows)
+            return stacked[:, :-1], stacked[:, 1:]
+
+        if self.batched_by_dataset:  # the dataset yields whole batches of its own: the loader does not batch
+            class Batches(torch.utils.data.IterableDataset):
+                def __iter__(self):
+                    rows = list(Rows())
+                    return (collate(rows[i : i + size]) for i in range(0, len(rows), size))
+
+            return torch.utils.data.DataLoader(Batches(), batch_size=None)
+        return torch.utils.data.DataLoader(Rows(), batch_size=size, collate_fn=collate)
+
+
+def test_search_over_an_iterable_dataset_with_its_own_collate():
+    class Sizes(pl.Callback):
+        def __init__(self):
+            self.sizes = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.sizes.append(len(batch[0]))
+
+    search, sizes = AutoBatchSize(global_batch_size=16, max_micro_batch_size=16), Sizes()
+    trainer = cpu_trainer([search, sizes], max_steps=2)
+    trainer.fit(OOMAbove(limit=5), datamodule=_StreamWithCollate(batch_size=16))
+    # the trials collated raw rows with the loader's collate at each size; training got the chosen size
+    assert [t.micro_batch_size for t in search.trials][:3] == [1, 2, 4] and search.micro_batch_size == 4
+    assert sizes.sizes == [4] * 8 and trainer.global_step == 2
+    with pytest.raises(ValueError, match=r"batch_size=None.*yields whole batches.*DataLoader\(dataset, batch_size=self.batch_size"):
+        cpu_trainer([AutoBatchSize(global_batch_size=16, max_micro_batch_size=16)], max_steps=1).fit(
+            OOMAbove(limit=5), datamodule=_StreamWithCollate(batched_by_dataset=True)
+        )
+
+
 def test_logs_the_decision_to_the_logger(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 

@@ -115,7 +115,7 @@ def test_text_datamodule_is_resumable_data_and_plain_ones_are_not():
     assert not isinstance(TokenData(), ResumableData)
 
 
-@pytest.mark.parametrize("shape", ["nanogpt", "llama", "litgpt", "noforward"])
+@pytest.mark.parametrize("shape", ["nanogpt", "llama", "litgpt", "noforward", "iterable-collate"])
 def test_contract_with_modules_written_elsewhere(shape, tmp_path):
     """tests/test_contract.py's checks for AutoBatchSize, which needs a loader it can resize (a datamodule's):
     the micro-batch it claims is the one every training batch holds, the global batch is kept, two fits in a
@@ -123,7 +123,7 @@ def test_contract_with_modules_written_elsewhere(shape, tmp_path):
     loader there is no batch size to set: the clear error, before any step."""
     from tests._module_shapes import SHAPES, LoaderData, NoForwardModule, shape_loader
 
-    make = {**SHAPES, "noforward": NoForwardModule}[shape]
+    make = {**SHAPES, "noforward": NoForwardModule, "iterable-collate": SHAPES["litgpt"]}[shape]
     data_shape = "litgpt" if shape == "noforward" else shape
 
     class Sizes(pl.Callback):
