@@ -242,6 +242,8 @@ CASES = [
          "add it as a special token, or leave data.tokenizer unset"),
     Case("tokenizer-larger-than-model", lambda c: c.fit(GPTModule(vocab_size=260, block_size=32), c.data()), ValueError,
          "set model.vocab_size >= 300"),
+    Case("batch-larger-than-split", lambda c: c.fit(GPTModule(vocab_size=300, block_size=32), c.data(batch_size=2048)), ValueError,
+         r"data.batch_size=2048 is larger than the training split of .*no training step\. Set data.batch_size <= \d+"),
     Case("vocab-too-small", lambda c: c.data(vocab_size=100), ValueError, r"vocab_size must be at least 257"),
     Case("val-fraction-out-of-range", lambda c: c.data(val_fraction=0.6), ValueError, r"val_fraction must be in \(0, 0.5\)"),
     Case("batch-size-zero", lambda c: c.data(batch_size=0), ValueError, "batch_size must be an integer >= 1"),
