@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Callable, Optional, TypeVar
 
@@ -20,11 +21,17 @@ from lightning_gpuopt.checkpoint.safety import NonFiniteCheckpointError, is_disk
 __all__ = ["TRACEBACK_ENV", "check_fit_ended_finite", "explain_parser_error", "run_reporting_errors"]
 
 TRACEBACK_ENV = "GPUOPT_TRACEBACK"
+_LINK = re.compile(r"argument (\S+) --> (\S+): ")
+_NESTED = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*Parser key "([^"]+)":\s*([^\n]+)', re.S)
+_LITERAL = re.compile(r"Expected a typing\.Literal\[(.+)\]\. Got value: (.+)")
 T = TypeVar("T")
 
 
 def explain_parser_error(message: str) -> str:
-    """A clear message for a ``--config`` file that is empty or not a mapping (jsonargparse: "Unexpected config: ...").
+    """A clear message for some of jsonargparse's: a ``--config`` file that is empty or not a mapping ("Unexpected
+    config: ..."), a value given for an option linked from another ("argument data.block_size -->
+    model.block_size: ..."), and a bad argument of a class in a list such as ``trainer.callbacks`` (the one
+    line that matters out of a page of "Does not validate against any of the Union subtypes").
 
     Example::
 
@@ -33,6 +40,19 @@ def explain_parser_error(message: str) -> str:
     Args:
         message: jsonargparse's message.
     """
+    link = _LINK.search(message)
+    if link:
+        source, target = link.groups()
+        return (f"{target} is set from {source} (gpuopt links them, so the two always agree): drop {target} and "
+                f"set {source} only (--{source} on the command line, or {source} in the --config file).")
+    nested = _NESTED.search(message)
+    if nested:
+        group, class_path, key, detail = nested.groups()
+        literal = _LITERAL.match(detail.strip())
+        if literal:
+            detail = f"must be one of {literal.group(1)}, got {literal.group(2)!r}"
+        return (f"{group}: {class_path.rsplit('.', 1)[-1]}({key}=...) {detail.strip()}. "
+                f"Fix init_args.{key} of {class_path} in the --config file (or on the command line).")
     prefix = "Unexpected config:"
     if not message.startswith(prefix):
         return message

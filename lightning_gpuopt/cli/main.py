@@ -37,12 +37,12 @@ from lightning_gpuopt.cli.defaults import (
     replace_precision_plugins,
     stack_device,
 )
+from lightning_gpuopt.cli.config_checks import check_callbacks_once, check_config_files, check_output_file, check_trainer_options
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.internals import parser_options
-from lightning_gpuopt.option_checks import check_number
 from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
@@ -77,7 +77,13 @@ class _SuggestingParser(LightningArgumentParser):
                 close = difflib.get_close_matches(arg.lstrip("-").split("=")[0], known, n=1, cutoff=0.75)
                 if arg.startswith("--") and close:
                     message += f"; for {arg.split('=')[0]} did you mean --{close[0]}?"
-        super().error(message, ex)
+        if not self.exit_on_error:  # a nested parser: its caller handles the error
+            super().error(message, ex)
+        # One short message, not the subcommand's usage (some 90 lines) above it.
+        self._logger.error(message)
+        prog = (getattr(ex, "subcommand_parser", None) or self).prog.replace(" [options]", "")
+        sys.stderr.write(f"gpuopt: error: {message}\n({prog} --help lists the options)\n")
+        self.exit(2)
 
 
 
@@ -152,6 +158,7 @@ class GPTCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:]  # for the commands printed at the end
+        check_config_files(self.argv)  # a YAML syntax error names the file and line, not "<unicode string>"
         super().parse_arguments(parser, args)
 
     def before_fit(self) -> None:
@@ -177,8 +184,7 @@ class GPTCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        check_number("trainer", "gradient_clip_val", (config.get("trainer") or {}).get("gradient_clip_val"), low=0,
-                     optional=True, hint=": a negative value turns clipping off without a word. Use e.g. 1.0, or leave it unset")
+        check_trainer_options(config.get("trainer") or {})
         _drop_checkpoint_callbacks_if_disabled(config)
         if self.subcommand == "fit":
             problem = check_run_length(config.get("trainer", {}))
@@ -197,6 +203,7 @@ class GPTCLI(LightningCLI):
                 if generate.get(name, 1) < 1:
                     self.parser.error(f"generate.{name} must be >= 1, got {generate.get(name)}.")
             read_prompts(generate["prompts_file"])  # a missing or empty file fails before the model is built
+            check_output_file("generate.output", generate.get("output"))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -210,9 +217,12 @@ class GPTCLI(LightningCLI):
         note = float32_note(trainer_cfg.get("precision"), kwargs["plugins"], self.stack_device)
         if note is not None:
             rank_zero_info(note)
+        # ExactResume and SigtermCheckpoint are always added (a copy the config lists itself, with its own
+        # arguments, comes first and stays); any other callback listed twice is refused here, not by a traceback.
+        listed = trainer_cfg.get("callbacks")
+        check_callbacks_once([c for c in (listed if isinstance(listed, list) else [listed] if listed else [])
+                              if type(c) not in (ExactResume, SigtermCheckpoint)])
         trainer = super().instantiate_trainer(**kwargs)
-        # ExactResume and SigtermCheckpoint are always added; one the config lists itself (with its own
-        # arguments) comes first and stays, the added copy goes: two would each act on the same run.
         for cls in (ExactResume, SigtermCheckpoint):
             for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:
                 trainer.callbacks.remove(extra)

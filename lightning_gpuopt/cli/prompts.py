@@ -36,12 +36,12 @@ def read_prompts(path: Union[str, Path]) -> list[str]:
         path: The prompts file.
 
     Raises:
-        FileNotFoundError: The file does not exist.
-        ValueError: No prompt in it, or a JSONL line without a ``"prompt"`` string.
+        ValueError: The file does not exist, holds no prompt, or has a JSONL line without a ``"prompt"`` string.
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"generate.prompts_file={str(path)!r} does not exist: give a text or JSONL file of prompts.")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"generate.prompts_file={str(path)!r} {what}: give a text or JSONL file of prompts (one a line).")
     prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -123,10 +123,15 @@ def write_completions(records: Sequence[dict], path: Union[str, Path]) -> Path:
         write_completions([{"prompt": "a", "completion": " b", "tokens": [7]}], "out.jsonl")
     """
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"generate.output={str(path)!r} is a folder: give a file path, e.g. {str(path / 'generations.jsonl')!r}.")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # after a failed write or rename: no partial file left beside the output
     return path

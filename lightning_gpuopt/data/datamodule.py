@@ -24,7 +24,51 @@ from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 from lightning_gpuopt.resume import step_boundary
 
-__all__ = ["TextDataModule"]
+__all__ = ["TextDataModule", "check_train_batches", "vocab_shortfall"]
+
+# A trained BPE a little short of the size asked for is normal (the last merges are rare); a vocabulary
+# under this fraction of it means the corpus cannot fill the embedding the model is built with.
+_VOCAB_FILLED = 0.9
+
+
+def vocab_shortfall(requested: int, trained: int) -> Optional[str]:
+    """A warning when a BPE trained for ``requested`` tokens got far fewer (``None`` when it is close).
+
+    The model is built for ``data.vocab_size`` before the tokenizer is trained, so the rows past
+    the trained vocabulary are parameters that no token ever reads.
+
+    Example::
+
+        vocab_shortfall(70000, 369)  # "data.vocab_size=70000, but the corpus ... set data.vocab_size 369 ..."
+    """
+    if trained >= _VOCAB_FILLED * requested:
+        return None
+    return (
+        f"data.vocab_size={requested}, but the corpus filled only {trained} tokens when the tokenizer was trained: the "
+        f"model's embedding and output layer get {requested} rows, {requested - trained} of which no token uses. "
+        f"Set data.vocab_size {trained} (or use a larger corpus)."
+    )
+
+
+def check_train_batches(windows: int, batch_size: int, replicas: int, block_size: int, description: str) -> None:
+    """Raise if the training split cannot fill one batch per data-parallel rank (so no step would run).
+
+    The training loader drops the last incomplete batch, so with fewer windows than
+    ``batch_size`` per rank an epoch has no batch and ``fit`` ends without a step or a checkpoint.
+
+    Example::
+
+        check_train_batches(windows=40, batch_size=512, replicas=1, block_size=32, description="texts/")  # ValueError
+    """
+    per_rank = windows // replicas
+    if per_rank >= batch_size:
+        return
+    ranks = f" per rank ({replicas} data-parallel ranks)" if replicas > 1 else ""
+    raise ValueError(
+        f"data.batch_size={batch_size} is larger than the training split of {description}: it holds {per_rank} windows of "
+        f"{block_size} tokens{ranks} per epoch, so no full batch and no training step. Set data.batch_size <= {per_rank} "
+        f"(or use a larger corpus, a smaller data.block_size, or data.samples_per_epoch)."
+    )
 
 
 
@@ -170,6 +214,10 @@ class TextDataModule(pl.LightningDataModule):
                 )
             self._meta = meta
             self.tokenizer = Tokenizer.from_file(str(self.data_dir / "tokenizer.json"))
+            if self.tokenizer_path is None and self.vocab_size != self._meta["vocab_size"]:
+                note = vocab_shortfall(self.vocab_size, self._meta["vocab_size"])
+                if note:
+                    rank_zero_warn(note)
             self.vocab_size = self._meta["vocab_size"]
         meta, out = self._meta, self.data_dir
         for split, span in meta["splits"].items():
@@ -183,6 +231,9 @@ class TextDataModule(pl.LightningDataModule):
                     self.datasets[split] = SequentialWindows(*args)
             except ValueError as err:
                 raise ValueError(f"The {split} split of {self._corpus.description} is too short: {err}") from err
+        if stage == "fit":
+            check_train_batches(len(self.datasets["train"]), self.batch_size, data_parallel_size(self.trainer),
+                                self.block_size, self._corpus.description)
 
     # ------------------------------------------------------------------------------ dataloaders
     def _loader(self, split: str, train: bool) -> DataLoader:

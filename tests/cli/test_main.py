@@ -358,7 +358,7 @@ def test_cli_defaults_helpers():
 
 
 def test_prompts_file_problems_stop_before_anything_is_built(text_dir, cache_dir, tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="generate.prompts_file"):
+    with pytest.raises(ValueError, match="generate.prompts_file"):
         GPTCLI(GPTModule, TextDataModule, args=["predict", *_tiny(text_dir), "--generate.prompts_file", str(tmp_path / "no.txt")])
     (tmp_path / "p.txt").write_text("a\n")
     with pytest.raises(SystemExit):

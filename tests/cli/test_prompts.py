@@ -21,7 +21,7 @@ def test_read_prompts_text_and_jsonl(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
     with pytest.raises(ValueError, match='needs a "prompt" string'):
         read_prompts(tmp_path / "bad.jsonl")
-    with pytest.raises(FileNotFoundError, match="generate.prompts_file"):
+    with pytest.raises(ValueError, match="generate.prompts_file"):
         read_prompts(tmp_path / "missing.txt")
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(ValueError, match="holds no prompt"):
@@ -54,3 +54,11 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time(tmp_path):
         assert record["tokens"] == alone.tolist()
     path = write_completions(records, tmp_path / "out" / "g.jsonl")
     assert [json.loads(line)["prompt"] for line in path.read_text().splitlines()] == prompts
+
+
+def test_write_completions_to_a_folder_is_refused_and_leaves_no_file(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"generate.output=.*out' is a folder: give a file path"):
+        write_completions([{"prompt": "a", "completion": " b", "tokens": [7]}], folder)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out"]  # no temporary file beside it

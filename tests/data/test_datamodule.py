@@ -168,3 +168,18 @@ def test_datamodule_loader_does_not_touch_the_global_rng(text_dir, cache_dir):
     dm.load_state_dict({"train_epoch": 0, "train_position": 2})
     assert torch.equal(next(iter(dm.train_dataloader()))[0][0], dm.datasets["train"][2][0])
     assert torch.equal(first[0], dm.datasets["train"][0][0])
+
+
+def test_a_vocabulary_the_corpus_cannot_fill_warns_with_the_size_it_got(text_dir, cache_dir):
+    dm = _module(text_dir, cache_dir, vocab_size=70000)
+    with pytest.warns(UserWarning, match=r"data.vocab_size=70000, but the corpus filled only (\d+) tokens") as record:
+        dm.setup("fit")
+    assert dm.vocab_size < 1000
+    assert f"Set data.vocab_size {dm.vocab_size} " in str(record[0].message)
+
+
+def test_a_vocabulary_the_corpus_fills_does_not_warn(text_dir, cache_dir, recwarn):
+    dm = _module(text_dir, cache_dir, vocab_size=300)
+    dm.setup("fit")
+    assert dm.vocab_size >= 270
+    assert not [w for w in recwarn if "vocab_size" in str(w.message)]

@@ -1,0 +1,133 @@
+"""Checks of a parsed ``gpuopt`` configuration, before the model, data or Trainer is built.
+
+Each check raises ``ValueError`` with one short message that names the option and the fix (``gpuopt``
+prints it and exits with 2), for mistakes that would otherwise end in a traceback from deep inside
+Lightning, a division by zero in its loops or a file error after the work was done.
+
+Example::
+
+    check_trainer_options({"accumulate_grad_batches": 0})
+    # ValueError: trainer.accumulate_grad_batches must be an integer >= 1, got 0: ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_gpuopt.option_checks import check_int, check_number
+
+__all__ = ["check_callbacks_once", "check_config_files", "check_output_file", "check_trainer_options"]
+
+
+def check_trainer_options(trainer: Mapping[str, Any]) -> None:
+    """Raise for ``trainer`` options Lightning would accept and then fail on (or silently misuse).
+
+    Example::
+
+        check_trainer_options({"val_check_interval": 0})  # ValueError: ... must be > 0 ...
+
+    Args:
+        trainer: The parsed ``trainer`` group.
+    """
+    check_number("trainer", "gradient_clip_val", trainer.get("gradient_clip_val"), low=0, optional=True,
+                 hint=": a negative value turns clipping off without a word. Use e.g. 1.0, or leave it unset")
+    check_int("trainer", "accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), minimum=1,
+              hint=" (the batches per optimizer step): use 1 for a step per batch")
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool):
+        check_int("trainer", "val_check_interval", interval, minimum=1, optional=True,
+                  hint=" (validate every N training batches): use e.g. 500, a fraction of the epoch such as 0.25, or leave it unset")
+    else:
+        check_number("trainer", "val_check_interval", interval, low=0, low_open=True, high=1, optional=True,
+                     hint=" (a fraction of the epoch; an integer N validates every N batches): use e.g. 0.25, or leave it unset")
+    root = trainer.get("default_root_dir")
+    if root is not None and Path(root).expanduser().exists() and not Path(root).expanduser().is_dir():
+        raise ValueError(f"trainer.default_root_dir={str(root)!r} is a file, not a folder: give a folder for the run's "
+                         "checkpoints and logs (it is created if missing).")
+
+
+def check_callbacks_once(callbacks: Sequence[Callback]) -> None:
+    """Raise if two callbacks would save their state under one key (the same callback listed twice).
+
+    Lightning refuses these when the Trainer is built, with a traceback; this names the class and
+    where the second copy comes from.
+
+    Example::
+
+        check_callbacks_once([MFUMonitor(), MFUMonitor()])  # ValueError: MFUMonitor is listed twice ...
+
+    Args:
+        callbacks: The callbacks the Trainer is about to get.
+    """
+    seen: set[Any] = set()
+    for callback in callbacks:
+        if not is_overridden("state_dict", instance=callback, parent=Callback):
+            continue
+        if callback.state_key in seen:
+            name = type(callback).__name__
+            raise ValueError(
+                f"trainer.callbacks lists {name} twice (with the same settings), so both would save their state under "
+                f"one key. Keep one: the default stack and most configs already hold it, so drop the extra "
+                f"--trainer.callbacks+={name} or the repeated entry in the --config file."
+            )
+        seen.add(callback.state_key)
+
+
+def check_output_file(option: str, path: Optional[str]) -> None:
+    """Raise if ``path``, a file the command will write, is an existing folder.
+
+    Example::
+
+        check_output_file("generate.output", "runs/")  # ValueError: generate.output='runs/' is a folder ...
+    """
+    if path is not None and Path(path).expanduser().is_dir():
+        raise ValueError(f"{option}={str(path)!r} is a folder: give a file path, e.g. {str(Path(path) / 'generations.jsonl')!r}.")
+
+
+def check_config_files(argv: Sequence[str]) -> None:
+    """Raise, naming the file, line and column, if a ``--config`` file of ``argv`` is not valid YAML.
+
+    The parser's own message names neither the file nor, for the most common case (a tab used to
+    indent), the fix.
+
+    Example::
+
+        check_config_files(["fit", "--config", "run.yaml"])
+        # ValueError: --config run.yaml is not valid YAML: line 2, column 1: a tab indents the line; ...
+
+    Args:
+        argv: The command's arguments.
+    """
+    for path in _config_paths(argv):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+            line = text.splitlines()[mark.line] if mark is not None and mark.line < len(text.splitlines()) else ""
+            if "\t" in line:
+                fix = "a tab indents the line; YAML indents with spaces only. Replace the tab with spaces."
+            else:
+                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+                fix = f"{problem}. Fix the line (check the indentation, a missing ':' or an unclosed quote or bracket)."
+            raise ValueError(f"--config {path} is not valid YAML: {where}: {fix}") from None
+
+
+def _config_paths(argv: Sequence[str]) -> list[Path]:
+    paths = []
+    for i, arg in enumerate(argv):
+        value = None
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        if value is not None and Path(value).expanduser().is_file():
+            paths.append(Path(value).expanduser())
+    return paths
