@@ -128,6 +128,11 @@ class GPTCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:]  # for the commands printed at the end
+        if isinstance(args, (list, tuple)):
+            # main(args): the list replaces the command line, so whatever sys.argv holds (a test runner's own
+            # arguments, a script's) is not a mix-up worth LightningCLI's warning about passing both
+            self.config = parser.parse_args(list(args))
+            return
         super().parse_arguments(parser, args)
 
     def before_fit(self) -> None:
@@ -288,7 +293,7 @@ def main(args: Optional[list[str]] = None) -> None:
             seed_everything_default=1337,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG},
-            args=args,  # None: LightningCLI reads sys.argv itself (and does not warn about `args`)
+            args=args,  # None: LightningCLI reads sys.argv itself
         )
 
     try:

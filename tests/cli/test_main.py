@@ -135,6 +135,20 @@ def test_typo_in_option_is_reported():
         _ParseOnly(GPTModule, TextDataModule, run=False, args=["--model.presett", "124m"])
 
 
+def test_main_args_replace_the_command_line_without_a_warning(monkeypatch, capsys):
+    """``main(args)`` from a process with its own arguments (a test runner, a script) does not warn about both."""
+    import warnings
+
+    from lightning_gpuopt.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["runner", "-q", "tests/"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exit_:
+        warnings.simplefilter("always")
+        main(["fit", "--help"])
+    assert exit_.value.code == 0 and "--trainer.max_steps" in capsys.readouterr().out
+    assert [str(w.message) for w in caught if "args parameter" in str(w.message)] == []
+
+
 def test_python_dash_m_is_the_gpuopt_command():
     out = subprocess.run([sys.executable, "-m", "lightning_gpuopt", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "{fit,validate,test,predict}" in out.stdout and "gpuopt" in out.stdout
