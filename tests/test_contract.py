@@ -84,7 +84,9 @@ PIECES = {
 # Exported, but not a piece to run here: exceptions, and AutoBatchSize, which needs a loader it can
 # resize (a datamodule's) and max_micro_batch_size on CPU: its contract over the same module shapes is
 # tests/callbacks/auto_batch/test_contracts.py. AtomicModelParallelStrategy is a strategy (tests/checkpoint).
-NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize", "AtomicModelParallelStrategy"}
+# The progress bars are Lightning's, drawn the same; their resume: tests/callbacks/test_progress_bar.py.
+NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize", "AtomicModelParallelStrategy",
+              "ResumedRichProgressBar", "ResumedTQDMProgressBar"}
 
 
 def test_every_export_is_covered():

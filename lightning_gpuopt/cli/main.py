@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
+from lightning_gpuopt.callbacks.progress_bar import default_progress_bar
 from lightning_gpuopt.cli.defaults import (
     check_run_length,
     default_stack,
@@ -181,6 +183,10 @@ class GPTCLI(LightningCLI):
             kwargs["plugins"] = replace_precision_plugins(trainer_cfg.get("precision"), trainer_cfg.get("plugins"))
         if self.subcommand == "predict" and trainer_cfg.get("logger") in (None, True):
             kwargs["logger"] = False  # predict logs nothing: no empty lightning_logs/version_N
+        callbacks = trainer_cfg.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer_cfg.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            trainer_cfg["callbacks"] = [*callbacks, default_progress_bar()]  # Lightning's bar, counting a resumed epoch right
         note = float32_note(trainer_cfg.get("precision"), kwargs["plugins"], self.stack_device)
         if note is not None:
             rank_zero_info(note)
