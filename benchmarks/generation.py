@@ -19,7 +19,7 @@ Example::
 Reports generated tokens/s (median of ``--repeats`` timed runs, in alternating order, after one
 warm-up run each) and the
 speed-up over ``seq-fp32``; writes ``generation.json`` and ``generation.md`` to
-``benchmarks/results/<device-slug>/`` (or ``--out``).
+``--out`` (default ``benchmark-results/<device-slug>/`` in the current folder).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from lightning_gpuopt.model import GPT, GPTConfig
 
 __all__ = ["CONFIGS", "main", "run_config"]
 
-ROOT = Path(__file__).resolve().parents[1]
 # name -> (batched, dtype, use_cache)
 CONFIGS: dict[str, tuple[bool, Optional[torch.dtype], bool]] = {
     "seq-fp32-nocache": (False, None, False),
@@ -102,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=32, help="prompts per batch in the batched configurations")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (the median is reported)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
-    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device-slug>)")
+    p.add_argument("--out", default=None, help="output folder (default: benchmark-results/<device-slug> in the current folder)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = sorted(set(names) - set(CONFIGS))
@@ -147,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         "vocab_size": args.vocab_size, "params": model.num_params()},
               "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "repeats": args.repeats, "results": rows}
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / device_slug(device_name)
+    out = Path(args.out) if args.out else Path("benchmark-results") / device_slug(device_name)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "generation.json", json.dumps(report, indent=2) + "\n")
     table = _table(rows)
