@@ -54,6 +54,13 @@ from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_dist
 
 __all__ = ["GPTCLI", "main"]
 
+_DESCRIPTION = (
+    "gpuopt: train and sample a GPT with Lightning, fast on NVIDIA GPUs. Unless a --config or flag says "
+    "otherwise, fit runs GPTModule on TextDataModule with the stack for this machine: BF16Precision on a "
+    "GPU (float32 on a CPU), CUDASettings, MFUMonitor, NonFiniteGuard, ExactResume, SigtermCheckpoint and a "
+    "ModelCheckpoint keeping checkpoints/last.ckpt (resume with --ckpt_path last). "
+    "gpuopt fit --print_config shows it all."
+)
 _DOCTOR_EPILOG = "gpuopt doctor: what this package will do on this machine (gpuopt doctor --help)."
 _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
 
@@ -298,7 +305,8 @@ def main(args: Optional[list[str]] = None) -> None:
             TextDataModule,
             seed_everything_default=1337,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG},
+            parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG,
+                           "description": _DESCRIPTION},
             args=args,  # None: LightningCLI reads sys.argv itself
         )
 

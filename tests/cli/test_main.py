@@ -152,6 +152,9 @@ def test_main_args_replace_the_command_line_without_a_warning(monkeypatch, capsy
 def test_python_dash_m_is_the_gpuopt_command():
     out = subprocess.run([sys.executable, "-m", "lightning_gpuopt", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "{fit,validate,test,predict}" in out.stdout and "gpuopt" in out.stdout
+    said = " ".join(out.stdout.split())  # what the command is and what fit runs by default, not Lightning's generic line
+    assert "Lightning Trainer command line tool" not in said
+    assert "train and sample a GPT" in said and "GPTModule on TextDataModule" in said and "--ckpt_path last" in said
 
 
 def test_main_ends_the_process_group_after_a_successful_run(text_dir, cache_dir, tmp_path, monkeypatch):
