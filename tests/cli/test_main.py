@@ -30,6 +30,21 @@ def test_every_shipped_config_is_there():
     assert {p.stem for p in CONFIGS} == {"quickstart", "fast", "production", "max-quality", "mega", "h100", "multi-gpu"}
 
 
+def test_the_wandb_sync_path_in_the_docs_is_where_the_recipes_write():
+    """WandbLogger writes under <save_dir>/wandb/; the docs' sync command names the recipes' save_dir."""
+    import re
+
+    docs = (REPO / "docs" / "callbacks.md").read_text()
+    synced = set(re.findall(r"wandb sync (runs/[\w-]+)/wandb/offline-run-\*", docs))
+    save_dirs = {}
+    for config in CONFIGS:
+        found = re.findall(r"WandbLogger\n\s*#\s*init_args: \{[^}]*save_dir: ([\w/-]+)\}", config.read_text())
+        if found:
+            save_dirs[config.stem] = found[0]
+    assert save_dirs and all(path == f"runs/{stem}" for stem, path in save_dirs.items()), save_dirs
+    assert synced and synced <= set(save_dirs.values())
+
+
 class _ParseOnly(GPTCLI):
     """Parses and validates a config without building the model and data (the recipes' WikiText-103
     folder is not on the test machine)."""
