@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -87,6 +88,24 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def machine() -> dict[str, Any]:
+    """The machine a figure was measured on: CPU model, cores, and the load average (other work shares the
+    cores: a load above the core count slows every configuration and widens the repeats' spread)."""
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": model, "cores": os.cpu_count(), "load_average_1min": load}
+
+
+def _machine_line(m: dict[str, Any]) -> str:
+    load = "" if m["load_average_1min"] is None else f", load average {m['load_average_1min']:.1f} at the start"
+    return f"Measured on {m['cpu']}, {m['cores']} cores{load}."
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -122,6 +141,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         batched, dtype, use_cache = CONFIGS[name]
         return run_config(model, prompts, args.new_tokens, batched, args.batch_size, dtype, use_cache)
 
+    measured_on = machine()
     for name in names:
         run(name)  # warm-up: allocator, kernels, autocast caches
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -141,7 +161,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     for r in rows:
         r["speedup"] = r["tokens_per_sec"] / base if base else float("nan")
 
-    report = {"device": device_name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    report = {"device": device_name, "machine": measured_on, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head,
                         "vocab_size": args.vocab_size, "params": model.num_params()},
               "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
@@ -150,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "generation.json", json.dumps(report, indent=2) + "\n")
     table = _table(rows)
-    write_text(out / "generation.md", f"# Generation on {device_name}\n\n{table}\n")
+    write_text(out / "generation.md", f"# Generation on {device_name}\n\n{_machine_line(measured_on)}\n\n{table}\n")
     print(table)
     return report
 

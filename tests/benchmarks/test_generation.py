@@ -27,3 +27,6 @@ def test_results_go_to_the_current_folder_not_over_the_recorded_ones(tmp_path, m
           "--prompts", "2", "--prompt-len", "2", "--new-tokens", "2", "--batch-size", "2", "--repeats", "1"])
     assert sorted(p.name for p in (tmp_path / "benchmark-results" / "cpu").iterdir()) == ["generation.json", "generation.md"]
     assert (REPO / "benchmarks/results/cpu/generation.json").read_bytes() == recorded
+    written = json.loads((tmp_path / "benchmark-results/cpu/generation.json").read_text())
+    assert written["machine"]["cores"] >= 1 and written["machine"]["cpu"]  # a figure says the machine it ran on
+    assert f"{written['machine']['cores']} cores" in (tmp_path / "benchmark-results/cpu/generation.md").read_text()
