@@ -23,7 +23,7 @@ scaling from 1 to N cores understates the speed-up; the CPU split does not.
 
 Without ``--corpus`` a single-file corpus of ``--size-mb`` MB is generated (WikiText-like lines of
 Zipf-distributed made-up words, seeded) in a temporary folder. Results go to
-``--out`` (``benchmarks/results/data_prep.json``) and a Markdown table is printed.
+``--out`` (default ``benchmark-results/data_prep.json`` in the current folder) and a Markdown table is printed.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--size-mb", type=float, default=50.0)
     p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--cores", default="1,2", help="comma-separated core counts")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/data_prep.json"))
+    p.add_argument("--out", type=Path, default=Path("benchmark-results/data_prep.json"))
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = args.corpus or make_corpus(Path(tmp) / "corpus.txt", args.size_mb)

@@ -19,7 +19,7 @@ Example::
 Reports generated tokens/s (median of ``--repeats`` timed runs, in alternating order, after one
 warm-up run each) and the
 speed-up over ``seq-fp32``; writes ``generation.json`` and ``generation.md`` to
-``benchmarks/results/<device-slug>/`` (or ``--out``).
+``--out`` (default ``benchmark-results/<device-slug>/`` in the current folder).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -40,7 +41,6 @@ from lightning_gpuopt.model import GPT, GPTConfig
 
 __all__ = ["CONFIGS", "main", "run_config"]
 
-ROOT = Path(__file__).resolve().parents[1]
 # name -> (batched, dtype, use_cache)
 CONFIGS: dict[str, tuple[bool, Optional[torch.dtype], bool]] = {
     "seq-fp32-nocache": (False, None, False),
@@ -88,6 +88,24 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def machine() -> dict[str, Any]:
+    """The machine a figure was measured on: CPU model, cores, and the load average (other work shares the
+    cores: a load above the core count slows every configuration and widens the repeats' spread)."""
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": model, "cores": os.cpu_count(), "load_average_1min": load}
+
+
+def _machine_line(m: dict[str, Any]) -> str:
+    load = "" if m["load_average_1min"] is None else f", load average {m['load_average_1min']:.1f} at the start"
+    return f"Measured on {m['cpu']}, {m['cores']} cores{load}."
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -102,7 +120,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=32, help="prompts per batch in the batched configurations")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (the median is reported)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
-    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device-slug>)")
+    p.add_argument("--out", default=None, help="output folder (default: benchmark-results/<device-slug> in the current folder)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = sorted(set(names) - set(CONFIGS))
@@ -123,6 +141,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         batched, dtype, use_cache = CONFIGS[name]
         return run_config(model, prompts, args.new_tokens, batched, args.batch_size, dtype, use_cache)
 
+    measured_on = machine()
     for name in names:
         run(name)  # warm-up: allocator, kernels, autocast caches
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -142,16 +161,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     for r in rows:
         r["speedup"] = r["tokens_per_sec"] / base if base else float("nan")
 
-    report = {"device": device_name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    report = {"device": device_name, "machine": measured_on, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head,
                         "vocab_size": args.vocab_size, "params": model.num_params()},
               "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "repeats": args.repeats, "results": rows}
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / device_slug(device_name)
+    out = Path(args.out) if args.out else Path("benchmark-results") / device_slug(device_name)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "generation.json", json.dumps(report, indent=2) + "\n")
     table = _table(rows)
-    write_text(out / "generation.md", f"# Generation on {device_name}\n\n{table}\n")
+    write_text(out / "generation.md", f"# Generation on {device_name}\n\n{_machine_line(measured_on)}\n\n{table}\n")
     print(table)
     return report
 

@@ -3,7 +3,7 @@
 Runs every configuration (see ``benchmarks/_configs.py``) in one process on one device, on the
 same model, sequence length and tokens, ``--repeats`` times in alternating order so drift of the
 machine shows as spread between repeats. Writes a JSON file, a Markdown table and a PNG bar chart
-to ``benchmarks/results/<device-slug>/`` and prints the table.
+to ``--out`` (default ``benchmark-results/<device-slug>/`` in the current folder) and prints the table.
 
     python -m benchmarks.throughput --preset 124m --repeats 2
     python -m benchmarks.throughput --preset tiny --block-size 64 --steps 5 --warmup-steps 2 \
@@ -81,8 +81,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help=f"model vocabulary (default: GPT-2's {GPT2_VOCAB}; tiny: --tokenizer-vocab-size)")
     p.add_argument("--tokenizer-vocab-size", type=int, default=4096, help="BPE vocabulary trained on --data")
     p.add_argument("--data", default="auto",
-                   help="text: a file, folder, glob or 'stdlib'; 'auto' = ../shared/data/wikitext-2/*.txt if present, "
-                   "else stdlib")
+                   help="text: a file, folder, glob or 'stdlib'; 'auto' = a local WikiText-2 copy where one is found "
+                   "(benchmarks/README.md), else stdlib")
     p.add_argument("--cache-dir", default=None, help="token cache (default: $GPUOPT_CACHE_DIR or ~/.cache/lightning_gpuopt)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {','.join(CONFIGS)}")
     p.add_argument("--micro-batch-size", type=int, default=8, help="micro-batch of the fixed-batch configurations")
@@ -100,7 +100,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="torch.compile mode (default: torch's default)")
     p.add_argument("--no-measure-peak", action="store_true", help="skip the bf16 matmul ceiling (GPU)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG chart")
-    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device-slug>)")
+    p.add_argument("--out", default=None, help="output folder (default: benchmark-results/<device-slug> in the current folder)")
     p.add_argument("--tag", default=None, help="appended to the file names, for runs split over several commands")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after the measured steps, profile this many more with torch.profiler: device time per "
@@ -194,7 +194,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = _settings(args)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     env = _environment(device, argv)
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / device_slug(env["device"])
+    out = Path(args.out) if args.out else Path("benchmark-results") / device_slug(env["device"])
     stem = f"throughput-{settings.preset}-T{settings.block_size}" + (f"-{args.tag}" if args.tag else "")
     if not args.no_plot:  # fail now, not after the runs, if the chart cannot be drawn
         try:

@@ -15,6 +15,8 @@ also train through ``gpuopt fit --model <class path>`` with the default stack:
 from __future__ import annotations
 
 import math
+import re
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -94,6 +96,14 @@ class _Seen(pl.Callback):
         self.param_dtypes |= {p.dtype for p in pl_module.parameters()}
 
 
+# name -> what a piece warns in these fits, and why: the modules' own loaders restart an epoch from its
+# first sample; _Poison makes one step's gradients NaN; the fits have no ModelCheckpoint.
+EXPECTED_WARNINGS = {
+    "ExactResume": "the data order of .* is not resumed exactly",
+    "NonFiniteGuard": "NonFiniteGuard: skipped non-finite gradients",
+    "SigtermCheckpoint": "the Trainer has no ModelCheckpoint, so a SIGTERM saves nothing",
+}
+
 # name -> (make the piece, is it a plugin)
 PIECES = {
     "MFUMonitor": (lambda: MFUMonitor(log_every_n_steps=1, warmup_steps=0, peak_flops=1e12), False),
@@ -108,7 +118,9 @@ PIECES = {
 # Exported, but not a piece to run here: exceptions, and AutoBatchSize, which needs a loader it can
 # resize (a datamodule's) and max_micro_batch_size on CPU: its contract over the same module shapes is
 # tests/callbacks/auto_batch/test_contracts.py. AtomicModelParallelStrategy is a strategy (tests/checkpoint).
-NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize", "AtomicModelParallelStrategy"}
+# The progress bars are Lightning's, drawn the same; their resume: tests/callbacks/test_progress_bar.py.
+NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize", "AtomicModelParallelStrategy",
+              "ResumedRichProgressBar", "ResumedTQDMProgressBar"}
 
 
 def test_every_export_is_covered():
@@ -138,7 +150,11 @@ def test_contract(name, shape, tmp_path):
     flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())
     piece = make()  # constructible with the documented defaults
     extra = {"NonFiniteGuard": [_Poison()], "BF16Precision": [_Seen()], "Float8Precision": [_Seen()]}.get(name, [])
-    trainer, module = _fit(piece, is_plugin, shape, tmp_path, extra, datamodule=shape == "litgpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, module = _fit(piece, is_plugin, shape, tmp_path, extra, datamodule=shape == "litgpt")
+    ours = {str(w.message) for w in caught if "lightning_gpuopt" in w.filename}
+    assert all(re.search(EXPECTED_WARNINGS.get(name, "^$"), m) for m in ours), ours  # each warns only what it says below
 
     # the value each one claims
     if name == "MFUMonitor":
@@ -173,7 +189,11 @@ def test_contract(name, shape, tmp_path):
         assert again.state_dict() == state
 
     # a second fit with the same instance
-    trainer, module = _fit(piece, is_plugin, shape, tmp_path / "second", [type(e)() for e in extra])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, module = _fit(piece, is_plugin, shape, tmp_path / "second", [type(e)() for e in extra])
+    ours = {str(w.message) for w in caught if "lightning_gpuopt" in w.filename}
+    assert all(re.search(EXPECTED_WARNINGS.get(name, "^$"), m) for m in ours), ours
     assert all(math.isfinite(float(v.float().sum())) for v in module.state_dict().values() if v.is_floating_point())
     if name == "NonFiniteGuard":
         assert piece.skipped_steps == 2  # "skipped so far" by this callback: both fits' bad steps

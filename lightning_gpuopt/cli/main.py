@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
+from lightning_gpuopt.callbacks.progress_bar import default_progress_bar
 from lightning_gpuopt.cli.defaults import (
     check_run_length,
     default_stack,
@@ -55,6 +57,13 @@ from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_dist
 
 __all__ = ["GPTCLI", "main", "make_cli"]
 
+_DESCRIPTION = (
+    "gpuopt: train and sample a GPT with Lightning, fast on NVIDIA GPUs. Unless a --config or flag says "
+    "otherwise, fit runs GPTModule on TextDataModule with the stack for this machine: BF16Precision on a "
+    "GPU (float32 on a CPU), CUDASettings, MFUMonitor, NonFiniteGuard, ExactResume, SigtermCheckpoint and a "
+    "ModelCheckpoint keeping checkpoints/last.ckpt (resume with --ckpt_path last). "
+    "gpuopt fit --print_config shows it all."
+)
 _DOCTOR_EPILOG = "gpuopt doctor: what this package will do on this machine (gpuopt doctor --help)."
 _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
 
@@ -159,6 +168,11 @@ class GPTCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:]  # for the commands printed at the end
         check_config_files(self.argv)  # a YAML syntax error names the file and line, not "<unicode string>"
+        if isinstance(args, (list, tuple)):
+            # main(args): the list replaces the command line, so whatever sys.argv holds (a test runner's own
+            # arguments, a script's) is not a mix-up worth LightningCLI's warning about passing both
+            self.config = parser.parse_args(list(args))
+            return
         super().parse_arguments(parser, args)
 
     def before_fit(self) -> None:
@@ -214,6 +228,10 @@ class GPTCLI(LightningCLI):
             kwargs["plugins"] = replace_precision_plugins(trainer_cfg.get("precision"), trainer_cfg.get("plugins"))
         if self.subcommand == "predict" and trainer_cfg.get("logger") in (None, True):
             kwargs["logger"] = False  # predict logs nothing: no empty lightning_logs/version_N
+        callbacks = trainer_cfg.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer_cfg.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            trainer_cfg["callbacks"] = [*callbacks, default_progress_bar()]  # Lightning's bar, counting a resumed epoch right
         note = float32_note(trainer_cfg.get("precision"), kwargs["plugins"], self.stack_device)
         if note is not None:
             rank_zero_info(note)
@@ -342,7 +360,8 @@ def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
     options = dict(
         seed_everything_default=1337,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG},
+        parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG,
+                       "description": _DESCRIPTION},
         args=args,  # None: LightningCLI reads sys.argv itself (and does not warn about `args`)
     )
     return GPTCLI(

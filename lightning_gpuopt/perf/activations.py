@@ -63,6 +63,9 @@ class _FusedAttention(torch.autograd.Function):
 class _AsFusedAttention(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is Tensor.__getitem__ and len(args) == 2 and isinstance(args[1], str):
+            # forward(batch) reading batch["input_ids"]: torch would index the ids by the string's characters
+            raise TypeError(f"the forward indexes its input with {args[1]!r}: it takes a mapping, not a tensor of token ids")
         if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
             with disable_torch_function():
                 return _FusedAttention.apply(args[0], args[1], args[2], dict(kwargs, **dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:]))))

@@ -248,3 +248,10 @@ def test_gpu_run_reports_memory_and_mfu(text_dir, cache_dir, tmp_path):
         assert entry["mfu_measured"] == pytest.approx(entry["tflops"] * 1e12 / report["peaks"]["measured"])
         if report["peaks"]["bf16"] is not None:
             assert 0 < entry["mfu"] < 1
+
+
+def test_help_speaks_of_the_users_machine_and_out(capsys):
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "../shared" not in text and "shared/data" not in text and "benchmark-results/<device-slug>" in "".join(text.split())

@@ -46,7 +46,7 @@ class ClockedGPTModule(GPTModule):
     """Tiny GPT whose every training step takes exactly ``step_s`` seconds on ``clock``."""
 
     def __init__(self, clock: FakeClock, step_s: float, **kwargs) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**{"warmup_steps": 1, **kwargs})  # runs of a few steps: a warm-up that fits them
         self._clock, self._step_s = clock, step_s
 
     def training_step(self, batch, batch_idx):

@@ -31,6 +31,21 @@ def test_every_shipped_config_is_there():
     assert {p.stem for p in CONFIGS} == {"quickstart", "fast", "production", "max-quality", "mega", "h100", "multi-gpu", "hf-llama"}
 
 
+def test_the_wandb_sync_path_in_the_docs_is_where_the_recipes_write():
+    """WandbLogger writes under <save_dir>/wandb/; the docs' sync command names the recipes' save_dir."""
+    import re
+
+    docs = (REPO / "docs" / "callbacks.md").read_text()
+    synced = set(re.findall(r"wandb sync (runs/[\w-]+)/wandb/offline-run-\*", docs))
+    save_dirs = {}
+    for config in CONFIGS:
+        found = re.findall(r"WandbLogger\n\s*#\s*init_args: \{[^}]*save_dir: ([\w/-]+)\}", config.read_text())
+        if found:
+            save_dirs[config.stem] = found[0]
+    assert save_dirs and all(path == f"runs/{stem}" for stem, path in save_dirs.items()), save_dirs
+    assert synced and synced <= set(save_dirs.values())
+
+
 class _ParseOnly(GPTCLI):
     """Parses and validates a config without building the model and data (the recipes' WikiText-103
     folder is not on the test machine)."""
@@ -154,9 +169,26 @@ def test_typo_in_option_is_reported():
         _ParseOnly(GPTModule, TextDataModule, run=False, args=["--model.presett", "124m"])
 
 
+def test_main_args_replace_the_command_line_without_a_warning(monkeypatch, capsys):
+    """``main(args)`` from a process with its own arguments (a test runner, a script) does not warn about both."""
+    import warnings
+
+    from lightning_gpuopt.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["runner", "-q", "tests/"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exit_:
+        warnings.simplefilter("always")
+        main(["fit", "--help"])
+    assert exit_.value.code == 0 and "--trainer.max_steps" in capsys.readouterr().out
+    assert [str(w.message) for w in caught if "args parameter" in str(w.message)] == []
+
+
 def test_python_dash_m_is_the_gpuopt_command():
     out = subprocess.run([sys.executable, "-m", "lightning_gpuopt", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "{fit,validate,test,predict}" in out.stdout and "gpuopt" in out.stdout
+    said = " ".join(out.stdout.split())  # what the command is and what fit runs by default, not Lightning's generic line
+    assert "Lightning Trainer command line tool" not in said
+    assert "train and sample a GPT" in said and "GPTModule on TextDataModule" in said and "--ckpt_path last" in said
 
 
 def test_main_ends_the_process_group_after_a_successful_run(text_dir, cache_dir, tmp_path, monkeypatch):

@@ -46,7 +46,7 @@ def token_loader(n_seq: int = 256, seq_len: int = 32, batch_size: int = 8, seed:
 def tiny_gpt_module(**kwargs):
     from lightning_gpuopt.model import GPTModule
 
-    args = dict(preset="tiny", vocab_size=256, block_size=32, warmup_steps=10, learning_rate=3e-3)
+    args = dict(preset="tiny", vocab_size=256, block_size=32, warmup_steps=1, learning_rate=3e-3)  # warm-up within the runs of a few steps
     return GPTModule(**{**args, **kwargs})
 
 

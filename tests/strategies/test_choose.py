@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy

@@ -1,0 +1,61 @@
+"""callbacks/progress_bar.py: a fit resumed inside an epoch shows its bar's total and counts from the resumed batch."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+from lightning_gpuopt import GPTModule, TextDataModule
+from lightning_gpuopt.callbacks import ResumedRichProgressBar, ResumedTQDMProgressBar
+from lightning_gpuopt.cli.main import GPTCLI
+
+
+class _StopAt(Callback):
+    def __init__(self, step: int, path):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+class _ReadBar(Callback):
+    """The training bar's (count, total, first count of this fit) after each batch."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, *args):
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, ResumedTQDMProgressBar):
+            tq = bar.train_progress_bar
+            self.seen.append((tq.n, tq.total, tq.initial))
+        else:
+            task = bar.progress.tasks[bar.train_progress_bar_id]
+            self.seen.append((task.completed, task.total, None))
+
+
+@pytest.mark.parametrize("bar", [None, "lightning_gpuopt.callbacks.ResumedTQDMProgressBar"])
+def test_resumed_fit_bar_has_the_total_and_starts_at_the_resumed_batch(text_dir, cache_dir, tmp_path, bar):
+    args = ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0",
+            "--data.block_size", "16", "--data.batch_size", "2", "--model.preset", "tiny",
+            "--trainer.max_steps", "8", "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"]
+    if bar is not None:
+        args += ["--trainer.callbacks+=" + bar]
+    ckpt = tmp_path / "step3.ckpt"
+    first = GPTCLI(GPTModule, TextDataModule, run=False, args=args, save_config_callback=None)
+    first.trainer.callbacks.append(_StopAt(3, ckpt))
+    first.trainer.fit(first.model, first.datamodule)
+    resumed = GPTCLI(GPTModule, TextDataModule, run=False, args=args, save_config_callback=None)
+    read = _ReadBar()
+    resumed.trainer.callbacks.append(read)
+    resumed.trainer.fit(resumed.model, resumed.datamodule, ckpt_path=str(ckpt))
+    expected = ResumedTQDMProgressBar if bar else (ResumedRichProgressBar, ResumedTQDMProgressBar)
+    assert isinstance(resumed.trainer.progress_bar_callback, expected)
+    assert resumed.trainer.global_step == 8
+    # the bar totals 8 batches, as a fresh fit's, and counts 4..8 from 3: its rate and ETA cover this fit's 5
+    assert [n for n, _, _ in read.seen] == [4, 5, 6, 7, 8]
+    assert {total for _, total, _ in read.seen} == {8}
+    if bar:
+        assert {initial for _, _, initial in read.seen} == {3}
