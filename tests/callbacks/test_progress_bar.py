@@ -39,7 +39,7 @@ class _ReadBar(Callback):
 @pytest.mark.parametrize("bar", [None, "lightning_gpuopt.callbacks.ResumedTQDMProgressBar"])
 def test_resumed_fit_bar_has_the_total_and_starts_at_the_resumed_batch(text_dir, cache_dir, tmp_path, bar):
     args = ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0",
-            "--data.block_size", "16", "--data.batch_size", "2", "--model.preset", "tiny",
+            "--data.block_size", "16", "--data.batch_size", "2", "--model.preset", "tiny", "--model.warmup_steps", "1",
             "--trainer.max_steps", "8", "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"]
     if bar is not None:
         args += ["--trainer.callbacks+=" + bar]

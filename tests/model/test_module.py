@@ -34,7 +34,7 @@ def test_short_fit_on_wikitext2_lowers_loss(cache_dir):
 
 def test_val_perplexity_is_token_weighted_over_the_split(text_dir, cache_dir):
     data = _data(text_dir, cache_dir, vocab_size=300, batch_size=3)
-    model = GPTModule(preset="tiny", vocab_size=300, block_size=64)
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=64, warmup_steps=1)
     result = _trainer().validate(model, datamodule=data, verbose=False)[0]
     model.eval()
     losses, counts = [], []
@@ -66,7 +66,7 @@ def test_warmup_longer_than_run_warns(text_dir, cache_dir):
 
 def test_throughput_monitor_reads_flops_per_batch(text_dir, cache_dir):
     data = _data(text_dir, cache_dir, vocab_size=300)
-    model = GPTModule(preset="tiny", vocab_size=300, block_size=64)
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=64, warmup_steps=1)
     monitor = ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0), length_fn=lambda b: b[0].numel(), window_size=2)
     _trainer(max_steps=3, limit_val_batches=0, callbacks=[monitor], log_every_n_steps=1).fit(model, datamodule=data)
     assert model.flops_per_batch == model.flops_per_token(64) * 16 * 64
@@ -101,7 +101,7 @@ def test_configure_model_is_idempotent_and_compiles_in_place(scope):
 
 def test_checkpoint_round_trip_and_predict(tmp_path, text_dir, cache_dir):
     data = _data(text_dir, cache_dir, vocab_size=300, prompts=["the model", "loss"], samples_per_prompt=3)
-    model = GPTModule(preset="tiny", vocab_size=300, block_size=64, max_new_tokens=5, temperature=0)
+    model = GPTModule(preset="tiny", vocab_size=300, block_size=64, max_new_tokens=5, temperature=0, warmup_steps=1)
     trainer = _trainer(max_steps=2, limit_val_batches=0, default_root_dir=tmp_path)
     trainer.fit(model, datamodule=data)
     trainer.save_checkpoint(tmp_path / "m.ckpt")
@@ -152,7 +152,8 @@ def test_float8_under_fsdp2_gathers_weights_in_float8_or_bf16_never_fp32(fsdp2_t
     probe = _GatheredWeights()
     convert_all = Float8Precision(recipe=recipe, emulate=True, module_filter=lambda module, fqn: "lm_head" not in fqn)
     trainer = fsdp2_trainer(plugins=[convert_all], max_steps=1, callbacks=[probe])
-    trainer.fit(tiny_gpt_module(), token_loader(n_seq=8, batch_size=4))
+    with pytest.warns(UserWarning, match="Float8Precision: the model is not compiled"):  # uncompiled here on purpose
+        trainer.fit(tiny_gpt_module(), token_loader(n_seq=8, batch_size=4))
     assert probe.seen == {  # what the all-gather carried: 1 byte per float8 weight (tensorwise), else 2
         "transformer.ln_f": ("Parameter", torch.bfloat16),  # the root's: embedding, tied head, final norm
         "transformer.h.0.ln_1": ("Parameter", torch.bfloat16),
