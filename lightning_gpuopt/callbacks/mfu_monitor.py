@@ -32,6 +32,12 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # a measurement: the window's time must include the GPU's queued work
 
 
+def _seq_len(batch: Any) -> Optional[int]:
+    """The sequence length of a batch's input ids (the key of a FLOPs count), ``None`` without them."""
+    input_ids = input_ids_of(batch)
+    return int(input_ids.shape[-1]) if input_ids is not None and input_ids.dim() > 0 else None
+
+
 class MFUMonitor(Callback):
     """Logs throughput, TFLOP/s per device, MFU and memory every few optimizer steps, and a report at the end of ``fit``.
 
@@ -204,8 +210,7 @@ class MFUMonitor(Callback):
         if self.flops_per_token is not None:
             self.flops_source = "flops_per_token="
             return self.flops_per_token
-        input_ids = input_ids_of(batch)
-        seq_len = int(input_ids.shape[-1]) if input_ids is not None and input_ids.dim() > 0 else None
+        seq_len = _seq_len(batch)
         if self._counter.running:  # this step was counted (started at on_train_batch_start)
             self._flops_cache[self._counting] = self._counted(pl_module, self._counter.stop(), tokens)
         if seq_len not in self._flops_cache:
@@ -235,8 +240,7 @@ class MFUMonitor(Callback):
         """Count the FLOPs of this step when this sequence length has no count yet and nothing else gives one."""
         if self.flops_per_token is not None or self._counter.running or callable(getattr(pl_module, "flops_per_token", None)):
             return
-        input_ids = input_ids_of(batch)
-        seq_len = int(input_ids.shape[-1]) if input_ids is not None and input_ids.dim() > 0 else None
+        seq_len = _seq_len(batch)
         if seq_len not in self._flops_cache:
             self._counting = seq_len
             self._counter.start()
