@@ -27,7 +27,7 @@ __all__ = ["MFUMonitor"]
 
 
 def _synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work: called only on steps that log."""
+    """Wait for the device's queued work: only on steps that log and where validation or a save pauses the window."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # a measurement: the window's time must include the GPU's queued work
 
