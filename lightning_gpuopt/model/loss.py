@@ -24,11 +24,14 @@ Eager, it holds the chunk's logits and one float32 copy: exact, and what CPU run
 
 Why not torch's own ``F.linear_cross_entropy(..., options=nn.LinearCrossEntropyOptions())`` (torch
 >= 2.13, chunked too). ``python -m benchmarks.step_memory`` (vocab 50257, T 1024, micro-batch 4, a
-loaded 2-core CPU): autocast does not reach its custom op, so under bf16 its matmuls run in float32;
-with automatic options it peaks lowest (0.70 against our 1.10 GB) but takes 3.2x our time. With
-bf16 inputs and our chunk length it matches our memory (1.02 GB) and time (16 s against 23 s). It is
-not exact where ours is: its loss comes back in the inputs' dtype (a bf16 loss 200x further from
-float64 than ``F.cross_entropy``'s), and with fp16 inputs its gradients were non-finite.
+quiet 2-core CPU, ``benchmarks/README.md``): autocast does not reach its custom op, so under bf16 its
+matmuls run in float32; with automatic options it peaks lowest (0.72 against our 1.13 GB) in about
+our time (8.8 s against 9.5 s). Given bf16 inputs and our chunk length it matches our memory (1.05 GB)
+in half our time (4.4 s) on this CPU, where bf16 arithmetic is emulated. It stays out because it is
+not exact where ours is: its loss comes back in the inputs' dtype (in bf16, 1e-3 from the float64
+loss where ours and ``F.cross_entropy``'s are within 1e-6, at N 2048), and in fp16 its gradients are
+formed in fp16, so unscaled 7% of the weight gradient's entries underflow to zero and under a
+GradScaler's first scale (65536) they overflow to Inf. Its GPU time is not measured yet.
 """
 
 from __future__ import annotations
