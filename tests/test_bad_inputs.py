@@ -23,7 +23,7 @@ from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
 from lightning_gpuopt.model.config import check_attention_runs
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from lightning_gpuopt.callbacks.auto_batch.search import per_device_batch
-from lightning_gpuopt.data.tokenizer import check_same_tokenizer
+from lightning_gpuopt.data.tokenizer import carried_tokenizer, check_same_tokenizer, tokenizer_fingerprint, train_bpe_tokenizer
 from lightning_gpuopt.checkpoint import AtomicCheckpointIO, NonFiniteCheckpointError
 from lightning_gpuopt.precision import Float8Precision
 from lightning_gpuopt.precision.float8 import check_float8_device, check_float8_strategy
@@ -158,6 +158,24 @@ def _lightning_ckpt(ctx: Ctx) -> str:
     torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 4, "hyper_parameters": hparams,
                 "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path)
     return str(path)
+
+
+def _ckpt_carrying_a_tokenizer(ctx: Ctx) -> str:
+    """:func:`_lightning_ckpt` whose data state carries a tokenizer trained on other text than the test corpus."""
+    path = _lightning_ckpt(ctx)
+    checkpoint = torch.load(path, weights_only=True)
+    tok = train_bpe_tokenizer([" ".join(f"word{i % 97} and {i % 13} more" for i in range(4000))], 300)
+    checkpoint["TextDataModule"] = {"train_epoch": 0, "train_position": 8, "tokenizer_json": tok.to_str(),
+                                    "tokenizer_sha256": tokenizer_fingerprint(tok)}
+    torch.save(checkpoint, path)
+    return path
+
+
+def _corpus_tokenizer(ctx: Ctx) -> str:
+    """A 300-token BPE of the test corpus, as a file (so model.vocab_size, linked from it, is the checkpoint's)."""
+    tok = train_bpe_tokenizer([p.read_text() for p in sorted(ctx.text_dir.iterdir())], 300)
+    tok.save(str(ctx.tmp / "corpus-tokenizer.json"))
+    return str(ctx.tmp / "corpus-tokenizer.json")
 
 
 def _as_last(ctx: Ctx) -> str:
@@ -382,6 +400,12 @@ CASES = [
     Case("resume-other-tokenizer", lambda c: check_same_tokenizer({"tokenizer_sha256": "0" * 64, "tokenizer_file": "/run/tokenizer.json"},
                                                                   Tokenizer.from_file(_tokenizer_without_eot(c)), "data.source='x'"),
          ValueError, r"is not the one the checkpoint was trained with .*set data.tokenizer /run/tokenizer.json"),
+    Case("resume-given-tokenizer-differs",
+         lambda c: _cli_before_data(c, ["--ckpt_path", _ckpt_carrying_a_tokenizer(c), "--data.tokenizer", _corpus_tokenizer(c)]),
+         SystemExit, r"is not the one the checkpoint was trained with .*Leave data.tokenizer unset: the checkpoint's own tokenizer is then used"),
+    Case("checkpoint-tokenizer-damaged",
+         lambda c: carried_tokenizer({"tokenizer_json": Tokenizer(models.BPE()).to_str(), "tokenizer_sha256": "0" * 64}),
+         ValueError, r"does not match its tokenizer_sha256: the checkpoint is damaged\. Use an earlier checkpoint"),
     # ---------------------------------------------------------------- checkpoints
     Case("checkpoint-truncated", lambda c: load_gpt(_ckpt(c, truncate=True)), CheckpointError, "Use an earlier checkpoint; save with AtomicCheckpointIO"),
     Case("checkpoint-foreign-file", lambda c: load_gpt(c.yaml("model: {}\n")), CheckpointError, "is not a PyTorch checkpoint"),

@@ -187,12 +187,17 @@ class GPTCLI(LightningCLI):
         # module of your own is built as configured; the checkpoint gives its weights and training state.
         resolve_run_folder(self.config)
         if self.trains_gpt:
-            self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule)
+            self.config, self.checkpoint_settings = merge_checkpoint_settings(
+                self.parser, self.config, GPTModule, TextDataModule if self.reads_text else None
+            )
 
     def after_instantiate_classes(self) -> None:
-        if getattr(self, "checkpoint_settings", None) is not None:
-            self.checkpoint_settings.check_model(self.model)
-            self.checkpoint_settings.report()
+        settings = getattr(self, "checkpoint_settings", None)
+        if settings is not None:
+            settings.check_model(self.model)
+            settings.report()
+            if self.reads_text:  # before data preparation: the run's token ids keep their meaning
+                self.datamodule.use_checkpoint_tokenizer(settings.data_state)
         if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
             prepare_resumed_fit(self.trainer)
 

@@ -18,8 +18,11 @@ replaces ``LightningCLI._parse_ckpt_path`` with :func:`merge_checkpoint_settings
 :func:`prepare_resumed_fit` turns off ``ModelCheckpoint``'s version counter
 (``lightning_internals.no_version_counter``, no public setter).
 
-The data's settings (``data.batch_size`` ...) are never taken from the checkpoint. The tokenizer
-itself is compared when the data module's state is restored (``TextDataModule.load_state_dict``).
+The data's settings (``data.batch_size`` ...) are never taken from the checkpoint, but its tokenizer
+is: the data module's saved state (:attr:`CheckpointSettings.data_state`) goes to
+``TextDataModule.use_checkpoint_tokenizer`` before data preparation, so a corpus changed since the
+run is tokenised with the run's tokenizer, and ``predict`` decodes with it whatever the token cache
+holds. ``TextDataModule.load_state_dict`` compares the tokenizers of older checkpoints, which carry none.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class CheckpointSettings:
             which is used: ``{name: (checkpoint's, configured)}``.
         data: ``data`` options that differ from the training run's (used as given):
             ``{name: (checkpoint's, configured)}``.
+        data_state: The data module's saved state (``None``: the checkpoint holds none for that class).
     """
 
     path: str
@@ -101,6 +105,7 @@ class CheckpointSettings:
     applied: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     kept: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     data: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    data_state: Optional[dict[str, Any]] = None
 
     def check_model(self, model: Any) -> None:
         """Refuse a built model whose data-linked shape (``block_size``, ``vocab_size``) is not the checkpoint's."""
@@ -184,17 +189,20 @@ def _config_hint(group: Any) -> str:
     return " ".join(f"--config {p}" for p in paths) + " ..." if paths else "..."
 
 
-def merge_checkpoint_settings(parser: Any, config: Any, model_class: type) -> tuple[Any, Optional[CheckpointSettings]]:
+def merge_checkpoint_settings(
+    parser: Any, config: Any, model_class: type, data_class: Optional[type] = None
+) -> tuple[Any, Optional[CheckpointSettings]]:
     """Merge a ``--ckpt_path`` checkpoint's hyper-parameters into ``config`` under the rules of the module docstring.
 
     Example::
 
-        config, settings = merge_checkpoint_settings(cli.parser, cli.config, GPTModule)
+        config, settings = merge_checkpoint_settings(cli.parser, cli.config, GPTModule, TextDataModule)
 
     Args:
         parser: The CLI's parser (``parse_object`` merges values into a config).
         config: The parsed configuration (with a subcommand).
         model_class: The module class (its defaults tell asked settings from unasked ones).
+        data_class: The data module class, whose saved state goes into ``settings.data_state``.
 
     Returns:
         The merged configuration, and the comparison (``None`` when no local checkpoint file is given).
@@ -230,6 +238,8 @@ def merge_checkpoint_settings(parser: Any, config: Any, model_class: type) -> tu
     known = set(inspect.signature(model_class.__init__).parameters) - {"self"}
     merged = {k: v for k, v in saved.items() if k in known}
     settings = CheckpointSettings(path, subcommand, saved)
+    if data_class is not None:  # Lightning saves a data module's state under its class's qualified name
+        settings.data_state = checkpoint.get(data_class.__qualname__)
     for k, v in asked.items():
         if k not in ARCHITECTURE and saved.get(k) != v:
             settings.applied[k] = (saved.get(k), v)

@@ -1,10 +1,13 @@
 """The token cache folder: what makes it complete and current, and how it is written safely.
 
 Design note: a cache folder holds ``tokenizer.json``, one ``<split>.bin`` per split the corpus
-has, and ``meta.json``, written last. ``meta.json`` records
+has, and ``meta.json``, written last. Its name (:func:`token_cache_dir`) hashes the corpus's
+identity *and* fingerprint with the tokenizer and the split, so a changed corpus is a new folder:
+a folder is never rewritten for other text, and the ``tokenizer.json`` a run trained (which a
+checkpoint names, and carries too) stays as it was. ``meta.json`` records
 
-- the input fingerprint (:attr:`Corpus.fingerprint`) and the format version: a changed corpus, or a
-  changed on-disk layout, makes the folder stale;
+- the input fingerprint (:attr:`Corpus.fingerprint`) and the format version: a second check that
+  the folder holds this corpus in this on-disk layout;
 - each token file's exact size and a sampled fingerprint (BLAKE2b of the size and of up to
   ``_SAMPLES`` blocks of ``_BLOCK`` bytes spread evenly over the file, which is the whole file up to
   16 MiB): reading ~16 MiB per file costs milliseconds at start-up whatever the corpus size, and
@@ -31,6 +34,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
+
+from lightning_gpuopt.data.sources import Corpus
 
 __all__ = [
     "FORMAT_VERSION",
@@ -242,28 +247,29 @@ def remove_leftovers(folder: Path) -> list[str]:
 
 
 def token_cache_dir(
-    cache_dir: Path, corpus_identity: Any, tokenizer: Optional[str], vocab_size: int, val_fraction: float
+    cache_dir: Path, corpus: Corpus, tokenizer_json: Optional[str], vocab_size: int, val_fraction: float
 ) -> Path:
     """The folder of one data configuration in ``cache_dir``: its name changes when the text, the tokenizer or the split does.
 
-    The corpus enters by its identity (its files' paths), not its content: an edited corpus is
-    rebuilt in the same folder (``meta.json`` records the content's fingerprint), so stale copies
-    do not pile up. A given ``tokenizer.json`` enters by its content's hash.
+    The corpus enters by its identity (its files' paths) and its fingerprint (their sizes and change
+    times, :attr:`Corpus.fingerprint`, read at no cost beyond a ``stat`` per file): an edited corpus
+    gets a new folder and never overwrites the one an earlier run (and the checkpoints naming its
+    ``tokenizer.json``) used. A folder is rebuilt in place only when it is incomplete or damaged,
+    from the same text. Stale folders stay until removed (``docs/data.md`` says how). A given
+    tokenizer enters by its JSON's hash.
 
     Example::
 
-        token_cache_dir(default_cache_dir(), resolve_source("stdlib").identity, None, 4096, 0.05)  # .../<16 hex>
+        token_cache_dir(default_cache_dir(), resolve_source("stdlib"), None, 4096, 0.05)  # .../<16 hex>
 
     Args:
         cache_dir: The cache root.
-        corpus_identity: ``Corpus.identity`` of the text.
-        tokenizer: Path of a ``tokenizer.json``, or ``None`` for a BPE trained with ``vocab_size``.
+        corpus: The text.
+        tokenizer_json: The JSON of the tokenizer to encode with (a ``tokenizer.json``'s text, or
+            ``Tokenizer.to_str()``), or ``None`` for a BPE trained with ``vocab_size``.
         vocab_size: Vocabulary size to train.
         val_fraction: Fraction held out for validation (and again for test).
     """
-    if tokenizer:
-        tok = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
-    else:
-        tok = f"bpe-{vocab_size}"
-    key = json.dumps([FORMAT_VERSION, corpus_identity, tok, val_fraction])
+    tok = hashlib.sha256(tokenizer_json.encode()).hexdigest() if tokenizer_json is not None else f"bpe-{vocab_size}"
+    key = json.dumps([FORMAT_VERSION, corpus.identity, corpus.fingerprint, tok, val_fraction])
     return cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]

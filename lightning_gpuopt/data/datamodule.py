@@ -17,7 +17,7 @@ from lightning_gpuopt.data.prepare import prepare_token_cache
 from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
-from lightning_gpuopt.data.tokenizer import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+from lightning_gpuopt.data.tokenizer import carried_tokenizer, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
 from lightning_gpuopt.option_checks import check_int, check_number
 from lightning_gpuopt.perf.device import cuda_device_count
@@ -78,11 +78,15 @@ class TextDataModule(pl.LightningDataModule):
     On first use (``prepare_data``, once per node) the text is tokenised with a byte-level BPE
     (trained on the training split, or ``tokenizer``) into a ``uint16``/``uint32`` token file with a
     small ``meta.json``, under ``cache_dir/<key>``, streaming with bounded memory on every core
-    (:mod:`~lightning_gpuopt.data.prepare`). The key names the input files, the tokenizer and the
-    split; ``meta.json`` records fingerprints of the text and of the token files, so the files are
-    reused while the corpus is unchanged and rebuilt, with a warning, when it or they changed
+    (:mod:`~lightning_gpuopt.data.prepare`). The key names the input files and their fingerprint,
+    the tokenizer and the split, so a changed corpus gets a new folder; ``meta.json`` records
+    fingerprints of the text and of the token files, so a damaged folder is rebuilt, with a warning
     (``docs/data.md``). Training batches are random windows of
     ``block_size + 1`` tokens; validation and test batches cover their split in order.
+
+    Checkpoints carry the tokenizer (``state_dict``). Before resuming or sampling a checkpoint,
+    :meth:`use_checkpoint_tokenizer` gives the data that tokenizer, so a corpus changed since the
+    run is tokenised with it (``gpuopt ... --ckpt_path`` does this).
 
     The training order is a pure function of ``(seed, epoch, position)`` (see
     :class:`~lightning_gpuopt.data.sampler.ResumableSampler`): each epoch draws new windows, no
@@ -161,6 +165,8 @@ class TextDataModule(pl.LightningDataModule):
         self.samples_per_prompt = samples_per_prompt
         # Fail on a bad tokenizer or source now, not after the Trainer has started.
         self.tokenizer: Optional[Tokenizer] = load_tokenizer(tokenizer) if tokenizer else None
+        self._encode_with = self.tokenizer  # what prepare_data tokenises with (None: a BPE trained on the corpus)
+        self._checkpoint_note: Optional[str] = None  # said when prepare_data uses a checkpoint's tokenizer
         self.vocab_size = self.tokenizer.get_vocab_size() if self.tokenizer else vocab_size
         if self.tokenizer is None and (not isinstance(vocab_size, int) or vocab_size < _MIN_VOCAB):
             raise ValueError(
@@ -172,12 +178,62 @@ class TextDataModule(pl.LightningDataModule):
         self._sampler: Optional[ResumableSampler] = None
         self._origin = (0, 0, 0, batch_size)  # (epoch, start, loop batches, batch size) of the current loader
         self._resume_position: Optional[tuple[int, int]] = None
-        self.data_dir = token_cache_dir(self.cache_dir, self._corpus.identity, tokenizer, vocab_size, val_fraction)
+        given = Path(tokenizer).expanduser().read_text() if tokenizer else None
+        self.data_dir = token_cache_dir(self.cache_dir, self._corpus, given, vocab_size, val_fraction)
         """The folder holding this configuration's tokenizer, token files and metadata."""
 
     # ------------------------------------------------------------------------------ preparation
     def _expected_meta(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "inputs": self._corpus.fingerprint}
+
+    def _predicting(self) -> bool:
+        trainer = self.trainer
+        return trainer is not None and trainer.state.fn == "predict"
+
+    def use_checkpoint_tokenizer(self, state_dict: Optional[dict[str, Any]]) -> None:
+        """Give the data the tokenizer a checkpoint carries, before preparation, so that token ids keep their meaning.
+
+        Call it before ``trainer.fit/validate/test/predict(..., ckpt_path=...)`` (``gpuopt`` does for every
+        ``--ckpt_path``). When the cache holds the checkpoint's tokenizer for this corpus (the usual
+        resume), nothing changes. Otherwise (the corpus changed since the run, or its cache was
+        cleared) the corpus is tokenised with the checkpoint's tokenizer into a folder of its own, and
+        ``prepare_data`` says so in one line; ``predict`` needs no token cache at all. A tokenizer given
+        to this data module must be the checkpoint's. A checkpoint without a tokenizer (written before
+        checkpoints carried one) changes nothing: :meth:`load_state_dict` compares the tokenizers.
+
+        Example::
+
+            data.use_checkpoint_tokenizer(torch.load(path, weights_only=True, mmap=True)["TextDataModule"])
+            trainer.fit(model, datamodule=data, ckpt_path=path)
+
+        Args:
+            state_dict: This data module's state in the checkpoint (``None``: the checkpoint holds none).
+
+        Raises:
+            ValueError: ``tokenizer`` was given and is not the checkpoint's, or the checkpoint's tokenizer is damaged.
+        """
+        carried = carried_tokenizer(state_dict or {})
+        if carried is None:
+            return
+        if self.tokenizer_path:
+            check_same_tokenizer(state_dict, self.tokenizer, f"data.tokenizer={self.tokenizer_path!r}",
+                                 fix="Leave data.tokenizer unset: the checkpoint's own tokenizer is then used")
+            return
+        self.tokenizer = carried
+        meta, _ = check_cache(self.data_dir, self._expected_meta())
+        if meta is not None and tokenizer_fingerprint(Tokenizer.from_file(str(self.data_dir / "tokenizer.json"))) \
+                == state_dict["tokenizer_sha256"]:
+            return  # the BPE trained on this very text is the checkpoint's: its tokens are reused
+        self._encode_with = carried
+        self.data_dir = token_cache_dir(
+            self.cache_dir, self._corpus, state_dict["tokenizer_json"], self.vocab_size, self.val_fraction
+        )
+        self._checkpoint_note = (
+            f"The data uses the checkpoint's tokenizer (sha256 {state_dict['tokenizer_sha256'][:12]}), not a BPE "
+            f"trained on {self._corpus.description}: the model's token ids mean its tokens, and the cache holds no BPE "
+            "of this text that is the same (the text changed since the checkpoint's run or is another one, or its "
+            "token cache was removed)."
+        )
 
     @override
     def prepare_data(self) -> None:
@@ -185,10 +241,16 @@ class TextDataModule(pl.LightningDataModule):
 
         Safe to call from several processes at once: one prepares (under a file lock), the others
         wait and reuse its files. A stale or damaged folder (see ``docs/data.md``) is rebuilt with a
-        warning naming it; leftovers of killed runs are removed.
+        warning naming it; leftovers of killed runs are removed. ``predict`` with a tokenizer known
+        (given, or a checkpoint's) prepares nothing: it reads no token file.
         """
+        if self.tokenizer is not None and self._predicting():
+            return
+        if self._checkpoint_note:
+            rank_zero_info(self._checkpoint_note)
+            self._checkpoint_note = None
         prepare_token_cache(
-            self._corpus, self.data_dir, self._expected_meta(), self.tokenizer, self.vocab_size, self.val_fraction,
+            self._corpus, self.data_dir, self._expected_meta(), self._encode_with, self.vocab_size, self.val_fraction,
             self.source, info=rank_zero_info, warn=rank_zero_warn,
         )
 
@@ -198,7 +260,11 @@ class TextDataModule(pl.LightningDataModule):
 
         The cache folder is checked first (sizes, fingerprints, ``meta.json``'s checksum), so a damaged
         or stale folder fails here, before any step, and not in the middle of ``fit`` or ``test``.
+        ``predict`` with a tokenizer known (given, or a checkpoint's) opens no token file.
         """
+        if stage == "predict" and self._meta is None and self.tokenizer is not None:
+            self.vocab_size = self.tokenizer.get_vocab_size()
+            return
         if self._meta is None:
             trainer = self.trainer
             if trainer is None or trainer.world_size == 1:
@@ -214,7 +280,7 @@ class TextDataModule(pl.LightningDataModule):
                 )
             self._meta = meta
             self.tokenizer = Tokenizer.from_file(str(self.data_dir / "tokenizer.json"))
-            if self.tokenizer_path is None and self.vocab_size != self._meta["vocab_size"]:
+            if self._encode_with is None and self.vocab_size != self._meta["vocab_size"]:  # a BPE trained here
                 note = vocab_shortfall(self.vocab_size, self._meta["vocab_size"])
                 if note:
                     rank_zero_warn(note)
@@ -291,7 +357,8 @@ class TextDataModule(pl.LightningDataModule):
         """The training position (saved in checkpoints by Lightning)."""
         epoch, position = self.train_position()
         state = {"train_epoch": epoch, "train_position": position}
-        if self.tokenizer is not None:  # a resume checks that the data's tokenizer is this one
+        if self.tokenizer is not None:  # the run's tokenizer travels with it (~100 KB of JSON at 4096 tokens)
+            state["tokenizer_json"] = self.tokenizer.to_str()
             state["tokenizer_sha256"] = tokenizer_fingerprint(self.tokenizer)
             state["tokenizer_file"] = str((self.data_dir / "tokenizer.json").resolve())
         return state
@@ -299,9 +366,15 @@ class TextDataModule(pl.LightningDataModule):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a checkpoint's training position (the next training loader starts there); refuse
-        a tokenizer other than the checkpoint's."""
+        a tokenizer other than the checkpoint's (:meth:`use_checkpoint_tokenizer`, called before, avoids that)."""
         if self.tokenizer is not None:
-            check_same_tokenizer(state_dict, self.tokenizer, f"data.source={self.source!r}")
+            fix = None
+            if state_dict.get("tokenizer_json"):  # the checkpoint carries it: the data can use it
+                fix = ("The checkpoint carries its tokenizer: call data.use_checkpoint_tokenizer(checkpoint"
+                       f"[{type(self).__qualname__!r}]) before trainer.fit/predict"
+                       + (", with tokenizer unset" if self.tokenizer_path else "")
+                       + " (gpuopt --ckpt_path does this)")
+            check_same_tokenizer(state_dict, self.tokenizer, f"data.source={self.source!r}", fix)
         if "train_epoch" in state_dict:
             self._resume_position = (int(state_dict["train_epoch"]), int(state_dict["train_position"]))
             self._sampler = None

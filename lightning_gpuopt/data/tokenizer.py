@@ -6,12 +6,14 @@ import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 __all__ = [
     "EOT_TOKEN",
     "MIN_VOCAB_SIZE",
+    "carried_tokenizer",
     "check_same_tokenizer",
     "load_tokenizer",
     "tokenizer_fingerprint",
@@ -91,7 +93,34 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(content.encode()).hexdigest()
 
 
-def check_same_tokenizer(saved: dict, tokenizer: Tokenizer, where: str) -> None:
+def carried_tokenizer(saved: dict) -> Optional[Tokenizer]:
+    """The tokenizer a checkpoint's data state carries (``tokenizer_json``), or ``None`` for one without it.
+
+    Example::
+
+        carried_tokenizer(checkpoint["TextDataModule"])  # Tokenizer, decodes the run's token ids
+
+    Args:
+        saved: The data module's saved state.
+
+    Raises:
+        ValueError: The JSON is not a tokenizer, or not the one ``tokenizer_sha256`` names (a damaged checkpoint).
+    """
+    text = saved.get("tokenizer_json")
+    if not text:
+        return None
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as err:  # tokenizers raises a bare Exception for malformed JSON
+        raise ValueError(f"The checkpoint's tokenizer (tokenizer_json) is not a valid tokenizer: {err}. Use an "
+                         "earlier checkpoint of the run.") from err
+    if saved.get("tokenizer_sha256") and tokenizer_fingerprint(tokenizer) != saved["tokenizer_sha256"]:
+        raise ValueError("The checkpoint's tokenizer (tokenizer_json) does not match its tokenizer_sha256: the "
+                         "checkpoint is damaged. Use an earlier checkpoint of the run.")
+    return tokenizer
+
+
+def check_same_tokenizer(saved: dict, tokenizer: Tokenizer, where: str, fix: Optional[str] = None) -> None:
     """Raise a ``ValueError`` if ``tokenizer`` is not the one a checkpoint's data state records.
 
     Example::
@@ -102,6 +131,7 @@ def check_same_tokenizer(saved: dict, tokenizer: Tokenizer, where: str) -> None:
         saved: The data module's saved state (``tokenizer_sha256`` and ``tokenizer_file``; no check without them).
         tokenizer: The data's tokenizer now.
         where: What the data is now (named in the message).
+        fix: What to do, in the message; default: the training run's data settings, or its ``tokenizer_file``.
     """
     expected = saved.get("tokenizer_sha256")
     if not expected:
@@ -109,8 +139,8 @@ def check_same_tokenizer(saved: dict, tokenizer: Tokenizer, where: str) -> None:
     actual = tokenizer_fingerprint(tokenizer)
     if actual != expected:
         file = saved.get("tokenizer_file", "<the training run's tokenizer.json>")
+        fix = fix or f"Use the training run's data.source and data.vocab_size, or set data.tokenizer {file}"
         raise ValueError(
             f"The data's tokenizer ({where}, sha256 {actual[:12]}) is not the one the checkpoint was trained with "
-            f"(sha256 {expected[:12]}): its token ids would mean other text to the model. Use the training run's "
-            f"data.source and data.vocab_size, or set data.tokenizer {file}."
+            f"(sha256 {expected[:12]}): its token ids would mean other text to the model. {fix}."
         )

@@ -1,17 +1,23 @@
-"""`gpuopt fit/predict --ckpt_path`: asked settings applied and reported, architecture and tokenizer changes refused,
-no `-vN` copies on a resumed fit (real Trainers through the CLI)."""
+"""`gpuopt fit/predict --ckpt_path`: asked settings applied and reported, architecture changes refused, the
+checkpoint's tokenizer kept when the corpus changed, no `-vN` copies on a resumed fit (real Trainers through the CLI)."""
 
 from __future__ import annotations
 
 import inspect
+import json
+import logging
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.callbacks.resumed_optimizer import ResumedOptimizerSettings, apply_optimizer_settings
 from lightning_gpuopt.cli.main import GPTCLI, main
+from lightning_gpuopt.data.tokenizer import tokenizer_fingerprint
 from lightning_gpuopt.model.checkpoint import read_checkpoint
 from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
 
@@ -78,17 +84,85 @@ def test_predict_applies_the_asked_sampling_settings(six_steps, text_dir):
     assert cli.checkpoint_settings.applied == {"max_new_tokens": (64, 3), "temperature": (0.8, 0.0)}
 
 
-def test_resume_on_another_corpus_is_refused(six_steps, tmp_path, text_dir, capsys):
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "a.txt").write_text(" ".join(f"word{i % 97} and {i % 13} more" for i in range(4000)))
+GROWTH = "zebras quartz jumping over lazy foxes " * 400 + "\n"  # text the first run's BPE never saw
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_after_the_corpus_grew_keeps_the_checkpoints_tokenizer_and_its_cache(six_steps, text_dir, cache_dir,
+                                                                                   capsys, caplog):
+    ckpt = six_steps / "epoch=0-step=4.ckpt"
+    state = read_checkpoint(ckpt)["TextDataModule"]
+    before = _files(cache_dir)
+    with open(text_dir / "doc3.txt", "a") as f:
+        f.write(GROWTH)
+    grown = TextDataModule(source=str(text_dir), vocab_size=300, num_workers=0, cache_dir=str(cache_dir))
+    grown.prepare_data()  # a BPE trained on the grown text, in a new folder: other token ids
+    grown_bpe = grown.data_dir / "tokenizer.json"
+    assert tokenizer_fingerprint(Tokenizer.from_file(str(grown_bpe))) != state["tokenizer_sha256"]
+    folders = set(cache_dir.iterdir())
+
+    # Another tokenizer asked for: refused before any data preparation, with the fix ...
     with pytest.raises(SystemExit) as info:
-        main(["fit", *_args(other, tmp_path / "ckpt2", "--trainer.max_steps", "8"),
-              "--ckpt_path", str(six_steps / "epoch=0-step=4.ckpt")])
+        main(["fit", *_args(text_dir, six_steps, "--trainer.max_steps", "8"), "--ckpt_path", str(ckpt),
+              "--data.tokenizer", str(grown_bpe)])
+    assert info.value.code == 2 and "Leave data.tokenizer unset" in capsys.readouterr().err
+    assert set(cache_dir.iterdir()) == folders
+
+    # ... which works: the grown text is tokenised with the checkpoint's tokenizer, said in one line.
+    with caplog.at_level(logging.INFO):
+        cli = _cli(["fit", *_args(text_dir, six_steps, "--trainer.max_steps", "8"), "--ckpt_path", str(ckpt)])
+    assert cli.trainer.global_step == 8
+    data = cli.datamodule
+    assert tokenizer_fingerprint(data.tokenizer) == state["tokenizer_sha256"]
+    assert data.data_dir not in folders
+    said = [r.getMessage() for r in caplog.records if "checkpoint's tokenizer" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("The data uses the checkpoint's tokenizer (sha256 ")
+    train = np.fromfile(data.data_dir / "train.bin", dtype=np.uint16).astype(np.int64).tolist()
+    assert GROWTH.strip() in data.tokenizer.decode(train)
+    assert _files(cache_dir).items() >= before.items()  # every file of the first run's cache is byte-identical
+    assert read_checkpoint(six_steps / "epoch=0-step=8.ckpt")["TextDataModule"]["tokenizer_sha256"] == state["tokenizer_sha256"]
+
+
+def test_predict_decodes_with_the_checkpoints_tokenizer_whatever_the_cache_holds(six_steps, tmp_path, text_dir, cache_dir):
+    ckpt = six_steps / "epoch=0-step=6.ckpt"
+    carried = Tokenizer.from_str(read_checkpoint(ckpt)["TextDataModule"]["tokenizer_json"])
+    with open(text_dir / "doc3.txt", "a") as f:
+        f.write(GROWTH)
+    shutil.rmtree(cache_dir)  # sampling needs no token cache
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the model\nzebras jumping\n")
+    output = tmp_path / "out.jsonl"
+    cli = _cli(["predict", *_args(text_dir, six_steps), "--ckpt_path", str(ckpt), "--model.max_new_tokens", "4",
+                "--model.temperature", "0", "--generate.prompts_file", str(prompts), "--generate.output", str(output)])
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["the model", "zebras jumping"]
+    assert all(len(r["tokens"]) == 4 and r["completion"] == carried.decode(r["tokens"]) for r in records)
+    assert cli.datamodule.encode("zebras jumping") == carried.encode("zebras jumping").ids
+    assert not cache_dir.exists()  # nothing was tokenised
+
+
+def test_an_older_checkpoint_without_its_tokenizer_resumes_by_the_advice_after_the_corpus_grew(
+    six_steps, tmp_path, text_dir, cache_dir, capsys
+):
+    checkpoint = read_checkpoint(six_steps / "epoch=0-step=4.ckpt")
+    state = checkpoint["TextDataModule"]
+    carried = Tokenizer.from_str(state.pop("tokenizer_json"))  # as written before checkpoints carried it
+    assert tokenizer_fingerprint(carried) == state["tokenizer_sha256"]
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    with open(text_dir / "doc3.txt", "a") as f:
+        f.write(GROWTH)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", *_args(text_dir, six_steps, "--trainer.max_steps", "8"), "--ckpt_path", str(old)])
     err = capsys.readouterr().err
-    assert info.value.code == 2
-    assert "is not the one the checkpoint was trained with" in err and "set data.tokenizer" in err
-    assert not (tmp_path / "ckpt2").exists()  # no step was taken
+    assert info.value.code == 2 and "is not the one the checkpoint was trained with" in err
+    assert f"set data.tokenizer {state['tokenizer_file']}" in err  # the first run's file: never overwritten
+    cli = _cli(["fit", *_args(text_dir, six_steps, "--trainer.max_steps", "8"), "--ckpt_path", str(old),
+                "--data.tokenizer", state["tokenizer_file"]])  # the advice, followed
+    assert cli.trainer.global_step == 8 and tokenizer_fingerprint(cli.datamodule.tokenizer) == state["tokenizer_sha256"]
 
 
 def test_apply_optimizer_settings_scales_the_schedule_exactly():

@@ -49,14 +49,6 @@ def _edit_meta(folder: Path) -> None:
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
-def _same_size_same_mtime_edit(text_dir: Path) -> None:
-    path = text_dir / "doc2.txt"
-    st = path.stat()
-    text = path.read_text()
-    path.write_text(text.replace("model", "mode1", 1))  # same length
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the modification time put back
-
-
 CORRUPTIONS = {
     "truncated-bin": (lambda d, t: os.truncate(d / "train.bin", 1000), "train.bin holds 1000 bytes"),
     "appended-bin": (lambda d, t: _append(d / "train.bin", b"\0\0"), "train.bin holds"),
@@ -67,7 +59,6 @@ CORRUPTIONS = {
     "deleted-meta": (lambda d, t: (d / "meta.json").unlink(), "it is incomplete"),
     "garbled-tokenizer": (lambda d, t: (d / "tokenizer.json").write_text("{garbage"), "tokenizer.json differs"),
     "deleted-tokenizer": (lambda d, t: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
-    "corpus-edited-same-size-and-mtime": (lambda d, t: _same_size_same_mtime_edit(t), "the corpus changed"),
 }
 
 

@@ -1,12 +1,14 @@
 """TextDataModule: tokenises once, caches by settings, splits, checks its tokenizer and the model, builds its loaders."""
 
 import json
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.data import (
@@ -46,20 +48,58 @@ def test_datamodule_tokenises_once_and_round_trips(text_dir, cache_dir):
     assert (dm.data_dir / "train.bin").stat().st_mtime_ns == mtime  # reused, not rewritten
 
 
-def test_cache_key_changes_with_settings_and_an_edit_rebuilds(text_dir, cache_dir):
+def _same_size_same_mtime_edit(path: Path) -> None:
+    st = path.stat()
+    path.write_text(path.read_text().replace("model", "mode1", 1))  # same length
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the modification time put back
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_cache_key_changes_with_settings_and_an_edit_gets_a_new_folder(text_dir, cache_dir):
     first = _module(text_dir, cache_dir)
     base = first.data_dir
     assert _module(text_dir, cache_dir, vocab_size=320).data_dir != base
     assert _module(text_dir, cache_dir, val_fraction=0.1).data_dir != base
     first.prepare_data()
+    written = _files(base)
     before = json.loads((base / "meta.json").read_text())["splits"]["test"]["end"]
+    _same_size_same_mtime_edit(text_dir / "doc2.txt")
+    assert _module(text_dir, cache_dir).data_dir != base  # seen by the inode change time
     with open(text_dir / "doc1.txt", "a") as f:
         f.write("an edit\n")
     edited = _module(text_dir, cache_dir)
-    assert edited.data_dir == base  # the same folder, rebuilt: stale copies do not pile up
-    with pytest.warns(UserWarning, match=f"Rebuilding the token cache {base}: the corpus changed"):
-        edited.prepare_data()
-    assert json.loads((base / "meta.json").read_text())["splits"]["test"]["end"] > before
+    assert edited.data_dir != base  # a new folder: the one a run (and its checkpoints) used is never rewritten
+    edited.prepare_data()
+    assert json.loads((edited.data_dir / "meta.json").read_text())["splits"]["test"]["end"] > before
+    assert _files(base) == written
+
+
+def test_the_checkpoints_tokenizer_is_kept_for_a_changed_corpus(text_dir, cache_dir):
+    dm = _module(text_dir, cache_dir)
+    dm.setup("fit")
+    state = dm.state_dict()  # what a checkpoint holds
+    assert Tokenizer.from_str(state["tokenizer_json"]).encode("the model").ids == dm.encode("the model")
+    same = _module(text_dir, cache_dir)
+    same.use_checkpoint_tokenizer(state)
+    assert same.data_dir == dm.data_dir  # the corpus is unchanged: its tokens are reused, not rewritten
+
+    with open(text_dir / "doc3.txt", "a") as f:
+        f.write("zebras quartz jumping over lazy foxes " * 400 + "\n")
+    grown = _module(text_dir, cache_dir)
+    grown.setup("fit")  # a BPE trained on the grown text: its ids mean other text
+    with pytest.raises(ValueError, match=r"call data.use_checkpoint_tokenizer\(checkpoint\['TextDataModule'\]\) before"):
+        grown.load_state_dict(state)
+    follow = _module(text_dir, cache_dir)  # the advice, followed
+    follow.use_checkpoint_tokenizer(state)
+    follow.setup("fit")
+    follow.load_state_dict(state)
+    assert follow.data_dir not in (dm.data_dir, grown.data_dir)
+    assert follow.tokenizer.to_str() == state["tokenizer_json"]
+    tokens = np.fromfile(follow.data_dir / "train.bin", dtype=np.uint16)
+    assert "zebras quartz" in dm.decode(tokens.astype(np.int64).tolist())  # the grown text, in the checkpoint's ids
 
 
 def test_split_folder_uses_its_own_splits(tmp_path, text_dir, cache_dir):
