@@ -58,6 +58,7 @@ __all__ = [
     "sequential_parts",
     "set_allocator_settings",
     "set_sdp_priority_order",
+    "settle_validation_counters",
     "show_in_progress_bar",
     "tensor_base",
     "throwaway_results",
@@ -86,6 +87,10 @@ TOUCHED = (
         for name in ("ready", "started", "processed", "completed")
     ),
     "trainer.fit_loop.epoch_loop.batch_progress.is_last_batch",
+    *(  # the in-fit validation's epoch totals (settle_validation_counters writes them)
+        f"trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.{name}"
+        for name in ("ready", "started", "processed", "completed")
+    ),
     "trainer.fit_loop.epoch_loop._results",  # logged values of the epoch (throwaway_results)
     "trainer.fit_loop.epoch_loop._num_ready_batches_reached",  # last batch of the epoch (last_batch_ready)
     "trainer._checkpoint_connector.dump_checkpoint",  # a checkpoint as a dict (dump_checkpoint)
@@ -366,6 +371,13 @@ def no_version_counter(callback: Any) -> None:
 def batch_counters(trainer: pl.Trainer) -> Any:
     """The running epoch's batch counters (``.ready``, ``.processed``, ...), read only."""
     return trainer.fit_loop.epoch_loop.batch_progress.current
+
+
+def settle_validation_counters(trainer: pl.Trainer) -> None:
+    """Set the in-fit validation's epoch totals to its completed batches: after Lightning resumed an
+    interrupted validation, one batch is counted as fetched and started that never ran."""
+    total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
+    total.ready = total.started = total.processed = total.completed
 
 
 def is_last_batch(trainer: pl.Trainer) -> bool:

@@ -7,6 +7,11 @@ gradients are not in the checkpoint, so the only exact resume is to replay that 
 micro-batch: the loop counters, the data position and the RNG states in the checkpoint are rolled
 back to the step boundary. ``ExactResume`` (a callback) applies these functions; they take plain
 values so they can be tested without a Trainer.
+
+A checkpoint written during an in-fit validation (``SigtermCheckpoint`` on a SIGTERM) holds the training
+counters of the step that validation follows, so Lightning resumes after it and never runs the
+validation: :func:`restart_interrupted_validation` marks it unfinished, and Lightning runs it again
+before the next training batch.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from lightning_gpuopt.internals import batch_counters, last_batch_ready
 __all__ = [
     "capture_rng_state",
     "microbatches_since_step",
+    "restart_interrupted_validation",
     "restore_rng_state",
     "rollback_fit_loop_state",
     "step_boundary",
@@ -152,3 +158,29 @@ def rollback_fit_loop_state(fit_loop_state: dict[str, Any], boundary: int) -> No
         for part in ("total", "current"):
             steps = optim["step"][part]["completed"]
             optim["zero_grad"][part].update(ready=steps, started=steps, completed=steps)
+
+
+def restart_interrupted_validation(fit_loop_state: dict[str, Any]) -> None:
+    """Mark the in-fit validation a checkpoint was written during as unfinished, so a resume runs it again.
+
+    The validation's counters are set back to its start, with one batch fetched and started but not
+    processed: Lightning's "restarted mid-evaluation" state, in which a resumed ``fit`` runs the
+    validation (from its first batch, as the other counters say none was completed) before the next
+    training batch, and logs its metrics at the step it belongs to. Lightning's restart leaves the
+    epoch's total one batch ahead of the completed ones; the resumed run puts it back
+    (:func:`~lightning_gpuopt.internals.settle_validation_counters`) so a later checkpoint of the
+    same epoch does not look interrupted. Changes ``fit_loop_state`` in place; applying it twice
+    changes nothing more.
+
+    Example::
+
+        restart_interrupted_validation(checkpoint["loops"]["fit_loop"])
+
+    Args:
+        fit_loop_state: ``checkpoint["loops"]["fit_loop"]`` of a checkpoint written inside a validation of ``fit``.
+    """
+    batches = fit_loop_state["epoch_loop.val_loop.batch_progress"]
+    before = batches["total"]["completed"] - batches["current"]["completed"]  # this epoch's earlier validations
+    batches["total"].update(ready=before + 1, started=before + 1, processed=before, completed=before)
+    batches["current"].update(ready=1, started=1, processed=0, completed=0)
+    batches["is_last_batch"] = False

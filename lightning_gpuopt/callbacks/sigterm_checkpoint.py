@@ -13,6 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_gpuopt.internals import require_internals, settle_validation_counters
+from lightning_gpuopt.resume import microbatches_since_step, restart_interrupted_validation
+
 __all__ = ["SigtermCheckpoint"]
 
 
@@ -30,6 +33,12 @@ class SigtermCheckpoint(Callback):
     so the save happens at the same safe point, after the current micro-batch, instead of Lightning's
     KeyboardInterrupt shutdown that saves nothing. A second Ctrl-C stops at once (Lightning's own
     handling), for a save that takes too long.
+
+    A SIGTERM during a validation inside ``fit`` (``val_check_interval``) stops it after the current
+    validation batch; the checkpoint marks that validation unfinished, and the resumed ``fit`` runs it
+    again, from its first batch, before training on, so its metrics are logged once, at their step.
+    (A validation that started mid-accumulation is left to
+    :class:`~lightning_gpuopt.callbacks.ExactResume`, whose replay of the step runs it again.)
 
     Unlike Lightning's ``OnExceptionCheckpoint``, it does not make a later ``fit`` without
     ``ckpt_path`` resume by itself, and it keeps the file after the run.
@@ -51,6 +60,8 @@ class SigtermCheckpoint(Callback):
         self.filename = filename
         self._previous_sigint: Any = None
         self._interrupted = False
+        self._saving = False  # inside this callback's own save
+        self._validation_step: Optional[int] = None  # the step whose validation the checkpoint interrupted
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # The first Ctrl-C: hand the second one back to the previous handler, then take Lightning's SIGTERM path.
@@ -86,6 +97,26 @@ class SigtermCheckpoint(Callback):
             self._interrupted = False
             if self._previous_sigint is None:
                 self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        if self._validation_step is not None:  # Lightning has read the loop state: the validation runs next
+            require_internals(trainer, "SigtermCheckpoint (resuming an interrupted validation)")
+            settle_validation_counters(trainer)
+            rank_zero_info(f"SigtermCheckpoint: running the validation of step {self._validation_step} again, "
+                           "which the checkpoint's SIGTERM interrupted.")
+            self._validation_step = None
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        interrupted_validation = (
+            self._saving and trainer.state.fn == "fit" and trainer.validating and not trainer.sanity_checking
+            and microbatches_since_step(trainer) == 0 and "loops" in checkpoint
+        )
+        if interrupted_validation:
+            restart_interrupted_validation(checkpoint["loops"]["fit_loop"])
+            checkpoint.setdefault("callbacks", {})[self.state_key] = {"validation_step": trainer.global_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._validation_step = state_dict.get("validation_step")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -99,6 +130,10 @@ class SigtermCheckpoint(Callback):
         path = self._target(trainer)
         if path is None:
             return
-        trainer.save_checkpoint(path)
+        self._saving = True
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            self._saving = False
         cause = "Ctrl-C" if self._interrupted else "SIGTERM"
         rank_zero_info(f"SigtermCheckpoint: received {cause}; saved {path} (resume with --ckpt_path last).")

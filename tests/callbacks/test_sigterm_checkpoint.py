@@ -7,6 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_gpuopt import GPTModule, TextDataModule
@@ -73,3 +74,62 @@ def test_warns_without_a_model_checkpoint(tmp_path, text_dir, cache_dir):
         _fit(tmp_path, text_dir, lambda: None, max_steps=6, checkpoint=False)
     with pytest.raises(ValueError, match="plain file name"):
         SigtermCheckpoint(filename="a/b")
+
+
+class _Rows(Logger):
+    """Keeps every logged dict, across fits (a resumed fit logs into the same list)."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.rows = rows
+
+    name, version = "rows", 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+
+class _TermInValidation(GPTModule):
+    """Sends itself SIGTERM from the second validation batch of the validation at ``term_at`` (a global step)."""
+
+    term_at = None
+
+    def validation_step(self, batch, batch_idx):
+        if not self.trainer.sanity_checking and self.trainer.global_step == self.term_at and batch_idx == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().validation_step(batch, batch_idx)
+
+
+def _fit_validating(tmp_path, text_dir, rows, term_at=None, ckpt_path=None):
+    data = TextDataModule(source=str(text_dir), block_size=16, batch_size=2, vocab_size=300, num_workers=0)
+    model = _TermInValidation(n_layer=1, n_embd=32, n_head=2, vocab_size=300, block_size=16, warmup_steps=1)
+    model.term_at = term_at
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=100)
+    trainer = pl.Trainer(max_steps=6, val_check_interval=2, limit_val_batches=3, num_sanity_val_steps=0,
+                         logger=_Rows(rows), enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[ExactResume(), SigtermCheckpoint(), checkpoint])
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_validation_interrupted_by_sigterm_runs_again_on_resume(tmp_path, text_dir, cache_dir):
+    rows = []
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SIGTERMException):
+            _fit_validating(tmp_path, text_dir, rows, term_at=4)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 4 and saved["callbacks"]["SigtermCheckpoint"] == {"validation_step": 4}
+    trainer = _fit_validating(tmp_path, text_dir, rows, ckpt_path="last")
+    assert trainer.global_step == 6
+    validated = [step for step, metrics in rows if "val/loss" in metrics]
+    # Logged at the batches trained before each validation (after steps 2, 4 and 6), each exactly once.
+    assert validated == [1, 3, 5]
+    # Three whole validations of 3 batches this epoch, none left looking unfinished for a later checkpoint.
+    total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
+    assert (total.ready, total.started, total.processed, total.completed) == (9, 9, 9, 9)
