@@ -32,12 +32,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt.callbacks import NonFiniteGuard
 from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, read_device
 
 __all__ = [
     "CHECKPOINT_EVERY_N_STEPS",
     "check_run_length",
     "default_stack",
+    "dropped_stack_note",
     "fill_checkpoint_dirs",
     "float32_note",
     "precision_for_estimate",
@@ -128,6 +130,36 @@ def float32_note(precision: Optional[str], plugins: Any, device: DeviceFacts) ->
     return (
         "gpuopt: running in float32 on the CPU (bf16 autocast is ~2x slower there); pass "
         "--trainer.plugins BF16Precision to use bf16."
+    )
+
+
+def dropped_stack_note(callbacks: list[Any], enable_checkpointing: Any = True) -> Optional[str]:
+    """The line said at the start of ``fit`` when ``trainer.callbacks`` lacks the stack's ``ModelCheckpoint`` or
+    ``NonFiniteGuard``, else ``None``.
+
+    A ``--trainer.callbacks X`` flag, or a config's own list, replaces the stack's list, so both were
+    dropped without a word: no ``last.ckpt`` (a later ``--ckpt_path last`` starts from step 0) and
+    NaN/Inf steps trained on. ``trainer.enable_checkpointing: false`` asks for no checkpoint, so then
+    only a missing guard is named.
+
+    Example::
+
+        dropped_stack_note([LearningRateMonitor()])  # "gpuopt: trainer.callbacks replaces the stack's and has no ..."
+
+    Args:
+        callbacks: The callbacks the Trainer is about to get (the stack's, a config's or a flag's).
+        enable_checkpointing: The ``trainer.enable_checkpointing`` value.
+    """
+    missing = []
+    if enable_checkpointing is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        missing.append("no ModelCheckpoint (no last.ckpt: a later --ckpt_path last starts from step 0)")
+    if not any(isinstance(c, NonFiniteGuard) for c in callbacks):
+        missing.append("no NonFiniteGuard (NaN/Inf steps are trained on)")
+    if not missing:
+        return None
+    return (
+        f"gpuopt: trainer.callbacks replaces the stack's and has {' and '.join(missing)}. To keep them, add "
+        "callbacks with --trainer.callbacks+=X instead, or list them too in the config."
     )
 
 

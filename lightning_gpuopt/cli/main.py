@@ -33,6 +33,7 @@ from lightning_gpuopt.callbacks.progress_bar import default_progress_bar
 from lightning_gpuopt.cli.defaults import (
     check_run_length,
     default_stack,
+    dropped_stack_note,
     fill_checkpoint_dirs,
     float32_note,
     precision_for_estimate,
@@ -235,6 +236,10 @@ class GPTCLI(LightningCLI):
             kwargs["logger"] = False  # predict logs nothing: no empty lightning_logs/version_N
         callbacks = trainer_cfg.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if self.subcommand in (None, "fit"):  # None: run=False, a Trainer built for the caller's fit
+            dropped = dropped_stack_note(callbacks, trainer_cfg.get("enable_checkpointing"))
+            if dropped is not None:
+                rank_zero_info(dropped)
         if trainer_cfg.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             trainer_cfg["callbacks"] = [*callbacks, default_progress_bar()]  # Lightning's bar, counting a resumed epoch right
         note = float32_note(trainer_cfg.get("precision"), kwargs["plugins"], self.stack_device)

@@ -282,6 +282,29 @@ def test_trainer_gets_the_stack(text_dir, cache_dir, tmp_path, caplog):
     assert checkpoint.dirpath == os.path.realpath(tmp_path / "checkpoints")  # fixed: --ckpt_path last finds it
 
 
+def test_callbacks_that_drop_checkpointing_or_the_guard_say_so_once(text_dir, cache_dir, tmp_path, caplog):
+    """`--trainer.callbacks X` over a config's list replaces it: one note names what was dropped and `+=`."""
+    quickstart = str(REPO / "examples" / "configs" / "quickstart.yaml")
+
+    def notes(*flags):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            GPTCLI(GPTModule, TextDataModule, run=False,
+                   args=["--config", quickstart, *_tiny(text_dir, "--trainer.default_root_dir", str(tmp_path), *flags)])
+        return [r.getMessage() for r in caplog.records if "trainer.callbacks replaces" in r.getMessage()]
+
+    monitor = "lightning.pytorch.callbacks.LearningRateMonitor"
+    assert notes("--trainer.callbacks", monitor) == [
+        "gpuopt: trainer.callbacks replaces the stack's and has no ModelCheckpoint (no last.ckpt: a later --ckpt_path "
+        "last starts from step 0) and no NonFiniteGuard (NaN/Inf steps are trained on). To keep them, add callbacks "
+        "with --trainer.callbacks+=X instead, or list them too in the config."]
+    assert notes(f"--trainer.callbacks+={monitor}") == []  # appended: the config's list is kept
+    assert notes() == []
+    # No checkpoint asked for: only the guard is named.
+    said = notes("--trainer.callbacks", monitor, "--trainer.enable_checkpointing", "false")
+    assert len(said) == 1 and "ModelCheckpoint" not in said[0] and "no NonFiniteGuard" in said[0]
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_trainer_precision_replaces_the_default_plugin(text_dir, cache_dir, tmp_path, precision):
     cli = GPTCLI(GPTModule, TextDataModule, run=False,
