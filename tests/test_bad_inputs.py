@@ -76,7 +76,7 @@ class _NoBatchSizeModule(GPTModule):
     """A module that builds its own loader with a hard-coded batch size: nothing for AutoBatchSize to set."""
 
     def __init__(self):
-        super().__init__(vocab_size=64, block_size=16)
+        super().__init__(vocab_size=64, block_size=16, warmup_steps=1)  # warm-up within Ctx.fit's 2 steps
 
     def train_dataloader(self):
         tokens = torch.zeros(8, 17, dtype=torch.long)
@@ -265,7 +265,8 @@ CASES = [
          "is empty: data.source holds no text"),
     Case("unreadable-file", lambda c: _prepare_leaves_nothing(c, c.folder("u", {"a.txt": b"\xff\xfe\xfa bad"})), ValueError,
          "Fix its permissions or encoding"),
-    Case("corpus-too-short", lambda c: c.data(source=c.folder("s", {"a.txt": b"short text " * 20}), block_size=256).setup("fit"),
+    Case("corpus-too-short", lambda c: c.data(source=c.folder("s", {"a.txt": b"short text " * 20}), block_size=256,
+                                              vocab_size=260).setup("fit"),  # a vocabulary this text fills
          ValueError, "use a larger corpus, a smaller data.block_size"),
     Case("tokenizer-missing", lambda c: c.data(tokenizer=str(c.tmp / "tok.json")), ValueError, "give the path of a tokenizer.json"),
     Case("tokenizer-not-a-tokenizer", lambda c: c.data(tokenizer=str(c.folder("t", {"tok.json": b"{}"}) / "tok.json")), ValueError,
@@ -315,7 +316,8 @@ CASES = [
     Case("mfu-log-every-zero", lambda c: MFUMonitor(log_every_n_steps=0), ValueError, "log_every_n_steps must be an integer >= 1 or None, got 0"),
     Case("guard-unknown-mode", lambda c: NonFiniteGuard(mode="lazy"), ValueError, "mode must be 'auto', 'step' or 'deferred'"),
     Case("guard-deferred-without-fused-optimizer",
-         lambda c: c.fit(GPTModule(vocab_size=300, block_size=32), c.data(), callbacks=[NonFiniteGuard(mode="deferred")]),
+         lambda c: c.fit(GPTModule(vocab_size=300, block_size=32, warmup_steps=1), c.data(),
+                         callbacks=[NonFiniteGuard(mode="deferred")]),
          ValueError, r"fused torch.optim optimizer \(e.g. AdamW\(fused=True\)\) and no fp16 GradScaler; got AdamW. Use mode='step'"),
     Case("guard-unknown-policy", lambda c: NonFiniteGuard(policy="ignore"), ValueError, "policy must be 'skip' or 'stop'"),
     Case("guard-max-skips-zero", lambda c: NonFiniteGuard(max_consecutive_skips=0), ValueError, "use policy='stop' to stop at the first bad step"),

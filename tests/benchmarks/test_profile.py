@@ -76,7 +76,7 @@ def test_benchmark_profiles_after_the_measured_steps(text_dir, cache_dir, tmp_pa
     out = tmp_path / "results"
     argv = [
         "--preset", "tiny", "--block-size", "32", "--micro-batch-size", "8", "--global-batch-size", "16",
-        "--steps", "3", "--warmup-steps", "1", "--tokenizer-vocab-size", "512", "--num-workers", "0",
+        "--steps", "3", "--warmup-steps", "1", "--tokenizer-vocab-size", "384", "--num-workers", "0",
         "--data", str(text_dir), "--cache-dir", str(cache_dir), "--out", str(out), "--configs", "baseline",
         "--profile-steps", "2", "--no-plot",
     ]

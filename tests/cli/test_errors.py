@@ -31,6 +31,10 @@ def _data(text_dir: Path) -> list[str]:
             "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0"]
 
 
+# The CLI always adds SigtermCheckpoint; with checkpointing off it says that a SIGTERM saves nothing.
+_SIGTERM_SAVES_NOTHING = "SigtermCheckpoint: the Trainer has no ModelCheckpoint, so a SIGTERM saves nothing"
+
+
 def test_a_configuration_error_is_one_message_and_exit_2(tmp_path, text_dir, cache_dir):
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"weights": torch.ones(2)}, foreign)
@@ -47,7 +51,7 @@ def test_a_diverged_fit_exits_1(tmp_path, text_dir, cache_dir, capsys, monkeypat
     """No NonFiniteGuard and no checkpointing (the default stack's callbacks left out): the run used to end
     with exit 0 and NaN weights."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(SystemExit) as info, pytest.warns(UserWarning, match=_SIGTERM_SAVES_NOTHING):
         main(["fit", *_data(text_dir), "--trainer.max_steps", "12", "--model.learning_rate", "1000",
               "--model.warmup_steps", "0", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]"])
     assert info.value.code == 1
@@ -66,7 +70,8 @@ def test_an_empty_or_non_mapping_config_gets_a_real_message():
 def test_checkpointing_off_leaves_out_the_default_model_checkpoint(tmp_path, text_dir, cache_dir, monkeypatch, caplog):
     """The default stack has a ModelCheckpoint; `--trainer.enable_checkpointing false` must not collide with it."""
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level("INFO"):
-        main(["fit", *_data(text_dir), "--trainer.max_steps", "2", "--trainer.enable_checkpointing", "false"])
+    with caplog.at_level("INFO"), pytest.warns(UserWarning, match=_SIGTERM_SAVES_NOTHING):
+        main(["fit", *_data(text_dir), "--trainer.max_steps", "2", "--model.warmup_steps", "1",
+              "--trainer.enable_checkpointing", "false"])
     assert "the ModelCheckpoint callback is left out" in caplog.text
     assert not list(tmp_path.rglob("*.ckpt"))

@@ -107,7 +107,8 @@ def test_token_files_equal_whole_document_encoding(tmp_path, text_dir):
     text = "".join((text_dir / f"doc{i}.txt").read_text() for i in range(4)) * 3  # ~190 K characters: 3 pieces
     assert len(list(text_pieces(text))) >= 3
     (tmp_path / "one.txt").write_text(text)
-    dm = TextDataModule(source=str(tmp_path / "one.txt"), vocab_size=400, block_size=32, cache_dir=str(tmp_path / "c"))
+    # vocab_size=384: this corpus fills 351 tokens, within 90% of it (no unused-rows warning)
+    dm = TextDataModule(source=str(tmp_path / "one.txt"), vocab_size=384, block_size=32, cache_dir=str(tmp_path / "c"))
     dm.setup("fit")
     tokens = np.fromfile(dm.data_dir / "train.bin", dtype=np.uint16).tolist()
     assert tokens == dm.tokenizer.encode(text).ids + [dm.tokenizer.token_to_id(EOT_TOKEN)]

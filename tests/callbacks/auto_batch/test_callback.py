@@ -292,7 +292,6 @@ trainer:
   default_root_dir: {tmp_path}
   max_steps: 2
   logger: false
-  enable_checkpointing: false
   enable_progress_bar: false
   callbacks:
     - class_path: lightning_gpuopt.callbacks.AutoBatchSize

@@ -43,7 +43,8 @@ def test_oom_recovery_keeps_the_data_order_of_text_datamodule(text_dir, cache_di
         data = TextDataModule(source=str(text_dir), vocab_size=300, block_size=16, batch_size=2, num_workers=0)
         module = OOMAbove(limit=None, later_step=2, later_limit=later_limit, vocab_size=320)
         search = AutoBatchSize(global_batch_size=8, max_micro_batch_size=max_micro)
-        cpu_trainer([search, recorder], max_steps=4).fit(module, datamodule=data)
+        with pytest.warns(UserWarning, match="out of memory at step 2") if later_limit else _nothing():
+            cpu_trainer([search, recorder], max_steps=4).fit(module, datamodule=data)
         return search, recorder
 
     recovered, rec_a = run(max_micro=8, later_limit=3)
