@@ -53,20 +53,24 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     return path
 
 
-@pytest.fixture
-def text_dir(tmp_path) -> Path:
-    """A small folder of real English-like text files (generated, repeatable)."""
+def write_texts(folder: Path) -> Path:
+    """Writes the small corpus of ``text_dir`` into ``folder`` (created): the same files on every call."""
     words = (
         "the model reads text and learns to predict the next token of every sentence in the corpus "
         "while the optimizer lowers the loss step by step on the training data"
     ).split()
-    folder = tmp_path / "texts"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
     for i in range(4):
         idx = torch.randint(0, len(words), (3000,), generator=g).tolist()
         (folder / f"doc{i}.txt").write_text(" ".join(words[j] for j in idx) + "\n")
     return folder
+
+
+@pytest.fixture
+def text_dir(tmp_path) -> Path:
+    """A small folder of real English-like text files (generated, repeatable)."""
+    return write_texts(tmp_path / "texts")
 
 
 @pytest.fixture

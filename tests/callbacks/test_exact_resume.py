@@ -16,6 +16,7 @@ import torch
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.checkpoint.atomic_files import partial_path
 from tests._paths import SCRIPTS
+from tests.conftest import write_texts
 
 SCRIPT = SCRIPTS / "resume_fit.py"
 # CUBLAS_WORKSPACE_CONFIG: deterministic cuBLAS for the GPU variant (the script turns on deterministic algorithms).
@@ -29,6 +30,16 @@ def _prepare(tmp_path: Path, text_dir: Path) -> Path:
     (data / "texts").symlink_to(text_dir)
     TextDataModule(source=str(data / "texts"), cache_dir=str(data / "cache"), block_size=16, vocab_size=300).prepare_data()
     return data
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, Path]:
+    """The prepared corpus and one uninterrupted single-process run over it (the default options), which the
+    single-process tests compare against: ``(data folder, run folder)``. Read only; the tests write elsewhere."""
+    root = tmp_path_factory.mktemp("reference")
+    data = _prepare(root, write_texts(root / "texts"))
+    _run(root / "ref", data)
+    return data, root / "ref"
 
 
 def _run(out: Path, data: Path, *args: str, timeout: float = 240) -> None:
@@ -69,19 +80,18 @@ def _check_resumed(reference: Path, stopped: Path, resumed: Path, first: tuple[i
         )
 
 
-def test_sigterm_mid_accumulation_then_resume_is_exact(tmp_path, text_dir):
-    data = _prepare(tmp_path, text_dir)
-    _run(tmp_path / "ref", data)
+def test_sigterm_mid_accumulation_then_resume_is_exact(tmp_path, reference):
+    data, ref = reference
     # Stop after 9 micro-batches with accumulate_grad_batches=2: step 5 is half done.
     _interrupt(tmp_path / "stop", data, 9, signal.SIGTERM)
     ckpt = tmp_path / "stop" / "ckpt" / "on_exception.ckpt"
     saved = torch.load(ckpt, weights_only=True)
     assert saved["global_step"] == 4 and saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == 8
     _run(tmp_path / "resume", data, "--ckpt", str(ckpt))
-    _check_resumed(tmp_path / "ref/losses_rank0.txt", tmp_path / "stop/losses_rank0.txt",
+    _check_resumed(ref / "losses_rank0.txt", tmp_path / "stop/losses_rank0.txt",
                    tmp_path / "resume/losses_rank0.txt", first=(0, 8))
     # MFUMonitor's totals continue: the same tokens as the uninterrupted run.
-    assert (tmp_path / "resume/mfu.txt").read_text().split()[1] == (tmp_path / "ref/mfu.txt").read_text().split()[1]
+    assert (tmp_path / "resume/mfu.txt").read_text().split()[1] == (ref / "mfu.txt").read_text().split()[1]
 
     # SIGKILL: nothing is saved at the kill; resume from the last periodic checkpoint (step 9).
     _interrupt(tmp_path / "kill", data, 21, signal.SIGKILL)
@@ -89,18 +99,17 @@ def test_sigterm_mid_accumulation_then_resume_is_exact(tmp_path, text_dir):
     assert torch.load(ckpt, weights_only=True)["global_step"] == 9
     _run(tmp_path / "resume2", data, "--ckpt", str(ckpt))
     after = _losses(tmp_path / "resume2/losses_rank0.txt")
-    ref = _losses(tmp_path / "ref/losses_rank0.txt")
+    uninterrupted = _losses(ref / "losses_rank0.txt")
     assert min(after) == (1, 8)  # 18 micro-batches = 9 steps; epochs of 10 micro-batches
-    assert all(value == ref[key] for key, value in after.items())
-    assert max(after) == max(ref)
+    assert all(value == uninterrupted[key] for key, value in after.items())
+    assert max(after) == max(uninterrupted)
 
 
 @pytest.mark.parametrize("fail_at", [9, 10], ids=["first-micro-batch", "last-micro-batch"])
-def test_exception_inside_a_batch_then_resume_is_exact(tmp_path, text_dir, fail_at):
+def test_exception_inside_a_batch_then_resume_is_exact(tmp_path, reference, fail_at):
     """An error raised in the forward of micro-batch 9 or 10 (step 5 = micro-batches 9 and 10): the
     on-exception checkpoint is rolled back to the end of step 4, and the resumed run repeats step 5 whole."""
-    data = _prepare(tmp_path, text_dir)
-    _run(tmp_path / "ref", data)
+    data, ref = reference
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path / "stop"), "--data-dir", str(data), "--fail-at", str(fail_at)],
         env=ENV, capture_output=True, text=True, timeout=240,
@@ -114,7 +123,7 @@ def test_exception_inside_a_batch_then_resume_is_exact(tmp_path, text_dir, fail_
     assert total == {"ready": 8, "started": 8, "processed": 8, "completed": 8}  # a later resume counts right too
     assert saved["TextDataModule"]["train_position"] == 16
     _run(tmp_path / "resume", data, "--ckpt", str(ckpt))
-    _check_resumed(tmp_path / "ref/losses_rank0.txt", tmp_path / "stop/losses_rank0.txt",
+    _check_resumed(ref / "losses_rank0.txt", tmp_path / "stop/losses_rank0.txt",
                    tmp_path / "resume/losses_rank0.txt", first=(0, 8))
 
 

@@ -137,23 +137,25 @@ def test_predict_prints_samples(text_dir, cache_dir, capsys, tmp_path, monkeypat
     assert capsys.readouterr().out.count("the model") == 2
 
 
-def test_environment_variables_set_options(cache_dir):
-    env = {**os.environ, "GPUOPT_FIT__TRAINER__MAX_STEPS": "7", "GPUOPT_FIT__MODEL__LEARNING_RATE": "0.01"}
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_gpuopt", "fit", "--print_config"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
-    config = yaml.safe_load(out.stdout)
+def _printed_config(args: list[str], capsys) -> dict:
+    """The config ``gpuopt fit --print_config`` prints (in this process: the parser reads the same environment)."""
+    from lightning_gpuopt.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args, "--print_config"])
+    assert exit_info.value.code == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_environment_variables_set_options(cache_dir, monkeypatch, capsys):
+    monkeypatch.setenv("GPUOPT_FIT__TRAINER__MAX_STEPS", "7")
+    monkeypatch.setenv("GPUOPT_FIT__MODEL__LEARNING_RATE", "0.01")
+    config = _printed_config([], capsys)
     assert config["trainer"]["max_steps"] == 7 and config["model"]["learning_rate"] == 0.01
     # A --config file takes precedence: the quickstart's max_steps stays; a key it does not set comes from the env.
-    env["GPUOPT_FIT__TRAINER__NUM_SANITY_VAL_STEPS"] = "5"
+    monkeypatch.setenv("GPUOPT_FIT__TRAINER__NUM_SANITY_VAL_STEPS", "5")
     quickstart = [c for c in CONFIGS if c.stem == "quickstart"][0]
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_gpuopt", "fit", "--config", str(quickstart), "--print_config"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    config = yaml.safe_load(out.stdout)
+    config = _printed_config(["--config", str(quickstart)], capsys)
     assert config["trainer"]["max_steps"] == 300 and config["trainer"]["num_sanity_val_steps"] == 5
 
 
@@ -350,9 +352,14 @@ def _step(path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_quickstart_sigterm_then_resume_last_then_readme_predict(text_dir, cache_dir, tmp_path):
+def test_quickstart_sigterm_then_resume_last_then_readme_predict(text_dir, cache_dir, tmp_path, monkeypatch, capsys):
     """The quickstart (at a tiny size) in real processes: SIGTERM mid-run writes last.ckpt and exits non-zero;
-    `--ckpt_path last` continues from it; the README's predict command samples from that checkpoint."""
+    `--ckpt_path last` continues from it; the README's predict command (run in this process) samples from
+    that checkpoint."""
+    import warnings
+
+    from lightning_gpuopt.cli.main import main
+
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     quickstart = REPO / "examples/configs/quickstart.yaml"
     tiny = [*_tiny(text_dir), "--model.n_layer", "2", "--model.n_embd", "32", "--model.n_head", "2",
@@ -385,10 +392,12 @@ def test_quickstart_sigterm_then_resume_last_then_readme_predict(text_dir, cache
     readme = (REPO / "README.md").read_text()
     command = next(line for line in readme.splitlines() if line.startswith("gpuopt predict --config examples/configs/quickstart.yaml"))
     argv = [str(quickstart) if a == "examples/configs/quickstart.yaml" else a for a in shlex.split(command)[1:]]
-    proc = _gpuopt(*argv, *tiny, "--model.max_new_tokens", "4", cwd=tmp_path, env=env)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    assert "untrained" not in out and out.count("def main") == 4  # data.samples_per_prompt samples of the prompt
+    monkeypatch.chdir(tmp_path)  # the README's checkpoint path is relative to where the fit ran
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main([*argv, *tiny, "--model.max_new_tokens", "4"])
+    assert not [str(w.message) for w in caught if "untrained" in str(w.message)]
+    assert capsys.readouterr().out.count("def main") == 4  # data.samples_per_prompt samples of the prompt
 
 
 def test_predict_from_prompts_file_writes_jsonl(text_dir, cache_dir, tmp_path):
