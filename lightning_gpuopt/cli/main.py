@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
 
 from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
 from lightning_gpuopt.callbacks.progress_bar import default_progress_bar
@@ -245,6 +246,8 @@ class GPTCLI(LightningCLI):
             for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:
                 trainer.callbacks.remove(extra)
         fill_checkpoint_dirs(trainer)
+        if self.subcommand == "predict":
+            trainer.callbacks.append(_StopPredictOnSigterm())
         strategy = trainer.strategy
         # Replace only Lightning's default single-file writer; a CheckpointIO the user or the strategy chose stays.
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
@@ -310,6 +313,21 @@ class GPTCLI(LightningCLI):
         for batch in predictions:
             for sample in batch:
                 print(self.datamodule.decode(sample), end="\n" + "-" * 80 + "\n")
+
+
+class _StopPredictOnSigterm(Callback):
+    """Ends ``predict`` after the batch in which SIGTERM (or a scheduler's kill) arrived.
+
+    Lightning's handler only sets ``trainer.received_sigterm``, which its fit and validation loops read
+    and its predict loop does not, so without this a SIGTERM was ignored until every prompt was done.
+    Nothing is written: the completions file is written whole at the end.
+    """
+
+    @override
+    def on_predict_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.received_sigterm:
+            rank_zero_info("gpuopt predict: received SIGTERM; stopped before writing any completions.")
+            raise SIGTERMException
 
 
 def _micro_batch(datamodule: Any) -> int:
