@@ -392,6 +392,8 @@ CASES = [
          SystemExit, r"loading the checkpoint .*last.ckpt.*model.n_layer=3 but the checkpoint has n_layer=2\. Drop those options"),
     Case("fit-over-existing-run", lambda c: (_as_last(c), _cli_before_data(c, [])), SystemExit,
          r"last.ckpt holds a run this fit would overwrite .*To continue it: .*--ckpt_path last.*--trainer.default_root_dir NEW_FOLDER"),
+    Case("resume-no-steps-left", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c)]), SystemExit,
+         r"run.ckpt' is at step 4 and trainer.max_steps=1, so this fit would train nothing .*raise trainer.max_steps above 4"),
     Case("ckpt-path-hpc-missing", lambda c: _cli_before_data(c, ["--ckpt_path", "hpc"]), SystemExit,
          r"--ckpt_path hpc: no hpc_ckpt_N.ckpt in .*Pass the checkpoint's path"),
     Case("ckpt-path-registry", lambda c: _cli_before_data(c, ["--ckpt_path", "registry:my-model"]), SystemExit,

@@ -51,7 +51,7 @@ from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
 from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
-from lightning_gpuopt.cli.resume_checks import merge_checkpoint_settings, prepare_resumed_fit, resolve_run_folder
+from lightning_gpuopt.cli.resume_checks import check_steps_left, merge_checkpoint_settings, prepare_resumed_fit, resolve_run_folder
 from lightning_gpuopt.cli.quiet import quiet_lightning
 from lightning_gpuopt.cli.run_summary import model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
@@ -193,6 +193,8 @@ class GPTCLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         if getattr(self, "checkpoint_settings", None) is not None:
             self.checkpoint_settings.check_model(self.model)
+            if self.subcommand == "fit":  # after the architecture checks: a changed model is the first thing to fix
+                check_steps_left(self.checkpoint_settings.global_step, self.checkpoint_settings.path, self.config.fit.get("trainer"))
             self.checkpoint_settings.report()
         if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
             prepare_resumed_fit(self.trainer)
