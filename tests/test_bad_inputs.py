@@ -382,6 +382,8 @@ CASES = [
     Case("resume-other-tokenizer", lambda c: check_same_tokenizer({"tokenizer_sha256": "0" * 64, "tokenizer_file": "/run/tokenizer.json"},
                                                                   Tokenizer.from_file(_tokenizer_without_eot(c)), "data.source='x'"),
          ValueError, r"is not the one the checkpoint was trained with .*set data.tokenizer /run/tokenizer.json"),
+    Case("cli-max-steps-zero", lambda c: _cli_before_data(c, ["--trainer.max_steps", "0"]), SystemExit,
+         r"trainer.max_steps=0 trains nothing .*e\.g\. --trainer.max_steps 3000, or -1 for no limit"),
     # ---------------------------------------------------------------- checkpoints
     Case("checkpoint-truncated", lambda c: load_gpt(_ckpt(c, truncate=True)), CheckpointError, "Use an earlier checkpoint; save with AtomicCheckpointIO"),
     Case("checkpoint-foreign-file", lambda c: load_gpt(c.yaml("model: {}\n")), CheckpointError, "is not a PyTorch checkpoint"),
