@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -22,7 +23,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_gpuopt.option_checks import check_int, check_number
 
-__all__ = ["check_callbacks_once", "check_config_files", "check_output_file", "check_trainer_options"]
+__all__ = ["check_callbacks_once", "check_config_files", "check_monitored_metrics", "check_output_file", "check_trainer_options"]
 
 
 def check_trainer_options(trainer: Mapping[str, Any]) -> None:
@@ -77,6 +78,36 @@ def check_callbacks_once(callbacks: Sequence[Callback]) -> None:
                 f"--trainer.callbacks+={name} or the repeated entry in the --config file."
             )
         seen.add(callback.state_key)
+
+
+def check_monitored_metrics(callbacks: Sequence[Callback], logged: Sequence[str], module: str) -> None:
+    """Raise if a callback monitors a metric one typo away from one the module logs (``val_loss`` for ``val/loss``).
+
+    Lightning finds out only when the callback first reads it (``EarlyStopping`` at the first validation,
+    ``ModelCheckpoint`` at its first save), with a traceback, after training up to there. A name close to
+    none of the module's is left alone: another callback or logger may log it.
+
+    Example::
+
+        check_monitored_metrics([EarlyStopping(monitor="val_loss")], ["val/loss"], "GPTModule")
+        # ValueError: EarlyStopping(monitor='val_loss'): GPTModule logs no 'val_loss' ... did you mean 'val/loss'?
+
+    Args:
+        callbacks: The callbacks the Trainer is about to get.
+        logged: The metric names the module logs.
+        module: The module's name, for the message.
+    """
+    for callback in callbacks:
+        monitor = getattr(callback, "monitor", None)
+        if not isinstance(monitor, str) or monitor in logged:
+            continue
+        close = difflib.get_close_matches(monitor, logged, n=1, cutoff=0.6)
+        if close:
+            raise ValueError(
+                f"{type(callback).__name__}(monitor={monitor!r}): {module} logs no {monitor!r}, so the run would fail "
+                f"when the callback first reads it, after training up to there. Did you mean {close[0]!r}? "
+                f"{module} logs {', '.join(logged)}."
+            )
 
 
 def check_output_file(option: str, path: Optional[str]) -> None:

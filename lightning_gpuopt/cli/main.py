@@ -40,7 +40,13 @@ from lightning_gpuopt.cli.defaults import (
     replace_precision_plugins,
     stack_device,
 )
-from lightning_gpuopt.cli.config_checks import check_callbacks_once, check_config_files, check_output_file, check_trainer_options
+from lightning_gpuopt.cli.config_checks import (
+    check_callbacks_once,
+    check_config_files,
+    check_monitored_metrics,
+    check_output_file,
+    check_trainer_options,
+)
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
@@ -241,8 +247,10 @@ class GPTCLI(LightningCLI):
         # ExactResume and SigtermCheckpoint are always added (a copy the config lists itself, with its own
         # arguments, comes first and stays); any other callback listed twice is refused here, not by a traceback.
         listed = trainer_cfg.get("callbacks")
-        check_callbacks_once([c for c in (listed if isinstance(listed, list) else [listed] if listed else [])
-                              if type(c) not in (ExactResume, SigtermCheckpoint)])
+        listed = listed if isinstance(listed, list) else [listed] if listed else []
+        check_callbacks_once([c for c in listed if type(c) not in (ExactResume, SigtermCheckpoint)])
+        if self.trains_gpt:
+            check_monitored_metrics(listed, GPTModule.LOGGED_METRICS, "GPTModule")
         trainer = super().instantiate_trainer(**kwargs)
         for cls in (ExactResume, SigtermCheckpoint):
             for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:

@@ -80,6 +80,9 @@ class GPTModule(pl.LightningModule):
         ``module.configure_model()`` before using ``module.model``.
     """
 
+    LOGGED_METRICS = ("train/loss", "train/ppl", "val/loss", "val/ppl", "test/loss", "test/ppl")
+    """The metrics it logs, for a callback's ``monitor``."""
+
     def __init__(
         self,
         preset: str = "tiny",
