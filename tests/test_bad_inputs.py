@@ -386,6 +386,10 @@ CASES = [
          r"trainer.max_steps=0 trains nothing .*e\.g\. --trainer.max_steps 3000, or -1 for no limit"),
     Case("monitor-typo", lambda c: _cli_before_data(c, ["--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor", "val_loss"]),
          SystemExit, r"EarlyStopping\(monitor='val_loss'\): GPTModule logs no 'val_loss', .*Did you mean 'val/loss'\?"),
+    Case("callback-class-path-typo", lambda c: main(["fit", "--trainer.max_steps", "1", "--trainer.callbacks+=lightning_gpuopt.callbacks.MFUMonitr"]),
+         SystemExit, r"trainer.callbacks: lightning_gpuopt.callbacks.MFUMonitr does not exist .*did you mean lightning_gpuopt.callbacks.MFUMonitor\?"),
+    Case("callback-name-typo", lambda c: main(["fit", "--trainer.max_steps", "1", "--trainer.callbacks+=MFUMonitr"]),
+         SystemExit, r"trainer.callbacks: no class named 'MFUMonitr': did you mean MFUMonitor \(lightning_gpuopt"),
     # ---------------------------------------------------------------- checkpoints
     Case("checkpoint-truncated", lambda c: load_gpt(_ckpt(c, truncate=True)), CheckpointError, "Use an earlier checkpoint; save with AtomicCheckpointIO"),
     Case("checkpoint-foreign-file", lambda c: load_gpt(c.yaml("model: {}\n")), CheckpointError, "is not a PyTorch checkpoint"),
