@@ -382,6 +382,8 @@ CASES = [
     Case("resume-other-tokenizer", lambda c: check_same_tokenizer({"tokenizer_sha256": "0" * 64, "tokenizer_file": "/run/tokenizer.json"},
                                                                   Tokenizer.from_file(_tokenizer_without_eot(c)), "data.source='x'"),
          ValueError, r"is not the one the checkpoint was trained with .*set data.tokenizer /run/tokenizer.json"),
+    Case("limit-batches-negative", lambda c: _cli_before_data(c, ["--trainer.limit_val_batches", "-1"]), SystemExit,
+         r"trainer.limit_val_batches must be an integer >= 0 or None, got -1 .*use e.g. 20, a fraction of the epoch such as 0.25"),
     Case("cli-max-steps-zero", lambda c: _cli_before_data(c, ["--trainer.max_steps", "0"]), SystemExit,
          r"trainer.max_steps=0 trains nothing .*e\.g\. --trainer.max_steps 3000, or -1 for no limit"),
     Case("monitor-typo", lambda c: _cli_before_data(c, ["--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor", "val_loss"]),

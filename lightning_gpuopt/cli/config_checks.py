@@ -47,6 +47,15 @@ def check_trainer_options(trainer: Mapping[str, Any]) -> None:
     else:
         check_number("trainer", "val_check_interval", interval, low=0, low_open=True, high=1, optional=True,
                      hint=" (a fraction of the epoch; an integer N validates every N batches): use e.g. 0.25, or leave it unset")
+    for stage in ("train", "val", "test", "predict"):
+        name = f"limit_{stage}_batches"
+        limit = trainer.get(name)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            check_int("trainer", name, limit, minimum=0, optional=True,
+                      hint=" (batches per epoch; 0 skips them): use e.g. 20, a fraction of the epoch such as 0.25, or leave it unset")
+        else:
+            check_number("trainer", name, limit, low=0, high=1, optional=True,
+                         hint=" (a fraction of the epoch's batches; an integer N runs N batches): use e.g. 0.25, or leave it unset")
     root = trainer.get("default_root_dir")
     if root is not None and Path(root).expanduser().exists() and not Path(root).expanduser().is_dir():
         raise ValueError(f"trainer.default_root_dir={str(root)!r} is a file, not a folder: give a folder for the run's "
