@@ -346,6 +346,10 @@ CASES = [
          r"--config .*bad.yaml is not valid YAML: line 2, column 1: a tab indents the line; .*Replace the tab with spaces"),
     Case("yaml-syntax-error", lambda c: main(["fit", "--config", c.yaml("trainer: {max_steps: 3\n")]), SystemExit,
          r"--config .*bad.yaml is not valid YAML: line \d+, column \d+: .*Fix the line"),
+    Case("yaml-duplicate-key", lambda c: main(["fit", "--config", c.yaml("trainer:\n  max_steps: 3\n  max_steps: 5\n")]), SystemExit,
+         r"--config .*bad.yaml is not valid: line 3: 'max_steps' is given twice in one mapping \(also on line 2\).* Keep one"),
+    Case("yaml-group-is-a-list", lambda c: main(["fit", "--config", c.yaml("trainer:\n  max_steps: 3\nmodel:\n  - n_layer: 3\n")]), SystemExit,
+         r"--config .*bad.yaml: model: holds a list .*so gpuopt would drop every model option in it\. Give the options as a mapping, without the dashes"),
     Case("yaml-callback-bad-argument",
          lambda c: main(["fit", "--config", c.yaml("trainer:\n  callbacks:\n    - class_path: lightning_gpuopt.callbacks.NonFiniteGuard\n"
                                                    "      init_args:\n        mode: lazy\n")]), SystemExit,

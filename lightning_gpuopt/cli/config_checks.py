@@ -147,7 +147,9 @@ def check_config_files(argv: Sequence[str]) -> None:
     for path in _config_paths(argv):
         text = path.read_text(encoding="utf-8", errors="replace")
         try:
-            yaml.safe_load(text)
+            config = yaml.load(text, Loader=_NoDuplicateKeysLoader)
+        except _DuplicateKey as err:
+            raise ValueError(f"--config {path} is not valid: {err}") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
@@ -158,6 +160,37 @@ def check_config_files(argv: Sequence[str]) -> None:
                 problem = getattr(err, "problem", None) or str(err).splitlines()[0]
                 fix = f"{problem}. Fix the line (check the indentation, a missing ':' or an unclosed quote or bracket)."
             raise ValueError(f"--config {path} is not valid YAML: {where}: {fix}") from None
+        for group in ("trainer", "model", "data"):
+            if isinstance(config, dict) and isinstance(config.get(group), list):
+                raise ValueError(
+                    f"--config {path}: {group}: holds a list (its lines start with '- '), so gpuopt would drop every "
+                    f"{group} option in it. Give the options as a mapping, without the dashes, e.g. "
+                    f"'{group}:\\n  {_EXAMPLE_KEY[group]}'."
+                )
+
+
+_EXAMPLE_KEY = {"trainer": "max_steps: 300", "model": "n_layer: 4", "data": "block_size: 128"}
+
+
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _NoDuplicateKeysLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, except that a key given twice in one mapping is an error (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise _DuplicateKey(
+                    f"line {key_node.start_mark.line + 1}: {key!r} is given twice in one mapping (also on line "
+                    f"{seen[key]}), and YAML would keep the last silently. Keep one."
+                )
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 def _config_paths(argv: Sequence[str]) -> list[Path]:
