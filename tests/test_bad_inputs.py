@@ -388,6 +388,8 @@ CASES = [
          ValueError, r"is not the one the checkpoint was trained with .*set data.tokenizer /run/tokenizer.json"),
     Case("limit-batches-negative", lambda c: _cli_before_data(c, ["--trainer.limit_val_batches", "-1"]), SystemExit,
          r"trainer.limit_val_batches must be an integer >= 0 or None, got -1 .*use e.g. 20, a fraction of the epoch such as 0.25"),
+    Case("cli-float-not-finite", lambda c: main(["fit", "--trainer.max_steps", "1", "--model.learning_rate", "inf"]), SystemExit,
+         r"model.learning_rate must be a finite number, got inf: give a finite value for --model.learning_rate"),
     Case("cli-max-steps-zero", lambda c: _cli_before_data(c, ["--trainer.max_steps", "0"]), SystemExit,
          r"trainer.max_steps=0 trains nothing .*e\.g\. --trainer.max_steps 3000, or -1 for no limit"),
     Case("monitor-typo", lambda c: _cli_before_data(c, ["--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor", "val_loss"]),

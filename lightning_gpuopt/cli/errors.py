@@ -26,6 +26,7 @@ TRACEBACK_ENV = "GPUOPT_TRACEBACK"
 _LINK = re.compile(r"argument (\S+) --> (\S+): ")
 _NESTED = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*Parser key "([^"]+)":\s*([^\n]+)', re.S)
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.+)\]\. Got value: (.+)")
+_NOT_FINITE = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'float\'>\. Got value: ([-+]?(?:inf|infinity|nan))\s*$', re.I)
 _NO_SHORT_NAME = re.compile(r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Expected a dot import path string: (\S+)', re.S)
 _NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*module \'([^\']+)\' has no attribute \'([^\']+)\'', re.S)
 T = TypeVar("T")
@@ -49,6 +50,10 @@ def explain_parser_error(message: str) -> str:
         source, target = link.groups()
         return (f"{target} is set from {source} (gpuopt links them, so the two always agree): drop {target} and "
                 f"set {source} only (--{source} on the command line, or {source} in the --config file).")
+    not_finite = _NOT_FINITE.search(message)
+    if not_finite:
+        key, value = not_finite.groups()
+        return f"{key} must be a finite number, got {value}: give a finite value for --{key} (or {key} in the --config file)."
     no_class = _NO_CLASS.search(message)
     if no_class:
         return _unknown_class(*no_class.groups())
