@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
@@ -326,18 +327,30 @@ class GPTCLI(LightningCLI):
 
 
 class _StopPredictOnSigterm(Callback):
-    """Ends ``predict`` after the batch in which SIGTERM (or a scheduler's kill) arrived.
+    """Ends ``predict`` at once on SIGTERM (a scheduler's kill), in the middle of a batch's generation.
 
     Lightning's handler only sets ``trainer.received_sigterm``, which its fit and validation loops read
-    and its predict loop does not, so without this a SIGTERM was ignored until every prompt was done.
-    Nothing is written: the completions file is written whole at the end.
+    and its predict loop does not, so a SIGTERM was ignored until every prompt was done. Predict has
+    nothing to save (the completions file is written whole at the end), so this handler stops at once.
     """
 
+    def __init__(self) -> None:
+        self._previous: Any = None
+
     @override
-    def on_predict_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.received_sigterm:
-            rank_zero_info("gpuopt predict: received SIGTERM; stopped before writing any completions.")
-            raise SIGTERMException
+    def on_predict_start(self, trainer: Trainer, pl_module: Any) -> None:
+        if threading.current_thread() is threading.main_thread():  # after Lightning registered its own handler
+            self._previous = signal.signal(signal.SIGTERM, self._stop)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _stop(self, signum: int, frame: Any) -> None:
+        rank_zero_info("gpuopt predict: received SIGTERM; stopped before writing any completions.")
+        raise SIGTERMException
 
 
 def _micro_batch(datamodule: Any) -> int:

@@ -71,13 +71,19 @@ def test_write_completions_to_a_folder_is_refused_and_leaves_no_file(tmp_path):
 class SigtermAtFirstPredictBatch(Callback):
     """Sends this process a SIGTERM as the first prediction batch starts (a scheduler stopping the job)."""
 
+    finished_batches = 0
+
     def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if batch_idx == 0:
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def on_predict_batch_end(self, *args):
+        SigtermAtFirstPredictBatch.finished_batches += 1
+
 
 def test_sigterm_stops_predict_after_the_batch_and_writes_nothing(tmp_path, text_dir, cache_dir, monkeypatch):
-    """Lightning's predict loop never read its SIGTERM flag: the job ran on through every prompt."""
+    """Lightning's predict loop never read its SIGTERM flag: the job ran on through every prompt. It now stops
+    during the batch it is generating (a batch of long generations can take minutes)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "p.txt").write_text("the model\nthe optimizer lowers\nstep by step on the\n")
     with pytest.raises(SystemExit) as info:
@@ -87,4 +93,7 @@ def test_sigterm_stops_predict_after_the_batch_and_writes_nothing(tmp_path, text
               "--generate.batch_size", "1", "--generate.output", str(tmp_path / "g.jsonl"),
               "--trainer.callbacks+=tests.cli.test_prompts.SigtermAtFirstPredictBatch"])
     assert info.value.code == 143
+    assert SigtermAtFirstPredictBatch.finished_batches == 0  # stopped inside the first batch, not after it
     assert not (tmp_path / "g.jsonl").exists()
+    handler = signal.getsignal(signal.SIGTERM)
+    assert type(getattr(handler, "__self__", None)).__name__ != "_StopPredictOnSigterm"  # its handler is put back
