@@ -350,7 +350,8 @@ class _StopPredictOnSigterm(Callback):
 
     def _stop(self, signum: int, frame: Any) -> None:
         rank_zero_info("gpuopt predict: received SIGTERM; stopped before writing any completions.")
-        raise SIGTERMException
+        # Not SIGTERMException: on that, SigtermCheckpoint would save the predicting state over the run's last.ckpt.
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 def _micro_batch(datamodule: Any) -> int:

@@ -95,5 +95,6 @@ def test_sigterm_stops_predict_after_the_batch_and_writes_nothing(tmp_path, text
     assert info.value.code == 143
     assert SigtermAtFirstPredictBatch.finished_batches == 0  # stopped inside the first batch, not after it
     assert not (tmp_path / "g.jsonl").exists()
+    assert not list(tmp_path.rglob("*.ckpt"))  # no checkpoint of the predicting state (it would replace a run's last.ckpt)
     handler = signal.getsignal(signal.SIGTERM)
     assert type(getattr(handler, "__self__", None)).__name__ != "_StopPredictOnSigterm"  # its handler is put back
