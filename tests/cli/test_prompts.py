@@ -98,3 +98,24 @@ def test_sigterm_stops_predict_after_the_batch_and_writes_nothing(tmp_path, text
     assert not list(tmp_path.rglob("*.ckpt"))  # no checkpoint of the predicting state (it would replace a run's last.ckpt)
     handler = signal.getsignal(signal.SIGTERM)
     assert type(getattr(handler, "__self__", None)).__name__ != "_StopPredictOnSigterm"  # its handler is put back
+
+
+class SigtermAtFirstValidationBatch(Callback):
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and not trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_during_validate_leaves_the_runs_last_ckpt_alone(tmp_path, text_dir, cache_dir, monkeypatch):
+    """SigtermCheckpoint, always added by gpuopt, saved the validating state (step 0, no optimizer state) over the
+    checkpoint being validated; outside fit it is left out."""
+    monkeypatch.chdir(tmp_path)
+    data = ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.block_size", "32", "--data.num_workers", "0",
+            "--model.preset", "tiny", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "run")]
+    main(["fit", *data, "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.limit_val_batches", "0"])
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    with pytest.raises(SystemExit) as info:
+        main(["validate", *data, "--ckpt_path", str(last), "--trainer.callbacks+=tests.cli.test_prompts.SigtermAtFirstValidationBatch"])
+    assert info.value.code == 143
+    assert last.read_bytes() == before
