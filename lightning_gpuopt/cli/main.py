@@ -256,7 +256,7 @@ class GPTCLI(LightningCLI):
         for cls in (ExactResume, SigtermCheckpoint):
             for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:
                 trainer.callbacks.remove(extra)
-        if self.subcommand != "fit":  # it saves the state of training; on a SIGTERM in validate/test/predict it
+        if self.subcommand in ("validate", "test", "predict"):  # it saves the state of training; on a SIGTERM there it
             # would write the evaluating state (step 0, no optimizer) over the run's last.ckpt
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, SigtermCheckpoint)]
         fill_checkpoint_dirs(trainer)
