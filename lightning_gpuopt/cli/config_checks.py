@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -22,7 +23,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_gpuopt.option_checks import check_int, check_number
 
-__all__ = ["check_callbacks_once", "check_config_files", "check_output_file", "check_trainer_options"]
+__all__ = ["check_callbacks_once", "check_config_files", "check_monitored_metrics", "check_output_file", "check_trainer_options"]
 
 
 def check_trainer_options(trainer: Mapping[str, Any]) -> None:
@@ -46,6 +47,15 @@ def check_trainer_options(trainer: Mapping[str, Any]) -> None:
     else:
         check_number("trainer", "val_check_interval", interval, low=0, low_open=True, high=1, optional=True,
                      hint=" (a fraction of the epoch; an integer N validates every N batches): use e.g. 0.25, or leave it unset")
+    for stage in ("train", "val", "test", "predict"):
+        name = f"limit_{stage}_batches"
+        limit = trainer.get(name)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            check_int("trainer", name, limit, minimum=0, optional=True,
+                      hint=" (batches per epoch; 0 skips them): use e.g. 20, a fraction of the epoch such as 0.25, or leave it unset")
+        else:
+            check_number("trainer", name, limit, low=0, high=1, optional=True,
+                         hint=" (a fraction of the epoch's batches; an integer N runs N batches): use e.g. 0.25, or leave it unset")
     root = trainer.get("default_root_dir")
     if root is not None and Path(root).expanduser().exists() and not Path(root).expanduser().is_dir():
         raise ValueError(f"trainer.default_root_dir={str(root)!r} is a file, not a folder: give a folder for the run's "
@@ -79,6 +89,36 @@ def check_callbacks_once(callbacks: Sequence[Callback]) -> None:
         seen.add(callback.state_key)
 
 
+def check_monitored_metrics(callbacks: Sequence[Callback], logged: Sequence[str], module: str) -> None:
+    """Raise if a callback monitors a metric one typo away from one the module logs (``val_loss`` for ``val/loss``).
+
+    Lightning finds out only when the callback first reads it (``EarlyStopping`` at the first validation,
+    ``ModelCheckpoint`` at its first save), with a traceback, after training up to there. A name close to
+    none of the module's is left alone: another callback or logger may log it.
+
+    Example::
+
+        check_monitored_metrics([EarlyStopping(monitor="val_loss")], ["val/loss"], "GPTModule")
+        # ValueError: EarlyStopping(monitor='val_loss'): GPTModule logs no 'val_loss' ... did you mean 'val/loss'?
+
+    Args:
+        callbacks: The callbacks the Trainer is about to get.
+        logged: The metric names the module logs.
+        module: The module's name, for the message.
+    """
+    for callback in callbacks:
+        monitor = getattr(callback, "monitor", None)
+        if not isinstance(monitor, str) or monitor in logged:
+            continue
+        close = difflib.get_close_matches(monitor, logged, n=1, cutoff=0.6)
+        if close:
+            raise ValueError(
+                f"{type(callback).__name__}(monitor={monitor!r}): {module} logs no {monitor!r}, so the run would fail "
+                f"when the callback first reads it, after training up to there. Did you mean {close[0]!r}? "
+                f"{module} logs {', '.join(logged)}."
+            )
+
+
 def check_output_file(option: str, path: Optional[str]) -> None:
     """Raise if ``path``, a file the command will write, is an existing folder.
 
@@ -107,7 +147,9 @@ def check_config_files(argv: Sequence[str]) -> None:
     for path in _config_paths(argv):
         text = path.read_text(encoding="utf-8", errors="replace")
         try:
-            yaml.safe_load(text)
+            config = yaml.load(text, Loader=_NoDuplicateKeysLoader)
+        except _DuplicateKey as err:
+            raise ValueError(f"--config {path} is not valid: {err}") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
@@ -118,6 +160,37 @@ def check_config_files(argv: Sequence[str]) -> None:
                 problem = getattr(err, "problem", None) or str(err).splitlines()[0]
                 fix = f"{problem}. Fix the line (check the indentation, a missing ':' or an unclosed quote or bracket)."
             raise ValueError(f"--config {path} is not valid YAML: {where}: {fix}") from None
+        for group in ("trainer", "model", "data"):
+            if isinstance(config, dict) and isinstance(config.get(group), list):
+                raise ValueError(
+                    f"--config {path}: {group}: holds a list (its lines start with '- '), so gpuopt would drop every "
+                    f"{group} option in it. Give the options as a mapping, without the dashes, e.g. "
+                    f"'{group}:\\n  {_EXAMPLE_KEY[group]}'."
+                )
+
+
+_EXAMPLE_KEY = {"trainer": "max_steps: 300", "model": "n_layer: 4", "data": "block_size: 128"}
+
+
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _NoDuplicateKeysLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, except that a key given twice in one mapping is an error (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise _DuplicateKey(
+                    f"line {key_node.start_mark.line + 1}: {key!r} is given twice in one mapping (also on line "
+                    f"{seen[key]}), and YAML would keep the last silently. Keep one."
+                )
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 def _config_paths(argv: Sequence[str]) -> list[Path]:

@@ -234,10 +234,11 @@ def fill_checkpoint_dirs(trainer: Trainer) -> None:
 
 
 def check_run_length(trainer_config: Any) -> Optional[str]:
-    """The error message for a ``fit`` without a run length, else ``None``.
+    """The error message for a ``fit`` without a run length, or with one of zero, else ``None``.
 
     Without ``max_steps``, ``max_epochs``, ``max_time`` or ``fast_dev_run`` Lightning trains for
-    1000 epochs, and the LR schedule has no end to decay towards.
+    1000 epochs, and the LR schedule has no end to decay towards. ``max_steps`` or ``max_epochs`` of 0
+    (or below -1) trains nothing and exits 0.
 
     Example::
 
@@ -247,6 +248,12 @@ def check_run_length(trainer_config: Any) -> Optional[str]:
         trainer_config: The parsed ``trainer`` group (a mapping).
     """
     get = trainer_config.get
+    for name in ("max_steps", "max_epochs"):
+        value = get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and (value == 0 or value < -1):
+            return (f"trainer.{name}={value} trains nothing (Lightning would stop at once and exit as if it had "
+                    f"finished): set it to the {'optimizer steps' if name == 'max_steps' else 'epochs'} to train, "
+                    f"e.g. --trainer.{name} {3000 if name == 'max_steps' else 1}, or -1 for no limit.")
     if get("fast_dev_run") or get("max_time") or get("max_epochs") not in (None, -1):
         return None
     if get("max_steps") not in (None, -1):

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import os
 import re
 import sys
@@ -24,6 +26,9 @@ TRACEBACK_ENV = "GPUOPT_TRACEBACK"
 _LINK = re.compile(r"argument (\S+) --> (\S+): ")
 _NESTED = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*Parser key "([^"]+)":\s*([^\n]+)', re.S)
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.+)\]\. Got value: (.+)")
+_NOT_FINITE = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'float\'>\. Got value: ([-+]?(?:inf|infinity|nan))\s*$', re.I)
+_NO_SHORT_NAME = re.compile(r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Expected a dot import path string: (\S+)', re.S)
+_NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*module \'([^\']+)\' has no attribute \'([^\']+)\'', re.S)
 T = TypeVar("T")
 
 
@@ -45,6 +50,16 @@ def explain_parser_error(message: str) -> str:
         source, target = link.groups()
         return (f"{target} is set from {source} (gpuopt links them, so the two always agree): drop {target} and "
                 f"set {source} only (--{source} on the command line, or {source} in the --config file).")
+    not_finite = _NOT_FINITE.search(message)
+    if not_finite:
+        key, value = not_finite.groups()
+        return f"{key} must be a finite number, got {value}: give a finite value for --{key} (or {key} in the --config file)."
+    no_class = _NO_CLASS.search(message)
+    if no_class:
+        return _unknown_class(*no_class.groups())
+    no_short_name = _NO_SHORT_NAME.search(message)
+    if no_short_name:
+        return _unknown_short_name(*no_short_name.groups())
     nested = _NESTED.search(message)
     if nested:
         group, class_path, key, detail = nested.groups()
@@ -67,6 +82,37 @@ def explain_parser_error(message: str) -> str:
         f"The --config file must be a YAML mapping of groups (trainer:, model:, data:, ...), got: {text[:200]!r}. "
         "See examples/configs/quickstart.yaml."
     )
+
+
+def _unknown_class(group: str, class_path: str, module_name: str, name: str) -> str:
+    """A class path whose module exists but holds no such class: the closest names the module has."""
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # the parser imported it a moment ago; say what is known
+        names: list[str] = []
+    else:
+        names = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    hint = f"did you mean {module_name}.{close[0]}?" if close else f"{module_name} has {', '.join(sorted(names)) or 'no classes'}."
+    return f"{group}: {class_path} does not exist ({module_name} has no {name!r}): {hint}"
+
+
+def _unknown_short_name(group: str, name: str) -> str:
+    """A class name without its module that names no callback (or plugin) imported so far: the closest that does."""
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.plugins.precision import Precision
+
+    def subclasses(cls: type) -> set[type]:
+        found = set(cls.__subclasses__())
+        return found.union(*(subclasses(c) for c in found)) if found else found
+
+    bases = (Callback,) if group == "trainer.callbacks" else (Precision, CheckpointIO)
+    known = {c.__name__: f"{c.__module__}.{c.__qualname__}" for base in bases for c in subclasses(base)
+             if not c.__name__.startswith("_") and "." not in c.__qualname__}
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]} ({known[close[0]]})?" if close else "give the class's full import path, e.g. my_pkg.MyCallback."
+    return f"{group}: no class named {name!r}: {hint}"
 
 
 def check_fit_ended_finite(trainer: Any, module: Any) -> None:

@@ -18,15 +18,17 @@ import os
 import re
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
 
 from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
 from lightning_gpuopt.callbacks.progress_bar import default_progress_bar
@@ -40,7 +42,13 @@ from lightning_gpuopt.cli.defaults import (
     replace_precision_plugins,
     stack_device,
 )
-from lightning_gpuopt.cli.config_checks import check_callbacks_once, check_config_files, check_output_file, check_trainer_options
+from lightning_gpuopt.cli.config_checks import (
+    check_callbacks_once,
+    check_config_files,
+    check_monitored_metrics,
+    check_output_file,
+    check_trainer_options,
+)
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
@@ -51,7 +59,7 @@ from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
 from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
-from lightning_gpuopt.cli.resume_checks import merge_checkpoint_settings, prepare_resumed_fit, resolve_run_folder
+from lightning_gpuopt.cli.resume_checks import check_steps_left, merge_checkpoint_settings, prepare_resumed_fit, resolve_run_folder
 from lightning_gpuopt.cli.quiet import quiet_lightning
 from lightning_gpuopt.cli.run_summary import model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
@@ -196,6 +204,8 @@ class GPTCLI(LightningCLI):
         settings = getattr(self, "checkpoint_settings", None)
         if settings is not None:
             settings.check_model(self.model)
+            if self.subcommand == "fit":  # after the architecture checks: a changed model is the first thing to fix
+                check_steps_left(settings.global_step, settings.path, self.config.fit.get("trainer"))
             settings.report()
             if self.reads_text:  # before data preparation: the run's token ids keep their meaning
                 self.datamodule.use_checkpoint_tokenizer(settings.data_state)
@@ -248,13 +258,20 @@ class GPTCLI(LightningCLI):
         # ExactResume and SigtermCheckpoint are always added (a copy the config lists itself, with its own
         # arguments, comes first and stays); any other callback listed twice is refused here, not by a traceback.
         listed = trainer_cfg.get("callbacks")
-        check_callbacks_once([c for c in (listed if isinstance(listed, list) else [listed] if listed else [])
-                              if type(c) not in (ExactResume, SigtermCheckpoint)])
+        listed = listed if isinstance(listed, list) else [listed] if listed else []
+        check_callbacks_once([c for c in listed if type(c) not in (ExactResume, SigtermCheckpoint)])
+        if self.trains_gpt:
+            check_monitored_metrics(listed, GPTModule.LOGGED_METRICS, "GPTModule")
         trainer = super().instantiate_trainer(**kwargs)
         for cls in (ExactResume, SigtermCheckpoint):
             for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:
                 trainer.callbacks.remove(extra)
+        if self.subcommand in ("validate", "test", "predict"):  # it saves the state of training; on a SIGTERM there it
+            # would write the evaluating state (step 0, no optimizer) over the run's last.ckpt
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, SigtermCheckpoint)]
         fill_checkpoint_dirs(trainer)
+        if self.subcommand == "predict":
+            trainer.callbacks.append(_StopPredictOnSigterm())
         strategy = trainer.strategy
         # Replace only Lightning's default single-file writer; a CheckpointIO the user or the strategy chose stays.
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
@@ -320,6 +337,34 @@ class GPTCLI(LightningCLI):
         for batch in predictions:
             for sample in batch:
                 print(self.datamodule.decode(sample), end="\n" + "-" * 80 + "\n")
+
+
+class _StopPredictOnSigterm(Callback):
+    """Ends ``predict`` at once on SIGTERM (a scheduler's kill), in the middle of a batch's generation.
+
+    Lightning's handler only sets ``trainer.received_sigterm``, which its fit and validation loops read
+    and its predict loop does not, so a SIGTERM was ignored until every prompt was done. Predict has
+    nothing to save (the completions file is written whole at the end), so this handler stops at once.
+    """
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: Any) -> None:
+        if threading.current_thread() is threading.main_thread():  # after Lightning registered its own handler
+            self._previous = signal.signal(signal.SIGTERM, self._stop)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _stop(self, signum: int, frame: Any) -> None:
+        rank_zero_info("gpuopt predict: received SIGTERM; stopped before writing any completions.")
+        # Not SIGTERMException: on that, SigtermCheckpoint would save the predicting state over the run's last.ckpt.
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 def _micro_batch(datamodule: Any) -> int:

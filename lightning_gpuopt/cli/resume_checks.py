@@ -11,7 +11,9 @@ checkpoint's before anything is built:
 * everything else (learning rate and schedule, sampling settings, ``max_new_tokens``, compile,
   dropout, ...) is applied over the checkpoint's value and reported; a resumed ``fit`` also gets
   :class:`~lightning_gpuopt.callbacks.resumed_optimizer.ResumedOptimizerSettings`, which applies the
-  optimizer settings over the restored optimizer state.
+  optimizer settings over the restored optimizer state;
+* a ``fit`` from a checkpoint already at ``trainer.max_steps`` would train nothing and exit 0: it is
+  refused, naming the ``--trainer.max_steps`` that trains on (:func:`check_steps_left`).
 
 Lightning internals used (``tests/cli/test_resume_checks.py`` fails if an upgrade renames them): the CLI
 replaces ``LightningCLI._parse_ckpt_path`` with :func:`merge_checkpoint_settings`, and
@@ -44,6 +46,7 @@ __all__ = [
     "ARCHITECTURE",
     "CheckpointSettings",
     "asked_settings",
+    "check_steps_left",
     "merge_checkpoint_settings",
     "prepare_resumed_fit",
     "resolve_run_folder",
@@ -97,6 +100,7 @@ class CheckpointSettings:
         data: ``data`` options that differ from the training run's (used as given):
             ``{name: (checkpoint's, configured)}``.
         data_state: The data module's saved state (``None``: the checkpoint holds none for that class).
+        global_step: The checkpoint's optimizer step.
     """
 
     path: str
@@ -106,6 +110,7 @@ class CheckpointSettings:
     kept: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     data: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     data_state: Optional[dict[str, Any]] = None
+    global_step: Optional[int] = None
 
     def check_model(self, model: Any) -> None:
         """Refuse a built model whose data-linked shape (``block_size``, ``vocab_size``) is not the checkpoint's."""
@@ -189,6 +194,31 @@ def _config_hint(group: Any) -> str:
     return " ".join(f"--config {p}" for p in paths) + " ..." if paths else "..."
 
 
+def check_steps_left(step: Optional[int], path: str, trainer: Any) -> None:
+    """Refuse a resumed ``fit`` whose ``trainer.max_steps`` the checkpoint has already reached.
+
+    Lightning would restore the checkpoint, train nothing, save nothing and exit 0, so a finished run
+    "continued" with ``--ckpt_path last`` looks like a run that trained on.
+
+    Example::
+
+        check_steps_left(300, "runs/q/checkpoints/last.ckpt", {"max_steps": 300})  # ValueError
+
+    Args:
+        step: The checkpoint's ``global_step``.
+        path: Its path, for the message.
+        trainer: The parsed ``trainer`` group.
+    """
+    max_steps = (trainer or {}).get("max_steps")
+    if not isinstance(step, int) or not isinstance(max_steps, int) or max_steps < 0 or step < max_steps:
+        return
+    raise ValueError(
+        f"The checkpoint {path!r} is at step {step} and trainer.max_steps={max_steps}, so this fit would train nothing "
+        f"(and write no checkpoint). To train on, raise trainer.max_steps above {step} (e.g. --trainer.max_steps "
+        f"{2 * step if step else 1}); to evaluate the checkpoint, use gpuopt validate --ckpt_path {path}."
+    )
+
+
 def merge_checkpoint_settings(
     parser: Any, config: Any, model_class: type, data_class: Optional[type] = None
 ) -> tuple[Any, Optional[CheckpointSettings]]:
@@ -237,7 +267,7 @@ def merge_checkpoint_settings(
         raise ValueError(_refusal(path, refused))
     known = set(inspect.signature(model_class.__init__).parameters) - {"self"}
     merged = {k: v for k, v in saved.items() if k in known}
-    settings = CheckpointSettings(path, subcommand, saved)
+    settings = CheckpointSettings(path, subcommand, saved, global_step=checkpoint.get("global_step"))
     if data_class is not None:  # Lightning saves a data module's state under its class's qualified name
         settings.data_state = checkpoint.get(data_class.__qualname__)
     for k, v in asked.items():

@@ -80,6 +80,9 @@ class GPTModule(pl.LightningModule):
         ``module.configure_model()`` before using ``module.model``.
     """
 
+    LOGGED_METRICS = ("train/loss", "train/ppl", "val/loss", "val/ppl", "test/loss", "test/ppl")
+    """The metrics it logs, for a callback's ``monitor``."""
+
     def __init__(
         self,
         preset: str = "tiny",
@@ -267,6 +270,12 @@ class GPTModule(pl.LightningModule):
         """Continue each prompt in ``batch`` (token ids (B, T), or a tuple whose first item is)."""
         idx = batch[0] if isinstance(batch, (tuple, list)) else batch
         hp = self.hparams
+        if idx.size(1) > self.config.block_size:
+            rank_zero_warn(
+                f"A prompt of {idx.size(1)} tokens is longer than the model's context (block_size="
+                f"{self.config.block_size}): generation sees only its last {self.config.block_size} tokens. "
+                "Shorten the prompt, or train with a larger data.block_size.", category=UserWarning
+            )
         return self.model.generate(idx, hp.max_new_tokens, temperature=hp.temperature, top_k=hp.top_k)
 
     @override

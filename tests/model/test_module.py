@@ -159,3 +159,12 @@ def test_float8_under_fsdp2_gathers_weights_in_float8_or_bf16_never_fp32(fsdp2_t
         "transformer.h.0.ln_1": ("Parameter", torch.bfloat16),
         "transformer.h.0.mlp.c_fc": linear,
     }
+
+
+def test_predict_says_when_a_prompt_is_longer_than_the_context():
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=16, max_new_tokens=2, temperature=0)
+    module.configure_model()
+    with pytest.warns(UserWarning, match=r"A prompt of 20 tokens is longer than the model's context \(block_size=16\): "
+                                         r"generation sees only its last 16 tokens"):
+        out = module.predict_step(torch.zeros(1, 20, dtype=torch.long), 0)
+    assert out.shape == (1, 22)
