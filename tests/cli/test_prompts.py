@@ -86,7 +86,7 @@ def test_sigterm_stops_predict_after_the_batch_and_writes_nothing(tmp_path, text
     during the batch it is generating (a batch of long generations can take minutes)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "p.txt").write_text("the model\nthe optimizer lowers\nstep by step on the\n")
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(SystemExit) as info, pytest.warns(UserWarning, match="samples an untrained"):
         main(["predict", "--data.source", str(text_dir), "--data.vocab_size", "300", "--data.block_size", "32",
               "--data.num_workers", "0", "--model.preset", "tiny", "--model.max_new_tokens", "2",
               "--trainer.enable_progress_bar", "false", "--generate.prompts_file", str(tmp_path / "p.txt"),
@@ -112,7 +112,8 @@ def test_sigterm_during_validate_leaves_the_runs_last_ckpt_alone(tmp_path, text_
     monkeypatch.chdir(tmp_path)
     data = ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.block_size", "32", "--data.num_workers", "0",
             "--model.preset", "tiny", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "run")]
-    main(["fit", *data, "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.limit_val_batches", "0"])
+    main(["fit", *data, "--trainer.max_steps", "2", "--model.warmup_steps", "1", "--trainer.logger", "false",
+          "--trainer.limit_val_batches", "0"])
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     before = last.read_bytes()
     with pytest.raises(SystemExit) as info:
