@@ -40,6 +40,9 @@ class SigtermCheckpoint(Callback):
     (A validation that started mid-accumulation is left to
     :class:`~lightning_gpuopt.callbacks.ExactResume`, whose replay of the step runs it again.)
 
+    Only ``fit`` saves: a SIGTERM during ``validate``, ``test`` or ``predict`` leaves every file as it
+    was (their state has no training progress, and ``last.ckpt`` may be the checkpoint they read).
+
     Unlike Lightning's ``OnExceptionCheckpoint``, it does not make a later ``fit`` without
     ``ckpt_path`` resume by itself, and it keeps the file after the run.
 
@@ -126,6 +129,8 @@ class SigtermCheckpoint(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_sigint()
         if not isinstance(exception, SIGTERMException) or trainer.sanity_checking or trainer.fast_dev_run:
+            return
+        if trainer.state.fn != "fit":  # validate/test/predict: the file may be the very checkpoint being read
             return
         path = self._target(trainer)
         if path is None:

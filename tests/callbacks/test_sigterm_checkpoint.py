@@ -134,3 +134,26 @@ def test_validation_interrupted_by_sigterm_runs_again_on_resume(tmp_path, text_d
     # Three whole validations of 3 batches this epoch, none left looking unfinished for a later checkpoint.
     total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
     assert (total.ready, total.started, total.processed, total.completed) == (9, 9, 9, 9)
+
+
+class _SigtermAtValidationBatch(Callback):
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_during_validate_leaves_the_checkpoint_it_reads_alone(tmp_path, text_dir, cache_dir):
+    """Outside fit there is no training progress to keep: a save would replace last.ckpt with step 0."""
+    _fit(tmp_path, text_dir, lambda: None, max_steps=2)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    before = last.read_bytes()
+    data = TextDataModule(source=str(text_dir), block_size=16, batch_size=2, vocab_size=300, num_workers=0)
+    model = GPTModule(n_layer=1, n_embd=32, n_head=2, vocab_size=300, block_size=16, warmup_steps=1)
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, limit_val_batches=2, callbacks=[
+        SigtermCheckpoint(), ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True), _SigtermAtValidationBatch()])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SIGTERMException):
+            trainer.validate(model, datamodule=data, ckpt_path=str(last))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert last.read_bytes() == before
