@@ -139,6 +139,13 @@ def _ckpt(ctx: Ctx, content: Optional[dict] = None, truncate: bool = False) -> P
     return path
 
 
+def _existing_file(ctx: Ctx) -> str:
+    """A file of the user's where a command would write its output."""
+    path = ctx.tmp / "precious.jsonl"
+    path.write_text('{"precious": 1}\n')
+    return str(path)
+
+
 def _cli_before_data(ctx: Ctx, args: list[str]) -> None:
     """``gpuopt fit`` on the test corpus with ``args``; the error must come before data preparation."""
     data = ["--data.source", str(ctx.text_dir), "--data.vocab_size", "300", "--data.block_size", "32", "--data.num_workers", "0",
@@ -350,6 +357,9 @@ CASES = [
     Case("predict-output-is-a-folder",
          lambda c: main(["predict", "--generate.prompts_file", c.yaml("a prompt\n"), "--generate.output", str(c.tmp)]),
          SystemExit, r"gpuopt: error: generate.output=.* is a folder: give a file path, e.g. .*generations.jsonl"),
+    Case("predict-output-exists",
+         lambda c: main(["predict", "--generate.prompts_file", c.yaml("a prompt\n"), "--generate.output", _existing_file(c)]),
+         SystemExit, r"gpuopt: error: generate.output=.* exists .* give another --generate.output, or --generate.overwrite true"),
     Case("accumulate-grad-batches-zero", lambda c: _cli_before_data(c, ["--trainer.accumulate_grad_batches", "0"]), SystemExit,
          r"trainer.accumulate_grad_batches must be an integer >= 1, got 0 .*use 1 for a step per batch"),
     Case("val-check-interval-zero", lambda c: _cli_before_data(c, ["--trainer.val_check_interval", "0"]), SystemExit,

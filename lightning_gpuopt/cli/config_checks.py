@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import yaml
 from lightning.pytorch.callbacks import Callback
@@ -119,15 +119,28 @@ def check_monitored_metrics(callbacks: Sequence[Callback], logged: Sequence[str]
             )
 
 
-def check_output_file(option: str, path: Optional[str]) -> None:
-    """Raise if ``path``, a file the command will write, is an existing folder.
+def check_output_file(option: str, path: Union[str, Path], overwrite: bool = False, overwrite_option: str = "") -> None:
+    """Raise if ``path``, a file the command will write, is an existing folder, or an existing file not to overwrite.
 
     Example::
 
         check_output_file("generate.output", "runs/")  # ValueError: generate.output='runs/' is a folder ...
+        check_output_file("generate.output", "gen.jsonl", overwrite_option="generate.overwrite")  # ValueError if it exists
+
+    Args:
+        option: The option that names the file (in the message).
+        path: The file the command will write (the option's value, or its default).
+        overwrite: Replace an existing file.
+        overwrite_option: The option that sets ``overwrite`` (named in the message); ``""``: existing files are replaced.
     """
-    if path is not None and Path(path).expanduser().is_dir():
-        raise ValueError(f"{option}={str(path)!r} is a folder: give a file path, e.g. {str(Path(path) / 'generations.jsonl')!r}.")
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{option}={str(path)!r} is a folder: give a file path, e.g. {str(path / 'generations.jsonl')!r}.")
+    if overwrite_option and not overwrite and path.exists():
+        raise ValueError(
+            f"{option}={str(path)!r} exists (written by an earlier run, or a file of yours) and would be replaced: give "
+            f"another --{option}, or --{overwrite_option} true to replace it."
+        )
 
 
 def check_config_files(argv: Sequence[str]) -> None:

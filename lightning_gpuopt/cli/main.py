@@ -105,6 +105,15 @@ class _SuggestingParser(LightningArgumentParser):
 
 
 
+def _completions_path(config: Any) -> Path:
+    """The file ``gpuopt predict --generate.prompts_file`` writes: ``generate.output``, else ``generations.jsonl``
+    in ``trainer.default_root_dir`` (the working folder when unset, as Lightning's)."""
+    output = (config.get("generate") or {}).get("output")
+    if output:
+        return Path(output).expanduser()
+    return Path((config.get("trainer") or {}).get("default_root_dir") or os.getcwd()) / "generations.jsonl"
+
+
 class GPTCLI(LightningCLI):
     """LightningCLI with the model's sequence length and vocabulary linked to the data's.
 
@@ -169,6 +178,8 @@ class GPTCLI(LightningCLI):
                             help="predict: completions per prompt of the prompts file.")
         parser.add_argument("--generate.output", type=Optional[str], default=None,
                             help="predict: the JSONL file written; default <trainer.default_root_dir>/generations.jsonl.")
+        parser.add_argument("--generate.overwrite", type=bool, default=False,
+                            help="predict: replace generate.output if it exists (otherwise an existing file stops the run).")
         parser.add_argument(
             "--auto_strategy.device_memory_gb", type=Optional[float], default=None,
             help="Memory per device (GB) for trainer.strategy=gpuopt-auto; default: read from GPU 0.",
@@ -233,7 +244,7 @@ class GPTCLI(LightningCLI):
                 if generate.get(name, 1) < 1:
                     self.parser.error(f"generate.{name} must be >= 1, got {generate.get(name)}.")
             read_prompts(generate["prompts_file"])  # a missing or empty file fails before the model is built
-            check_output_file("generate.output", generate.get("output"))
+            check_output_file("generate.output", _completions_path(config), generate.get("overwrite", False), "generate.overwrite")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -325,8 +336,7 @@ class GPTCLI(LightningCLI):
         predictions = self.trainer.predict_loop.predictions or []
         if self._prompt_batches is not None:
             records = self._prompt_batches.completions(predictions, self.datamodule.decode)
-            output = self.config.predict.get("generate", {}).get("output")
-            path = write_completions(records, output or Path(self.trainer.default_root_dir) / "generations.jsonl")
+            path = write_completions(records, _completions_path(self.config.predict))
             tokens = sum(len(r["tokens"]) for r in records)
             rank_zero_info(f"gpuopt predict: wrote {len(records)} completions ({tokens} tokens) to {path}")
             return
