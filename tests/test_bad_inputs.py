@@ -130,12 +130,17 @@ def _tokenizer_without_eot(ctx: Ctx) -> str:
     return str(ctx.tmp / "tok.json")
 
 
-def _ckpt(ctx: Ctx, content: Optional[dict] = None, truncate: bool = False) -> Path:
+def _ckpt(ctx: Ctx, content: Optional[dict] = None, truncate: bool = False, zero_middle: bool = False) -> Path:
     path = ctx.tmp / "x.ckpt"
     state = {f"model.{k}": v for k, v in GPT(GPTConfig.from_name("tiny")).state_dict().items()}
     torch.save(content if content is not None else {"hyper_parameters": {"preset": "tiny"}, "state_dict": state}, path)
     if truncate:
         path.write_bytes(path.read_bytes()[:5000])
+    if zero_middle:  # 4000 bytes inside the tensors' data zeroed: the archive still opens and unpickles
+        data = bytearray(path.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 4000] = bytes(4000)
+        path.write_bytes(bytes(data))
     return path
 
 
@@ -437,6 +442,8 @@ CASES = [
          SystemExit, r"trainer.callbacks: no class named 'MFUMonitr': did you mean MFUMonitor \(lightning_gpuopt"),
     # ---------------------------------------------------------------- checkpoints
     Case("checkpoint-truncated", lambda c: load_gpt(_ckpt(c, truncate=True)), CheckpointError, "Use an earlier checkpoint; save with AtomicCheckpointIO"),
+    Case("checkpoint-bytes-changed", lambda c: load_gpt(_ckpt(c, zero_middle=True)), CheckpointError,
+         r"is damaged \(Bad CRC-32 for file .*\): its bytes no longer match the checksums .*Use an earlier checkpoint of the run"),
     Case("checkpoint-foreign-file", lambda c: load_gpt(c.yaml("model: {}\n")), CheckpointError, "is not a PyTorch checkpoint"),
     Case("checkpoint-not-a-gptmodule", lambda c: load_gpt(_ckpt(c, {"state_dict": {}})), CheckpointError, "is not a GPTModule checkpoint"),
     Case("cli-foreign-checkpoint", lambda c: _cli_before_data(c, ["--ckpt_path", str(_ckpt(c, {"weights": torch.ones(2)}))]), SystemExit,

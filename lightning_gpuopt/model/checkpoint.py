@@ -66,6 +66,8 @@ def read_checkpoint(
             f"{str(path)!r} is not a PyTorch checkpoint (torch.save writes a zip archive; this file starts with "
             f"{magic!r}): give a .ckpt file written by Lightning / lightning_gpuopt."
         )
+    if not mmap:
+        _check_stored_checksums(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
@@ -82,6 +84,34 @@ def read_checkpoint(
         raise CheckpointError(
             f"Checkpoint {str(path)!r} is truncated or corrupt ({type(err).__name__}: {str(err).splitlines()[0]}): the "
             "write was probably interrupted. Use an earlier checkpoint; save with AtomicCheckpointIO to prevent this."
+        ) from err
+
+
+def _check_stored_checksums(path: Path) -> None:
+    """Raise if a record of the checkpoint's zip archive does not match the CRC-32 ``torch.save`` stored for it.
+
+    ``torch.load`` does not compare them, so bytes changed on disk (a bad sector, a copy cut short in
+    the middle, a stray write) would load as weights. The whole file is read once (``torch.load``
+    then reads it from the page cache). Records stored without a checksum (CRC 0, written with
+    ``torch.serialization.config.save.compute_crc32 = False``) are not checked.
+    """
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        return  # no readable archive (cut short): torch.load's error says so
+    try:
+        with archive:
+            for info in archive.infolist():
+                if info.CRC == 0:
+                    continue
+                with archive.open(info) as record:  # ZipExtFile compares the CRC-32 at the end of the record
+                    while record.read(1 << 24):
+                        pass
+    except (zipfile.BadZipFile, EOFError, OSError) as err:
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} is damaged ({str(err).splitlines()[0] if str(err) else type(err).__name__}): its "
+            "bytes no longer match the checksums written with it (a disk error, an interrupted copy or a write into the "
+            "file). Use an earlier checkpoint of the run, or copy the file again from where it was saved."
         ) from err
 
 
