@@ -281,6 +281,8 @@ CASES = [
                                               vocab_size=260).setup("fit"),  # a vocabulary this text fills
          ValueError, "use a larger corpus, a smaller data.block_size"),
     Case("tokenizer-missing", lambda c: c.data(tokenizer=str(c.tmp / "tok.json")), ValueError, "give the path of a tokenizer.json"),
+    Case("tokenizer-is-a-folder", lambda c: c.data(tokenizer=str(c.folder("run", {"tokenizer.json": b"{}"}))), ValueError,
+         r"is a folder: give the path of a tokenizer.json file \(it holds one: '.*run/tokenizer.json'\)"),
     Case("tokenizer-not-a-tokenizer", lambda c: c.data(tokenizer=str(c.folder("t", {"tok.json": b"{}"}) / "tok.json")), ValueError,
          "is not a valid tokenizer.json"),
     Case("tokenizer-without-eot", lambda c: c.data(tokenizer=_tokenizer_without_eot(c)), ValueError,

@@ -63,6 +63,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         path: The file written by ``Tokenizer.save`` (e.g. a Hugging Face model's ``tokenizer.json``).
     """
     path = Path(path).expanduser()
+    if path.is_dir():
+        inside = path / "tokenizer.json"
+        hint = f" (it holds one: {str(inside)!r})" if inside.is_file() else ""
+        raise ValueError(f"data.tokenizer={str(path)!r} is a folder: give the path of a tokenizer.json file{hint}.")
     if not path.is_file():
         raise ValueError(f"data.tokenizer={str(path)!r} does not exist: give the path of a tokenizer.json file.")
     try:
