@@ -277,9 +277,6 @@ class GPTCLI(LightningCLI):
         for cls in (ExactResume, SigtermCheckpoint):
             for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:
                 trainer.callbacks.remove(extra)
-        if self.subcommand in ("validate", "test", "predict"):  # it saves the state of training; on a SIGTERM there it
-            # would write the evaluating state (step 0, no optimizer) over the run's last.ckpt
-            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, SigtermCheckpoint)]
         fill_checkpoint_dirs(trainer)
         if self.subcommand == "predict":
             trainer.callbacks.append(_StopPredictOnSigterm())
@@ -373,8 +370,7 @@ class _StopPredictOnSigterm(Callback):
 
     def _stop(self, signum: int, frame: Any) -> None:
         rank_zero_info("gpuopt predict: received SIGTERM; stopped before writing any completions.")
-        # Not SIGTERMException: on that, SigtermCheckpoint would save the predicting state over the run's last.ckpt.
-        raise SystemExit(128 + signal.SIGTERM)
+        raise SystemExit(128 + signal.SIGTERM)  # the exit status of a SIGTERM, as after a fit's save
 
 
 def _micro_batch(datamodule: Any) -> int:
