@@ -434,6 +434,8 @@ CASES = [
          r"trainer.limit_val_batches must be an integer >= 0 or None, got -1 .*use e.g. 20, a fraction of the epoch such as 0.25"),
     Case("cli-float-not-finite", lambda c: main(["fit", "--trainer.max_steps", "1", "--model.learning_rate", "inf"]), SystemExit,
          r"model.learning_rate must be a finite number, got inf: give a finite value for --model.learning_rate"),
+    Case("cli-list-given-as-text", lambda c: main(["predict", "--data.prompts", "the model"]), SystemExit,
+         r"data.prompts takes a list, got the text 'the model': write it in brackets, --data.prompts '\[the model\]'"),
     Case("cli-max-steps-zero", lambda c: _cli_before_data(c, ["--trainer.max_steps", "0"]), SystemExit,
          r"trainer.max_steps=0 trains nothing .*e\.g\. --trainer.max_steps 3000, or -1 for no limit"),
     Case("monitor-typo", lambda c: _cli_before_data(c, ["--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor", "val_loss"]),

@@ -28,6 +28,10 @@ _NESTED = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'(
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.+)\]\. Got value: (.+)")
 _NOT_FINITE = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'float\'>\. Got value: ([-+]?(?:inf|infinity|nan))\s*$', re.I)
 _NO_SHORT_NAME = re.compile(r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Expected a dot import path string: (\S+)', re.S)
+_LIST_AS_TEXT = re.compile(
+    r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[list\[[^\n]*'
+    r"\n.*?Given value type: <class 'str'>\s*Given value: ([^\n]*)", re.S
+)
 _NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*module \'([^\']+)\' has no attribute \'([^\']+)\'', re.S)
 T = TypeVar("T")
 
@@ -54,6 +58,11 @@ def explain_parser_error(message: str) -> str:
     if not_finite:
         key, value = not_finite.groups()
         return f"{key} must be a finite number, got {value}: give a finite value for --{key} (or {key} in the --config file)."
+    list_as_text = _LIST_AS_TEXT.search(message)
+    if list_as_text:
+        key, value = list_as_text.groups()
+        return (f"{key} takes a list, got the text {value.strip()!r}: write it in brackets, --{key} '[{value.strip()}]' "
+                f"(items separated by commas), or as a YAML list under {key} in the --config file.")
     no_class = _NO_CLASS.search(message)
     if no_class:
         return _unknown_class(*no_class.groups())
