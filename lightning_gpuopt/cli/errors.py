@@ -39,8 +39,10 @@ T = TypeVar("T")
 def explain_parser_error(message: str) -> str:
     """A clear message for some of jsonargparse's: a ``--config`` file that is empty or not a mapping ("Unexpected
     config: ..."), a value given for an option linked from another ("argument data.block_size -->
-    model.block_size: ..."), and a bad argument of a class in a list such as ``trainer.callbacks`` (the one
-    line that matters out of a page of "Does not validate against any of the Union subtypes").
+    model.block_size: ..."), ``inf``/``nan`` for a float option, plain text for a list option (the bracketed
+    form), a class that does not exist (the closest name), and a bad argument of a class in a list such as
+    ``trainer.callbacks`` (the one line that matters out of a page of "Does not validate against any of the
+    Union subtypes").
 
     Example::
 
