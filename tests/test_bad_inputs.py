@@ -263,6 +263,8 @@ CASES = [
          ValueError, r"set trainer.max_steps \(or max_epochs\)"),
     Case("data-longer-than-model-context", lambda c: c.fit(GPTModule(vocab_size=300, block_size=16), c.data()), ValueError,
          "set model.block_size >= 32 or data.block_size <= 16"),
+    Case("fit-in-16-true", lambda c: c.fit(GPTModule(vocab_size=300, block_size=32), c.data(), precision="16-true"), ValueError,
+         r"float16 parameters \(trainer.precision='16-true', .*round to zero, .*Train in trainer.precision='bf16-mixed' .*'16-mixed'"),
     Case("unknown-loss-impl", lambda c: GPTModule(loss_impl="fused"), ValueError, "use 'auto' \\(default\\), 'chunked', 'liger' or 'plain'"),
     Case("liger-on-cpu", lambda c: _liger_on_cpu(), ValueError, "runs on CUDA only, not on cpu: use loss_impl='chunked'"),
     Case("unknown-compile-scope", lambda c: GPTModule(compile=True, compile_scope="layer"), ValueError, "must be 'block' or 'model'"),
@@ -376,7 +378,7 @@ CASES = [
     Case("root-dir-is-a-file", lambda c: _cli_before_data(c, ["--trainer.default_root_dir", c.yaml("")]), SystemExit,
          r"trainer.default_root_dir=.*bad.yaml' is a file, not a folder: give a folder"),
     Case("callback-listed-twice", lambda c: _cli_before_data(c, ["--trainer.callbacks+=lightning_gpuopt.callbacks.MFUMonitor"]),
-         SystemExit, r"trainer.callbacks lists MFUMonitor twice .*drop the extra --trainer.callbacks\+=MFUMonitor"),
+         SystemExit, r"trainer.callbacks lists MFUMonitor twice: its state is saved under the class name alone.*drop the extra --trainer.callbacks\+=MFUMonitor"),
     Case("linked-block-size-given", lambda c: _cli_before_data(c, ["--data.block_size", "64", "--model.block_size", "32"]), SystemExit,
          r"gpuopt: error: model.block_size is set from data.block_size .*drop model.block_size and set data.block_size only"),
     Case("yaml-tab-indent", lambda c: main(["fit", "--config", c.yaml("trainer:\n\tmax_steps: 3\n")]), SystemExit,
@@ -444,6 +446,10 @@ CASES = [
          SystemExit, r"trainer.callbacks: lightning_gpuopt.callbacks.MFUMonitr does not exist .*did you mean lightning_gpuopt.callbacks.MFUMonitor\?"),
     Case("callback-name-typo", lambda c: main(["fit", "--trainer.max_steps", "1", "--trainer.callbacks+=MFUMonitr"]),
          SystemExit, r"trainer.callbacks: no class named 'MFUMonitr': did you mean MFUMonitor \(lightning_gpuopt"),
+    Case("flat-option-before-own-class",
+         lambda c: main(["fit", "--config", c.yaml("model: {preset: tiny}\n"), "--model.class_path", "lightning_gpuopt.GPTModul"]),
+         SystemExit, r"model.preset is an option of gpuopt's GPTModule, given flat before any model class, .*under init_args, "
+                     r"after its class path .*or drop the class path to train GPTModule"),
     # ---------------------------------------------------------------- checkpoints
     Case("checkpoint-truncated", lambda c: load_gpt(_ckpt(c, truncate=True)), CheckpointError, "Use an earlier checkpoint; save with AtomicCheckpointIO"),
     Case("checkpoint-bytes-changed", lambda c: load_gpt(_ckpt(c, zero_middle=True)), CheckpointError,

@@ -81,10 +81,15 @@ def check_callbacks_once(callbacks: Sequence[Callback]) -> None:
             continue
         if callback.state_key in seen:
             name = type(callback).__name__
+            # Callback.state_key is the class name unless the class folds its settings into it (ModelCheckpoint
+            # does: two checkpoints that monitor different metrics may coexist).
+            why = ("its state is saved under the class name alone, so any two copies share one key"
+                   if callback.state_key == type(callback).__qualname__
+                   else f"with the same settings, so both would save their state under one key ({callback.state_key})")
             raise ValueError(
-                f"trainer.callbacks lists {name} twice (with the same settings), so both would save their state under "
-                f"one key. Keep one: the default stack and most configs already hold it, so drop the extra "
-                f"--trainer.callbacks+={name} or the repeated entry in the --config file."
+                f"trainer.callbacks lists {name} twice: {why}. Keep one: the default stack and most configs "
+                f"already hold it, so drop the extra --trainer.callbacks+={name} or the repeated entry in the "
+                f"--config file."
             )
         seen.add(callback.state_key)
 

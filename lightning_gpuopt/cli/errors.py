@@ -32,6 +32,10 @@ _LIST_AS_TEXT = re.compile(
     r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[list\[[^\n]*'
     r"\n.*?Given value type: <class 'str'>\s*Given value: ([^\n]*)", re.S
 )
+_OPTION_BEFORE_CLASS = re.compile(
+    r'Parser key "(model|data)":.*?Problem with given class_path \'lightning\.(?:pytorch\.)?Lightning(?:Data)?Module\':'
+    r"\s*Option '([^']+)' is not accepted", re.S
+)
 _NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*module \'([^\']+)\' has no attribute \'([^\']+)\'', re.S)
 T = TypeVar("T")
 
@@ -40,7 +44,8 @@ def explain_parser_error(message: str) -> str:
     """A clear message for some of jsonargparse's: a ``--config`` file that is empty or not a mapping ("Unexpected
     config: ..."), a value given for an option linked from another ("argument data.block_size -->
     model.block_size: ..."), ``inf``/``nan`` for a float option, plain text for a list option (the bracketed
-    form), a class that does not exist (the closest name), and a bad argument of a class in a list such as
+    form), a class that does not exist (the closest name), an option of ``GPTModule`` or ``TextDataModule`` given
+    flat before a class of one's own is named (where it goes instead), and a bad argument of a class in a list such as
     ``trainer.callbacks`` (the one line that matters out of a page of "Does not validate against any of the
     Union subtypes").
 
@@ -65,6 +70,15 @@ def explain_parser_error(message: str) -> str:
         key, value = list_as_text.groups()
         return (f"{key} takes a list, got the text {value.strip()!r}: write it in brackets, --{key} '[{value.strip()}]' "
                 f"(items separated by commas), or as a YAML list under {key} in the --config file.")
+    option_before_class = _OPTION_BEFORE_CLASS.search(message)
+    if option_before_class:
+        group, key = option_before_class.groups()
+        ours = {"model": "GPTModule", "data": "TextDataModule"}[group]
+        return (f"{group}.{key} is an option of gpuopt's {ours}, given flat before any {group} class, but the command "
+                f"names a {group} class of its own (--{group} / {group}.class_path): give that class's options under "
+                f"init_args, after its class path ('{group}: {{class_path: ..., init_args: {{{key}: ...}}}}' in the "
+                f"--config file, --{group}.init_args.{key} after --{group} on the command line), or drop the class "
+                f"path to train {ours}.")
     no_class = _NO_CLASS.search(message)
     if no_class:
         return _unknown_class(*no_class.groups())

@@ -293,8 +293,8 @@ class GPTModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
+        optimizer = build_adamw(self.model, hp.learning_rate, hp.weight_decay, tuple(hp.betas))  # its errors before warnings
         warn = None if self.trainer.fast_dev_run else rank_zero_warn
         warmup, total = schedule_length(self.trainer.estimated_stepping_batches, hp.warmup_steps, warn)
-        optimizer = build_adamw(self.model, hp.learning_rate, hp.weight_decay, tuple(hp.betas))
         scheduler = warmup_cosine_schedule(optimizer, warmup, total, hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

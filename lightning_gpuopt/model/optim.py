@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import AdamW, Optimizer
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
@@ -40,10 +41,21 @@ def build_adamw(
         fused: Use the fused kernel; ``None`` chooses it where it is the faster one
             (``DeviceFacts.fused_adamw``: on CUDA) for the device the parameters are on.
         device_facts: The facts of that device; ``None`` reads them (``read_device``).
+
+    Raises:
+        ValueError: No trainable parameters, or float16 ones with an ``eps`` that float16 rounds to zero.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("build_adamw() got a model with no trainable parameters.")
+    if torch.tensor(eps, dtype=torch.float16).item() == 0 and any(p.dtype == torch.float16 for p in params):
+        raise ValueError(
+            f"build_adamw() got float16 parameters (trainer.precision='16-true', or a model.half()): AdamW would keep "
+            f"its state in float16 too, where eps={eps:g} and the squares of small gradients round to zero, so the "
+            "first updates divide by zero and the weights turn Inf/NaN. Train in trainer.precision='bf16-mixed' (or "
+            "BF16Precision), or '16-mixed' on a GPU without bf16 (float32 weights, float16 compute, a GradScaler); "
+            "'16-true' suits validate, test and predict."
+        )
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     if fused is None:

@@ -71,3 +71,21 @@ def test_adamw_rejects_frozen_model():
     model = torch.nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         build_adamw(model, lr=1e-3)
+
+
+def test_adamw_refuses_float16_parameters_whose_eps_rounds_to_zero():
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)).half()
+    with pytest.raises(ValueError, match=r"float16 parameters .*eps=1e-08 .*trainer.precision='bf16-mixed'.*'16-mixed'"):
+        build_adamw(model, lr=1e-3)
+    build_adamw(model, lr=1e-3, eps=1e-3)  # an eps float16 holds: the user's choice, allowed
+    build_adamw(model.float(), lr=1e-3)  # the float32 weights of 16-mixed / bf16-mixed
+
+
+def test_the_reason_float16_adamw_is_refused_still_holds():
+    # One plain AdamW step on float16 weights: a gradient whose square underflows (|g| < ~2.4e-4) meets
+    # eps=1e-8, which float16 also rounds to zero, so the update is 0/0 or g/0. If torch ever keeps
+    # AdamW's state in float32 for float16 parameters, this fails and the check in build_adamw can go.
+    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    weight.grad = torch.tensor([1e-2, 1e-4, 0.0, -1e-5], dtype=torch.float16)
+    torch.optim.AdamW([weight], lr=1e-3, eps=1e-8).step()
+    assert torch.isfinite(weight[0]) and not torch.isfinite(weight[1:]).any()
