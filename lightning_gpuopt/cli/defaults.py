@@ -128,7 +128,7 @@ def float32_note(precision: Optional[str], plugins: Any, device: DeviceFacts) ->
     if device.is_cuda or precision is not None or any(isinstance(p, Precision) for p in listed):
         return None
     return (
-        "gpuopt: running in float32 on the CPU (bf16 autocast is ~2x slower there); pass "
+        "gpuopt: running in float32 on the CPU (bf16 autocast is 5-10x slower there); pass "
         "--trainer.plugins BF16Precision to use bf16."
     )
 

@@ -14,8 +14,9 @@ QUIETED = {
     "warning": (r"Starting from v1\.9\.0, `tensorboardX` has been removed",
                 # Lightning's own pytree helper under torch >= 2.10; nothing a user can change.
                 r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
-    # An advertisement printed at every Trainer construction, whatever the logger.
-    "info": ("💡 Tip: For seamless cloud logging",),
+    # Advertisements: at every Trainer construction, whatever the logger ("... cloud logging"), and when
+    # Lightning adds its own ModelCheckpoint, the callbacks listing none ("... cloud uploads and versioning").
+    "info": ("💡 Tip: For seamless cloud logging", "💡 Tip: For seamless cloud uploads"),
 }
 """What is left out: warnings by message (regular expressions), info lines by their start."""
 
