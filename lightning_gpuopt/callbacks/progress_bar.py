@@ -65,6 +65,20 @@ class ResumedRichProgressBar(RichProgressBar):
         super().on_train_epoch_start(trainer, pl_module)
         self._start_at_resumed_batch(trainer)
 
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        # Lightning writes "Epoch 0/-2" for a run bounded by max_steps (max_epochs -1): no epoch total then.
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
+            return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+        return super()._get_train_description(current_epoch)
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        if isinstance(items.get("v_num"), int):
+            items["v_num"] = str(items["v_num"])  # a log version, not a metric: "0", not Rich's "0.000"
+        return items
+
     def _start_at_resumed_batch(self, trainer: pl.Trainer) -> None:
         if self.progress is None or self.is_disabled:
             return

@@ -59,3 +59,27 @@ def test_resumed_fit_bar_has_the_total_and_starts_at_the_resumed_batch(text_dir,
     assert {total for _, total, _ in read.seen} == {8}
     if bar:
         assert {initial for _, _, initial in read.seen} == {3}
+
+
+def test_rich_bar_names_no_epoch_total_for_a_step_bounded_run_and_shows_the_version_as_is(text_dir, cache_dir, tmp_path):
+    pytest.importorskip("rich")
+    import lightning.pytorch as pl
+
+    descriptions, versions = [], []
+
+    class _Read(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            bar = trainer.progress_bar_callback
+            descriptions.append(bar.progress.tasks[bar.train_progress_bar_id].description)
+            versions.append(bar.get_metrics(trainer, pl_module).get("v_num"))
+
+    data = TextDataModule(source=str(text_dir), cache_dir=str(cache_dir), vocab_size=300, block_size=16, batch_size=2, num_workers=0)
+    module = GPTModule(n_layer=1, n_head=2, n_embd=32, vocab_size=300, block_size=16, warmup_steps=1)
+    for max_steps, max_epochs, described in ((2, None, "Epoch 0"), (-1, 1, "Epoch 0/0")):
+        descriptions.clear()
+        trainer = pl.Trainer(max_steps=max_steps, max_epochs=max_epochs, limit_train_batches=2, limit_val_batches=0,
+                             callbacks=[ResumedRichProgressBar(), _Read()], default_root_dir=tmp_path,
+                             enable_checkpointing=False, enable_model_summary=False)
+        trainer.fit(module, datamodule=data)
+        assert {d.strip() for d in descriptions} == {described}  # Lightning's own: "Epoch 0/-2" for the first
+    assert versions and all(v == "0" for v in versions[:2])  # the CSV log's version_0, not "0.000"
