@@ -149,7 +149,8 @@ class GPTCLI(LightningCLI):
     and ``SigtermCheckpoint``. The links between the data and the model, the resume checks of
     ``GPTModule``'s architecture and the decoding of ``predict`` apply to ``GPTModule`` with
     ``TextDataModule`` only: a module of your own is built as configured and ``--ckpt_path`` restores
-    its weights and training state.
+    its weights and training state, after :class:`~lightning_gpuopt.cli.resume_checks.OwnCheckpoint` has
+    compared the weight shapes, the step and epoch limits and the hyper-parameters with the checkpoint's.
     """
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -212,7 +213,7 @@ class GPTCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
         # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built. A
-        # module of your own is built as configured; the checkpoint gives its weights and training state.
+        # module of your own is built as configured; its checkpoint is read here and compared once it is built.
         resolve_run_folder(self.config)
         if self.trains_gpt:
             self.config, self.checkpoint_settings = merge_checkpoint_settings(
