@@ -198,6 +198,25 @@ def _as_last(ctx: Ctx) -> str:
     return "last"
 
 
+_OWN = "tests.cli._own_modules"
+
+
+def _own(ctx: Ctx, subcommand: str, model: str, *args: str) -> None:
+    """``gpuopt <subcommand>`` of a module of one's own (tests/cli/_own_modules.py) on the CPU."""
+    main([subcommand, "--model", f"{_OWN}.{model}", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+          "--trainer.default_root_dir", str(ctx.tmp / "run"), *args])
+
+
+def _own_ckpt(ctx: Ctx, **saved: Any) -> str:
+    """A checkpoint as Lightning writes one for ``Regressor(d=16)`` after 4 steps (one epoch), with ``saved`` over it."""
+    from tests.cli._own_modules import Regressor
+
+    path = ctx.tmp / "own.ckpt"
+    torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 4, "epoch": 1,
+                "hyper_parameters": {"d_in": 16, "d": 16, "lr": 0.01}, "state_dict": Regressor().state_dict(), **saved}, path)
+    return str(path)
+
+
 def _nonfinite_ckpt(ctx: Ctx) -> Path:
     AtomicCheckpointIO(allow_nonfinite=True).save_checkpoint({"state_dict": {"w": torch.tensor([float("inf")])}}, ctx.tmp / "inf.ckpt")
     return ctx.tmp / "inf.ckpt"
@@ -464,6 +483,19 @@ CASES = [
          r"last.ckpt holds a run this fit would overwrite .*To continue it: .*--ckpt_path last.*--trainer.default_root_dir NEW_FOLDER"),
     Case("resume-no-steps-left", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c)]), SystemExit,
          r"run.ckpt' is at step 4 and trainer.max_steps=1, so this fit would train nothing .*raise trainer.max_steps above 4"),
+    Case("resume-no-epochs-left", lambda c: _own(c, "fit", "Regressor", "--trainer.max_epochs", "1", "--ckpt_path", _own_ckpt(c)),
+         SystemExit, r"own.ckpt' has trained 1 epoch and trainer.max_epochs=1, so this fit would train nothing .*--trainer.max_epochs 2"),
+    Case("resume-own-module-shape-change",
+         lambda c: _own(c, "fit", "Regressor", "--trainer.max_steps", "8", "--model.d", "32", "--ckpt_path", _own_ckpt(c)), SystemExit,
+         r"own.ckpt' does not fit Regressor as configured: 3 of 4 weights differ in shape \(first: net.0.weight \[16, 16\] in the "
+         r"checkpoint, \[32, 16\] in the model.*the checkpoint's options \(d=16\), or start a new run"),
+    Case("cli-own-module-unknown-option", lambda c: _own(c, "fit", "Regressor", "--model.d_inn", "8", "--trainer.max_steps", "1"),
+         SystemExit, r"model.d_inn: tests.cli._own_modules.Regressor takes no option 'd_inn': did you mean 'd_in' \(--model.d_in\)\?"),
+    Case("cli-no-train-data", lambda c: _own(c, "fit", "NoLoaderRegressor", "--trainer.max_steps", "1"), SystemExit,
+         r"gpuopt fit has no data: NoLoaderRegressor has no train_dataloader and no data module is given \(--data\)\. Name a "
+         r"LightningDataModule .* --data my_pkg.MyData .*or give NoLoaderRegressor a train_dataloader method"),
+    Case("cli-no-predict-data", lambda c: _own(c, "predict", "Regressor"), SystemExit,
+         r"gpuopt predict has no data: Regressor has no predict_dataloader .* give Regressor a predict_dataloader method"),
     Case("ckpt-path-hpc-missing", lambda c: _cli_before_data(c, ["--ckpt_path", "hpc"]), SystemExit,
          r"--ckpt_path hpc: no hpc_ckpt_N.ckpt in .*Pass the checkpoint's path"),
     Case("ckpt-path-registry", lambda c: _cli_before_data(c, ["--ckpt_path", "registry:my-model"]), SystemExit,

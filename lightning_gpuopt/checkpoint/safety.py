@@ -135,7 +135,7 @@ def non_finite_message(path: Any, n_bad: int, n_total: int, first: str, kept: bo
         f"Not writing the checkpoint {str(path)!r}: {n_bad} of {n_total} {what} hold NaN/Inf (first: "
         f"{first!r}), the run has diverged. "
         + (f"The previous {path.name} is kept. " if kept else f"The checkpoints already in {path.parent} are kept. ")
-        + "Resume from the last good checkpoint with a lower model.learning_rate or trainer.gradient_clip_val, "
+        + "Resume from the last good checkpoint with a lower learning rate or trainer.gradient_clip_val, "
         "and add lightning_gpuopt.callbacks.NonFiniteGuard to catch the first bad step."
     )
 

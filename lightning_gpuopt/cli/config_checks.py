@@ -23,7 +23,14 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_gpuopt.option_checks import check_int, check_number
 
-__all__ = ["check_callbacks_once", "check_config_files", "check_monitored_metrics", "check_output_file", "check_trainer_options"]
+__all__ = [
+    "check_callbacks_once",
+    "check_config_files",
+    "check_monitored_metrics",
+    "check_output_file",
+    "check_trainer_options",
+    "check_stage_data",
+]
 
 
 def check_trainer_options(trainer: Mapping[str, Any]) -> None:
@@ -222,3 +229,34 @@ def _config_paths(argv: Sequence[str]) -> list[Path]:
         if value is not None and Path(value).expanduser().is_file():
             paths.append(Path(value).expanduser())
     return paths
+
+
+_LOADER = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+
+
+def check_stage_data(subcommand: str, model: Any, datamodule: Any) -> None:
+    """Raise before ``fit`` / ``validate`` / ``test`` / ``predict`` when neither the data module nor the module has
+    the loader it runs on (``train_dataloader`` for ``fit``, ...).
+
+    Lightning would build the Trainer and stop in its data connector with a ``MisconfigurationException``
+    traceback; this names the two ways to give the batches.
+
+    Example::
+
+        check_stage_data("fit", Regressor(), None)  # ValueError: gpuopt fit has no data: ... --data my_pkg.MyData ...
+
+    Args:
+        subcommand: The ``gpuopt`` subcommand.
+        model: The built LightningModule.
+        datamodule: The built data module, ``None`` when no ``--data`` is given.
+    """
+    loader = _LOADER.get(subcommand)
+    if loader is None or is_overridden(loader, model) or (datamodule is not None and is_overridden(loader, datamodule)):
+        return
+    name = type(model).__name__
+    given = "no data module is given (--data)" if datamodule is None else f"{type(datamodule).__name__} has none"
+    raise ValueError(
+        f"gpuopt {subcommand} has no data: {name} has no {loader} and {given}. Name a LightningDataModule that has one "
+        f"with --data my_pkg.MyData (data: {{class_path: my_pkg.MyData}} in the --config file), or give {name} a "
+        f"{loader} method."
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -36,6 +37,9 @@ _OPTION_BEFORE_CLASS = re.compile(
     r'Parser key "(model|data)":.*?Problem with given class_path \'lightning\.(?:pytorch\.)?Lightning(?:Data)?Module\':'
     r"\s*Option '([^']+)' is not accepted", re.S
 )
+_UNKNOWN_INIT_ARG = re.compile(
+    r'Parser key "(model|data)":.*?Problem with given class_path \'([^\']+)\':\s*Option \'([^\']+)\' is not accepted', re.S
+)
 _NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*module \'([^\']+)\' has no attribute \'([^\']+)\'', re.S)
 T = TypeVar("T")
 
@@ -44,7 +48,8 @@ def explain_parser_error(message: str) -> str:
     """A clear message for some of jsonargparse's: a ``--config`` file that is empty or not a mapping ("Unexpected
     config: ..."), a value given for an option linked from another ("argument data.block_size -->
     model.block_size: ..."), ``inf``/``nan`` for a float option, plain text for a list option (the bracketed
-    form), a class that does not exist (the closest name), an option of ``GPTModule`` or ``TextDataModule`` given
+    form), a class that does not exist (the closest name), an option a class of one's own does not take (the
+    closest of its ``__init__`` arguments), an option of ``GPTModule`` or ``TextDataModule`` given
     flat before a class of one's own is named (where it goes instead), and a bad argument of a class in a list such as
     ``trainer.callbacks`` (the one line that matters out of a page of "Does not validate against any of the
     Union subtypes").
@@ -79,6 +84,9 @@ def explain_parser_error(message: str) -> str:
                 f"init_args, after its class path ('{group}: {{class_path: ..., init_args: {{{key}: ...}}}}' in the "
                 f"--config file, --{group}.init_args.{key} after --{group} on the command line), or drop the class "
                 f"path to train {ours}.")
+    unknown_init_arg = _UNKNOWN_INIT_ARG.search(message)
+    if unknown_init_arg:
+        return _unknown_init_arg(*unknown_init_arg.groups())
     no_class = _NO_CLASS.search(message)
     if no_class:
         return _unknown_class(*no_class.groups())
@@ -107,6 +115,37 @@ def explain_parser_error(message: str) -> str:
         f"The --config file must be a YAML mapping of groups (trainer:, model:, data:, ...), got: {text[:200]!r}. "
         "See examples/configs/quickstart.yaml."
     )
+
+
+def _unknown_init_arg(group: str, class_path: str, key: str) -> str:
+    """An option a class of one's own does not take: the closest of its ``__init__`` arguments."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except Exception:  # the parser imported it a moment ago; say what is known
+        names: list[str] = []
+    else:
+        names = _init_args(cls)
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    hint = (f"did you mean {close[0]!r} (--{group}.{close[0]})?" if close
+            else f"it takes {', '.join(names)}." if names else "see its __init__ for the options it takes.")
+    return f"{group}.{key}: {class_path} takes no option {key!r}: {hint}"
+
+
+def _init_args(cls: type) -> list[str]:
+    """The named ``__init__`` arguments of ``cls``, with its parents' while an ``__init__`` passes ``**kwargs`` on."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if klass.__module__.split(".")[0] in ("lightning", "torch", "builtins"):
+            break
+        params = list(inspect.signature(init).parameters.values())
+        names += [p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return list(dict.fromkeys(names))
 
 
 def _unknown_class(group: str, class_path: str, module_name: str, name: str) -> str:
@@ -163,9 +202,16 @@ def check_fit_ended_finite(trainer: Any, module: Any) -> None:
         raise NonFiniteError(
             f"Training ended with non-finite weights ({len(bad)} of {len(params)} parameters hold NaN/Inf, first "
             f"{bad[0]!r}; {loss_text}step {trainer.global_step}): the model diverged. Resume from the last good "
-            "checkpoint with a lower model.learning_rate or trainer.gradient_clip_val, and add "
+            f"checkpoint with a lower {_learning_rate_option(module)} or trainer.gradient_clip_val, and add "
             "lightning_gpuopt.callbacks.NonFiniteGuard to stop at the first bad step."
         )
+
+
+def _learning_rate_option(module: Any) -> str:
+    """``model.learning_rate`` for ``GPTModule``, whose option it is; words for a module of one's own."""
+    from lightning_gpuopt.model import GPTModule
+
+    return "model.learning_rate" if isinstance(module, GPTModule) else "learning rate"
 
 
 def _exit_status(err: BaseException) -> Optional[int]:

@@ -47,6 +47,7 @@ from lightning_gpuopt.cli.config_checks import (
     check_config_files,
     check_monitored_metrics,
     check_output_file,
+    check_stage_data,
     check_trainer_options,
 )
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
@@ -59,9 +60,15 @@ from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
 from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
-from lightning_gpuopt.cli.resume_checks import check_steps_left, merge_checkpoint_settings, prepare_resumed_fit, resolve_run_folder
+from lightning_gpuopt.cli.resume_checks import (
+    OwnCheckpoint,
+    check_steps_left,
+    merge_checkpoint_settings,
+    prepare_resumed_fit,
+    resolve_run_folder,
+)
 from lightning_gpuopt.cli.quiet import quiet_lightning
-from lightning_gpuopt.cli.run_summary import model_line, where_things_went
+from lightning_gpuopt.cli.run_summary import has_predict_data, model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
 
 __all__ = ["GPTCLI", "main", "make_cli"]
@@ -142,7 +149,8 @@ class GPTCLI(LightningCLI):
     and ``SigtermCheckpoint``. The links between the data and the model, the resume checks of
     ``GPTModule``'s architecture and the decoding of ``predict`` apply to ``GPTModule`` with
     ``TextDataModule`` only: a module of your own is built as configured and ``--ckpt_path`` restores
-    its weights and training state.
+    its weights and training state, after :class:`~lightning_gpuopt.cli.resume_checks.OwnCheckpoint` has
+    compared the weight shapes, the step and epoch limits and the hyper-parameters with the checkpoint's.
     """
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -199,24 +207,34 @@ class GPTCLI(LightningCLI):
         rank_zero_info(model_line(self.model))
 
     def after_fit(self) -> None:
-        rank_zero_info("\n".join(where_things_went(self.trainer, self.argv)))
+        can_predict = (self.trains_gpt and self.reads_text) or has_predict_data(self.model, self.datamodule)
+        rank_zero_info("\n".join(where_things_went(self.trainer, self.argv, can_predict)))
 
     def _parse_ckpt_path(self) -> None:
         # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
         # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built. A
-        # module of your own is built as configured; the checkpoint gives its weights and training state.
+        # module of your own is built as configured; its checkpoint is read here and compared once it is built.
         resolve_run_folder(self.config)
         if self.trains_gpt:
             self.config, self.checkpoint_settings = merge_checkpoint_settings(
                 self.parser, self.config, GPTModule, TextDataModule if self.reads_text else None
             )
+        else:
+            self.checkpoint_settings = OwnCheckpoint.read(self.config)
 
     def after_instantiate_classes(self) -> None:
+        if self.subcommand and not self.config[self.subcommand].get("generate", {}).get("prompts_file"):  # else that file
+            check_stage_data(self.subcommand, self.model, self.datamodule)
         settings = getattr(self, "checkpoint_settings", None)
-        if settings is not None:
+        if isinstance(settings, OwnCheckpoint):
+            settings.check_weights(self.model)
+        elif settings is not None:
             settings.check_model(self.model)
-            if self.subcommand == "fit":  # after the architecture checks: a changed model is the first thing to fix
-                check_steps_left(settings.global_step, settings.path, self.config.fit.get("trainer"))
+        if settings is not None and self.subcommand == "fit":  # after the architecture checks: the first thing to fix
+            check_steps_left(settings.global_step, settings.path, self.config.fit.get("trainer"), settings.epochs_done)
+        if isinstance(settings, OwnCheckpoint):
+            settings.report(self.model)
+        elif settings is not None:
             settings.report()
             if self.reads_text:  # before data preparation: the run's token ids keep their meaning
                 self.datamodule.use_checkpoint_tokenizer(settings.data_state)

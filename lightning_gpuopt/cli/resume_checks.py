@@ -12,8 +12,15 @@ checkpoint's before anything is built:
   dropout, ...) is applied over the checkpoint's value and reported; a resumed ``fit`` also gets
   :class:`~lightning_gpuopt.callbacks.resumed_optimizer.ResumedOptimizerSettings`, which applies the
   optimizer settings over the restored optimizer state;
-* a ``fit`` from a checkpoint already at ``trainer.max_steps`` would train nothing and exit 0: it is
-  refused, naming the ``--trainer.max_steps`` that trains on (:func:`check_steps_left`).
+* a ``fit`` from a checkpoint already at ``trainer.max_steps`` (or ``trainer.max_epochs``) would train
+  nothing and exit 0: it is refused, naming the option that trains on (:func:`check_steps_left`).
+
+A module of your own is built as configured (there is no architecture to compare by name), and
+:class:`OwnCheckpoint` checks it against the checkpoint after it is built: weights whose shapes differ
+are refused in one message (not Lightning's page of ``size mismatch``), the step and epoch limits as
+above, and a resumed ``fit`` says once which hyper-parameters differ from the checkpoint's, since the
+checkpoint's optimizer and scheduler state (learning rates included) is restored as saved whatever
+the module's options say.
 
 Lightning internals used (``tests/cli/test_resume_checks.py`` fails if an upgrade renames them): the CLI
 replaces ``LightningCLI._parse_ckpt_path`` with :func:`merge_checkpoint_settings`, and
@@ -45,6 +52,7 @@ from lightning_gpuopt.model.config import PRESETS
 __all__ = [
     "ARCHITECTURE",
     "CheckpointSettings",
+    "OwnCheckpoint",
     "asked_settings",
     "check_steps_left",
     "merge_checkpoint_settings",
@@ -101,6 +109,7 @@ class CheckpointSettings:
             ``{name: (checkpoint's, configured)}``.
         data_state: The data module's saved state (``None``: the checkpoint holds none for that class).
         global_step: The checkpoint's optimizer step.
+        epochs_done: The training epochs the checkpoint has processed (see :func:`epochs_done`).
     """
 
     path: str
@@ -111,6 +120,7 @@ class CheckpointSettings:
     data: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     data_state: Optional[dict[str, Any]] = None
     global_step: Optional[int] = None
+    epochs_done: Optional[int] = None
 
     def check_model(self, model: Any) -> None:
         """Refuse a built model whose data-linked shape (``block_size``, ``vocab_size``) is not the checkpoint's."""
@@ -194,8 +204,19 @@ def _config_hint(group: Any) -> str:
     return " ".join(f"--config {p}" for p in paths) + " ..." if paths else "..."
 
 
-def check_steps_left(step: Optional[int], path: str, trainer: Any) -> None:
-    """Refuse a resumed ``fit`` whose ``trainer.max_steps`` the checkpoint has already reached.
+def epochs_done(checkpoint: dict[str, Any]) -> Optional[int]:
+    """The training epochs a Lightning checkpoint has processed, as the fit loop counts them to stop at ``max_epochs``.
+
+    The fit loop's ``epoch_progress.current.processed`` (counted before ``on_train_epoch_end``, where
+    checkpoints are usually saved), else the checkpoint's ``epoch``; ``None`` when it records neither.
+    """
+    progress = (((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("epoch_progress") or {}).get("current") or {}
+    done = progress.get("processed", checkpoint.get("epoch"))
+    return done if isinstance(done, int) else None
+
+
+def check_steps_left(step: Optional[int], path: str, trainer: Any, epochs: Optional[int] = None) -> None:
+    """Refuse a resumed ``fit`` whose ``trainer.max_steps`` or ``trainer.max_epochs`` the checkpoint has already reached.
 
     Lightning would restore the checkpoint, train nothing, save nothing and exit 0, so a finished run
     "continued" with ``--ckpt_path last`` looks like a run that trained on.
@@ -203,20 +224,30 @@ def check_steps_left(step: Optional[int], path: str, trainer: Any) -> None:
     Example::
 
         check_steps_left(300, "runs/q/checkpoints/last.ckpt", {"max_steps": 300})  # ValueError
+        check_steps_left(32, "runs/q/checkpoints/last.ckpt", {"max_steps": -1, "max_epochs": 1}, epochs=1)  # ValueError
 
     Args:
         step: The checkpoint's ``global_step``.
         path: Its path, for the message.
         trainer: The parsed ``trainer`` group.
+        epochs: The epochs the checkpoint has processed (:func:`epochs_done`); ``None``: not checked.
     """
-    max_steps = (trainer or {}).get("max_steps")
-    if not isinstance(step, int) or not isinstance(max_steps, int) or max_steps < 0 or step < max_steps:
-        return
-    raise ValueError(
-        f"The checkpoint {path!r} is at step {step} and trainer.max_steps={max_steps}, so this fit would train nothing "
-        f"(and write no checkpoint). To train on, raise trainer.max_steps above {step} (e.g. --trainer.max_steps "
-        f"{2 * step if step else 1}); to evaluate the checkpoint, use gpuopt validate --ckpt_path {path}."
-    )
+    trainer = trainer or {}
+    tail = f"; to evaluate the checkpoint, use gpuopt validate --ckpt_path {path}."
+    max_steps = trainer.get("max_steps")
+    if isinstance(step, int) and isinstance(max_steps, int) and 0 <= max_steps <= step:
+        raise ValueError(
+            f"The checkpoint {path!r} is at step {step} and trainer.max_steps={max_steps}, so this fit would train "
+            f"nothing (and write no checkpoint). To train on, raise trainer.max_steps above {step} (e.g. "
+            f"--trainer.max_steps {2 * step if step else 1})" + tail
+        )
+    max_epochs = trainer.get("max_epochs")
+    if isinstance(epochs, int) and isinstance(max_epochs, int) and 0 <= max_epochs <= epochs:
+        raise ValueError(
+            f"The checkpoint {path!r} has trained {epochs} epoch{'s' if epochs != 1 else ''} and "
+            f"trainer.max_epochs={max_epochs}, so this fit would train nothing (and write no checkpoint). To train on, "
+            f"raise trainer.max_epochs above {epochs} (e.g. --trainer.max_epochs {2 * epochs if epochs else 1})" + tail
+        )
 
 
 def merge_checkpoint_settings(
@@ -267,7 +298,8 @@ def merge_checkpoint_settings(
         raise ValueError(_refusal(path, refused))
     known = set(inspect.signature(model_class.__init__).parameters) - {"self"}
     merged = {k: v for k, v in saved.items() if k in known}
-    settings = CheckpointSettings(path, subcommand, saved, global_step=checkpoint.get("global_step"))
+    settings = CheckpointSettings(path, subcommand, saved, global_step=checkpoint.get("global_step"),
+                                  epochs_done=epochs_done(checkpoint))
     if data_class is not None:  # Lightning saves a data module's state under its class's qualified name
         settings.data_state = checkpoint.get(data_class.__qualname__)
     for k, v in asked.items():
@@ -289,6 +321,107 @@ def merge_checkpoint_settings(
             settings.data[k] = (_norm(saved_data[k]), _norm(v))
     config = parser.parse_object({subcommand: {"model": merged}}, config)
     return config, settings
+
+
+@dataclass
+class OwnCheckpoint:
+    """What a ``--ckpt_path`` checkpoint of a module of your own says, checked against the module as built.
+
+    Attributes:
+        path: The checkpoint.
+        subcommand: ``fit``, ``predict``, ...
+        hparams: The checkpoint's ``hyper_parameters`` (empty when the module saved none).
+        shapes: The shape of each tensor of its ``state_dict``.
+        global_step: The checkpoint's optimizer step.
+        epochs_done: The training epochs it has processed (:func:`epochs_done`).
+    """
+
+    path: str
+    subcommand: str
+    hparams: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    global_step: Optional[int] = None
+    epochs_done: Optional[int] = None
+
+    @classmethod
+    def read(cls, config: Any) -> Optional["OwnCheckpoint"]:
+        """The checkpoint a parsed configuration's ``ckpt_path`` names (``None``: no local file is given).
+
+        Raises:
+            CheckpointError: The file is missing or broken, or not a Lightning checkpoint.
+        """
+        subcommand = config.get("subcommand")
+        ckpt_path = config[subcommand].get("ckpt_path") if subcommand else None
+        if not _local_file(ckpt_path):
+            return None
+        path = os.fspath(ckpt_path)
+        checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped, not read: only shapes are used
+        state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{path!r} is not a Lightning checkpoint (no 'state_dict'): give a checkpoint written by a Trainer, "
+                "e.g. .../checkpoints/last.ckpt."
+            )
+        hparams = checkpoint.get("hyper_parameters") or {}
+        return cls(
+            path, subcommand, {k: _norm(v) for k, v in dict(hparams).items() if not str(k).startswith("_")},
+            {k: tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")},
+            checkpoint.get("global_step"), epochs_done(checkpoint),
+        )
+
+    def differences(self, model: Any) -> dict[str, tuple[Any, Any]]:
+        """The hyper-parameters of ``model`` (as built) unlike the checkpoint's: ``{name: (checkpoint's, model's)}``,
+        with :data:`_ABSENT` for a name one side lacks."""
+        built = {k: _norm(v) for k, v in dict(getattr(model, "hparams", None) or {}).items() if not str(k).startswith("_")}
+        pairs = {k: (self.hparams.get(k, _ABSENT), built.get(k, _ABSENT)) for k in dict.fromkeys([*self.hparams, *built])}
+        return {k: pair for k, pair in pairs.items() if not _same(*pair)}
+
+    def check_weights(self, model: Any) -> None:
+        """Refuse a model whose weights have other shapes than the checkpoint's (before Lightning's ``load_state_dict``).
+
+        Only tensors both hold are compared: a module that builds its layers in ``configure_model`` has
+        none yet, and missing or extra names are left to ``load_state_dict`` and the module's ``strict_loading``.
+        """
+        built = {k: tuple(v.shape) for k, v in model.state_dict().items() if hasattr(v, "shape")}
+        wrong = [(k, self.shapes[k], built[k]) for k in self.shapes if k in built and built[k] != self.shapes[k]]
+        if not wrong:
+            return
+        shown = "; ".join(f"{k} {list(saved)} in the checkpoint, {list(now)} in the model" for k, saved, now in wrong[:3])
+        options = ", ".join(f"{k}={old!r}" for k, (old, _) in self.differences(model).items() if old is not _ABSENT)
+        hint = f"the checkpoint's options ({options})" if options else "the options the checkpoint was trained with"
+        raise ValueError(
+            f"The checkpoint {self.path!r} does not fit {type(model).__name__} as configured: {len(wrong)} of "
+            f"{len(built)} weights differ in shape (first: {shown}). Build the module with {hint}, or start a new run "
+            "in a new trainer.default_root_dir without --ckpt_path."
+        )
+
+    def report(self, model: Any) -> None:
+        """On a resumed ``fit``, say once which hyper-parameters differ from the checkpoint's and that its optimizer
+        state is restored as saved (logged once, rank 0)."""
+        differences = self.differences(model)
+        if self.subcommand != "fit" or not differences:
+            return
+        shown = ", ".join(f"{k} {_text(old)} -> {_text(new)}" for k, (old, new) in differences.items())
+        rank_zero_info(
+            f"fit --ckpt_path {self.path}: {type(model).__name__} is built with hyper-parameters unlike the checkpoint's "
+            f"({shown}); the checkpoint's optimizer and scheduler state (learning rates included) is restored as saved, "
+            "so an optimizer setting among them takes no effect. To apply one, start a new run, or change "
+            "checkpoint['optimizer_states'] in the module's on_load_checkpoint."
+        )
+
+
+_ABSENT = object()  # a hyper-parameter that one side (the checkpoint or the built module) does not have
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a tensor or array hyper-parameter: no single truth value
+        return repr(a) == repr(b)
+
+
+def _text(value: Any) -> str:
+    return "(none)" if value is _ABSENT else repr(value)
 
 
 def prepare_resumed_fit(trainer: Any) -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
-__all__ = ["command_with_checkpoint", "model_line", "where_things_went"]
+__all__ = ["command_with_checkpoint", "count_text", "has_predict_data", "model_line", "where_things_went"]
 
 
 def command_with_checkpoint(argv: list[str], subcommand: str, ckpt: str, extra: tuple[str, ...] = ()) -> str:
@@ -41,20 +42,47 @@ def command_with_checkpoint(argv: list[str], subcommand: str, ckpt: str, extra: 
     return shlex.join(["gpuopt", subcommand, *kept, "--ckpt_path", ckpt, *extra])
 
 
+def count_text(n: int) -> str:
+    """A parameter count as people write it: ``577``, ``2,177``, ``12.3K``, ``3.4M``, ``1.5B``."""
+    if n < 10_000:
+        return f"{n:,}"
+    value, unit = n / 1e3, "K"
+    for scale, larger in ((1e6, "M"), (1e9, "B")):
+        if round(value, 3 - len(str(int(value)))) >= 1000:  # 999,999 is "1M", not "1e+03K"
+            value, unit = n / scale, larger
+    return f"{value:.3g}{unit}" if value < 1000 else f"{value:,.0f}{unit}"
+
+
 def model_line(model: pl.LightningModule) -> str:
     """One line on the model, said before training (Lightning's summary table is off in the default stack).
 
     Example::
 
-        model_line(GPTModule(preset="tiny"))  # "GPTModule: 0.2M parameters (2 layers, width 64, 4 heads, ...)"
+        model_line(GPTModule(preset="tiny"))  # "GPTModule: 203K parameters (2 layers, width 64, 4 heads, ...)"
+        model_line(FrozenBackbone())           # "FrozenBackbone: 577 parameters (33 trainable, 544 frozen)"
     """
-    params = sum(p.numel() for p in model.parameters())
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    if total == 0 and is_overridden("configure_model", model):
+        count = "parameters built in configure_model, at the start of fit (none before it to count)"
+    else:
+        count = f"{count_text(total)} parameters"
+        if frozen:
+            count += f" ({count_text(total - frozen)} trainable, {count_text(frozen)} frozen)"
     config = getattr(model, "config", None)
     shape = ""
     if config is not None and hasattr(config, "n_layer"):
         shape = (f" ({config.n_layer} layers, width {config.n_embd}, {config.n_head} heads, context {config.block_size}, "
                  f"vocabulary {config.vocab_size})")
-    return f"{type(model).__name__}: {params / 1e6:.3g}M parameters{shape}"
+    return f"{type(model).__name__}: {count}{shape}"
+
+
+def has_predict_data(model: pl.LightningModule, datamodule: Optional[pl.LightningDataModule]) -> bool:
+    """Whether ``gpuopt predict`` has batches for ``model``: its own ``predict_dataloader`` or the data module's."""
+    return is_overridden("predict_dataloader", model) or (
+        datamodule is not None and is_overridden("predict_dataloader", datamodule)
+    )
 
 
 def _shown(path: str) -> str:
@@ -74,8 +102,11 @@ def _checkpoint(trainer: pl.Trainer) -> Optional[str]:
     return path if path and os.path.exists(path) else None
 
 
-def where_things_went(trainer: pl.Trainer, argv: list[str]) -> list[str]:
+def where_things_went(trainer: pl.Trainer, argv: list[str], can_predict: bool = True) -> list[str]:
     """The lines ``gpuopt fit`` ends with: the checkpoint to resume from, the logs, the commands to continue and to sample.
+
+    The "train on" command raises ``trainer.max_steps`` (or ``max_epochs``) above where the run ended, so
+    it trains; the "sample" command is printed only when ``gpuopt predict`` has data to run on.
 
     Example::
 
@@ -85,8 +116,9 @@ def where_things_went(trainer: pl.Trainer, argv: list[str]) -> list[str]:
     Args:
         trainer: The Trainer after ``fit``.
         argv: The command line the run was started with (without the program name).
+        can_predict: Whether ``gpuopt predict`` has batches for the module (see :func:`has_predict_data`).
     """
-    max_steps = trainer.max_steps
+    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
     lines = [f"gpuopt fit: finished at step {trainer.global_step}."]
     ckpt = _checkpoint(trainer)
     if ckpt is None:
@@ -98,10 +130,15 @@ def where_things_went(trainer: pl.Trainer, argv: list[str]) -> list[str]:
     if ckpt is not None:
         shown = _shown(ckpt)
         if max_steps is not None and max_steps > 0 and trainer.global_step >= max_steps:
-            further = 2 * max_steps
+            further = 2 * max(max_steps, trainer.global_step)
             lines.append(f"  train on to step {further:,}: "
                          + command_with_checkpoint(argv, "fit", shown, ("--trainer.max_steps", str(further))))
+        elif max_epochs is not None and max_epochs > 0 and trainer.current_epoch >= max_epochs:
+            further = 2 * max(max_epochs, trainer.current_epoch)
+            lines.append(f"  train on to epoch {further:,}: "
+                         + command_with_checkpoint(argv, "fit", shown, ("--trainer.max_epochs", str(further))))
         else:
             lines.append(f"  continue:   {command_with_checkpoint(argv, 'fit', shown)}")
-        lines.append(f"  sample:     {command_with_checkpoint(argv, 'predict', shown)}")
+        if can_predict:
+            lines.append(f"  sample:     {command_with_checkpoint(argv, 'predict', shown)}")
     return lines

@@ -6,12 +6,14 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.cli.main import GPTCLI
-from lightning_gpuopt.cli.run_summary import command_with_checkpoint
+from lightning_gpuopt.cli.run_summary import command_with_checkpoint, count_text, model_line, where_things_went
+from tests.cli._own_modules import LazyRegressor, Regressor
 from tests._paths import REPO
 
 B, T = 2, 16
@@ -67,3 +69,26 @@ def test_printed_commands_replace_the_options_they_set():
     assert command_with_checkpoint(argv, "predict", "c/last.ckpt") == (
         "gpuopt predict --config q.yaml --trainer.max_steps 30 --x 'a b' --ckpt_path c/last.ckpt"
     )
+
+
+def test_parameter_counts_read_as_people_write_them():
+    assert [count_text(n) for n in (577, 2177, 12345, 999_999, 3_400_000, 1_500_000_000)] == [
+        "577", "2,177", "12.3K", "1M", "3.4M", "1.5B"]
+    assert model_line(Regressor()) == "Regressor: 289 parameters"  # 16*16 + 16 + 16 + 1
+    frozen = Regressor()
+    frozen.net[0].requires_grad_(False)
+    assert model_line(frozen) == "Regressor: 289 parameters (17 trainable, 272 frozen)"
+    assert model_line(LazyRegressor()).startswith("LazyRegressor: parameters built in configure_model")
+
+
+def test_the_train_on_command_goes_past_where_the_run_ended(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    saved = SimpleNamespace(last_model_path=str(tmp_path / "last.ckpt"))
+    past_steps = SimpleNamespace(max_steps=4, max_epochs=-1, global_step=8, current_epoch=0, checkpoint_callback=saved, logger=None)
+    lines = where_things_went(past_steps, ["fit", "--trainer.max_steps", "4"], can_predict=False)
+    assert lines[2] == "  train on to step 16: gpuopt fit --ckpt_path last.ckpt --trainer.max_steps 16" and len(lines) == 3
+    epochs = SimpleNamespace(max_steps=-1, max_epochs=1, global_step=4, current_epoch=1, checkpoint_callback=saved, logger=None)
+    lines = where_things_went(epochs, ["fit", "--trainer.max_epochs", "1"])
+    assert lines[2:] == ["  train on to epoch 2: gpuopt fit --ckpt_path last.ckpt --trainer.max_epochs 2",
+                         "  sample:     gpuopt predict --trainer.max_epochs 1 --ckpt_path last.ckpt"]
