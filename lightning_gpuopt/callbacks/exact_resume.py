@@ -186,27 +186,44 @@ class ExactResume(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._data_state = None  # the loaders are built: from here on positions come from the sampler
-        loaders = trainer.train_dataloader
-        loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        combined = trainer.train_dataloader
+        loaders = list(combined.values()) if isinstance(combined, dict) else combined if isinstance(combined, (list, tuple)) else [combined]
         if isinstance(trainer.datamodule, ResumableData):  # it positions its own loaders
             reasons = []
         else:
             reasons = [r for r in (not_exact_reason(loader) for loader in loaders) if r is not None]
         if reasons and not self._warned_loader:
             self._warned_loader = True
-            rank_zero_warn(
-                f"ExactResume: the data order of {type(pl_module).__name__}'s training loader is not resumed exactly: "
-                f"{reasons[0]}. Weights, optimizer, schedule, loop counters and RNG states resume exactly; a run resumed "
-                "from a checkpoint saved inside an epoch sees other samples than the uninterrupted run. For an exact "
-                "data order: ExactResume(rebuild_loaders=True) for a DataLoader with the default "
-                "sequential or shuffled sampler over a map-style dataset; train from token files with "
-                "lightning_gpuopt.data.TextDataModule; or save checkpoints only at epoch ends "
-                "(ModelCheckpoint(every_n_epochs=1)) and accept a new shuffle per resumed epoch."
-            )
+            rank_zero_warn(self._not_exact_message(type(pl_module).__name__, combined, reasons[0]))
         elif not reasons and self._filter is None:
             # Lightning warns for every loader without state_dict(); ours resume through the datamodule.
             warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE)
             self._filter = warnings.filters[0]
+
+    def _not_exact_message(self, name: str, combined: Any, reason: str) -> str:
+        """The one warning for a training loader that does not resume exactly, with the fixes that apply to it."""
+        exact = ("Weights, optimizer, schedule, loop counters and RNG states resume exactly; a run resumed from a "
+                 "checkpoint saved inside an epoch sees other samples than the uninterrupted run. For an exact "
+                 "data order: ")
+        epoch_ends = ("or save checkpoints only at epoch ends (ModelCheckpoint(every_n_epochs=1)) and accept a new "
+                      "shuffle per resumed epoch.")
+        if isinstance(combined, (dict, list, tuple)):
+            count = f"{len(combined)} loader{'s' if len(combined) != 1 else ''} in a {type(combined).__name__}"
+            return (
+                f"ExactResume: the data order of {name}'s training loaders is not resumed exactly: train_dataloader "
+                f"returns {count}, which Lightning combines and ExactResume does not rebuild (rebuild_loaders=True "
+                f"rebuilds a single DataLoader only); {reason}. {exact}return one DataLoader with the default "
+                "sequential or shuffled sampler over a map-style dataset that yields every part of a batch, with "
+                f"ExactResume(rebuild_loaders=True); {epoch_ends}"
+            )
+        rebuild = ("a DataLoader with the default sequential or shuffled sampler over a map-style dataset (the "
+                   "only kind ExactResume(rebuild_loaders=True) rebuilds)" if self.rebuild_loaders else
+                   "ExactResume(rebuild_loaders=True) for a DataLoader with the default sequential or shuffled sampler "
+                   "over a map-style dataset")
+        return (
+            f"ExactResume: the data order of {name}'s training loader is not resumed exactly: {reason}. {exact}"
+            f"{rebuild}; train from token files with lightning_gpuopt.data.TextDataModule; {epoch_ends}"
+        )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -61,6 +61,22 @@ def test_a_loader_it_cannot_rebuild_is_named_once_as_not_exact(tmp_path):
     assert any(NOT_RESUMABLE in str(w.message) for w in record)
 
 
+class _TwoLoaders(NanoGPTModule):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch["a"], batch_idx) + super().training_step(batch["b"], batch_idx)
+
+
+def test_several_loaders_are_named_once_as_not_rebuilt(tmp_path):
+    dataset = shape_loader("nanogpt", n=16).dataset
+    loaders = {"a": DataLoader(dataset, batch_size=2, shuffle=True), "b": DataLoader(dataset, batch_size=2)}
+    with pytest.warns(UserWarning, match=r"ExactResume: the data order of _TwoLoaders's training loaders") as record:
+        _trainer(tmp_path, 3).fit(_TwoLoaders(), loaders)
+    (message,) = [str(w.message) for w in record if "ExactResume: the data order" in str(w.message)]
+    assert "returns 2 loaders in a dict, which Lightning combines and ExactResume does not rebuild" in message
+    assert "For an exact data order: return one DataLoader" in message
+    assert "For an exact data order: ExactResume(rebuild_loaders=True)" not in message  # it is set already
+
+
 def test_text_datamodule_resume_has_no_wrong_warning(tmp_path, text_dir, cache_dir):
     def data():
         return TextDataModule(source=str(text_dir), block_size=16, batch_size=2, vocab_size=300, num_workers=0,
