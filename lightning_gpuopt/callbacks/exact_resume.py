@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpuopt.data.resumable import EpochSampler, make_resumable, not_exact_reason
+from lightning_gpuopt.data.resumable import EpochSampler, generator_seed, make_resumable, not_exact_reason
 from lightning_gpuopt.internals import (
     batch_counters,
     data_parallel_ranks,
@@ -84,7 +84,9 @@ class ExactResume(Callback):
         many: a plain ``DataLoader`` over a map-style dataset with the default sequential or
         shuffled sampler is rebuilt, when Lightning asks for it, around an
         :class:`~lightning_gpuopt.data.resumable.EpochSampler` (the same samples in an order that is a
-        function of the seed and the epoch, sharded over the data-parallel ranks as
+        function of the seed and the epoch; the seed is that of the sampler's or the DataLoader's own
+        ``generator`` when it has one, else ``torch.initial_seed()``, and a resume keeps the checkpoint's;
+        sharded over the data-parallel ranks as
         ``DistributedSampler`` shards, started at the saved position) whose DataLoader generator,
         and so the workers' base seed, is reseeded each epoch; the checkpoint holds the seed, epoch,
         position and number of ranks. Any other training loader (an iterable dataset, a custom
@@ -112,9 +114,11 @@ class ExactResume(Callback):
         self._data_state: Optional[dict[str, int]] = None  # from the checkpoint: seed, epoch, start
         self._sampler: Optional[EpochSampler] = None
         self._seed = 0
+        self._seed_fixed = False  # True once the checkpoint's or the loader's generator's seed is chosen
         self._undo_wrap: Optional[Any] = None
         self._ranks = (1, 0)  # (num_replicas, rank) of the rebuilt loader's sampler
         self._warned_ranks = False
+        self._warned_seed = False
         self._alone = False  # inside saving_alone(): one rank saves by itself
 
     @contextlib.contextmanager
@@ -134,8 +138,10 @@ class ExactResume(Callback):
         require_internals(trainer, "ExactResume(rebuild_loaders=True)")
         self._sampler = None
         self._ranks = data_parallel_ranks(trainer)
-        # One seed on every rank (ranks may be seeded differently): each shards the same order.
+        # One seed on every rank (ranks may be seeded differently): each shards the same order. A seeded
+        # generator of the loader's own replaces it when the loader is built; a checkpoint's seed replaces both.
         self._seed = int(trainer.strategy.broadcast(torch.initial_seed() % 2**31))
+        self._seed_fixed = False
         self._undo_wrap = wrap_train_dataloader(trainer, self._resumable)
 
     def _resumable(self, loaders: Any) -> Any:
@@ -147,6 +153,16 @@ class ExactResume(Callback):
         recovery) starts at the epoch's beginning and is fast-forwarded by its caller.
         """
         epoch, start = self._saved_position()
+        own = generator_seed(loaders)
+        if own is not None and not self._seed_fixed:
+            self._seed, self._seed_fixed = own, True
+        elif own is not None and own != self._seed and not self._warned_seed:
+            self._warned_seed = True
+            rank_zero_warn(
+                f"ExactResume: the training loader's generator is seeded {own} but the checkpoint's data order was "
+                f"seeded {self._seed}: the resumed run continues the checkpoint's order (seed {self._seed}) so that "
+                f"it resumes exactly. Start a new run (no ckpt_path) to train in the order of seed {own}."
+            )
         loaders, self._sampler = make_resumable(loaders, self._seed, epoch, start, *self._ranks)
         return loaders
 
@@ -170,27 +186,44 @@ class ExactResume(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._data_state = None  # the loaders are built: from here on positions come from the sampler
-        loaders = trainer.train_dataloader
-        loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        combined = trainer.train_dataloader
+        loaders = list(combined.values()) if isinstance(combined, dict) else combined if isinstance(combined, (list, tuple)) else [combined]
         if isinstance(trainer.datamodule, ResumableData):  # it positions its own loaders
             reasons = []
         else:
             reasons = [r for r in (not_exact_reason(loader) for loader in loaders) if r is not None]
         if reasons and not self._warned_loader:
             self._warned_loader = True
-            rank_zero_warn(
-                f"ExactResume: the data order of {type(pl_module).__name__}'s training loader is not resumed exactly: "
-                f"{reasons[0]}. Weights, optimizer, schedule, loop counters and RNG states resume exactly; a run resumed "
-                "from a checkpoint saved inside an epoch sees other samples than the uninterrupted run. For an exact "
-                "data order: ExactResume(rebuild_loaders=True) for a DataLoader with the default "
-                "sequential or shuffled sampler over a map-style dataset; train from token files with "
-                "lightning_gpuopt.data.TextDataModule; or save checkpoints only at epoch ends "
-                "(ModelCheckpoint(every_n_epochs=1)) and accept a new shuffle per resumed epoch."
-            )
+            rank_zero_warn(self._not_exact_message(type(pl_module).__name__, combined, reasons[0]))
         elif not reasons and self._filter is None:
             # Lightning warns for every loader without state_dict(); ours resume through the datamodule.
             warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE)
             self._filter = warnings.filters[0]
+
+    def _not_exact_message(self, name: str, combined: Any, reason: str) -> str:
+        """The one warning for a training loader that does not resume exactly, with the fixes that apply to it."""
+        exact = ("Weights, optimizer, schedule, loop counters and RNG states resume exactly; a run resumed from a "
+                 "checkpoint saved inside an epoch sees other samples than the uninterrupted run. For an exact "
+                 "data order: ")
+        epoch_ends = ("or save checkpoints only at epoch ends (ModelCheckpoint(every_n_epochs=1)) and accept a new "
+                      "shuffle per resumed epoch.")
+        if isinstance(combined, (dict, list, tuple)):
+            count = f"{len(combined)} loader{'s' if len(combined) != 1 else ''} in a {type(combined).__name__}"
+            return (
+                f"ExactResume: the data order of {name}'s training loaders is not resumed exactly: train_dataloader "
+                f"returns {count}, which Lightning combines and ExactResume does not rebuild (rebuild_loaders=True "
+                f"rebuilds a single DataLoader only); {reason}. {exact}return one DataLoader with the default "
+                "sequential or shuffled sampler over a map-style dataset that yields every part of a batch, with "
+                f"ExactResume(rebuild_loaders=True); {epoch_ends}"
+            )
+        rebuild = ("a DataLoader with the default sequential or shuffled sampler over a map-style dataset (the "
+                   "only kind ExactResume(rebuild_loaders=True) rebuilds)" if self.rebuild_loaders else
+                   "ExactResume(rebuild_loaders=True) for a DataLoader with the default sequential or shuffled sampler "
+                   "over a map-style dataset")
+        return (
+            f"ExactResume: the data order of {name}'s training loader is not resumed exactly: {reason}. {exact}"
+            f"{rebuild}; train from token files with lightning_gpuopt.data.TextDataModule; {epoch_ends}"
+        )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -265,7 +298,7 @@ class ExactResume(Callback):
         self._pending = state_dict if "rng" in state_dict else None
         self._data_state = dict(state_dict["data"]) if "data" in state_dict else None
         if self._data_state is not None:
-            self._seed = int(self._data_state["seed"])
+            self._seed, self._seed_fixed = int(self._data_state["seed"]), True
             if self._sampler is not None:  # built before the checkpoint arrived (strategies that restore late)
                 self._sampler.seed = self._seed
                 self._sampler.epoch, self._sampler.start = self._saved_position()

@@ -42,7 +42,7 @@ class MFUMonitor(Callback):
     """Logs throughput, TFLOP/s per device, MFU and memory every few optimizer steps, and a report at the end of ``fit``.
 
     Tokens per micro-batch are the element count of the input ids (``batch[0]`` for tuples,
-    ``batch["input_ids"]`` for dicts) or ``tokens_fn(batch)``. Training FLOPs per token come from
+    ``batch["input_ids"]`` for dicts, when they hold integers) or ``tokens_fn(batch)``. Training FLOPs per token come from
     ``flops_per_token=``, else the module's ``flops_per_token(seq_len)`` (``GPTModule`` has one), else
     they are counted over the first real training step at each sequence length: its forward, loss,
     backward(s) and optimizer step(s), whatever the batch holds or the step reads
@@ -161,6 +161,7 @@ class MFUMonitor(Callback):
         self._paused = 0.0  # seconds of the current window spent in validation or checkpoint saves
         self._pause_start: Optional[float] = None
         self._gap_paused = 0.0  # of those, the seconds since the last training batch
+        self._warned_no_tokens = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -223,11 +224,7 @@ class MFUMonitor(Callback):
         """FLOPs per token from the counted step, or ``None`` with the warning naming the fix."""
         name = type(pl_module).__name__
         fix = f"define `flops_per_token(seq_len)` on {name} or pass MFUMonitor(flops_per_token=...)."
-        if tokens <= 0:
-            rank_zero_warn(
-                f"MFUMonitor found no tokens in the batch of {name}, so TFLOP/s and MFU are not logged: pass "
-                "MFUMonitor(tokens_fn=...) or give the batch an input-ids tensor (batch[0] or batch['input_ids'])."
-            )
+        if tokens <= 0:  # said once by on_train_batch_end
             return None
         if flops <= 0:
             rank_zero_warn(f"MFUMonitor counted no matmul FLOPs in a training step of {name}, so TFLOP/s and MFU are not logged: {fix}")
@@ -293,6 +290,13 @@ class MFUMonitor(Callback):
     ) -> None:
         input_ids = input_ids_of(batch)
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else (input_ids.numel() if input_ids is not None else 0)
+        if tokens <= 0 and not self._warned_no_tokens:
+            self._warned_no_tokens = True
+            rank_zero_warn(
+                f"MFUMonitor found no tokens in the batch of {type(pl_module).__name__}, so tokens/s, TFLOP/s and MFU "
+                "are not measured: pass MFUMonitor(tokens_fn=...) or give the batch an integer input-ids tensor "
+                "(batch[0] or batch['input_ids']; float features are not counted as tokens)."
+            )
         flops = self._flops_for(pl_module, batch, batch_idx, tokens)
         self._tokens += tokens
         self.total_tokens += tokens
@@ -369,6 +373,8 @@ class MFUMonitor(Callback):
     def _show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
         # Plain floats, shown until the next window. (`self.log(prog_bar=True)` would store device
         # tensors that the bar reads with `.item()`, a GPU sync on every refresh.)
+        if "perf/tokens_per_sec" not in metrics:  # no tokens in the batches
+            return
         shown = {"tok/s": round(metrics["perf/tokens_per_sec"])}
         if "perf/mfu" in metrics:
             shown["mfu"] = round(metrics["perf/mfu"], 4)

@@ -137,7 +137,7 @@ class SigtermCheckpoint(Callback):
             return
         self._saving = True
         try:
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # the full training state, to resume from
         finally:
             self._saving = False
         cause = "Ctrl-C" if self._interrupted else "SIGTERM"

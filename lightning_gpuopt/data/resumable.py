@@ -30,7 +30,7 @@ from lightning_gpuopt.data.sampler import ResumableSampler
 
 from lightning_gpuopt.internals import sampler_sets_num_samples
 
-__all__ = ["EpochSampler", "make_resumable", "not_exact_reason"]
+__all__ = ["EpochSampler", "generator_seed", "make_resumable", "not_exact_reason"]
 
 
 class EpochSampler(DistributedSampler):
@@ -95,6 +95,24 @@ class EpochSampler(DistributedSampler):
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn", "multiprocessing_context",
          "prefetch_factor", "persistent_workers", "pin_memory_device")
+
+
+def generator_seed(loader: Any) -> Optional[int]:
+    """The seed the user gave a DataLoader's shuffled order: the initial seed of its ``RandomSampler``'s
+    generator, else of the DataLoader's ``generator``; ``None`` when it has neither (the order then comes
+    from the global RNG).
+
+    Example::
+
+        generator_seed(DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(42)))  # 42
+
+    Args:
+        loader: The training loader.
+    """
+    for generator in (getattr(getattr(loader, "sampler", None), "generator", None), getattr(loader, "generator", None)):
+        if isinstance(generator, torch.Generator):
+            return generator.initial_seed() % 2**31  # the range of the seeds ExactResume saves
+    return None
 
 
 def make_resumable(

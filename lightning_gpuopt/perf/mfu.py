@@ -35,22 +35,25 @@ MFU_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
 def input_ids_of(batch: Any) -> Optional[Tensor]:
-    """The token-id tensor of a batch: ``batch[0]`` of a tuple, ``batch["input_ids"]`` of a dict, or the batch.
+    """The token-id tensor of a batch: ``batch[0]`` of a tuple, ``batch["input_ids"]`` of a dict, or the batch,
+    when it holds integers; ``None`` otherwise (float features are not tokens).
 
     Example::
 
         >>> input_ids_of({"input_ids": torch.zeros(2, 16, dtype=torch.long)}).shape
         torch.Size([2, 16])
+        >>> input_ids_of((torch.randn(2, 16), torch.randn(2, 1))) is None
+        True
 
     Args:
         batch: A training batch; anything else gives ``None``.
     """
-    if isinstance(batch, Tensor):
+    if isinstance(batch, (tuple, list)) and batch:
+        batch = batch[0]
+    elif isinstance(batch, Mapping):
+        batch = batch.get("input_ids")
+    if isinstance(batch, Tensor) and not (batch.is_floating_point() or batch.is_complex() or batch.dtype == torch.bool):
         return batch
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):
-        return batch[0]
-    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
-        return batch["input_ids"]
     return None
 
 
@@ -125,7 +128,8 @@ def window_metrics(
         (8192.0, 0.4096, 500.0)
 
     Args:
-        tokens: Tokens this device trained on in the window.
+        tokens: Tokens this device trained on in the window; with none, only the step time and the
+            data-loader wait are returned.
         flops: Model FLOPs of those tokens; ``None`` when some micro-batch's count is unknown.
         elapsed: Seconds the window took (synchronised at both ends).
         steps: Optimizer steps in the window.
@@ -136,13 +140,12 @@ def window_metrics(
         measured_peak: A timed bf16 matmul's FLOP/s, for ``perf/mfu_measured``.
     """
     elapsed = max(elapsed, 1e-12)
+    metrics = {"perf/step_time_ms": 1000 * elapsed / steps, "perf/dataloader_wait_pct": 100 * wait / elapsed}
+    if tokens <= 0:  # no tokens found in the batches: no rate to report
+        return metrics
     per_device = tokens / elapsed
-    metrics = {
-        "perf/tokens_per_sec": per_device * replicas,
-        "perf/tokens_per_sec_per_device": per_device,
-        "perf/step_time_ms": 1000 * elapsed / steps,
-        "perf/dataloader_wait_pct": 100 * wait / elapsed,
-    }
+    metrics["perf/tokens_per_sec"] = per_device * replicas
+    metrics["perf/tokens_per_sec_per_device"] = per_device
     if flops is not None:
         achieved = flops / elapsed
         metrics["perf/tflops_per_device"] = achieved / 1e12
@@ -272,11 +275,15 @@ def summarise_windows(
         lines.append(f"  MFU {100 * metrics['perf/mfu']:.1f}%{fp8}")
     if "perf/tflops_per_device" in metrics:
         lines.append(f"  {metrics['perf/tflops_per_device']:.3g} TFLOP/s per device")
-    lines.append(f"  {metrics['perf/tokens_per_sec']:,.0f} tokens/s ({metrics['perf/step_time_ms']:.1f} ms/step)")
+    if "perf/tokens_per_sec" in metrics:
+        lines.append(f"  {metrics['perf/tokens_per_sec']:,.0f} tokens/s ({metrics['perf/step_time_ms']:.1f} ms/step)")
+    else:
+        lines.append(f"  {metrics['perf/step_time_ms']:.1f} ms/step (no tokens found in the batches: no tokens/s or MFU)")
     if peak_memory_pct is not None:
         lines.append(f"  peak memory {peak_memory_pct:.0f}% of the device")
     lines.append(f"  data-loader wait {metrics['perf/dataloader_wait_pct']:.1f}%")
-    lines.append(f"  {fit_tokens:,} tokens per device in this fit ({fit_flops / 1e12:.3g} model TFLOP)")
+    if fit_tokens > 0:
+        lines.append(f"  {fit_tokens:,} tokens per device in this fit ({fit_flops / 1e12:.3g} model TFLOP)")
     if run_tokens is not None:
         lines.append(f"  the run so far, resumed: {run_tokens:,} tokens per device ({(run_flops or 0.0) / 1e12:.3g} model TFLOP)")
     advice = _advice(peak_memory_pct, metrics["perf/dataloader_wait_pct"], dtype, on_cuda, compiled)

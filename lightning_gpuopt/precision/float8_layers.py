@@ -15,8 +15,12 @@ model made of them does not look converted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
+import logging
+import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
 import torch
@@ -125,10 +129,33 @@ FP8_INSTALL_HINT = 'pip install "lightning-gpuopt[fp8]"'
 OUTPUT_LAYER_NAMES = frozenset({"lm_head", "output", "head", "classifier", "score", "out_head"})
 
 
+# torchao logs one line per compiled kernel library (``_C*.so``) that does not load with this torch build
+# (MX and CUTLASS kernels); the float8 training recipes here do not use them.
+_TORCHAO_KERNEL_LINE = re.compile(r"Failed to load \S*_C\S*\.so: ")
+
+
+class _DropKernelLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _TORCHAO_KERNEL_LINE.match(record.getMessage())
+
+
+@contextlib.contextmanager
+def _quiet_torchao_kernel_lines() -> Iterator[None]:
+    """Leave out torchao's "Failed to load ..._C*.so" lines while the block runs; its other log lines stay."""
+    logger = logging.getLogger("torchao")
+    kernel_lines = _DropKernelLines()
+    logger.addFilter(kernel_lines)
+    try:
+        yield
+    finally:
+        logger.removeFilter(kernel_lines)
+
+
 def require_torchao() -> None:
     """Raise an ``ImportError`` naming the ``fp8`` extra if ``torchao.float8`` cannot be imported."""
     try:
-        import torchao.float8  # noqa: F401
+        with _quiet_torchao_kernel_lines():
+            import torchao.float8  # noqa: F401
     except ImportError as err:
         raise ImportError(f"Float8Precision needs torchao: {FP8_INSTALL_HINT} (or pip install torchao).") from err
 

@@ -177,6 +177,36 @@ def test_monitor_measures_flops_of_a_module_without_flops_per_token(tmp_path):
     assert metrics["perf/tflops_per_device"] * 1e12 == pytest.approx(encoder_flops_per_token() * metrics["perf/tokens_per_sec"])
 
 
+class _Regressor(pl.LightningModule):
+    """An (x, y) regression batch: float features, no token ids."""
+
+    def __init__(self, flops_per_token=False):
+        super().__init__()
+        self.net = nn.Linear(16, 16)
+        if flops_per_token:
+            self.flops_per_token = lambda seq_len: 1e6  # a module count: no FLOPs counting, which used to warn
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("flops_per_token", [False, True])
+def test_float_features_are_not_counted_as_tokens_and_it_says_so_once(tmp_path, flops_per_token):
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 16, generator=g))
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    with pytest.warns(UserWarning, match=r"MFUMonitor found no tokens in the batch of _Regressor") as record:
+        _trainer(tmp_path, [monitor], max_steps=5).fit(_Regressor(flops_per_token), torch.utils.data.DataLoader(data, batch_size=8))
+    assert sum("found no tokens" in str(w.message) for w in record) == 1
+    assert monitor.total_tokens == 0 and len(monitor.history) == 2
+    assert all("perf/tokens_per_sec" not in m and "perf/mfu" not in m for m in monitor.history)
+    assert "no tokens found in the batches" in monitor.summary["text"] and "tokens/s (" not in monitor.summary["text"]
+
+
 def test_fp8_plugin_is_detected_and_custom_plugin_warns(tmp_path):
     class OurFloat8(Precision):
         compute_dtype = torch.bfloat16

@@ -55,9 +55,11 @@ def test_ctrl_c_saves_like_sigterm_and_puts_the_handler_back(tmp_path, text_dir,
             _fit(tmp_path, text_dir, lambda: os.kill(os.getpid(), signal.SIGINT))
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 5
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 5 and saved["optimizer_states"]  # the full training state
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # a later Ctrl-C stops at once again
     assert "received Ctrl-C; saved" in caplog.text
+    assert "`weights_only` was not set" not in caplog.text  # the save says what it keeps
 
 
 def test_other_exceptions_save_nothing(tmp_path, text_dir, cache_dir):

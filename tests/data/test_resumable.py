@@ -61,6 +61,22 @@ def test_a_loader_it_cannot_rebuild_is_named_once_as_not_exact(tmp_path):
     assert any(NOT_RESUMABLE in str(w.message) for w in record)
 
 
+class _TwoLoaders(NanoGPTModule):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch["a"], batch_idx) + super().training_step(batch["b"], batch_idx)
+
+
+def test_several_loaders_are_named_once_as_not_rebuilt(tmp_path):
+    dataset = shape_loader("nanogpt", n=16).dataset
+    loaders = {"a": DataLoader(dataset, batch_size=2, shuffle=True), "b": DataLoader(dataset, batch_size=2)}
+    with pytest.warns(UserWarning, match=r"ExactResume: the data order of _TwoLoaders's training loaders") as record:
+        _trainer(tmp_path, 3).fit(_TwoLoaders(), loaders)
+    (message,) = [str(w.message) for w in record if "ExactResume: the data order" in str(w.message)]
+    assert "returns 2 loaders in a dict, which Lightning combines and ExactResume does not rebuild" in message
+    assert "For an exact data order: return one DataLoader" in message
+    assert "For an exact data order: ExactResume(rebuild_loaders=True)" not in message  # it is set already
+
+
 def test_text_datamodule_resume_has_no_wrong_warning(tmp_path, text_dir, cache_dir):
     def data():
         return TextDataModule(source=str(text_dir), block_size=16, batch_size=2, vocab_size=300, num_workers=0,
@@ -84,33 +100,84 @@ class Losses(pl.Callback):
         self.rows[(trainer.current_epoch, batch_idx)] = float(outputs["loss"].detach())
 
 
-def _own_fit(tmp_path, max_steps, shuffle, ckpt=None, num_workers=0):
+def _own_fit(tmp_path, max_steps, shuffle, ckpt=None, num_workers=0, generator_seed=None):
     torch.manual_seed(0)
     module = NanoGPTModule()
     torch.manual_seed(1234)
     losses = Losses()
+    generator = None if generator_seed is None else torch.Generator().manual_seed(generator_seed)
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=max_steps, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path,
         callbacks=[ExactResume(rebuild_loaders=True), losses, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)],
     )
-    loader = DataLoader(shape_loader("nanogpt", n=24).dataset, batch_size=2, shuffle=shuffle, num_workers=num_workers)
+    loader = DataLoader(shape_loader("nanogpt", n=24).dataset, batch_size=2, shuffle=shuffle, num_workers=num_workers,
+                        generator=generator)
     trainer.fit(module, loader, ckpt_path=ckpt)
     return losses.rows
 
 
-@pytest.mark.parametrize(("shuffle", "workers"), [(False, 0), (True, 0), (True, 2)])
-def test_own_loader_resumes_exactly_mid_epoch_and_at_its_end(tmp_path, shuffle, workers):
-    reference = _own_fit(tmp_path / "ref", 9, shuffle, num_workers=workers)  # 12 micro-batches per epoch, 2 per step
+@pytest.mark.parametrize(("shuffle", "workers", "seed"), [(False, 0, None), (True, 0, None), (True, 2, None), (True, 0, 42)])
+def test_own_loader_resumes_exactly_mid_epoch_and_at_its_end(tmp_path, shuffle, workers, seed):
+    reference = _own_fit(tmp_path / "ref", 9, shuffle, num_workers=workers, generator_seed=seed)  # 12 micro-batches per epoch, 2 per step
     assert len(reference) == 18
     for step, first in [(3, (0, 6)), (6, (1, 0))]:  # mid-epoch, and at the epoch's end
         ckpt = next((tmp_path / "ref" / "ckpt").glob(f"*step={step}.ckpt"))
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
-            resumed = _own_fit(tmp_path / f"resumed{step}", 9, shuffle, ckpt=str(ckpt), num_workers=workers)
+            resumed = _own_fit(tmp_path / f"resumed{step}", 9, shuffle, ckpt=str(ckpt), num_workers=workers,
+                               generator_seed=seed)
         assert min(resumed) == first
         assert resumed == {k: v for k, v in reference.items() if k >= first}
         assert not any(NOT_RESUMABLE in str(w.message) or "ExactResume: the data order" in str(w.message) for w in record)
+
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")
+def test_own_loader_generator_seeds_the_rebuilt_order(tmp_path):
+    """The rebuilt order follows the seed of the user's generator (the sampler's before the loader's), not the
+    global seed; a resume keeps the checkpoint's seed and says so when the generator's now differs."""
+    dataset = TensorDataset(torch.arange(16))
+
+    def order(seed, sampler_seed=None, ckpt=None, root="a"):
+        seen = []
+
+        class Record(pl.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen.extend(batch[0].tolist())
+
+        if sampler_seed is None:
+            loader = DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(seed))
+        else:
+            sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(sampler_seed))
+            loader = DataLoader(dataset, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(seed))
+        torch.manual_seed(7)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path / root,
+                             callbacks=[ExactResume(rebuild_loaders=True), Record(),
+                                        ModelCheckpoint(dirpath=tmp_path / root / "ckpt", every_n_train_steps=2, save_top_k=-1)])
+        trainer.fit(_Identity(), loader, ckpt_path=ckpt)
+        return seen
+
+    first = order(42)
+    assert sorted(first) == list(range(16))
+    assert order(43) != first
+    assert order(42, root="b") == first  # the same seed, the same order
+    assert order(0, sampler_seed=42) == first  # the sampler's generator before the loader's
+    ckpt = next((tmp_path / "a" / "ckpt").glob("*step=2.ckpt"))
+    with pytest.warns(UserWarning, match=r"generator is seeded 43 but the checkpoint's data order was seeded 42"):
+        assert order(43, ckpt=str(ckpt), root="c") == first[8:]  # the checkpoint's order, from its position
+
+
+class _Identity(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(16, 16)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0].float().unsqueeze(1).expand(-1, 16)).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def test_without_permission_an_own_loader_is_left_alone_and_named(tmp_path):

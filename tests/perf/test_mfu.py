@@ -96,3 +96,16 @@ def test_input_ids_of_each_batch_shape():
     ids = torch.zeros(2, 16, dtype=torch.long)
     assert input_ids_of(ids) is ids and input_ids_of((ids, ids)) is ids and input_ids_of({"input_ids": ids}) is ids
     assert input_ids_of({"tokens": ids}) is None
+    features = torch.randn(2, 16)  # an (x, y) regression batch: float features are not tokens
+    assert input_ids_of(features) is None and input_ids_of((features, features)) is None
+    assert input_ids_of({"input_ids": features}) is None and input_ids_of(ids.bool()) is None
+    assert input_ids_of((ids.int(), features)) is not None
+
+
+def test_a_window_without_tokens_reports_no_rate():
+    m = window_metrics(tokens=0, flops=0.0, elapsed=2.0, steps=4, wait=0.5, replicas=1, peak=1e12)
+    assert m == {"perf/step_time_ms": 500.0, "perf/dataloader_wait_pct": 25.0}
+    report = summarise_windows([WindowTotals(0, None, 2.0, 4, 0.5)], window=4, warmup_steps=0, dtype="fp32",
+                               fit_tokens=0, fit_flops=0.0)
+    assert "500.0 ms/step (no tokens found in the batches: no tokens/s or MFU)" in report["text"]
+    assert "tokens/s (" not in report["text"] and "tokens per device" not in report["text"]
