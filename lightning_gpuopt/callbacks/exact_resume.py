@@ -142,6 +142,7 @@ class ExactResume(Callback):
         # generator of the loader's own replaces it when the loader is built; a checkpoint's seed replaces both.
         self._seed = int(trainer.strategy.broadcast(torch.initial_seed() % 2**31))
         self._seed_fixed = False
+        self._broadcast = trainer.strategy.broadcast  # every rank builds the loader: rank 0's generator seed rules
         self._undo_wrap = wrap_train_dataloader(trainer, self._resumable)
 
     def _resumable(self, loaders: Any) -> Any:
@@ -154,6 +155,8 @@ class ExactResume(Callback):
         """
         epoch, start = self._saved_position()
         own = generator_seed(loaders)
+        if self._ranks[0] > 1:  # a generator seeded per rank would shard different orders: rank 0's for all
+            own = self._broadcast(own)
         if own is not None and not self._seed_fixed:
             self._seed, self._seed_fixed = own, True
         elif own is not None and own != self._seed and not self._warned_seed:

@@ -212,6 +212,10 @@ def test_own_loader_resumes_exactly_under_two_process_ddp(tmp_path):
     samples = [[x for k, (_, s) in sorted(run["reference"].items()) if k.startswith("0,") for x in s] for run in runs]
     assert len(samples[0]) == len(samples[1]) == 20  # 40 samples, 20 per rank per epoch
     assert samples[0] != samples[1]  # sharded: the ranks read different samples
+    # ... and together the whole dataset once, although each rank's loader had its own generator seed
+    from tests._module_shapes import Tokens
+
+    assert sorted(samples[0] + samples[1]) == sorted(Tokens(40).data[:, 0].tolist())
 
 
 def test_epoch_sampler_shards_like_distributed_sampler_and_starts_anywhere():

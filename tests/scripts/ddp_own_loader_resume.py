@@ -8,6 +8,7 @@ per (epoch, batch index), the loss and the first token of each sample, for both 
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,7 +44,9 @@ def fit(out: Path, ckpt=None) -> dict:
         callbacks=[ExactResume(rebuild_loaders=True), rows,
                    ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=3, save_top_k=-1)],
     )
-    loader = DataLoader(shape_loader("nanogpt", n=40).dataset, batch_size=2, shuffle=True)
+    # Seeded per rank, as a careless script might: rank 0's seed must give every rank the same order to shard.
+    generator = torch.Generator().manual_seed(42 + int(os.environ.get("LOCAL_RANK", 0)))
+    loader = DataLoader(shape_loader("nanogpt", n=40).dataset, batch_size=2, shuffle=True, generator=generator)
     trainer.fit(module, loader, ckpt_path=ckpt)
     return rows.rows, trainer.global_rank
 
