@@ -208,7 +208,11 @@ class GPTCLI(LightningCLI):
 
     def after_fit(self) -> None:
         can_predict = (self.trains_gpt and self.reads_text) or has_predict_data(self.model, self.datamodule)
-        rank_zero_info("\n".join(where_things_went(self.trainer, self.argv, can_predict)))
+        # Classes of one's own are often importable only through PYTHONPATH (PYTHONPATH=examples gpuopt fit ...):
+        # the printed commands carry it, so they run as printed in a fresh shell.
+        path = os.environ.get("PYTHONPATH")
+        env = {"PYTHONPATH": path} if path and not (self.trains_gpt and self.reads_text) else None
+        rank_zero_info("\n".join(where_things_went(self.trainer, self.argv, can_predict, env)))
 
     def _parse_ckpt_path(self) -> None:
         # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they

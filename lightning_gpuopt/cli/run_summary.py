@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
@@ -14,19 +15,25 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 __all__ = ["command_with_checkpoint", "count_text", "has_predict_data", "model_line", "where_things_went"]
 
 
-def command_with_checkpoint(argv: list[str], subcommand: str, ckpt: str, extra: tuple[str, ...] = ()) -> str:
-    """``gpuopt <subcommand> <argv without its subcommand and --ckpt_path> --ckpt_path CKPT <extra>``, quoted for a shell.
+def command_with_checkpoint(
+    argv: list[str], subcommand: str, ckpt: str, extra: tuple[str, ...] = (), env: Optional[Mapping[str, str]] = None
+) -> str:
+    """``[ENV=...] gpuopt <subcommand> <argv without its subcommand and --ckpt_path> --ckpt_path CKPT <extra>``,
+    quoted for a shell.
 
     Example::
 
         >>> command_with_checkpoint(["fit", "--config", "q.yaml", "--ckpt_path", "last"], "predict", "c/last.ckpt")
         'gpuopt predict --config q.yaml --ckpt_path c/last.ckpt'
+        >>> command_with_checkpoint(["fit", "--model", "hf_llama.TinyLlama"], "fit", "c/last.ckpt", env={"PYTHONPATH": "examples"})
+        'PYTHONPATH=examples gpuopt fit --model hf_llama.TinyLlama --ckpt_path c/last.ckpt'
 
     Args:
         argv: The command line the run was started with (without the program name).
         subcommand: The subcommand of the printed command.
         ckpt: The checkpoint it reads.
         extra: Arguments added at the end.
+        env: Environment variables the command needs, written before it (``PYTHONPATH`` for classes of one's own).
     """
     replaced = {"--ckpt_path", *(a for a in extra if a.startswith("--"))}  # options the printed command sets itself
     kept, skip = [], False
@@ -39,7 +46,8 @@ def command_with_checkpoint(argv: list[str], subcommand: str, ckpt: str, extra: 
             skip = True
         elif arg.split("=", 1)[0] not in replaced:
             kept.append(arg)
-    return shlex.join(["gpuopt", subcommand, *kept, "--ckpt_path", ckpt, *extra])
+    prefix = [f"{key}={shlex.quote(value)}" for key, value in (env or {}).items()]
+    return " ".join([*prefix, shlex.join(["gpuopt", subcommand, *kept, "--ckpt_path", ckpt, *extra])])
 
 
 def count_text(n: int) -> str:
@@ -102,7 +110,9 @@ def _checkpoint(trainer: pl.Trainer) -> Optional[str]:
     return path if path and os.path.exists(path) else None
 
 
-def where_things_went(trainer: pl.Trainer, argv: list[str], can_predict: bool = True) -> list[str]:
+def where_things_went(
+    trainer: pl.Trainer, argv: list[str], can_predict: bool = True, env: Optional[Mapping[str, str]] = None
+) -> list[str]:
     """The lines ``gpuopt fit`` ends with: the checkpoint to resume from, the logs, the commands to continue and to sample.
 
     The "train on" command raises ``trainer.max_steps`` (or ``max_epochs``) above where the run ended, so
@@ -117,6 +127,7 @@ def where_things_went(trainer: pl.Trainer, argv: list[str], can_predict: bool = 
         trainer: The Trainer after ``fit``.
         argv: The command line the run was started with (without the program name).
         can_predict: Whether ``gpuopt predict`` has batches for the module (see :func:`has_predict_data`).
+        env: Environment variables the printed commands need (see :func:`command_with_checkpoint`).
     """
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
     lines = [f"gpuopt fit: finished at step {trainer.global_step}."]
@@ -132,13 +143,13 @@ def where_things_went(trainer: pl.Trainer, argv: list[str], can_predict: bool = 
         if max_steps is not None and max_steps > 0 and trainer.global_step >= max_steps:
             further = 2 * max(max_steps, trainer.global_step)
             lines.append(f"  train on to step {further:,}: "
-                         + command_with_checkpoint(argv, "fit", shown, ("--trainer.max_steps", str(further))))
+                         + command_with_checkpoint(argv, "fit", shown, ("--trainer.max_steps", str(further)), env))
         elif max_epochs is not None and max_epochs > 0 and trainer.current_epoch >= max_epochs:
             further = 2 * max(max_epochs, trainer.current_epoch)
             lines.append(f"  train on to epoch {further:,}: "
-                         + command_with_checkpoint(argv, "fit", shown, ("--trainer.max_epochs", str(further))))
+                         + command_with_checkpoint(argv, "fit", shown, ("--trainer.max_epochs", str(further)), env))
         else:
-            lines.append(f"  continue:   {command_with_checkpoint(argv, 'fit', shown)}")
+            lines.append(f"  continue:   {command_with_checkpoint(argv, 'fit', shown, env=env)}")
         if can_predict:
-            lines.append(f"  sample:     {command_with_checkpoint(argv, 'predict', shown)}")
+            lines.append(f"  sample:     {command_with_checkpoint(argv, 'predict', shown, env=env)}")
     return lines

@@ -69,6 +69,9 @@ def test_printed_commands_replace_the_options_they_set():
     assert command_with_checkpoint(argv, "predict", "c/last.ckpt") == (
         "gpuopt predict --config q.yaml --trainer.max_steps 30 --x 'a b' --ckpt_path c/last.ckpt"
     )
+    assert command_with_checkpoint(argv, "predict", "c/last.ckpt", env={"PYTHONPATH": "ex amples"}) == (
+        "PYTHONPATH='ex amples' gpuopt predict --config q.yaml --trainer.max_steps 30 --x 'a b' --ckpt_path c/last.ckpt"
+    )
 
 
 def test_parameter_counts_read_as_people_write_them():
