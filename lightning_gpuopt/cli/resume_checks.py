@@ -233,21 +233,16 @@ def check_steps_left(step: Optional[int], path: str, trainer: Any, epochs: Optio
         epochs: The epochs the checkpoint has processed (:func:`epochs_done`); ``None``: not checked.
     """
     trainer = trainer or {}
-    tail = f"; to evaluate the checkpoint, use gpuopt validate --ckpt_path {path}."
-    max_steps = trainer.get("max_steps")
-    if isinstance(step, int) and isinstance(max_steps, int) and 0 <= max_steps <= step:
-        raise ValueError(
-            f"The checkpoint {path!r} is at step {step} and trainer.max_steps={max_steps}, so this fit would train "
-            f"nothing (and write no checkpoint). To train on, raise trainer.max_steps above {step} (e.g. "
-            f"--trainer.max_steps {2 * step if step else 1})" + tail
-        )
-    max_epochs = trainer.get("max_epochs")
-    if isinstance(epochs, int) and isinstance(max_epochs, int) and 0 <= max_epochs <= epochs:
-        raise ValueError(
-            f"The checkpoint {path!r} has trained {epochs} epoch{'s' if epochs != 1 else ''} and "
-            f"trainer.max_epochs={max_epochs}, so this fit would train nothing (and write no checkpoint). To train on, "
-            f"raise trainer.max_epochs above {epochs} (e.g. --trainer.max_epochs {2 * epochs if epochs else 1})" + tail
-        )
+    reached = (("max_steps", step, f"is at step {step}"),
+               ("max_epochs", epochs, f"has trained {epochs} epoch{'' if epochs == 1 else 's'}"))
+    for option, done, where in reached:
+        limit = trainer.get(option)
+        if isinstance(done, int) and isinstance(limit, int) and 0 <= limit <= done:
+            raise ValueError(
+                f"The checkpoint {path!r} {where} and trainer.{option}={limit}, so this fit would train nothing (and "
+                f"write no checkpoint). To train on, raise trainer.{option} above {done} (e.g. --trainer.{option} "
+                f"{2 * done if done else 1}); to evaluate the checkpoint, use gpuopt validate --ckpt_path {path}."
+            )
 
 
 def merge_checkpoint_settings(
