@@ -8,7 +8,8 @@ function here touches one or two such names, all listed in :data:`TOUCHED`;
 :func:`missing_internals` checks them, and ``AutoBatchSize`` and ``ExactResume(rebuild_loaders=True)``
 call :func:`require_internals` at setup, so an upgrade that renames one fails at the start of
 ``fit``, naming it (``tests/test_internals.py`` runs the check, and each function in a real fit).
-Used elsewhere, and tested there: ``GPTCLI`` overrides ``LightningCLI._parse_ckpt_path``;
+Used elsewhere, and tested there: ``GPTCLI`` overrides ``LightningCLI._parse_ckpt_path`` and
+``ResumedRichProgressBar`` ``RichProgressBar._get_train_description``;
 ``GPTModule`` reads the ``_device_mesh`` that ``ModelParallelStrategy`` sets on a module.
 Written against Lightning 2.6 (2.6.0 to 2.6.6 read) and torch 2.11 to 2.13.
 """
@@ -104,6 +105,7 @@ TOUCHED = (
     "checkpoint._enable_version_counter",  # ModelCheckpoint's, no public setter (no_version_counter)
     "module._compiler_ctx",  # set by Trainer.fit on a compiled LightningModule (compiled_by_lightning)
     "import:lightning.pytorch.cli.LightningCLI._parse_ckpt_path",  # GPTCLI overrides it (cli/main.py)
+    "import:lightning.pytorch.callbacks.RichProgressBar._get_train_description",  # overridden (callbacks/progress_bar.py)
     # torch
     "import:torch._C._get_sdp_priority_order",  # SDPA backend priorities (sdp_priority_order)
     "import:torch._C._set_sdp_priority_order",  # (set_sdp_priority_order)
