@@ -88,9 +88,10 @@ class CausalSelfAttention(nn.Module):
             q, k, v = self.c_attn(x).split(C, dim=2)
             shape = (B, T, self.n_head, self.head_size)
             return q.view(shape), k.view(shape), v.view(shape)
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_size)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_size)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_size)
+        # heads counted from the projections' outputs (-1), so a tensor-parallel plan may split them by heads
+        q = self.q_proj(x).view(B, T, -1, self.head_size)
+        k = self.k_proj(x).view(B, T, -1, self.head_size)
+        v = self.v_proj(x).view(B, T, -1, self.head_size)
         return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def forward(self, x: Tensor, cache: Optional[KVCache] = None, rope: Optional[Rope] = None) -> Tensor:
@@ -100,7 +101,7 @@ class CausalSelfAttention(nn.Module):
         if self._flash_attn is not None and cache is None:
             # flash-attn wants (B, T, nh, hs), and takes fewer key/value heads as they are
             y = self._flash_attn(q, k, v, dropout_p=dropout, causal=True)
-            return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
+            return self.resid_dropout(self.c_proj(y.reshape(B, T, -1)))
 
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
         if cache is None or cache.pos == 0:
@@ -115,13 +116,13 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)  # (B, n_kv_head, pos + T, hs): the grouped heads are cached, not repeated
         gqa = {}
-        if self.n_kv_head != self.n_head:
+        if k.size(1) != q.size(1):  # grouped-query attention: n_head / n_kv_head query heads per key/value head
             if grouped_heads_run_fused(q.dtype, mask is not None):
                 gqa = {"enable_gqa": True}  # each key/value head serves its group of query heads, no copies
             else:
-                k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))  # (B, nh, ., hs)
+                k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))  # (B, nh, ., hs)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, **gqa)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -1,6 +1,7 @@
-"""The Llama-style GPT (``GPTConfig(arch="llama")``): its names and shapes, a functional reference, the
-Llama 3 presets, rotary embeddings, and each piece of the package run on it (loss, cache, FLOPs, compile,
-float8, FSDP2, checkpoints, GPTModule and the gpuopt command)."""
+"""The Llama-style GPT (``GPTConfig(arch="llama")``): its names and shapes against a functional reference, the
+Llama 3 presets, and the model's own pieces run on it (chunked loss, KV cache, FLOPs, activation checkpointing,
+per-block compile). float8, FSDP2, load_gpt, GPTModule, choose_strategy and ``gpuopt fit`` on it are tested with
+those pieces (``llama`` in the test names)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_gpuopt.model import GPT, GPTConfig, KVCache
 from lightning_gpuopt.model.config import llama_ffn_size
 from lightning_gpuopt.model.gpt import grouped_heads_run_fused
-from lightning_gpuopt.model.rope import apply_rope, rope_cos_sin
+from lightning_gpuopt.model.rope import rope_cos_sin
 
 LLAMA = dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=32, vocab_size=100, multiple_of=16)
 
@@ -122,29 +123,6 @@ def test_mlp_width_rule_and_its_overrides():
     assert llama(n_kv_head=None).n_kv_head == 4  # no grouping unless asked
 
 
-def test_rotary_embedding_depends_on_distance_and_takes_positions_per_row():
-    q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
-
-    def score(p_q, p_k):
-        cq, sq = rope_cos_sin(torch.tensor([p_q]), 16, 10000.0)
-        ck, sk = rope_cos_sin(torch.tensor([p_k]), 16, 10000.0)
-        return (apply_rope(q, cq.double(), sq.double()) * apply_rope(k, ck.double(), sk.double())).sum().item()
-
-    assert score(7, 3) == pytest.approx(score(107, 103), abs=1e-5) == pytest.approx(score(4, 0), abs=1e-5)  # float32 angles
-    assert score(7, 3) != pytest.approx(score(7, 2), abs=1e-3)
-    assert score(0, 0) == pytest.approx((q * k).sum().item())  # position 0 is not rotated
-    # (B, T) positions: each row gets the angles of its own positions
-    pos = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]])
-    cos, sin = rope_cos_sin(pos, 16, 10000.0)
-    assert cos.shape == (2, 4, 8)
-    for row in range(2):
-        torch.testing.assert_close((cos[row], sin[row]), rope_cos_sin(pos[row], 16, 10000.0), rtol=0, atol=0)
-    x = torch.randn(2, 4, 3, 16)
-    rotated = apply_rope(x, cos, sin)
-    torch.testing.assert_close(rotated[1], apply_rope(x[1:], *rope_cos_sin(pos[1], 16, 10000.0))[0])
-    assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5)  # a rotation
-
-
 def test_future_tokens_do_not_change_past_logits():
     model = GPT(llama()).eval()
     x = torch.randint(0, 100, (2, 16))
@@ -234,6 +212,31 @@ def test_grouped_heads_go_to_sdpa_as_they_are_only_where_flash_takes_them():
             bf16 = model(idx)
     assert bf16.dtype == torch.bfloat16
     torch.testing.assert_close(bf16.float(), fp32, atol=0.05, rtol=0.05)
+
+
+def test_attention_split_by_heads_sums_to_the_whole():
+    """What a tensor-parallel plan does (q/k/v_proj split by output rows = heads, c_proj by input columns):
+    each shard's attention runs on its own heads and the shards' outputs add up to the whole layer's."""
+    import copy
+
+    from lightning_gpuopt.model.gpt import CausalSelfAttention
+
+    config = llama()  # 4 query heads, 2 key/value heads of 16
+    whole = CausalSelfAttention(config).eval()
+    x = torch.randn(2, 8, 64)
+    rope = rope_cos_sin(torch.arange(8), 16, config.rope_theta)
+    total = torch.zeros(2, 8, 64)
+    for rank in range(2):  # 2 query heads and their 1 key/value head per shard
+        shard = copy.deepcopy(whole)
+        for name, rows in (("q_proj", slice(32 * rank, 32 * rank + 32)), ("k_proj", slice(16 * rank, 16 * rank + 16)),
+                           ("v_proj", slice(16 * rank, 16 * rank + 16))):
+            layer = getattr(shard, name)
+            layer.weight = nn.Parameter(layer.weight[rows].clone())
+        shard.c_proj.weight = nn.Parameter(shard.c_proj.weight[:, 32 * rank : 32 * rank + 32].clone())
+        with torch.no_grad():
+            total += shard(x, None, rope)
+    with torch.no_grad():
+        torch.testing.assert_close(total, whole(x, None, rope), atol=1e-5, rtol=1e-5)
 
 
 def test_llama_option_checks_name_the_fix():
