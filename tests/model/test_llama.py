@@ -134,19 +134,19 @@ def test_future_tokens_do_not_change_past_logits():
 
 
 def test_kv_cache_holds_the_grouped_heads_and_generates_what_recomputing_does():
-    model = GPT(llama(block_size=16)).eval()
+    model = GPT(llama(block_size=12)).eval()
     prompt = torch.randint(0, 100, (3, 5))
-    caches = [KVCache(16) for _ in range(2)]
+    caches = [KVCache(12) for _ in range(2)]
     with torch.no_grad():
         full = model(prompt)
         torch.testing.assert_close(model(prompt[:, :3], caches), full[:, :3], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(model(prompt[:, 3:], caches), full[:, 3:], atol=1e-5, rtol=1e-5)  # T > 1 after a prefix
-    assert caches[0].k.shape == (3, 2, 16, 16) and caches[0].pos == 5  # n_kv_head heads, not repeated
+    assert caches[0].k.shape == (3, 2, 12, 16) and caches[0].pos == 5  # n_kv_head heads, not repeated
     # greedy and sampled continuations past block_size (the window refills): the same tokens either way
     for temperature in (0.0, 1.0):
-        cached = model.generate(prompt, 14, temperature=temperature, generator=torch.Generator().manual_seed(0))
-        plain = model.generate(prompt, 14, temperature=temperature, use_cache=False, generator=torch.Generator().manual_seed(0))
-        assert cached.shape == (3, 19) and torch.equal(cached, plain)
+        cached = model.generate(prompt, 9, temperature=temperature, generator=torch.Generator().manual_seed(0))
+        plain = model.generate(prompt, 9, temperature=temperature, use_cache=False, generator=torch.Generator().manual_seed(0))
+        assert cached.shape == (3, 14) and torch.equal(cached, plain)
 
 
 @pytest.mark.parametrize("tied", [True, False])
