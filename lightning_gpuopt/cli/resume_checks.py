@@ -6,7 +6,7 @@ word. Here the settings the user asked for (the ``model`` options whose value is
 ``GPTModule``'s default, from a flag, a ``--config`` file or the environment) are compared with the
 checkpoint's before anything is built:
 
-* architecture (``preset``, ``n_layer``, ``n_head``, ``n_embd``, and the ``block_size`` and
+* architecture (``preset``, ``n_layer``, ``n_head``, ``n_embd``, ``n_kv_head``, and the ``block_size`` and
   ``vocab_size`` the data sets) cannot change: the run is refused, naming both values and the fix;
 * everything else (learning rate and schedule, sampling settings, ``max_new_tokens``, compile,
   dropout, ...) is applied over the checkpoint's value and reported; a resumed ``fit`` also gets
@@ -60,7 +60,7 @@ __all__ = [
     "resolve_run_folder",
 ]
 
-ARCHITECTURE = ("preset", "n_layer", "n_head", "n_embd")  # block_size and vocab_size come from the data
+ARCHITECTURE = ("preset", "n_layer", "n_head", "n_embd", "n_kv_head")  # block_size and vocab_size come from the data
 _SPECIAL_CKPT_PATHS = {"last", "best", "hpc", "registry"}
 
 # TextDataModule options that only predict reads: never a difference from the training run worth reporting.

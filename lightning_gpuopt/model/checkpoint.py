@@ -24,7 +24,9 @@ __all__ = ["CheckpointError", "gpt_state_dict", "gptmodule_hparams", "load_gpt",
 MapLocation = Union[str, torch.device, Callable, dict, None]
 
 # GPTModule hyper-parameters that shape the GPT (the others are optimiser / sampling settings).
-_CONFIG_HPARAMS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "attention", "activation_checkpointing")
+_CONFIG_HPARAMS = (
+    "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "dropout", "attention", "activation_checkpointing"
+)
 
 
 class CheckpointError(ValueError):

@@ -11,35 +11,83 @@ from typing import Any, Literal, Optional
 from lightning_gpuopt.model.loss import LOSS_IMPLS, LossImpl
 from lightning_gpuopt.perf.device import DeviceFacts
 
-__all__ = ["GPTConfig", "PRESETS", "check_attention_runs", "check_data_fits"]
+__all__ = ["GPTConfig", "PRESETS", "check_attention_runs", "check_data_fits", "llama_ffn_size"]
 
 Attention = Literal["sdpa", "flash-attn"]
+Arch = Literal["gpt2", "llama"]
+
+# Llama 3's shapes, from the Hugging Face config.json of each model (hidden_size, num_hidden_layers,
+# num_attention_heads, num_key_value_heads, intermediate_size, rope_theta, vocab_size, tie_word_embeddings):
+# https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json, .../Llama-3.2-3B/...,
+# .../Meta-Llama-3.1-8B/... and .../Meta-Llama-3.1-70B/... (litgpt/config.py lists the same). The widths of
+# the MLP come from Meta's rule (llama_ffn_size) with Meta's ffn_dim_multiplier and multiple_of (their
+# params.json; torchtitan's llama3 configs for 8B and 70B), and give those intermediate sizes: 8192, 8192,
+# 14336, 28672 (tested). block_size is the 8,192-token context Llama 3 was pre-trained at; the released
+# models' 128K comes from a later long-context phase (and its rope_scaling, not applied here: model/rope.py).
+_LLAMA3 = dict(arch="llama", vocab_size=128256, block_size=8192, rope_theta=500000.0, norm_eps=1e-5)
 
 # Named architectures. The GPT-2 family sizes (124m ... 1.5b) follow Radford et al. (2019); 175m is
-# the GPT-3 "small-wide" shape used by many recipes (d1024 with 12 layers). `tiny` is for tests and
-# CPU runs: every dimension is a multiple of 16 so float8 conversion really happens on it.
-PRESETS: dict[str, dict[str, int]] = {
+# the GPT-3 "small-wide" shape used by many recipes (d1024 with 12 layers). The llama-* presets are
+# Llama 3 shapes (above): llama-1b and llama-3b are Llama 3.2 1B and 3B (output head tied), llama-8b is
+# Llama 3.1 8B and llama-70b Llama 3.1 70B (untied), the last for planning and meta-device tests.
+# `tiny` and `llama-tiny` are for tests and CPU runs: every dimension is a multiple of 16 so float8
+# conversion really happens on them.
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=512),
     "124m": dict(n_layer=12, n_head=12, n_embd=768),
     "175m": dict(n_layer=12, n_head=16, n_embd=1024),
     "355m": dict(n_layer=24, n_head=16, n_embd=1024),
     "774m": dict(n_layer=36, n_head=20, n_embd=1280),
     "1.5b": dict(n_layer=48, n_head=25, n_embd=1600),
+    # ffn_size 176 (Llama 3's rule at multiple_of 16), head_size 16, 2 key/value heads for 4 query heads
+    "llama-tiny": dict(
+        arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=128, vocab_size=512, multiple_of=16
+    ),
+    "llama-1b": dict(_LLAMA3, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, ffn_dim_multiplier=1.5, multiple_of=256),
+    "llama-3b": dict(_LLAMA3, n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, ffn_dim_multiplier=1.0, multiple_of=256),
+    "llama-8b": dict(
+        _LLAMA3, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_dim_multiplier=1.3, multiple_of=1024,
+        tie_embeddings=False,
+    ),
+    "llama-70b": dict(
+        _LLAMA3, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, ffn_dim_multiplier=1.3, multiple_of=4096,
+        tie_embeddings=False,
+    ),
 }
+
+# The options only the Llama-style architecture has, with the value each takes when not given.
+_LLAMA_ONLY = dict(intermediate_size=None, ffn_dim_multiplier=None, multiple_of=256, rope_theta=10000.0)
 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def llama_ffn_size(n_embd: int, ffn_dim_multiplier: Optional[float], multiple_of: int) -> int:
+    """Hidden width of a Llama 3 SwiGLU MLP: two thirds of ``4 * n_embd`` (so its three matrices cost what
+    GPT-2's two do), times ``ffn_dim_multiplier``, rounded up to a multiple of ``multiple_of`` (Meta's rule).
+
+    Example::
+
+        >>> llama_ffn_size(4096, 1.3, 1024), llama_ffn_size(2048, 1.5, 256)
+        (14336, 8192)
+    """
+    hidden = int(2 * 4 * n_embd / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return _round_up(hidden, multiple_of)
+
+
 @dataclass
 class GPTConfig:
-    """Architecture of a GPT-2 style decoder-only transformer.
+    """Architecture of a decoder-only transformer: GPT-2 style (the default) or Llama style (``arch="llama"``).
 
     Example::
 
         config = GPTConfig.from_name("124m", vocab_size=8192, block_size=512)
         tiny = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256)
+        llama = GPTConfig.from_name("llama-1b", vocab_size=32768, block_size=2048)
+        small_llama = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=256)
 
     Args:
         n_layer: Number of transformer blocks.
@@ -50,7 +98,8 @@ class GPTConfig:
             ``padded_vocab_size`` (a multiple of ``padding_multiple``) because matmuls whose
             dimensions are multiples of 64 run on the fastest tensor-core kernels.
         dropout: Dropout probability for attention and residual paths (0 for pre-training).
-        bias: Whether Linear and LayerNorm layers have biases (GPT-2 has them).
+        bias: Whether Linear and LayerNorm layers have biases; ``None``: the architecture's own (GPT-2
+            has them, Llama has none).
         attention: ``"sdpa"`` uses ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch
             picks its Flash / cuDNN / memory-efficient kernel); ``"flash-attn"`` calls the
             ``flash-attn`` package (compute capability 8.0 or newer, fp16/bf16 only: checked at
@@ -66,9 +115,25 @@ class GPTConfig:
         loss_chunk_size: Tokens per chunk of the chunked loss; ``None`` (default): as many as fit one
             chunk's logits in 512 MiB (``model.loss.chunk_tokens``: 2656 in float32, 1776 in bf16 at
             a vocabulary of 50304).
+        arch: ``"gpt2"``: learned position embeddings, LayerNorm, a GELU MLP ``4 * n_embd`` wide, one
+            fused query/key/value projection (``c_attn``). ``"llama"``: rotary position embeddings
+            (``rope_theta``), RMSNorm, a SwiGLU MLP (``ffn_size``), separate ``q_proj``/``k_proj``/``v_proj``
+            with ``n_kv_head`` key/value heads (grouped-query attention), no biases.
+        n_kv_head: Key/value heads (``arch="llama"``); must divide ``n_head``. ``None``: ``n_head`` (no
+            grouping); GPT-2 has as many as query heads.
+        tie_embeddings: The output head shares the token embedding's weight (GPT-2, Llama 3.2 1B/3B);
+            ``False`` gives it its own (Llama 3.1 8B/70B).
+        norm_eps: Epsilon of the LayerNorm / RMSNorm layers.
+        intermediate_size: Hidden width of the SwiGLU MLP (``arch="llama"``); ``None``: Llama 3's rule
+            (:func:`llama_ffn_size`) from ``ffn_dim_multiplier`` and ``multiple_of``.
+        ffn_dim_multiplier: Scales the rule's ``8/3 * n_embd`` (``arch="llama"``; 1.3 in Llama 3 8B/70B).
+        multiple_of: The rule rounds the width up to this multiple (``arch="llama"``; default 256).
+        rope_theta: Base of the rotary embedding's angles (``arch="llama"``; default 10,000, Llama 3 500,000).
 
     Note:
-        ``padded_vocab_size`` and ``head_size`` are derived in ``__post_init__``; don't pass them.
+        ``padded_vocab_size``, ``head_size`` and ``ffn_size`` (the MLP's hidden width: ``4 * n_embd``
+        for GPT-2) are derived in ``__post_init__``; don't pass them. The ``arch="llama"`` options left
+        at ``None`` are filled in there too.
     """
 
     n_layer: int = 12
@@ -77,15 +142,25 @@ class GPTConfig:
     block_size: int = 1024
     vocab_size: int = 50257
     dropout: float = 0.0
-    bias: bool = True
+    bias: Optional[bool] = None
     attention: Attention = "sdpa"
     activation_checkpointing: bool = False
     padding_multiple: int = 64
     loss_impl: LossImpl = "auto"
     loss_chunk_size: Optional[int] = None
+    # The architecture: GPT-2 or Llama style, and the Llama-style options.
+    arch: Arch = "gpt2"
+    n_kv_head: Optional[int] = None
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    intermediate_size: Optional[int] = None
+    ffn_dim_multiplier: Optional[float] = None
+    multiple_of: Optional[int] = None
+    rope_theta: Optional[float] = None
     # Derived in __post_init__.
     padded_vocab_size: int = dataclasses.field(init=False)
     head_size: int = dataclasses.field(init=False)
+    ffn_size: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padding_multiple", "loss_chunk_size"):
@@ -124,6 +199,58 @@ class GPTConfig:
             )
         self.head_size = self.n_embd // self.n_head
         self.padded_vocab_size = _round_up(self.vocab_size, self.padding_multiple)
+        self._check_architecture()
+
+    def _check_architecture(self) -> None:
+        """Check the ``arch`` and its options; fill in the ones left at ``None`` and derive ``ffn_size``."""
+        if self.arch not in ("gpt2", "llama"):
+            raise ValueError(f"GPTConfig.arch={self.arch!r} is not supported: use 'gpt2' (default) or 'llama'.")
+        for name in ("n_kv_head", "intermediate_size", "multiple_of"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"GPTConfig.{name} must be a positive integer or None, got {value!r}.")
+        for name in ("norm_eps", "ffn_dim_multiplier", "rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"GPTConfig.{name} must be a positive number, got {value!r}.")
+        if self.arch == "gpt2":
+            given = [name for name in _LLAMA_ONLY if getattr(self, name) is not None]
+            if self.n_kv_head not in (None, self.n_head):
+                given.insert(0, "n_kv_head")
+            if given:
+                raise ValueError(
+                    f"GPTConfig.{', '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of the "
+                    "Llama-style architecture, and this config is GPT-2 style: set arch='llama' (or a llama-* preset), "
+                    f"or leave {'it' if len(given) == 1 else 'them'} out."
+                )
+            self.n_kv_head = self.n_head
+            self.bias = True if self.bias is None else self.bias
+            self.ffn_size = 4 * self.n_embd
+            return
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_head % self.n_kv_head != 0:
+            divisors = [h for h in range(1, self.n_head + 1) if self.n_head % h == 0]
+            raise ValueError(
+                f"GPTConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: each key/value head "
+                f"serves an equal group of query heads. Choose n_kv_head from {divisors}."
+            )
+        if self.head_size % 2 != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd / n_head = {self.head_size} is odd, and rotary embeddings (arch='llama') turn pairs "
+                "of a head's entries: choose n_embd and n_head with an even head size (a multiple of 16 is fastest)."
+            )
+        if self.intermediate_size is not None and self.ffn_dim_multiplier is not None:
+            raise ValueError(
+                f"GPTConfig.intermediate_size={self.intermediate_size} and "
+                f"ffn_dim_multiplier={self.ffn_dim_multiplier} both set the MLP's width: give intermediate_size "
+                "alone (the width), or ffn_dim_multiplier (and multiple_of) for Llama 3's rule."
+            )
+        for name, default in _LLAMA_ONLY.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        self.bias = False if self.bias is None else self.bias
+        self.ffn_size = self.intermediate_size or llama_ffn_size(self.n_embd, self.ffn_dim_multiplier, self.multiple_of)
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
@@ -134,7 +261,8 @@ class GPTConfig:
             GPTConfig.from_name("774m", block_size=2048, activation_checkpointing=True)
 
         Args:
-            name: One of ``tiny``, ``124m``, ``175m``, ``355m``, ``774m``, ``1.5b``.
+            name: One of ``PRESETS``: ``tiny``, ``124m``, ``175m``, ``355m``, ``774m``, ``1.5b`` (GPT-2 style),
+                ``llama-tiny``, ``llama-1b``, ``llama-3b``, ``llama-8b``, ``llama-70b`` (Llama 3 shapes).
             **overrides: Any ``GPTConfig`` field, replacing the preset's value.
         """
         if name not in PRESETS:

@@ -1,7 +1,15 @@
 """The GPT model: a plain ``nn.Module`` (no Lightning), read top to bottom.
 
-``CausalSelfAttention -> MLP -> Block -> GPT`` (the decoding cache is ``kv_cache.KVCache``). Features such as float8 training or
-compilation are applied to this model from outside; it stays plain PyTorch.
+``CausalSelfAttention -> MLP -> SwiGLU -> Block -> GPT`` (the decoding cache is ``kv_cache.KVCache``, rotary
+embeddings are in ``rope.py``). Features such as float8 training or compilation are applied to this model from
+outside; it stays plain PyTorch.
+
+Two architectures share these classes and their module names (``GPTConfig.arch``). GPT-2: learned position
+embeddings, LayerNorm, one fused ``c_attn`` projection, a GELU ``MLP``. Llama: rotary embeddings, RMSNorm,
+separate ``q_proj``/``k_proj``/``v_proj`` with ``n_kv_head`` key/value heads (grouped-query attention) and a
+``SwiGLU`` MLP. Both keep ``ln_1``, ``attn``, ``ln_2``, ``mlp``, ``transformer.ln_f``, ``lm_head``, and
+``c_proj`` for the two projections back into the residual stream, so the init scaling and name filters
+(float8, a tensor-parallel plan) read both.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.generation import generate
 from lightning_gpuopt.model.kv_cache import KVCache
 from lightning_gpuopt.model.loss import linear_cross_entropy
+from lightning_gpuopt.model.rope import apply_rope, rope_cos_sin
 
-__all__ = ["GPT", "KVCache"]
+__all__ = ["GPT", "KVCache", "grouped_heads_run_fused"]
 
 
 def _flash_attn_func():
@@ -33,32 +42,68 @@ def _flash_attn_func():
     return flash_attn_func
 
 
+# cos and sin of the rotary angles of each position, from rope.rope_cos_sin: (T, hs/2) or (B, T, hs/2) each
+Rope = tuple[Tensor, Tensor]
+
+
+def grouped_heads_run_fused(dtype: torch.dtype, masked: bool) -> bool:
+    """Whether SDPA is given the grouped key/value heads as they are (``enable_gqa=True``, torch >= 2.5), or
+    the keys and values repeated for each query head of their group.
+
+    Of SDPA's CUDA kernels, Flash takes grouped heads (torch 2.5 to 2.13); it runs fp16/bf16 without a mask.
+    In float32, or with a mask (a prompt continued after cached positions), the memory-efficient and cuDNN
+    kernels need as many key/value heads as query heads, so ``enable_gqa`` would fall to the math kernel,
+    which holds the (T, T) scores: repeating the keys and values is the smaller and faster choice there.
+    """
+    return not masked and dtype in (torch.float16, torch.bfloat16)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
         self.head_size = config.head_size
         self.dropout = config.dropout
         self.attention = config.attention
-        # query, key and value projections for all heads, in one matmul
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.arch = config.arch
+        if config.arch == "gpt2":
+            # query, key and value projections for all heads, in one matmul
+            self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        else:
+            # one projection each (a tensor-parallel plan splits each by heads); keys and values have
+            # n_kv_head heads, each shared by n_head / n_kv_head query heads (grouped-query attention)
+            kv_size = config.n_kv_head * config.head_size
+            self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+            self.k_proj = nn.Linear(config.n_embd, kv_size, bias=config.bias)
+            self.v_proj = nn.Linear(config.n_embd, kv_size, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self._flash_attn = _flash_attn_func() if config.attention == "flash-attn" else None
 
-    def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:
+    def _qkv(self, x: Tensor, rope: Optional[Rope]) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries (B, T, nh, hs), keys and values (B, T, n_kv_head, hs); Llama's rotated by ``rope``."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        if self.arch == "gpt2":
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            shape = (B, T, self.n_head, self.head_size)
+            return q.view(shape), k.view(shape), v.view(shape)
+        # heads counted from the projections' outputs (-1), so a tensor-parallel plan may split them by heads
+        q = self.q_proj(x).view(B, T, -1, self.head_size)
+        k = self.k_proj(x).view(B, T, -1, self.head_size)
+        v = self.v_proj(x).view(B, T, -1, self.head_size)
+        return apply_rope(q, *rope), apply_rope(k, *rope), v
+
+    def forward(self, x: Tensor, cache: Optional[KVCache] = None, rope: Optional[Rope] = None) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self._qkv(x, rope)  # (B, T, nh or n_kv_head, hs)
         dropout = self.dropout if self.training else 0.0
         if self._flash_attn is not None and cache is None:
-            # flash-attn wants (B, T, nh, hs)
-            shape = (B, T, self.n_head, self.head_size)
-            y = self._flash_attn(q.view(shape), k.view(shape), v.view(shape), dropout_p=dropout, causal=True)
-            return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
+            # flash-attn wants (B, T, nh, hs), and takes fewer key/value heads as they are
+            y = self._flash_attn(q, k, v, dropout_p=dropout, causal=True)
+            return self.resid_dropout(self.c_proj(y.reshape(B, T, -1)))
 
-        q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
         if cache is None or cache.pos == 0:
             mask, is_causal = None, True
         elif T == 1:
@@ -69,9 +114,15 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
             is_causal = False
         if cache is not None:
-            k, v = cache.update(k, v)  # (B, nh, pos + T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+            k, v = cache.update(k, v)  # (B, n_kv_head, pos + T, hs): the grouped heads are cached, not repeated
+        gqa = {}
+        if k.size(1) != q.size(1):  # grouped-query attention: n_head / n_kv_head query heads per key/value head
+            if grouped_heads_run_fused(q.dtype, mask is not None):
+                gqa = {"enable_gqa": True}  # each key/value head serves its group of query heads, no copies
+            else:
+                k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))  # (B, nh, ., hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, **gqa)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -87,31 +138,52 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+class SwiGLU(nn.Module):
+    """Llama's MLP (Shazeer 2020, arXiv:2002.05202): ``c_proj(silu(gate_proj(x)) * up_proj(x))``, ``ffn_size`` wide."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.gate_proj = nn.Linear(config.n_embd, config.ffn_size, bias=config.bias)
+        self.up_proj = nn.Linear(config.n_embd, config.ffn_size, bias=config.bias)
+        self.c_proj = nn.Linear(config.ffn_size, config.n_embd, bias=config.bias)  # "down_proj" in Llama
+        self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    if config.arch == "gpt2":
+        return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+    return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))`` (LayerNorm or RMSNorm)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = _norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = _norm(config)
+        self.mlp = MLP(config) if config.arch == "gpt2" else SwiGLU(config)
+
+    def forward(self, x: Tensor, cache: Optional[KVCache] = None, rope: Optional[Rope] = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, rope)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
-    """GPT-2 style language model.
+    """GPT-2 or Llama style language model (``config.arch``).
 
-    Token and position embeddings, ``n_layer`` pre-LN blocks, a final LayerNorm and an output head
-    tied to the token embedding. Attention runs through ``F.scaled_dot_product_attention`` so
+    Token embeddings (plus learned position embeddings for GPT-2; rotary ones in each attention for
+    Llama), ``n_layer`` pre-norm blocks, a final norm and an output head, tied to the token embedding
+    unless ``config.tie_embeddings=False``. Attention runs through ``F.scaled_dot_product_attention`` so
     PyTorch's Flash / cuDNN kernels are used on the GPU.
 
     Example::
 
-        model = GPT(GPTConfig.from_name("tiny"))
+        model = GPT(GPTConfig.from_name("tiny"))      # or "llama-tiny"
         logits = model(torch.randint(0, 512, (2, 16)))  # (2, 16, padded_vocab_size)
         text_ids = model.generate(prompt_ids, max_new_tokens=50, temperature=0.8, top_k=50)
 
@@ -125,22 +197,25 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
+                # learned positions for GPT-2 only: Llama rotates queries and keys instead (model/rope.py)
+                **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if config.arch == "gpt2" else {}),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+                ln_f=_norm(config),
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        # Weight tying (Press & Wolf, 2017): the output head reuses the token embedding.
-        self.lm_head.weight = self.transformer.wte.weight
+        if config.tie_embeddings:
+            # Weight tying (Press & Wolf, 2017): the output head reuses the token embedding.
+            self.lm_head.weight = self.transformer.wte.weight
         # Compile the loss's per-chunk kernel (set by compile_blocks, or by hand).
         self.compile_loss = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation: N(0, 0.02) weights, zero biases, and residual projections scaled
-        by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth."""
+        by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth. The Llama-style
+        model gets the same (its two residual projections are named ``c_proj`` too); norm gains start at 1."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -148,7 +223,7 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -158,11 +233,15 @@ class GPT(nn.Module):
         """Number of parameters (tied weights counted once).
 
         Args:
-            non_embedding: Leave out the token and position embeddings (the usual "model size").
+            non_embedding: Leave out the token and position embeddings and an untied output head (the
+                vocabulary-sized matrices; the usual "model size").
         """
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
+            vocab = {id(p): p for p in (self.transformer.wte.weight, self.lm_head.weight)}  # one when tied
+            n -= sum(p.numel() for p in vocab.values())
+            if "wpe" in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
         return n
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> int:
@@ -170,17 +249,23 @@ class GPT(nn.Module):
 
         This is the formula of PaLM (Chowdhery et al., 2022, arXiv:2204.02311, Appendix B): ``N``
         parameters taking part in matmuls, each costing 2 FLOPs per token forward and 4 backward,
-        plus the attention score and value matmuls, ``12 · n_layer · n_head · head_size · T``.
-        ``N`` leaves out the position embedding (a lookup) but keeps the token embedding, which is
-        also the output head's matmul weight. Causal masking is not discounted, as in PaLM. MFU is
-        computed from this number.
+        plus the attention score and value matmuls, ``12 · n_layer · n_head · head_size · T`` (query
+        heads: grouped keys and values do not change these). For GPT-2, ``N`` is every parameter but
+        the position embedding (a lookup), as nanoGPT counts it: biases and LayerNorm gains included
+        (1.5% of the FLOPs at width 64). For Llama, ``N`` is exactly the matmul weights: every
+        ``nn.Linear`` (the projections and the output head), so an untied token embedding (a lookup) and
+        the RMSNorm gains are left out. Causal masking is not discounted, as in PaLM. MFU is computed
+        from this number.
 
         Args:
             seq_len: Sequence length ``T``; defaults to ``config.block_size``.
         """
         cfg = self.config
         T = cfg.block_size if seq_len is None else seq_len
-        N = self.num_params() - self.transformer.wpe.weight.numel()
+        if cfg.arch == "gpt2":
+            N = self.num_params() - self.transformer.wpe.weight.numel()
+        else:
+            N = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * T
 
     def forward(
@@ -203,13 +288,17 @@ class GPT(nn.Module):
                 "use shorter sequences or a model with a larger block_size."
             )
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        if self.config.arch == "gpt2":
+            x, rope = self.transformer.wte(idx) + self.transformer.wpe(pos), None
+        else:  # the rotation angles of these positions, shared by every block
+            x, rope = self.transformer.wte(idx), rope_cos_sin(pos, self.config.head_size, self.config.rope_theta)
+        x = self.transformer.drop(x)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             cache = caches[i] if caches else None
             if self.config.activation_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, None, rope, use_reentrant=False)
             else:
-                x = block(x, cache)
+                x = block(x, cache, rope)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x)

@@ -40,7 +40,7 @@ class KVCache:
         self.pos = 0
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k``/``v`` of shape (B, nh, T, hs); return all keys/values so far."""
+        """Append ``k``/``v`` of shape (B, nh, T, hs) (nh: the key/value heads, ``n_kv_head``); return all so far."""
         start, end = self.pos, self.pos + k.size(2)
         if end > self.max_len:
             raise ValueError(f"KVCache holds {self.max_len} positions; cannot append up to {end}.")

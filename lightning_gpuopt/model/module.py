@@ -34,7 +34,7 @@ class GPTModule(pl.LightningModule):
     ``val``/``test`` perplexity is the exponential of the token-weighted mean loss over the whole
     split (torchmetrics ``MeanMetric``, synchronised across processes).
 
-    The loss is computed from the final hidden states and the tied head weight together, in chunks
+    The loss is computed from the final hidden states and the head weight together, in chunks
     (``loss_impl``), so the (B, T, vocab) logits never exist in float32. Training steps that do not
     log never wait for the GPU: ``train/loss`` reaches the logger at ``log_every_n_steps`` and the
     progress bar shows the loss of the last logged step.
@@ -46,13 +46,15 @@ class GPTModule(pl.LightningModule):
         trainer.fit(module, datamodule=TextDataModule(block_size=1024, vocab_size=8192))
 
     Args:
-        preset: Name of a ``GPTConfig`` preset (``tiny``, ``124m``, ``175m``, ``355m``, ``774m``, ``1.5b``).
+        preset: Name of a ``GPTConfig`` preset: ``tiny``, ``124m``, ``175m``, ``355m``, ``774m``, ``1.5b``
+            (GPT-2 style), ``llama-tiny``, ``llama-1b``, ``llama-3b``, ``llama-8b``, ``llama-70b`` (Llama 3 shapes).
         vocab_size: Tokenizer vocabulary size (the ``gpuopt`` CLI links it from the data).
             ``None`` keeps the preset's.
         block_size: Context length; ``None`` keeps the preset's.
         n_layer: Override the preset's number of blocks.
         n_head: Override the preset's number of attention heads.
         n_embd: Override the preset's width.
+        n_kv_head: Override the preset's key/value heads (Llama-style presets; must divide ``n_head``).
         dropout: Dropout probability.
         attention: ``"sdpa"`` or ``"flash-attn"`` (needs the ``flash`` extra).
         activation_checkpointing: Recompute each block's activations in the backward pass.
@@ -91,6 +93,7 @@ class GPTModule(pl.LightningModule):
         n_layer: Optional[int] = None,
         n_head: Optional[int] = None,
         n_embd: Optional[int] = None,
+        n_kv_head: Optional[int] = None,
         dropout: float = 0.0,
         attention: Literal["sdpa", "flash-attn"] = "sdpa",
         activation_checkpointing: bool = False,
@@ -116,6 +119,7 @@ class GPTModule(pl.LightningModule):
             n_layer=n_layer,
             n_head=n_head,
             n_embd=n_embd,
+            n_kv_head=n_kv_head,
         )
         # Validate now, before any work: a bad shape fails at construction, not after data prep.
         self.config = GPTConfig.from_name(

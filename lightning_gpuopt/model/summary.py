@@ -16,24 +16,29 @@ __all__ = ["preset_table"]
 def preset_table(vocab_size: int = 50257, block_size: int = 1024) -> str:
     """Markdown table of every preset's shape, parameter counts and training FLOPs per token.
 
-    Models are built on the meta device, so nothing is allocated.
+    Models are built on the meta device, so nothing is allocated. The GPT-2 presets are counted at
+    ``vocab_size`` and ``block_size``; the Llama presets at their own vocabulary (Llama 3's 128,256) and
+    context (8,192), the ``tiny`` ones at theirs.
 
     Args:
-        vocab_size: Vocabulary the counts assume (GPT-2's by default; padded to a multiple of 64).
-        block_size: Context length the counts and FLOPs assume.
+        vocab_size: Vocabulary the GPT-2 counts assume (GPT-2's by default; padded to a multiple of 64).
+        block_size: Context length the GPT-2 counts and FLOPs assume.
     """
     rows = [
-        "| preset | n_layer | n_head | n_embd | total params | non-embedding params | training GFLOPs/token |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| preset | arch | n_layer | n_head | n_kv_head | n_embd | MLP width | tied head | vocabulary | context "
+        "| total params | non-embedding params | training GFLOPs/token |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for name in PRESETS:
-        overrides = {} if name == "tiny" else dict(vocab_size=vocab_size, block_size=block_size)
-        config = GPTConfig.from_name(name, **overrides)
+    for name, preset in PRESETS.items():
+        own = name.endswith("tiny") or preset.get("arch") == "llama"
+        config = GPTConfig.from_name(name, **({} if own else dict(vocab_size=vocab_size, block_size=block_size)))
         with torch.device("meta"):
             model = GPT(config)
         rows.append(
-            f"| `{name}` | {config.n_layer} | {config.n_head} | {config.n_embd} | {model.num_params():,} "
-            f"| {model.num_params(non_embedding=True):,} | {model.flops_per_token() / 1e9:.3f} |"
+            f"| `{name}` | {config.arch} | {config.n_layer} | {config.n_head} | {config.n_kv_head} | {config.n_embd} "
+            f"| {config.ffn_size} | {'yes' if config.tie_embeddings else 'no'} | {config.vocab_size:,} "
+            f"| {config.block_size:,} | {model.num_params():,} | {model.num_params(non_embedding=True):,} "
+            f"| {model.flops_per_token() / 1e9:.3f} |"
         )
     return "\n".join(rows)
 

@@ -28,7 +28,8 @@ GPT_CONFIGS = [c for c in CONFIGS if c.stem != "hf-llama"]  # hf-llama trains a 
 
 
 def test_every_shipped_config_is_there():
-    assert {p.stem for p in CONFIGS} == {"quickstart", "fast", "production", "max-quality", "mega", "h100", "multi-gpu", "hf-llama"}
+    assert {p.stem for p in CONFIGS} == {"quickstart", "fast", "production", "max-quality", "mega", "h100", "multi-gpu", "hf-llama",
+                                               "llama-1b"}
 
 
 def test_the_wandb_sync_path_in_the_docs_is_where_the_recipes_write():
@@ -446,3 +447,25 @@ def test_prompts_file_problems_stop_before_anything_is_built(text_dir, cache_dir
                args=["predict", *_tiny(text_dir), "--generate.prompts_file", str(tmp_path / "p.txt"), "--generate.batch_size", "0"])
     assert "generate.batch_size must be >= 1, got 0" in capsys.readouterr().err
     assert not (cache_dir.exists() and any(cache_dir.iterdir()))  # no tokenising happened
+
+
+def test_fit_trains_the_llama_style_preset_end_to_end(text_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    """`gpuopt fit --model.preset llama-tiny` with the default stack: trains, writes last.ckpt, and the
+    checkpoint is a Llama-style GPT again; a resume asking for other key/value heads is refused."""
+    from lightning_gpuopt.cli.main import main
+    from lightning_gpuopt.model.checkpoint import load_gpt, read_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    run = ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0", "--data.block_size", "32",
+           "--data.batch_size", "4", "--model.preset", "llama-tiny", "--model.warmup_steps", "1", "--trainer.accelerator",
+           "cpu", "--trainer.devices", "1", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false",
+           "--trainer.default_root_dir", "run"]
+    main(["fit", *run, "--trainer.max_steps", "3"])
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    gpt = load_gpt(ckpt)
+    assert gpt.config.arch == "llama" and gpt.config.n_kv_head == 2 and gpt.config.vocab_size == 300
+    assert read_checkpoint(ckpt)["global_step"] == 3
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", *run, "--trainer.max_steps", "4", "--ckpt_path", "last", "--model.n_kv_head", "4"])
+    assert stop.value.code == 2
+    assert "model.n_kv_head=4 but the checkpoint has n_kv_head=2" in capsys.readouterr().err

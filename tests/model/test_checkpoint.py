@@ -87,3 +87,20 @@ def test_missing_weights_are_named(tmp_path):
     torch.save({"hyper_parameters": {"preset": "tiny"}, "state_dict": state}, tmp_path / "m.ckpt")
     with pytest.raises(CheckpointError, match=r"missing \['transformer.h.1.mlp.c_fc.weight'\]"):
         load_gpt(tmp_path / "m.ckpt")
+
+
+def test_a_llama_style_run_loads_into_a_plain_gpt(tmp_path):
+    """GPTModule(preset="llama-tiny", n_kv_head=...) trains, saves, and load_gpt rebuilds the same model from the hparams."""
+    from tests.precision._helpers import token_loader
+
+    module = GPTModule(preset="llama-tiny", n_kv_head=1, vocab_size=256, block_size=32, warmup_steps=0)
+    trainer = pl.Trainer(max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+    trainer.fit(module, train_dataloaders=token_loader(n_seq=8, batch_size=4))
+    gpt = load_gpt(tmp_path / "ckpt" / "last.ckpt")
+    assert (gpt.config.arch, gpt.config.n_kv_head, gpt.config.rope_theta) == ("llama", 1, 10000.0)
+    assert gpt.transformer.h[0].attn.k_proj.weight.shape == (16, 64)  # one key/value head of 16
+    idx = torch.randint(0, 256, (2, 16))
+    module.model.eval()
+    with torch.no_grad():
+        assert torch.equal(gpt(idx), module.model(idx))

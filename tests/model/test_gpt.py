@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -38,6 +39,45 @@ def test_weights_are_tied_and_initialised_gpt2_style():
     assert fc.std().item() == pytest.approx(0.02, rel=0.05)
     assert proj.std().item() == pytest.approx(0.02 / 4.0, rel=0.05)  # 1/sqrt(2 * 8 layers)
     assert all(b.attn.c_attn.bias.abs().sum() == 0 for b in model.transformer.h)
+
+
+def _gpt2_reference(sd: dict, c: GPTConfig, idx: torch.Tensor) -> torch.Tensor:
+    """GPT-2's forward written out with functional ops on a state dict (the model before the Llama option set)."""
+    B, T = idx.shape
+    C, nh = c.n_embd, c.n_head
+
+    def ln(x, name):
+        return F.layer_norm(x, (C,), sd[f"{name}.weight"], sd[f"{name}.bias"], 1e-5)
+
+    def lin(x, name):
+        return F.linear(x, sd[f"{name}.weight"], sd[f"{name}.bias"])
+
+    x = F.embedding(idx, sd["transformer.wte.weight"]) + F.embedding(torch.arange(T), sd["transformer.wpe.weight"])
+    for i in range(c.n_layer):
+        h = f"transformer.h.{i}"
+        q, k, v = lin(ln(x, f"{h}.ln_1"), f"{h}.attn.c_attn").split(C, dim=2)
+        q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + lin(y, f"{h}.attn.c_proj")
+        x = x + lin(F.gelu(lin(ln(x, f"{h}.ln_2"), f"{h}.mlp.c_fc"), approximate="tanh"), f"{h}.mlp.c_proj")
+    return F.linear(ln(x, "transformer.ln_f"), sd["lm_head.weight"])
+
+
+def test_gpt2_keeps_its_state_dict_keys_and_outputs_bit_for_bit():
+    """The default architecture (arch="gpt2") is GPT-2 as before: the same keys, the same logits to the bit."""
+    config = GPTConfig.from_name("tiny")
+    model = GPT(config).eval()
+    block = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
+             "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
+    assert list(model.state_dict()) == [
+        "transformer.wte.weight", "transformer.wpe.weight",
+        *(f"transformer.h.{i}.{name}" for i in range(2) for name in block),
+        "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight",
+    ]
+    assert (config.arch, config.n_kv_head, config.bias, config.ffn_size) == ("gpt2", 4, True, 256)
+    idx = torch.randint(0, 512, (2, 48))
+    with torch.no_grad():
+        assert torch.equal(model(idx), _gpt2_reference(model.state_dict(), config, idx))
 
 
 def test_sequence_longer_than_block_size_is_rejected():

@@ -1,3 +1,5 @@
+import math
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -168,3 +170,26 @@ def test_predict_says_when_a_prompt_is_longer_than_the_context():
                                          r"generation sees only its last 16 tokens"):
         out = module.predict_step(torch.zeros(1, 20, dtype=torch.long), 0)
     assert out.shape == (1, 22)
+
+
+def test_the_llama_style_gpt_trains_under_fsdp2_with_float8(fsdp2_trainer):
+    """llama-8b's layout in miniature (untied head: the token embedding sharded on its own), float8 emulated."""
+    from torch.distributed.fsdp import FSDPModule
+
+    Float8Linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
+
+    from lightning_gpuopt.precision import Float8Precision
+    from tests.precision._helpers import LossRecorder, tiny_gpt_module, token_loader
+
+    plugin = Float8Precision(recipe="tensorwise", emulate=True, module_filter=["lm_head"])
+    losses = LossRecorder()
+    trainer = fsdp2_trainer(plugins=[plugin], max_steps=3, callbacks=[losses])
+    module = tiny_gpt_module(preset="llama-tiny")
+    module.config.tie_embeddings = False  # as llama-8b and llama-70b
+    with pytest.warns(UserWarning, match="Float8Precision: the model is not compiled"):
+        trainer.fit(module, token_loader(n_seq=12, batch_size=4))
+    model = module.model
+    assert isinstance(model.transformer.wte, FSDPModule) and isinstance(model.transformer.h[1], FSDPModule)
+    assert isinstance(model.transformer.h[0].attn.k_proj, Float8Linear) and isinstance(model.transformer.h[0].mlp.gate_proj, Float8Linear)
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    assert len(losses.losses) == 3 and all(math.isfinite(x) for x in losses.losses)

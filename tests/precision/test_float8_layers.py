@@ -150,3 +150,36 @@ def test_importing_torchao_leaves_out_only_its_kernel_library_lines():
     assert "Failed to load" not in proc.stderr and "another torchao line" in proc.stderr
     if int(proc.stdout.split()[-1]) == 0:
         pytest.skip("torchao loaded all its kernel libraries here: there was no line to leave out")
+
+
+LLAMA_PROJECTIONS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.c_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.c_proj")
+
+
+def test_every_projection_of_the_llama_style_gpt_converts_and_the_keys_stay():
+    model = GPT(GPTConfig.from_name("llama-tiny", tie_embeddings=False))
+    keys = {k: v.shape for k, v in model.state_dict().items()}
+    report = convert_linears_to_float8(model, float8_config("tensorwise", emulate=True), ["lm_head"], "tensorwise")
+    decisions = {name: reason for name, _, reason in report}
+    assert sorted(n for n, r in decisions.items() if r is None) == sorted(
+        f"transformer.h.{i}.{p}" for i in range(2) for p in LLAMA_PROJECTIONS)
+    assert decisions["lm_head"] == "matches 'lm_head'" and type(model.lm_head) is nn.Linear
+    assert isinstance(model.transformer.h[0].attn.k_proj, Float8Linear)  # 64 x 32: grouped heads, dims of 16
+    assert {k: v.shape for k, v in model.state_dict().items()} == keys
+    idx = torch.randint(0, 512, (2, 16))
+    loss = model(idx, targets=idx)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_auto_filter_at_the_8b_shape_keeps_the_grouped_key_value_projections_in_bf16(recipe):
+    """At Llama 3.1 8B (width 4096, 8 key/value heads of 128: k_proj and v_proj are 4096 x 1024) torchao's
+    thresholds leave k_proj and v_proj in high precision and convert the other five projections."""
+    from lightning_gpuopt.model.gpt import Block
+
+    with torch.device("meta"):
+        block = Block(GPTConfig.from_name("llama-8b"))
+    reasons = {name: auto_skip_reason(m, name, recipe) for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+    assert set(reasons) == set(LLAMA_PROJECTIONS)
+    assert {name for name, reason in reasons.items() if reason is not None} == {"attn.k_proj", "attn.v_proj"}
+    assert reasons["attn.k_proj"].startswith(f"too small for {recipe}")

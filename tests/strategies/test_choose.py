@@ -167,3 +167,32 @@ def test_cli_gpuopt_auto_strategy(text_dir, cache_dir, caplog, memory_gb, expect
     cli = GPTCLI(GPTModule, TextDataModule, run=False, args=args)
     assert type(cli.trainer.strategy) is expected
     assert any(isinstance(c, ExactResume) for c in cli.trainer.callbacks)  # always added by the CLI
+
+
+def test_llama_70b_is_planned_on_the_meta_device():
+    """The 70B shape (80 layers, d8192, 8 key/value heads, MLP 28672, untied) is estimated without allocating it."""
+    cfg = GPTConfig.from_name("llama-70b", activation_checkpointing=True)
+    est = estimate_memory(cfg, micro_batch=1, block_size=8192)
+    assert est["params"] == 70_553_706_496 and est["model_state"] == 16 * est["params"]
+    per_layer = 2 * (9 * 8192 + 2 * 8 * 128 + 4 * 28672)  # bytes per token of one block (bf16)
+    assert est["activations"] == 8192 * (80 * 2 * 8192 + per_layer)  # block inputs + one block recomputed
+    assert est["logits"] == 8192 * 128256 * 10 and "Llama formula" in est.figures
+    h100 = REFERENCE_DEVICES["H100 SXM"]
+    strategy, reason = choose_strategy(cfg, devices=8, device=h100, micro_batch=1)
+    assert isinstance(strategy, AtomicModelParallelStrategy) and "still does NOT fit" in reason  # 141 GB of state per GPU
+    assert "70,554M params -> 1128.9 GB weights+grads+AdamW" in reason and "Llama formula" in reason
+    _, reason = choose_strategy(cfg, devices=64, device=h100, micro_batch=1)
+    assert "sharded over 64 devices it needs 42.0 GB per device and fits" in reason
+
+
+def test_llama_activation_formula_agrees_with_the_measured_activations(monkeypatch):
+    # measured as bf16 training runs: grouped keys and values go to SDPA as they are (on meta tensors, float32,
+    # the model would repeat them per query head)
+    monkeypatch.setattr("lightning_gpuopt.model.gpt.grouped_heads_run_fused", lambda dtype, masked: not masked)
+    for name in ("llama-1b", "llama-8b"):
+        with torch.device("meta"):
+            module = GPTModule(preset=name, vocab_size=32768, block_size=1024)
+            module.configure_model()
+        formula = estimate_memory(module.config, micro_batch=2, block_size=1024)
+        measured = estimate_module_memory(module.model, micro_batch=2, block_size=1024)
+        assert measured["activations"] == pytest.approx(formula["activations"], rel=0.02)

@@ -45,3 +45,22 @@ def test_param_dtype_computes_in_bf16_and_keeps_fp32_weights_and_gradients(mesh)
 def test_without_param_dtype_everything_stays_fp32(mesh):
     model = shard_gpt(_gpt(), mesh, reshard_after_forward=False)
     assert model(torch.randint(0, 256, (2, 16))).dtype == torch.float32
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_llama_style_gpt_shards_and_computes_the_same(mesh, tied):
+    """An untied token embedding is sharded on its own; the forward and the gradients are those of the plain model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    reference = GPT(GPTConfig.from_name("llama-tiny", block_size=32, vocab_size=256, tie_embeddings=tied))
+    model = shard_gpt(copy.deepcopy(reference), mesh)
+    assert all(isinstance(block, FSDPModule) for block in model.transformer.h)
+    assert isinstance(model.transformer.wte, FSDPModule) is not tied
+    idx = torch.randint(0, 256, (2, 16))
+    loss = model(idx, targets=idx)
+    expected = reference(idx, targets=idx)
+    assert torch.equal(loss, expected)
+    loss.backward()
+    expected.backward()
+    for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(a.grad.full_tensor(), b.grad, msg=name)
