@@ -8,8 +8,8 @@ function here touches one or two such names, all listed in :data:`TOUCHED`;
 :func:`missing_internals` checks them, and ``AutoBatchSize`` and ``ExactResume(rebuild_loaders=True)``
 call :func:`require_internals` at setup, so an upgrade that renames one fails at the start of
 ``fit``, naming it (``tests/test_internals.py`` runs the check, and each function in a real fit).
-Used elsewhere, and tested there: ``GPTCLI`` overrides ``LightningCLI._parse_ckpt_path`` and
-``ResumedRichProgressBar`` ``RichProgressBar._get_train_description``;
+Used elsewhere, and tested there: ``GPTCLI`` overrides ``LightningCLI._parse_ckpt_path``, its parser
+jsonargparse's ``_add_signature_parameter``, and ``ResumedRichProgressBar`` ``RichProgressBar._get_train_description``;
 ``GPTModule`` reads the ``_device_mesh`` that ``ModelParallelStrategy`` sets on a module.
 Written against Lightning 2.6 (2.6.0 to 2.6.6 read) and torch 2.11 to 2.13.
 """
@@ -124,6 +124,7 @@ TOUCHED = (
     "scheduler._milestones",
     # jsonargparse
     "parser._actions",  # the options a parser knows (parser_options)
+    "import:jsonargparse.ArgumentParser._add_signature_parameter",  # overridden: int before float (cli/main.py)
     # the standard library
     "import:warnings._filters_mutated",  # refresh after removing one filter (warning_filters_changed)
 )

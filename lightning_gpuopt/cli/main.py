@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
@@ -68,6 +69,7 @@ from lightning_gpuopt.cli.resume_checks import (
     resolve_run_folder,
 )
 from lightning_gpuopt.cli.quiet import quiet_lightning
+from lightning_gpuopt.cli.typehints import int_before_float
 from lightning_gpuopt.cli.run_summary import has_predict_data, model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
 
@@ -85,7 +87,13 @@ _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not a
 
 
 class _SuggestingParser(LightningArgumentParser):
-    """Adds "did you mean ...?" to jsonargparse's unknown-option errors (a typo in YAML or on the command line)."""
+    """Adds "did you mean ...?" to jsonargparse's unknown-option errors (a typo in YAML or on the command line),
+    and tries ``int`` before ``float`` in every union option (:mod:`lightning_gpuopt.cli.typehints`)."""
+
+    def _add_signature_parameter(self, container: Any, nested_key: Any, param: Any, *args: Any, **kwargs: Any) -> Any:
+        # Every option taken from a signature (the Trainer's, a module's, a callback's init_args) passes here.
+        param = dataclasses.replace(param, annotation=int_before_float(param.annotation))
+        return super()._add_signature_parameter(container, nested_key, param, *args, **kwargs)
 
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         message = explain_parser_error(message)
