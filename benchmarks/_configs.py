@@ -13,11 +13,14 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["CONFIGS", "BASELINE", "TORCH_LOOP", "BenchSettings", "LightningParts", "lightning_parts", "skip_reason"]
+__all__ = ["CONFIGS", "BASELINE", "FP8_CONFIGS", "TORCH_LOOP", "BenchSettings", "LightningParts", "lightning_parts",
+           "skip_reason"]
 
 BASELINE = "baseline"
 TORCH_LOOP = "torch-loop"
 AUTO_BF16 = "gpuopt-bf16-compile-auto"
+FP8_FIXED = "gpuopt-fp8-compile"
+FP8_AUTO = "gpuopt-fp8-compile-auto"
 
 # name -> what it measures (printed in the results table). Order is the run order of one repeat.
 CONFIGS: dict[str, str] = {
@@ -25,14 +28,16 @@ CONFIGS: dict[str, str] = {
     "lightning-bf16": "Lightning's precision='bf16-mixed' + ThroughputMonitor (the peer)",
     "gpuopt-bf16": "BF16Precision + CUDASettings + MFUMonitor",
     "gpuopt-bf16-compile": "gpuopt-bf16 with torch.compile",
+    FP8_FIXED: "gpuopt-bf16-compile with Float8Precision in place of BF16Precision (SM >= 8.9), fixed micro-batch",
     AUTO_BF16: "gpuopt-bf16-compile with AutoBatchSize (bigger micro-batch, same global batch)",
-    "gpuopt-fp8-compile-auto": "the same with Float8Precision in place of BF16Precision (SM >= 8.9)",
+    FP8_AUTO: "the same with Float8Precision in place of BF16Precision (SM >= 8.9)",
     TORCH_LOOP: "hand-written PyTorch loop: bf16 autocast, compile, fused AdamW, micro-batch of gpuopt-bf16-compile-auto",
 }
 
 # Configurations that compile the model (slow to start on CPU).
-COMPILED = frozenset({"gpuopt-bf16-compile", AUTO_BF16, "gpuopt-fp8-compile-auto", TORCH_LOOP})
-AUTO = frozenset({AUTO_BF16, "gpuopt-fp8-compile-auto"})
+COMPILED = frozenset({"gpuopt-bf16-compile", FP8_FIXED, AUTO_BF16, FP8_AUTO, TORCH_LOOP})
+AUTO = frozenset({AUTO_BF16, FP8_AUTO})
+FP8_CONFIGS = frozenset({FP8_FIXED, FP8_AUTO})  # trained with Float8Precision (--fp8-recipe)
 
 
 @dataclass
@@ -133,7 +138,7 @@ def skip_reason(name: str, settings: BenchSettings, device: torch.device) -> Opt
     """
     if name not in CONFIGS:
         raise ValueError(f"Unknown configuration {name!r}: choose from {list(CONFIGS)}.")
-    if name == "gpuopt-fp8-compile-auto":
+    if name in FP8_CONFIGS:
         try:
             from lightning_gpuopt.precision.float8_layers import require_torchao
 
@@ -190,7 +195,7 @@ def lightning_parts(name: str, settings: BenchSettings) -> LightningParts:
         choices = [c for c in CONFIGS if c != TORCH_LOOP]
         raise ValueError(f"{name!r} is not a Lightning configuration: choose from {choices}.")
     callbacks: list[Any] = [CUDASettings(), MFUMonitor(log_every_n_steps=10, report=False)]
-    if name == "gpuopt-fp8-compile-auto":
+    if name in FP8_CONFIGS:
         from lightning_gpuopt.precision import Float8Precision
 
         plugin: Any = Float8Precision(recipe=settings.fp8_recipe, emulate=settings.fp8_emulate)

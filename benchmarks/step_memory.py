@@ -10,8 +10,9 @@ Loss implementations: ``plain`` (full float32 logits), ``chunked`` (ours, the de
 own ``F.linear_cross_entropy`` (torch >= 2.13): ``native`` with automatic options, called as the
 model's loss is (under autocast), and ``native-tuned`` with our chunk's token count
 (``model.loss.chunk_tokens``) and its inputs cast to the compute dtype (its matmuls ignore autocast:
-under bf16 autocast they would run in float32). Every implementation runs at the first micro-batch
-(time there, as a ratio to ``plain``); ``--growth-impls`` also run at the others.
+under bf16 autocast they would run in float32). On a torch without it the default ``--impls`` leave
+the two out and say so; asking for them there is an error. Every implementation runs at the first
+micro-batch (time there, as a ratio to ``plain``); ``--growth-impls`` also run at the others.
 
 Example::
 
@@ -30,9 +31,49 @@ from typing import Any, Optional
 
 from benchmarks._fresh_process import measure_in_fresh_process, write_rows
 
-__all__ = ["measure_step", "main"]
+__all__ = ["choose_impls", "default_impls", "has_native_loss", "measure_step", "main"]
 
 NATIVE_IMPLS = ("native", "native-tuned")
+ALL_IMPLS = ("plain", "chunked", *NATIVE_IMPLS)
+
+
+def has_native_loss() -> bool:
+    """Whether this torch has ``F.linear_cross_entropy`` and its options (torch >= 2.13; 2.11 has neither)."""
+    import torch
+
+    return hasattr(torch.nn.functional, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+
+
+def default_impls() -> tuple[str, ...]:
+    """Every loss implementation this torch can run: the native ones only where ``has_native_loss()``."""
+    return ALL_IMPLS if has_native_loss() else tuple(i for i in ALL_IMPLS if i not in NATIVE_IMPLS)
+
+
+def _native_missing(impls: Any) -> str:
+    import torch
+
+    return (f"{','.join(impls)} needs torch.nn.functional.linear_cross_entropy (torch >= 2.13); torch "
+            f"{torch.__version__} has none: leave {','.join(impls)} out of --impls.")
+
+
+def choose_impls(text: Optional[str]) -> list[str]:
+    """The loss implementations to measure: ``--impls`` checked (unknown names, native ones this torch lacks:
+    ``ValueError`` before any measurement), or ``default_impls()``, saying once what it leaves out."""
+    import torch
+
+    if text is None:
+        if not has_native_loss():
+            print(f"torch {torch.__version__} has no F.linear_cross_entropy (torch >= 2.13): the "
+                  f"{' and '.join(NATIVE_IMPLS)} losses are left out.", file=sys.stderr)
+        return list(default_impls())
+    impls = [i.strip() for i in text.split(",") if i.strip()]
+    unknown = [i for i in impls if i not in ALL_IMPLS]
+    if unknown or not impls:
+        raise ValueError(f"--impls has unknown names {unknown}: choose from {','.join(ALL_IMPLS)}.")
+    native = [i for i in impls if i in NATIVE_IMPLS]
+    if native and not has_native_loss():
+        raise ValueError(f"--impls {_native_missing(native)}")
+    return impls
 
 
 def _native_loss(model, impl: str, device_type: str):
@@ -61,6 +102,8 @@ def measure_step(impl: str, micro_batch: int, device: str, precision: str, args:
 
     from lightning_gpuopt.model import GPT, GPTConfig
 
+    if impl in NATIVE_IMPLS and not has_native_loss():
+        raise RuntimeError(f"loss {_native_missing([impl])}")
     torch.manual_seed(0)
     config = GPTConfig(
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
@@ -130,8 +173,9 @@ def _table(rows: list[dict[str, Any]], micro_batches: list[int]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_memory", description=__doc__.split("\n")[0])
-    p.add_argument("--impls", default="plain,chunked,native,native-tuned",
-                   help="loss implementations, each at the first micro-batch")
+    p.add_argument("--impls", default=None,
+                   help=f"loss implementations, each at the first micro-batch (default: {','.join(ALL_IMPLS)}; "
+                   "the native ones only on a torch with F.linear_cross_entropy)")
     p.add_argument("--growth-impls", default="chunked", help="those also run at the other micro-batches")
     p.add_argument("--micro-batches", default="4,16")
     p.add_argument("--precisions", default="bf16,32", help="bf16 (bf16-mixed, the product's) and/or 32")
@@ -149,10 +193,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         impl, micro_batch, precision = args.child
         print(json.dumps(measure_step(impl, int(micro_batch), args.device, precision, args)))
         return 0
+    impls = choose_impls(args.impls)
     micro_batches = [int(m) for m in args.micro_batches.split(",")]
     growth = args.growth_impls.split(",")
     rows = [_child(args, impl, mb, precision)
-            for precision in args.precisions.split(",") for impl in args.impls.split(",")
+            for precision in args.precisions.split(",") for impl in impls
             for mb in (micro_batches if impl in growth else micro_batches[:1])]
     table = _table(rows, micro_batches)
     print(f"GPT {args.n_layer} x {args.n_embd}, vocab {args.vocab_size}, T {args.block_size}, {args.device}; "

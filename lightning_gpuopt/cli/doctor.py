@@ -56,6 +56,7 @@ __all__ = [
     "apply_cuda_settings",
     "attention_check",
     "compile_check",
+    "compile_disabled",
     "device_checks",
     "exit_code",
     "float8_checks",
@@ -219,6 +220,16 @@ if abs(got - want) > 1e-4 * max(1.0, abs(want)):
 """
 
 
+def compile_disabled() -> bool:
+    """Whether torch's own switch ``TORCH_COMPILE_DISABLE=1`` is set: ``torch.compile`` then runs everything eagerly."""
+    return os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1"
+
+
+def _disabled_compile_check() -> Check:
+    return Check(_COMPILE_NAME, "info", "torch.compile is switched off here (TORCH_COMPILE_DISABLE=1): not probed; "
+                 "GPTModule(compile=True) trains eagerly", "unset TORCH_COMPILE_DISABLE to compile")
+
+
 class CompileProbe(NamedTuple):
     process: subprocess.Popen
     started: float
@@ -377,14 +388,16 @@ def run_checks(steps: Optional[int] = None, preset: Optional[str] = None,
         if order is not None:
             set_sdpa_priority(order)
         rows = [r for r in rows if r[0] != "sdpa_backends"] + [("sdpa_backends", "auto", why)]
-        probe = start_compile_probe(facts)  # compiles while the checks below run; timed steps wait for it
+        # Compiles while the checks below run; the timed steps wait for it. Under TORCH_COMPILE_DISABLE=1 a probe
+        # would run eagerly and pass without compiling anything: it is said instead.
+        probe = None if compile_disabled() else start_compile_probe(facts)
         if preset is not None:
             config = GPTConfig.from_name(preset)
         else:
             config = GPTConfig.from_name("124m") if facts.is_cuda else GPTConfig(**_CPU_CONFIG)
         checks = device_checks(facts) + settings_checks(facts, rows) + [attention_check(facts, config)]
         checks += float8_checks(facts, config)
-        checks.append(compile_check(probe, facts, compile_timeout_s))
+        checks.append(_disabled_compile_check() if probe is None else compile_check(probe, facts, compile_timeout_s))
         micro_batches = (8, 16) if facts.is_cuda else (2, 8)
         checks += train_step_checks(facts, config, micro_batches, steps or (10 if facts.is_cuda else 3))
         if not facts.is_cuda:

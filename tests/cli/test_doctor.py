@@ -20,6 +20,7 @@ from lightning_gpuopt.cli.doctor import (
     float8_checks,
     format_table,
     gpu_differences,
+    run_checks,
     settings_checks,
     start_compile_probe,
     train_step_checks,
@@ -99,6 +100,18 @@ def test_a_compile_past_its_time_limit_fails_and_is_stopped():
     check = compile_check(probe, CPU, timeout_s=0)
     assert check.status == "fail" and "did not finish in 0 s" in check.detail and "--model.compile false" in check.fix
     assert probe.process.returncode is not None  # killed, not left running
+
+
+def test_under_torch_compile_disable_the_compile_check_says_so_and_probes_nothing(monkeypatch):
+    # A probe would run eagerly and pass: "compiled (inductor)" would be untrue.
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    started = []
+    monkeypatch.setattr("lightning_gpuopt.cli.doctor.start_compile_probe", lambda facts: started.append(facts))
+    checks = {c.name: c for c in run_checks(steps=1)}
+    check = checks["torch_compile"]
+    assert (check.status, started) == ("info", [])
+    assert "TORCH_COMPILE_DISABLE=1" in check.detail and "unset TORCH_COMPILE_DISABLE" in check.fix
+    assert list(checks) == CPU_CHECKS and checks["train_steps.micro_batch_8"].status == "pass"
 
 
 def test_device_checks_read_the_datasheet_peaks_of_a_known_gpu():

@@ -1,0 +1,239 @@
+"""The parts of the headline command, their time estimates per device, and the plan that fits them into a budget.
+
+The parts run in value order (``PARTS``). Each has an estimate (``ESTIMATES``, one table per device
+family) and, when it starts, a limit: its estimate times ``MARGIN``, never more than what is left of
+the budget. A part that reaches its limit is stopped and reported, and the next part still runs;
+a part whose estimate no longer fits in what is left is skipped with the reason. The gpu tests are
+the one part that is worth starting with less than its estimate: they run correctness first and
+stop at their limit with the tests that finished. ``plan`` applies the same rules to the estimates
+alone, for the plan printed before the run (and by ``--plan``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from lightning_gpuopt.perf.device import DeviceFacts
+
+__all__ = ["ESTIMATES", "GPU_TEST_FILES", "GRACE_S", "MARGIN", "MEASURED", "PARTS", "Part", "PlanRow",
+           "config_estimates", "decide", "estimate_family", "format_plan", "part_estimate", "plan"]
+
+GRACE_S = 5.0  # from a part's interrupt (SIGINT) at its limit to its kill: pytest writes its XML in it
+MARGIN = 1.5  # a part may run this many times its estimate before it is stopped (the estimates are guesses)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the headline command.
+
+    Args:
+        name: Its name in ``--parts``, the results and the log.
+        what: One line for the plan and the results.
+        kind: ``device`` (in the command's own process), ``doctor``, ``throughput`` or ``tests`` (each a
+            child process with a hard time limit).
+        preset: Model preset of a throughput part (``tiny`` under ``--tiny``).
+        configs: Its ``benchmarks.throughput`` configurations, in run order.
+        fp8_recipe: Its ``--fp8-recipe``.
+    """
+
+    name: str
+    what: str
+    kind: Literal["device", "doctor", "throughput", "tests"]
+    preset: Optional[str] = None
+    configs: tuple[str, ...] = ()
+    fp8_recipe: str = "tensorwise"
+
+
+PARTS: tuple[Part, ...] = (
+    Part("device", "device facts and versions", "device"),
+    Part("doctor", "gpuopt doctor --json: settings, attention kernel, compile probe, float8 layers, measured steps",
+         "doctor"),
+    Part("throughput-124m", "124m, T 1024, fixed micro-batch: plain Lightning fp32, Lightning bf16-mixed, gpuopt bf16 "
+         "+ compile, gpuopt float8 (tensorwise) + compile", "throughput", "124m",
+         ("baseline", "lightning-bf16", "gpuopt-bf16-compile", "gpuopt-fp8-compile")),
+    Part("gpu-tests", "the gpu-marked tests, correctness first, each with a timeout", "tests"),
+    Part("throughput-774m", "774m, T 1024, fixed micro-batch: gpuopt bf16 + compile against float8 (tensorwise) "
+         "+ compile", "throughput", "774m", ("gpuopt-bf16-compile", "gpuopt-fp8-compile")),
+    Part("auto-batch-124m", "124m: AutoBatchSize's search time and choice (bf16 + compile, global batch 64)",
+         "throughput", "124m", ("gpuopt-bf16-compile-auto",)),
+    Part("fp8-rowwise-124m", "124m, fixed micro-batch: gpuopt float8 (rowwise) + compile", "throughput", "124m",
+         ("gpuopt-fp8-compile",), "rowwise"),
+)
+
+# The gpu-marked test files, correctness first: float8 and bf16 numerics, the attention kernel and
+# fused AdamW, the CUDA settings, MFU and memory, AutoBatchSize, exact resume; last the two that
+# repeat the doctor and throughput parts as tests. tests/benchmarks/test_headline.py checks that the
+# list names every file with a gpu-marked test.
+GPU_TEST_FILES: tuple[str, ...] = (
+    "tests/precision/test_gpu.py",
+    "tests/model/test_gpt.py",
+    "tests/callbacks/test_cuda_settings.py",
+    "tests/callbacks/test_mfu_monitor.py",
+    "tests/callbacks/auto_batch/test_gpu.py",
+    "tests/callbacks/test_exact_resume.py",
+    "tests/cli/test_doctor.py",
+    "tests/benchmarks/test_throughput.py",
+)
+
+# Seconds, per device family. Keys: "start-up" (Python, the imports and reading the device), "finish"
+# (the last results and the chart), the parts "device" and "doctor", "process" (a throughput child:
+# imports, CUDA, tokenising, cached after the first, and the timed matmul ceiling), "<preset>/<config>"
+# (one throughput configuration: building, warm-up with compilation, measured steps; "/rowwise" for
+# float8 rowwise), "pytest" (its start and collection) and one per gpu test file.
+# The H100 and H200 rows are ESTIMATES, not measurements: reasoned from the model sizes at
+# datasheet throughput and from typical Inductor compile times of a GPT block on a 16-core host
+# (30-90 s, cold cache), and from a hand-made command of earlier (doctor 40-70 s, these tests
+# 1.5-2.5 min); correct them from the "seconds" of every part in a run's headline.json. The H200 has
+# the H100's compute and the compile time, which dominates, is the host's. The "tiny" row (--tiny,
+# any device) is from runs on a 2-core CPU (one thread per process), with room for other work on it.
+_H100: dict[str, float] = {
+    "start-up": 15, "finish": 3, "device": 1, "doctor": 45, "process": 15,
+    "124m/baseline": 10, "124m/lightning-bf16": 8, "124m/gpuopt-bf16-compile": 60, "124m/gpuopt-fp8-compile": 70,
+    "124m/gpuopt-fp8-compile/rowwise": 80, "124m/gpuopt-bf16-compile-auto": 110,
+    "774m/gpuopt-bf16-compile": 70, "774m/gpuopt-fp8-compile": 80,
+    "pytest": 15,
+    "tests/precision/test_gpu.py": 50, "tests/model/test_gpt.py": 10, "tests/callbacks/test_cuda_settings.py": 15,
+    "tests/callbacks/test_mfu_monitor.py": 20, "tests/callbacks/auto_batch/test_gpu.py": 40,
+    "tests/callbacks/test_exact_resume.py": 60, "tests/cli/test_doctor.py": 45,
+    "tests/benchmarks/test_throughput.py": 30,
+}
+ESTIMATES: dict[str, dict[str, float]] = {
+    "H100": _H100,
+    "H200": dict(_H100),
+    "tiny": {
+        "start-up": 8, "finish": 2, "device": 1, "doctor": 10, "process": 7,
+        "tiny/baseline": 1, "tiny/lightning-bf16": 1, "tiny/gpuopt-bf16-compile": 1, "tiny/gpuopt-fp8-compile": 2,
+        "tiny/gpuopt-fp8-compile/rowwise": 2, "tiny/gpuopt-bf16-compile-auto": 3,
+        "pytest": 7, **{f: 0.2 for f in GPU_TEST_FILES},
+    },
+}
+MEASURED = {"H100": False, "H200": False, "tiny": True}  # whether a family's row comes from runs, or is a guess
+
+
+def estimate_family(facts: DeviceFacts, tiny: bool) -> tuple[str, Optional[str]]:
+    """The ``ESTIMATES`` row for a device, and a note when it is another device's.
+
+    Example::
+
+        estimate_family(REFERENCE_DEVICES["H200"], tiny=False)  # ("H200", None)
+    """
+    if tiny:
+        return "tiny", None
+    peaks = facts.peaks
+    family = peaks.name.split()[0] if peaks is not None else None
+    if family in ESTIMATES:
+        return family, None
+    return "H100", f"no time estimates for {facts.name}: the H100's are used"
+
+
+def _key(part: Part, config: str, tiny: bool) -> str:
+    preset = "tiny" if tiny else part.preset
+    return f"{preset}/{config}" + ("/rowwise" if part.fp8_recipe == "rowwise" and "fp8" in config else "")
+
+
+def part_estimate(part: Part, estimates: dict[str, float], tiny: bool) -> float:
+    """Seconds ``part`` is expected to take (everything it runs)."""
+    if part.kind in ("device", "doctor"):
+        return estimates[part.kind]
+    if part.kind == "tests":
+        return estimates["pytest"] + sum(estimates[f] for f in GPU_TEST_FILES)
+    return estimates["process"] + sum(estimates[_key(part, c, tiny)] for c in part.configs)
+
+
+def config_estimates(part: Part, estimates: dict[str, float], tiny: bool) -> list[float]:
+    """Seconds of each configuration of a throughput part."""
+    return [estimates[_key(part, c, tiny)] for c in part.configs]
+
+
+def _minimum(part: Part, estimates: dict[str, float], tiny: bool) -> float:
+    """The least time worth starting ``part`` with: the gpu tests' start and first file; the whole part otherwise."""
+    if part.kind == "tests":
+        return estimates["pytest"] + estimates[GPU_TEST_FILES[0]]
+    return part_estimate(part, estimates, tiny)
+
+
+def _expected(parts: list[Part], estimates: dict[str, float], tiny: bool, left_s: float) -> float:
+    """Seconds ``parts`` are expected to take in ``left_s``: each that fits at its estimate (tests: what is left)."""
+    spent = 0.0
+    for part in parts:
+        usable = left_s - spent - GRACE_S - estimates["finish"]
+        if _minimum(part, estimates, tiny) <= usable:
+            spent += min(part_estimate(part, estimates, tiny), usable)
+    return spent
+
+
+def decide(part: Part, estimates: dict[str, float], tiny: bool, left_s: float, later: list[Part] = ()
+           ) -> tuple[Optional[float], str]:
+    """``(limit, "")`` for a part that fits in ``left_s`` seconds of the budget, else ``(None, why not)``.
+
+    A part starts if its estimate fits in what is left after the stop grace and the finish (the gpu
+    tests: their start and first file). Its limit is what the ``later`` parts leave it when each takes
+    its estimate, but at least its estimate times ``MARGIN`` (the gpu tests: their estimate) and at most
+    what is left: with a budget to spare every part may take longer; without, the earlier part, the
+    more valuable, keeps its margin.
+    """
+    usable = left_s - GRACE_S - estimates["finish"]
+    need = _minimum(part, estimates, tiny)
+    if need > usable:
+        return None, f"needs ~{need:.0f} s (estimate), {max(left_s, 0):.0f} s of the budget left"
+    full = part_estimate(part, estimates, tiny)
+    spare = usable - _expected(list(later), estimates, tiny, left_s - full)
+    return min(max(full if part.kind == "tests" else MARGIN * full, spare), usable), ""
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One line of the plan: a part, its estimate, and its limit and expected start, or why it is skipped."""
+
+    part: str
+    what: str
+    estimate_s: float
+    limit_s: Optional[float]
+    start_s: Optional[float]
+    reason: str = ""
+
+
+def plan(parts: list[Part], estimates: dict[str, float], tiny: bool, budget_s: float,
+         wanted: Optional[set[str]] = None) -> tuple[list[PlanRow], float]:
+    """The plan: every part with its estimate, and its limit and expected start or the reason it is skipped;
+    and the expected end (seconds from the start). Parts not in ``wanted`` are skipped as not asked for.
+
+    Example::
+
+        rows, end = plan(list(PARTS), ESTIMATES["H100"], tiny=False, budget_s=420)
+    """
+    rows, t = [], estimates["start-up"]
+    asked = [p for p in parts if p.kind == "device" or wanted is None or p.name in wanted]
+    for part in parts:
+        estimate = part_estimate(part, estimates, tiny)
+        if part not in asked:
+            rows.append(PlanRow(part.name, part.what, estimate, None, None, "not asked for (--parts)"))
+            continue
+        later = asked[asked.index(part) + 1:]
+        limit, reason = (estimate, "") if part.kind == "device" else decide(part, estimates, tiny, budget_s - t, later)
+        if limit is None:
+            rows.append(PlanRow(part.name, part.what, estimate, None, None, reason))
+            continue
+        rows.append(PlanRow(part.name, part.what, estimate, limit, t))
+        t += min(estimate, limit)
+    return rows, t + estimates["finish"]
+
+
+def format_plan(rows: list[PlanRow], end_s: float, budget_s: float, header: str, estimates: dict[str, float]) -> str:
+    """The plan as a text table, the start-up and finish included, with its expected end against the budget."""
+    lines = [header, f"{'part':<18} {'estimate':>9} {'limit':>7} {'starts':>7}  what",
+             f"{'start-up':<18} {estimates['start-up']:>7.0f} s {'':>7} {0:>5.0f} s  "
+             "Python, imports, reading the device"]
+    for r in rows:
+        if r.limit_s is None:
+            lines.append(f"{r.part:<18} {r.estimate_s:>7.0f} s {'-':>7} {'-':>7}  skipped: {r.reason}")
+            continue
+        short = r.part == "gpu-tests" and r.limit_s < r.estimate_s
+        stops = ", stops at its limit with the tests that finished" if short else ""
+        lines.append(f"{r.part:<18} {r.estimate_s:>7.0f} s {r.limit_s:>5.0f} s {r.start_s:>5.0f} s  {r.what}{stops}")
+    lines.append(f"{'finish':<18} {estimates['finish']:>7.0f} s {'':>7} {end_s - estimates['finish']:>5.0f} s  "
+                 "results and chart")
+    lines.append(f"expected end: {end_s:.0f} s of the {budget_s:.0f} s budget; a part that reaches its limit is "
+                 f"stopped (within {GRACE_S:.0f} s) and the next one still runs")
+    return "\n".join(lines)
