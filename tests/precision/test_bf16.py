@@ -53,7 +53,7 @@ def test_plugins_are_built_without_initialising_cuda(monkeypatch):
     def initialises_cuda():
         raise AssertionError("initialised CUDA while building a precision plugin")
 
-    monkeypatch.setattr("lightning_gpuopt.precision.autocast.cuda_device_count", lambda: 1)  # a GPU machine
+    monkeypatch.setattr("lightning_gpuopt.precision.base.cuda_device_count", lambda: 1)  # a GPU machine
     monkeypatch.setattr(torch.cuda, "_lazy_init", initialises_cuda)
     for plugin in (BF16Precision(), Float8Precision()):
         assert (plugin.device, plugin.precision, plugin.scaler, plugin.device_facts) == ("cuda", "bf16-mixed", None, None)
@@ -95,7 +95,7 @@ def test_callbacks_bind_the_plugin_at_setup_and_read_the_device_dtype(monkeypatc
     # callback after it, as Lightning's ThroughputMonitor, reads the same.
     from lightning_gpuopt.callbacks import MFUMonitor
 
-    monkeypatch.setattr("lightning_gpuopt.precision.autocast.read_device", lambda device: REFERENCE_DEVICES["V100"])
+    monkeypatch.setattr("lightning_gpuopt.perf.device.read_device", lambda device: REFERENCE_DEVICES["V100"])
     seen = {}
 
     class Reader(pl.Callback):
@@ -116,7 +116,7 @@ def test_configure_model_reads_the_dtype_of_the_training_device(monkeypatch):
     # binds as the first module is assigned to the LightningModule.
     from lightning_gpuopt.precision.dtype import compute_dtype_name
 
-    monkeypatch.setattr("lightning_gpuopt.precision.autocast.read_device", lambda device: REFERENCE_DEVICES["T4"])
+    monkeypatch.setattr("lightning_gpuopt.perf.device.read_device", lambda device: REFERENCE_DEVICES["T4"])
 
     class BuiltInConfigureModel(ProbeGPT):
         def __init__(self):

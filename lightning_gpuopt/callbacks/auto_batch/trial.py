@@ -28,7 +28,7 @@ from lightning_gpuopt.internals import (
     transfer_hooks,
 )
 from lightning_gpuopt.callbacks.auto_batch.search import Trial
-from lightning_gpuopt.perf.device import read_device
+from lightning_gpuopt.perf.device import training_device
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
 from lightning_gpuopt.protocols import CompilesItself
 from lightning_gpuopt.perf.units import GiB
@@ -114,7 +114,7 @@ def _trial(
     peak = None
     if device.type == "cuda":
         peak = torch.cuda.max_memory_reserved(device)  # a measurement on the run's own GPU
-        total = read_device(device).total_memory
+        total = training_device(trainer).total_memory
         if fits and peak > (1 - margin) * total:
             fits, reason = False, f"peak {peak / GiB:.1f} GiB leaves less than {margin:.0%} free"
     free_memory(device)
