@@ -13,7 +13,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 
-__all__ = ["CompilesItself", "ResumableData", "SavesAlone", "saving_alone"]
+__all__ = ["CompilesItself", "ResumableData", "SavesAlone", "TakesMicroBatch", "saving_alone"]
 
 
 @runtime_checkable
@@ -50,6 +50,28 @@ class ResumableData(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class TakesMicroBatch(Protocol):
+    """A datamodule that is told its training micro-batch by a call, and builds its next training loader with it.
+
+    ``TextDataModule`` implements it. ``AutoBatchSize`` reads ``batch_size`` (the micro-batch per device now)
+    and calls ``use_micro_batch(size)``; the fit loop then asks ``train_dataloader()`` again, which must
+    return a loader of ``size``. A datamodule without it gets its ``batch_size`` attribute set instead.
+
+    Example::
+
+        class MyData(pl.LightningDataModule):
+            def use_micro_batch(self, size):
+                self.batch_size = size
+            def train_dataloader(self):
+                return DataLoader(self.dataset, batch_size=self.batch_size)
+    """
+
+    batch_size: int
+
+    def use_micro_batch(self, size: int) -> None: ...
 
 
 @runtime_checkable
