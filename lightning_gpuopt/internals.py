@@ -159,8 +159,8 @@ def _library_roots() -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, torch.optim.lr_scheduler.ConstantLR(optimizer, 1.0)], [1])
     sampler = torch.utils.data.RandomSampler(range(2))
     fused = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
-    return {"scaler": torch.amp.GradScaler("cpu"), "scheduler": scheduler, "parser": ArgumentParser(), "sampler": sampler,
-            "optimizer": fused}
+    scaler = torch.amp.GradScaler("cpu")
+    return {"scaler": scaler, "scheduler": scheduler, "parser": ArgumentParser(), "sampler": sampler, "optimizer": fused}
 
 
 def missing_internals(trainer: pl.Trainer) -> list[str]:

@@ -12,7 +12,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_gpuopt.precision.dtype import compute_dtype_name
-from lightning_gpuopt.internals import sdp_priority_order, set_allocator_settings, set_sdp_priority_order, set_sdpa_backends
+from lightning_gpuopt.internals import (
+    sdp_priority_order,
+    set_allocator_settings,
+    set_sdp_priority_order,
+    set_sdpa_backends,
+)
 from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, training_device
 from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS as _SDPA_BACKENDS
 from lightning_gpuopt.perf.sdpa import SDPA_FLAGS as _SDPA_FLAGS

@@ -1,4 +1,4 @@
-"""Precision plugins: bf16 autocast and torchao float8 training, the public base to write one, and the dtype a plugin computes in."""
+"""Precision plugins: bf16 autocast, torchao float8 training, and their public base to write one."""
 
 from lightning_gpuopt.precision.base import DevicePrecision
 from lightning_gpuopt.precision.bf16 import BF16Precision

@@ -90,9 +90,9 @@ def test_autocast_precision_for_every_reference_device(name):
 
 
 def test_callbacks_bind_the_plugin_at_setup_and_read_the_device_dtype(monkeypatch):
-    # Callbacks' setup runs before convert_module. MFUMonitor binds the plugin there, so it reads the dtype of
-    # the training device: fp16 where the device (a V100, as read_device would report it) has no bf16. A
-    # callback after it, as Lightning's ThroughputMonitor, reads the same.
+    # Callbacks' setup runs before convert_module. MFUMonitor asks for the run's device there, which binds the
+    # plugin, so it reads the dtype of the training device: fp16 where the device (a V100, as read_device would
+    # report it) has no bf16. A callback after it, as Lightning's ThroughputMonitor, reads the same.
     from lightning_gpuopt.callbacks import MFUMonitor
 
     monkeypatch.setattr("lightning_gpuopt.perf.device.read_device", lambda device: REFERENCE_DEVICES["V100"])
@@ -112,8 +112,8 @@ def test_callbacks_bind_the_plugin_at_setup_and_read_the_device_dtype(monkeypatc
 
 
 def test_configure_model_reads_the_dtype_of_the_training_device(monkeypatch):
-    # configure_model runs before convert_module (GPTModule picks FSDP2's parameter dtype there): the plugin
-    # binds as the first module is assigned to the LightningModule.
+    # configure_model runs before convert_module (GPTModule picks FSDP2's parameter dtype there): with no callback
+    # asking for the device earlier, the plugin binds as the first module is assigned to the LightningModule.
     from lightning_gpuopt.precision.dtype import compute_dtype_name
 
     monkeypatch.setattr("lightning_gpuopt.perf.device.read_device", lambda device: REFERENCE_DEVICES["T4"])

@@ -125,9 +125,9 @@ def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, repli
         raise ValueError(
             f"AutoBatchSize set the micro-batch to {expected} through {how}, but {what} {held}, so each optimizer "
             f"step would train {held} x {accumulate} x {replicas} = {held * accumulate * replicas} samples instead of "
-            f"the global batch {expected * accumulate * replicas}. The training DataLoader ignores `{source}`: build it "
-            f"inside train_dataloader() from self.{source} (not once in __init__ or setup()), or remove AutoBatchSize "
-            "and set the batch size yourself."
+            f"the global batch {expected * accumulate * replicas}. The training DataLoader ignores `{source}`: build "
+            f"it inside train_dataloader() from self.{source} (not once in __init__ or setup()), or remove "
+            "AutoBatchSize and set the batch size yourself."
         )
     return True
 
@@ -210,7 +210,8 @@ def check_can_set_micro_batch(
     data_name = type(data).__name__ if data is not None else "the training data (no datamodule)"
     rank_zero_info(
         f"AutoBatchSize: {data_name} does not take the micro-batch by a call (lightning_gpuopt.protocols."
-        f"TakesMicroBatch), so it is set through the `{attr}` attribute: train_dataloader() must build its loader from it."
+        f"TakesMicroBatch), so it is set through the `{attr}` attribute: train_dataloader() must build its "
+        "loader from it."
     )
 
 
@@ -318,8 +319,9 @@ class AutoBatchSize(Callback):
         self._fit = None
         check_can_set_micro_batch(trainer, pl_module, self.batch_size_attr, self.max_micro_batch_size)
         replicas = data_parallel_size(trainer)
-        configured = current_micro_batch(trainer, pl_module, self.batch_size_attr) * trainer.accumulate_grad_batches * replicas
-        self._per_device = search.per_device_batch(self.global_batch_size or configured, replicas)  # fails now, not later
+        micro = current_micro_batch(trainer, pl_module, self.batch_size_attr)
+        configured = micro * trainer.accumulate_grad_batches * replicas  # the global batch the Trainer would train
+        self._per_device = search.per_device_batch(self.global_batch_size or configured, replicas)  # fails now
         self._global_changed = self._per_device * replicas != configured
         self._candidates = search.micro_batch_candidates(self._per_device, self.max_micro_batch_size)
         require_internals(trainer, "AutoBatchSize")
