@@ -9,8 +9,7 @@ function here touches one or two such names, all listed in :data:`TOUCHED`;
 call :func:`require_internals` at setup, so an upgrade that renames one fails at the start of
 ``fit``, naming it (``tests/test_internals.py`` runs the check, and each function in a real fit).
 Used elsewhere, and tested there: ``GPTCLI`` overrides ``LightningCLI._parse_ckpt_path``, its parser
-jsonargparse's ``_add_signature_parameter``, and ``ResumedRichProgressBar`` ``RichProgressBar._get_train_description``;
-``GPTModule`` reads the ``_device_mesh`` that ``ModelParallelStrategy`` sets on a module.
+jsonargparse's ``_add_signature_parameter``, and ``ResumedRichProgressBar`` ``RichProgressBar._get_train_description``.
 Written against Lightning 2.6 (2.6.0 to 2.6.6 read) and torch 2.11 to 2.13.
 """
 
@@ -30,6 +29,7 @@ from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_siz
 __all__ = [
     "COMPILED_PREFIX",
     "TOUCHED",
+    "attached_trainer",
     "batch_counters",
     "build_train_loader",
     "call_strategy_hook",
@@ -59,12 +59,14 @@ __all__ = [
     "sequential_parts",
     "set_allocator_settings",
     "set_sdp_priority_order",
+    "set_sdpa_backends",
     "settle_validation_counters",
     "show_in_progress_bar",
     "tensor_base",
     "throwaway_results",
     "transfer_hooks",
     "uncompiled",
+    "unscales_in_step",
     "warning_filters_changed",
     "wrap_epoch_advance",
     "wrap_train_dataloader",
@@ -97,6 +99,7 @@ TOUCHED = (
     "trainer._checkpoint_connector.dump_checkpoint",  # a checkpoint as a dict (dump_checkpoint)
     "trainer._accelerator_connector.use_distributed_sampler",  # the Trainer flag (data_parallel_ranks)
     "module._current_fx_name",  # the hook being run (call_strategy_hook)
+    "module._trainer",  # the Trainer a module is attached to, or None (attached_trainer)
     "module._on_before_batch_transfer",  # the module's batch hooks (transfer_hooks)
     "import:lightning.pytorch.trainer.call._call_strategy_hook",
     "import:lightning.pytorch.trainer.connectors.logger_connector.result._ResultCollection",
@@ -110,6 +113,7 @@ TOUCHED = (
     "import:torch._C._get_sdp_priority_order",  # SDPA backend priorities (sdp_priority_order)
     "import:torch._C._set_sdp_priority_order",  # (set_sdp_priority_order)
     "import:torch._fused_sdp_choice",  # the kernel SDPA would pick (fused_sdp_choice)
+    "import:torch.nn.attention._sdpa_kernel",  # backends enabled, in a priority order (set_sdpa_backends)
     "import:torch._foreach_norm",  # one kernel for many norms (foreach_norm)
     *(f"import:torch.ops.aten._scaled_dot_product_{name}" for name in _SDPA_OPS),  # counted as math (sdpa_ops)
     "import:torch._dynamo.eval_frame.OptimizedModule",  # torch.compile's wrapper (compiled_wrapper_or_in_place, uncompiled)
@@ -119,6 +123,7 @@ TOUCHED = (
     "import:torch._C.DisableTorchFunction",  # (disable_torch_function)
     "import:torch.distributed.tensor.DTensor._local_tensor",  # a shard's own storage (local_tensor)
     "import:torch.nn.utils.stateless._reparametrize_module",  # tied weights kept (reparametrize_module)
+    "optimizer._step_supports_amp_scaling",  # a fused optimizer's step() unscales (unscales_in_step)
     "scaler._per_optimizer_states",  # GradScaler's unscale stage per optimizer (scaler_stage, forget_scaler_steps)
     "scheduler._schedulers",  # SequentialLR's parts (sequential_parts)
     "scheduler._milestones",
@@ -154,7 +159,9 @@ def _library_roots() -> dict[str, Any]:
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0)
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, torch.optim.lr_scheduler.ConstantLR(optimizer, 1.0)], [1])
     sampler = torch.utils.data.RandomSampler(range(2))
-    return {"scaler": torch.amp.GradScaler("cpu"), "scheduler": scheduler, "parser": ArgumentParser(), "sampler": sampler}
+    fused = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    return {"scaler": scaler, "scheduler": scheduler, "parser": ArgumentParser(), "sampler": sampler, "optimizer": fused}
 
 
 def missing_internals(trainer: pl.Trainer) -> list[str]:
@@ -336,6 +343,11 @@ def call_strategy_hook(trainer: pl.Trainer, name: str, *args: Any, **kwargs: Any
         module._current_fx_name = previous
 
 
+def attached_trainer(module: Any) -> Optional[pl.Trainer]:
+    """The Trainer a LightningModule is attached to, ``None`` when none is (``module.trainer`` raises then)."""
+    return getattr(module, "_trainer", None)
+
+
 def transfer_hooks(module: pl.LightningModule, batch: Any) -> Any:
     """The module's (and datamodule's) ``on_before_batch_transfer`` applied to ``batch``."""
     return module._on_before_batch_transfer(batch, dataloader_idx=0)
@@ -399,6 +411,13 @@ def sdp_priority_order() -> list[int]:
 def set_sdp_priority_order(order: list[int]) -> None:
     """Set SDPA's backend priority order; which backends are enabled does not change."""
     torch._C._set_sdp_priority_order(order)
+
+
+def set_sdpa_backends(backends: list[Any]) -> None:
+    """Enable exactly ``backends`` (``SDPBackend`` values) for SDPA, first in the priority order in this order."""
+    from torch.nn.attention import _sdpa_kernel
+
+    _sdpa_kernel(backends, set_priority=True)
 
 
 def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool) -> int:
@@ -470,6 +489,11 @@ def set_allocator_settings(conf: str) -> None:
     if setter is None:
         setter = torch.cuda.memory._set_allocator_settings  # older torch
     setter(conf)
+
+
+def unscales_in_step(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` unscales gradients itself under a ``GradScaler`` (torch's fused optimizers)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def scaler_unscaled(scaler: Any, optimizer: Any) -> bool:

@@ -12,11 +12,8 @@ from collections.abc import Iterator
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
-import torch
 
-from lightning_gpuopt.perf.device import DeviceFacts
-
-__all__ = ["CompilesItself", "DeviceBound", "ResumableData", "SavesAlone", "bind_precision_plugin", "saving_alone"]
+__all__ = ["CompilesItself", "ResumableData", "SavesAlone", "TakesMicroBatch", "saving_alone"]
 
 
 @runtime_checkable
@@ -53,6 +50,28 @@ class ResumableData(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class TakesMicroBatch(Protocol):
+    """A datamodule that is told its training micro-batch by a call, and builds its next training loader with it.
+
+    ``TextDataModule`` implements it. ``AutoBatchSize`` reads ``batch_size`` (the micro-batch per device now)
+    and calls ``use_micro_batch(size)``; the fit loop then asks ``train_dataloader()`` again, which must
+    return a loader of ``size``. A datamodule without it gets its ``batch_size`` attribute set instead.
+
+    Example::
+
+        class MyData(pl.LightningDataModule):
+            def use_micro_batch(self, size):
+                self.batch_size = size
+            def train_dataloader(self):
+                return DataLoader(self.dataset, batch_size=self.batch_size)
+    """
+
+    batch_size: int
+
+    def use_micro_batch(self, size: int) -> None: ...
 
 
 @runtime_checkable
@@ -111,36 +130,3 @@ def saving_alone(trainer: pl.Trainer) -> Iterator[None]:
             if isinstance(callback, SavesAlone):
                 stack.enter_context(callback.saving_alone())
         yield
-
-
-@runtime_checkable
-class DeviceBound(Protocol):
-    """A precision plugin that learns its training device from the Trainer and decides its dtype from it.
-
-    ``BF16Precision`` and ``Float8Precision`` implement it: they bind themselves in
-    ``configure_model`` and ``convert_module``. A reader of the plugin's dtype that runs earlier
-    (a callback's ``setup``) calls :func:`bind_precision_plugin` first, so it reads the dtype of
-    the device training runs on (float16 on a V100, not the bfloat16 assumed until then).
-
-    Example::
-
-        class MyPrecision(MixedPrecision):
-            def bind(self, device, facts=None): ...
-    """
-
-    def bind(self, device: torch.device, facts: Optional[DeviceFacts] = None) -> None: ...
-
-
-def bind_precision_plugin(trainer: pl.Trainer) -> None:
-    """Bind the Trainer's precision plugin to the training device now, if it is :class:`DeviceBound`.
-
-    Example::
-
-        bind_precision_plugin(trainer)   # in a callback's setup, before reading the plugin's dtype
-
-    Args:
-        trainer: The Trainer, its device set up (callbacks' ``setup`` or later).
-    """
-    plugin = trainer.precision_plugin
-    if isinstance(plugin, DeviceBound):
-        plugin.bind(trainer.strategy.root_device)

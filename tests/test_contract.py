@@ -120,8 +120,9 @@ PIECES = {
 # resize (a datamodule's) and max_micro_batch_size on CPU: its contract over the same module shapes is
 # tests/callbacks/auto_batch/test_contracts.py. AtomicModelParallelStrategy is a strategy (tests/checkpoint).
 # The progress bars are Lightning's, drawn the same; their resume: tests/callbacks/test_progress_bar.py.
+# DevicePrecision is the base BF16Precision and Float8Precision run here on (a plugin on it: tests/precision/test_guide.py).
 NOT_PIECES = {"NonFiniteError", "NonFiniteCheckpointError", "AutoBatchSize", "AtomicModelParallelStrategy",
-              "ResumedRichProgressBar", "ResumedTQDMProgressBar"}
+              "ResumedRichProgressBar", "ResumedTQDMProgressBar", "DevicePrecision"}
 
 
 def test_every_export_is_covered():

@@ -12,13 +12,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_gpuopt.precision.dtype import compute_dtype_name
-from lightning_gpuopt.internals import sdp_priority_order, set_allocator_settings, set_sdp_priority_order
-from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, read_device
+from lightning_gpuopt.internals import (
+    sdp_priority_order,
+    set_allocator_settings,
+    set_sdp_priority_order,
+    set_sdpa_backends,
+)
+from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, training_device
 from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS as _SDPA_BACKENDS
 from lightning_gpuopt.perf.sdpa import SDPA_FLAGS as _SDPA_FLAGS
 from lightning_gpuopt.perf.sdpa import attention_row, auto_sdpa_order, flash_skipped, set_sdpa_priority
 from lightning_gpuopt.perf.tf32 import capture_tf32, restore_tf32, set_tf32
-from lightning_gpuopt.protocols import bind_precision_plugin
 
 __all__ = ["CUDASettings", "plan_settings"]
 
@@ -86,7 +90,7 @@ def plan_settings(
         #  ..., ("sdpa_backends", "flash,math", "applied; flash needs compute capability >= 8.0, ...")]
 
     Args:
-        facts: The training device (:func:`~lightning_gpuopt.perf.device.read_device`).
+        facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
         tf32: As :class:`CUDASettings`'s, and so are the other options.
     """
     done = "applied" if facts.is_cuda else "no effect: no CUDA device"
@@ -224,9 +228,9 @@ class CUDASettings(Callback):
         if self.cudnn_benchmark is not None:
             torch.backends.cudnn.benchmark = self.cudnn_benchmark
         if isinstance(self.sdpa_backends, list):
-            from torch.nn.attention import SDPBackend, _sdpa_kernel
+            from torch.nn.attention import SDPBackend
 
-            _sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[b]) for b in self.sdpa_backends], set_priority=True)
+            set_sdpa_backends([getattr(SDPBackend, _SDPA_BACKENDS[b]) for b in self.sdpa_backends])
 
     def _restore(self) -> None:
         saved, self._saved = self._saved, None
@@ -263,8 +267,7 @@ class CUDASettings(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._apply()  # after a previous fit restored the state
         device = trainer.strategy.root_device
-        bind_precision_plugin(trainer)  # the attention row reads the plugin's dtype for this device
-        facts = read_device(device)
+        facts = training_device(trainer)  # also binds the precision plugin: the attention row reads its dtype
         rows = plan_settings(facts, **self._options())
         if facts.is_cuda:
             rows = [(n, v, (self._allocator_status or st) if n == "expandable_segments" else st) for n, v, st in rows]

@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
-from lightning_gpuopt.perf.device import DeviceFacts, read_device
+from lightning_gpuopt.perf.device import DeviceFacts, training_device
 from lightning_gpuopt.perf.flops import StepFlopCounter, model_flops_per_token
 from lightning_gpuopt.perf.mfu import MFU_DTYPES, WindowTotals, input_ids_of, mfu_peaks, summarise_windows, window_metrics
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number
@@ -21,7 +21,6 @@ from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
 from lightning_gpuopt.perf.parallel import data_parallel_size
 from lightning_gpuopt.precision.dtype import compute_dtype_name, is_fp8
-from lightning_gpuopt.protocols import bind_precision_plugin
 
 __all__ = ["MFUMonitor"]
 
@@ -171,8 +170,7 @@ class MFUMonitor(Callback):
         self.history, self.windows, self.summary = [], [], {}
         self.total_tokens, self.total_flops, self._at_step, self._at_fit_start = 0, 0.0, (0, 0.0), (0, 0.0)
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
-        self._device, self._facts = trainer.strategy.root_device, read_device(trainer.strategy.root_device)
-        bind_precision_plugin(trainer)  # the dtype of this device (fp16 on a V100), before convert_module binds it
+        self._device, self._facts = trainer.strategy.root_device, training_device(trainer)  # binds the plugin too
         plugin = trainer.precision_plugin
         self._dtype = self.dtype or compute_dtype_name(plugin)
         if self._dtype is None:

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gpuopt.internals import unscales_in_step
 from lightning_gpuopt.option_checks import check_choice, check_int
 from lightning_gpuopt.callbacks.nonfinite_checks import (
     count_on_device,
@@ -145,7 +146,7 @@ class NonFiniteGuard(Callback):
 
     def _decide_mode(self, trainer: "pl.Trainer", optimizer: Optimizer) -> bool:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        can = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and scaler is None
+        can = unscales_in_step(optimizer) and scaler is None
         if self.mode == "deferred" and not can:
             raise ValueError(
                 "NonFiniteGuard(mode='deferred') skips a step on the device through the optimizer's found_inf, which "

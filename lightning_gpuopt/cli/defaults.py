@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt.callbacks import NonFiniteGuard
-from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, read_device
+from lightning_gpuopt.perf.device import cuda_device_count
 
 __all__ = [
     "CHECKPOINT_EVERY_N_STEPS",
@@ -44,7 +44,7 @@ __all__ = [
     "float32_note",
     "precision_for_estimate",
     "replace_precision_plugins",
-    "stack_device",
+    "stack_device_type",
     "stack_precision_plugins",
 ]
 
@@ -52,16 +52,17 @@ CHECKPOINT_EVERY_N_STEPS = 1000
 """Optimizer steps between two saves of ``last.ckpt`` in the default stack."""
 
 
-def stack_device() -> DeviceFacts:
-    """The device the stack is chosen for: the one a Trainer with ``accelerator="auto"`` trains on.
+def stack_device_type() -> str:
+    """``"cuda"`` when a GPU is visible (a Trainer with ``accelerator="auto"`` trains on it), else ``"cpu"``.
 
-    A GPU is counted without initialising CUDA (``CUDASettings`` sets the allocator before that), so
-    for CUDA only the type is known here; that is all :func:`stack_precision_plugins` reads.
+    The stack needs the kind of device only, counted without initialising CUDA (``CUDASettings`` sets
+    the allocator before that); on a GPU, ``BF16Precision`` decides bf16 or fp16 from the GPU's real
+    facts when the run binds it.
     """
-    return DeviceFacts("cuda", "cuda") if cuda_device_count() > 0 else read_device("cpu")
+    return "cuda" if cuda_device_count() > 0 else "cpu"
 
 
-def stack_precision_plugins(device: DeviceFacts) -> Optional[list[dict[str, Any]]]:
+def stack_precision_plugins(device_type: str) -> Optional[list[dict[str, Any]]]:
     """The stack's precision plugin for ``device``: ``BF16Precision`` on a GPU, none (float32) on a CPU.
 
     On a CPU bf16 autocast is the slower choice: the quickstart takes 412 ms per step under it
@@ -70,16 +71,16 @@ def stack_precision_plugins(device: DeviceFacts) -> Optional[list[dict[str, Any]
 
     Example::
 
-        stack_precision_plugins(REFERENCE_DEVICES["H100 SXM"])  # [{"class_path": "...BF16Precision"}]
-        stack_precision_plugins(REFERENCE_DEVICES["cpu"])       # None
+        stack_precision_plugins("cuda")  # [{"class_path": "...BF16Precision"}]
+        stack_precision_plugins("cpu")   # None
 
     Args:
-        device: The training device's facts (:func:`stack_device`).
+        device_type: ``"cuda"`` or ``"cpu"`` (:func:`stack_device_type`).
     """
-    return [{"class_path": "lightning_gpuopt.precision.BF16Precision"}] if device.is_cuda else None
+    return [{"class_path": "lightning_gpuopt.precision.BF16Precision"}] if device_type == "cuda" else None
 
 
-def default_stack(device: Optional[DeviceFacts] = None) -> dict[str, Any]:
+def default_stack(device_type: Optional[str] = None) -> dict[str, Any]:
     """Parser defaults for ``trainer.plugins`` and ``trainer.callbacks`` (see the module docstring).
 
     Example::
@@ -87,13 +88,13 @@ def default_stack(device: Optional[DeviceFacts] = None) -> dict[str, Any]:
         parser.set_defaults(default_stack())   # in LightningCLI.add_arguments_to_parser
 
     Args:
-        device: The training device's facts; ``None``: :func:`stack_device`.
+        device_type: ``"cuda"`` or ``"cpu"``; ``None``: :func:`stack_device_type`.
 
     Returns:
         ``{"trainer.plugins": [...] or None, "trainer.callbacks": [...]}`` as ``class_path`` dictionaries.
     """
     return {
-        "trainer.plugins": stack_precision_plugins(stack_device() if device is None else device),
+        "trainer.plugins": stack_precision_plugins(stack_device_type() if device_type is None else device_type),
         "trainer.enable_model_summary": False,  # one line on the model instead (cli/run_summary.py)
         "trainer.callbacks": [
             {"class_path": "lightning_gpuopt.callbacks.CUDASettings"},
@@ -112,20 +113,20 @@ def default_stack(device: Optional[DeviceFacts] = None) -> dict[str, Any]:
     }
 
 
-def float32_note(precision: Optional[str], plugins: Any, device: DeviceFacts) -> Optional[str]:
+def float32_note(precision: Optional[str], plugins: Any, device_type: str) -> Optional[str]:
     """The line said at start when the run is in float32 on a CPU because no precision was asked for, else ``None``.
 
     Example::
 
-        float32_note(None, None, REFERENCE_DEVICES["cpu"])  # "gpuopt: running in float32 on the CPU ..."
+        float32_note(None, None, "cpu")  # "gpuopt: running in float32 on the CPU ..."
 
     Args:
         precision: The ``trainer.precision`` value (``None`` when not set).
         plugins: The plugins given to the Trainer.
-        device: The device the stack was chosen for (:func:`stack_device`).
+        device_type: The kind of device the stack was chosen for (:func:`stack_device_type`).
     """
     listed = plugins if isinstance(plugins, (list, tuple)) else [plugins]
-    if device.is_cuda or precision is not None or any(isinstance(p, Precision) for p in listed):
+    if device_type == "cuda" or precision is not None or any(isinstance(p, Precision) for p in listed):
         return None
     return (
         "gpuopt: running in float32 on the CPU (bf16 autocast is 5-10x slower there); pass "

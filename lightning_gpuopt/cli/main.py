@@ -41,7 +41,7 @@ from lightning_gpuopt.cli.defaults import (
     float32_note,
     precision_for_estimate,
     replace_precision_plugins,
-    stack_device,
+    stack_device_type,
 )
 from lightning_gpuopt.cli.config_checks import (
     check_callbacks_once,
@@ -182,8 +182,8 @@ class GPTCLI(LightningCLI):
             parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.add_lightning_class_args(ExactResume, "exact_resume")
         parser.add_lightning_class_args(SigtermCheckpoint, "sigterm_checkpoint")
-        self.stack_device = stack_device()
-        parser.set_defaults(default_stack(self.stack_device))
+        self.stack_device_type = stack_device_type()
+        parser.set_defaults(default_stack(self.stack_device_type))
         if not self.reads_text:  # a loader of your own resumes exactly when ExactResume may rebuild it
             parser.set_defaults({"exact_resume.rebuild_loaders": True})
         parser.add_argument("--generate.prompts_file", type=Optional[str], default=None,
@@ -293,7 +293,7 @@ class GPTCLI(LightningCLI):
                 rank_zero_info(dropped)
         if trainer_cfg.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             trainer_cfg["callbacks"] = [*callbacks, default_progress_bar()]  # Lightning's bar, counting a resumed epoch right
-        note = float32_note(trainer_cfg.get("precision"), kwargs["plugins"], self.stack_device)
+        note = float32_note(trainer_cfg.get("precision"), kwargs["plugins"], self.stack_device_type)
         if note is not None:
             rank_zero_info(note)
         # ExactResume and SigtermCheckpoint are always added (a copy the config lists itself, with its own

@@ -93,7 +93,8 @@ class TextDataModule(pl.LightningDataModule):
     DataLoader touches the global RNG, and under DDP/FSDP each rank reads every ``world_size``-th
     position. The position reached at the last optimizer step is saved in checkpoints
     (``state_dict``), so a run resumed mid-epoch reads exactly the samples it would have read: it
-    implements :class:`~lightning_gpuopt.protocols.ResumableData`.
+    implements :class:`~lightning_gpuopt.protocols.ResumableData` and
+    :class:`~lightning_gpuopt.protocols.TakesMicroBatch`.
 
     Example::
 
@@ -351,6 +352,12 @@ class TextDataModule(pl.LightningDataModule):
             epoch, start, batches0 = self._sampler.epoch, 0, 0
         done = max(0, self._loop_batches() - batches0)
         return epoch, start + done * batch_size * self._sampler.num_replicas
+
+    def use_micro_batch(self, size: int) -> None:
+        """Train in micro-batches of ``size`` from the next training loader on, from the position reached
+        (:class:`~lightning_gpuopt.protocols.TakesMicroBatch`: ``AutoBatchSize`` calls it)."""
+        check_int("TextDataModule", "micro-batch size", size, minimum=1)
+        self.batch_size = size
 
     @override
     def state_dict(self) -> dict[str, Any]:

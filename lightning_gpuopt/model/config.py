@@ -316,7 +316,7 @@ def check_attention_runs(config: GPTConfig, facts: DeviceFacts, dtype: Optional[
 
     Args:
         config: The model's configuration (only ``attention="flash-attn"`` is checked).
-        facts: The training device (:func:`~lightning_gpuopt.perf.device.read_device`).
+        facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
         dtype: The precision plugin's compute dtype name
             (:func:`~lightning_gpuopt.precision.dtype.compute_dtype_name`); ``None`` when unknown.
     """

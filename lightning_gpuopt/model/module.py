@@ -13,8 +13,8 @@ from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
-from lightning_gpuopt.internals import show_in_progress_bar
-from lightning_gpuopt.perf.device import read_device
+from lightning_gpuopt.internals import attached_trainer, show_in_progress_bar
+from lightning_gpuopt.perf.device import training_device
 from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype_name
 from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
@@ -186,7 +186,7 @@ class GPTModule(pl.LightningModule):
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
         """bf16 under a bf16 precision (Lightning's or ``BF16Precision``) and under a float8 one computing the
         rest in bf16 (``Float8Precision``: its float8 layers gather in float8 or bf16), else keep float32."""
-        if self._trainer is None:
+        if attached_trainer(self) is None:
             return None
         plugin = self.trainer.precision_plugin
         name = compute_dtype_name(plugin)
@@ -195,11 +195,12 @@ class GPTModule(pl.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        datamodule = getattr(trainer, "datamodule", None)
         check_data_fits(self.config, getattr(datamodule, "vocab_size", None), getattr(datamodule, "block_size", None))
-        if self._trainer is not None:  # before the model is built: flash-attn would fail at the first step
-            facts = read_device(self.trainer.strategy.root_device)
-            check_attention_runs(self.config, facts, compute_dtype_name(self.trainer.precision_plugin))
+        if trainer is not None:  # before the model is built: flash-attn would fail at the first step
+            facts = training_device(trainer)
+            check_attention_runs(self.config, facts, compute_dtype_name(trainer.precision_plugin))
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)
@@ -297,7 +298,8 @@ class GPTModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        optimizer = build_adamw(self.model, hp.learning_rate, hp.weight_decay, tuple(hp.betas))  # its errors before warnings
+        facts = training_device(self.trainer)
+        optimizer = build_adamw(self.model, hp.learning_rate, hp.weight_decay, tuple(hp.betas), device_facts=facts)
         warn = None if self.trainer.fast_dev_run else rank_zero_warn
         warmup, total = schedule_length(self.trainer.estimated_stepping_batches, hp.warmup_steps, warn)
         scheduler = warmup_cosine_schedule(optimizer, warmup, total, hp.min_lr_ratio)

@@ -40,7 +40,7 @@ def build_adamw(
         eps: Adam epsilon.
         fused: Use the fused kernel; ``None`` chooses it where it is the faster one
             (``DeviceFacts.fused_adamw``: on CUDA) for the device the parameters are on.
-        device_facts: The facts of that device; ``None`` reads them (``read_device``).
+        device_facts: The facts of that device (in a fit, ``training_device(trainer)``); ``None`` reads them.
 
     Raises:
         ValueError: No trainable parameters, or float16 ones with an ``eps`` that float16 rounds to zero.

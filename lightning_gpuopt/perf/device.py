@@ -1,24 +1,23 @@
-"""Device facts: what the training device is, read once, as one value every decision takes.
+"""Device facts: what the training device is, read once per run, as one value every decision takes.
 
-Which precision, attention kernel, optimizer kernel and allocator setting a run uses depends on the
-device. Each such decision is a plain function of a :class:`DeviceFacts` (``facts.bf16``,
-``facts.capability``, ...), so a test builds the facts of an H100, a V100 or a CPU
-(:data:`REFERENCE_DEVICES`) and checks the decision for each on any machine. :func:`read_device`
-is the one place that asks the driver (``torch.cuda``); the memory and RNG calls a run makes on
-its own GPU stay where they are used.
+Each device decision (precision, attention kernel, optimizer kernel, allocator) is a plain function
+of a :class:`DeviceFacts`, so a test checks it for an H100, a V100 or a CPU (:data:`REFERENCE_DEVICES`)
+on any machine. :func:`read_device` asks the driver; in a run :func:`training_device` calls it once
+and binds the precision plugin to the result.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 import torch
 
 from lightning_gpuopt.perf.peaks import GPUPeaks, find_gpu
 from lightning_gpuopt.perf.units import GiB
 
-__all__ = ["DeviceFacts", "REFERENCE_DEVICES", "cuda_device_count", "read_device"]
+__all__ = ["DeviceBound", "DeviceFacts", "REFERENCE_DEVICES", "cuda_device_count", "read_device", "training_device"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +139,44 @@ def read_device(device: Union[torch.device, str, None] = None) -> DeviceFacts:
         index=index,
     )
 
+
+
+@runtime_checkable
+class DeviceBound(Protocol):
+    """A precision plugin that decides from the training device, told it once per run by :func:`training_device`.
+
+    ``lightning_gpuopt.precision.DevicePrecision`` implements it (and so every plugin built on it).
+    ``strategy`` is the run's strategy, ``None`` when the plugin is bound by hand.
+    """
+
+    def bind(self, device: torch.device, facts: DeviceFacts, strategy: Any = None) -> None: ...
+
+
+# strategy -> (its root device, that device's facts): one entry per Trainer, gone with it.
+_KEPT: "weakref.WeakKeyDictionary[Any, tuple[torch.device, DeviceFacts]]" = weakref.WeakKeyDictionary()
+
+
+def training_device(trainer: Any) -> DeviceFacts:
+    """The facts of the device ``trainer`` trains on, read once per run and kept for every decision in it.
+
+    The first call reads them and binds the Trainer's precision plugin to them (if it is
+    :class:`DeviceBound`), so whoever asks first (a callback's ``setup`` at the earliest, the plugin's
+    own ``configure_model`` or ``convert_module`` at the latest) reads the dtype of this device.
+
+    Example::
+
+        facts = training_device(trainer)   # in any hook from setup on
+        facts.bf16, facts.total_memory
+
+    Args:
+        trainer: The running Trainer (its strategy's root device is the training device).
+    """
+    strategy = trainer.strategy
+    device = strategy.root_device
+    kept = _KEPT.get(strategy)
+    if kept is None or kept[0] != device:  # a launcher may move a process to its own GPU after the Trainer is built
+        kept = _KEPT[strategy] = (device, read_device(device))
+        plugin = strategy.precision_plugin
+        if isinstance(plugin, DeviceBound):
+            plugin.bind(device, kept[1], strategy)
+    return kept[1]

@@ -65,7 +65,7 @@ def memory_stats(facts: DeviceFacts) -> dict[str, float]:
         memory_stats(read_device("cuda:0"))  # {"mem/allocated_gb": 12.3, ..., "mem/peak_pct": 41.0}
 
     Args:
-        facts: The training device (:func:`~lightning_gpuopt.perf.device.read_device`).
+        facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
     """
     if not facts.is_cuda or not facts.total_memory:
         return {}

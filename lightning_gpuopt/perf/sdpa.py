@@ -53,7 +53,7 @@ def auto_sdpa_order(facts: DeviceFacts) -> tuple[Optional[tuple[str, ...]], str]
         auto_sdpa_order(REFERENCE_DEVICES["A100"])      # (None, "left as PyTorch orders them (compute capability 8.0)")
 
     Args:
-        facts: The training device (:func:`~lightning_gpuopt.perf.device.read_device`).
+        facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
     """
     if not facts.is_cuda:
         return None, "left as PyTorch orders them: no CUDA device"

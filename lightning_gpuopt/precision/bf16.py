@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Union
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpuopt.perf.device import DeviceFacts
-from lightning_gpuopt.precision.autocast import _AutocastPrecision, _TrainerDeviceMixedPrecision
+from lightning_gpuopt.precision.base import AutocastMode, DevicePrecision
 
 __all__ = ["BF16Precision", "autocast_precision"]
 
 
-def autocast_precision(facts: DeviceFacts) -> _AutocastPrecision:
+def autocast_precision(facts: DeviceFacts) -> AutocastMode:
     """``"bf16-mixed"`` where the device runs bfloat16 natively (any CPU; CUDA from compute capability 8.0), else ``"16-mixed"``.
 
     Example::
@@ -23,12 +23,12 @@ def autocast_precision(facts: DeviceFacts) -> _AutocastPrecision:
         autocast_precision(REFERENCE_DEVICES["T4"])    # "16-mixed": T4 and V100 emulate bf16, slowly
 
     Args:
-        facts: The training device's facts (:func:`~lightning_gpuopt.perf.device.read_device`).
+        facts: The training device's facts (:func:`~lightning_gpuopt.perf.device.training_device`).
     """
     return "bf16-mixed" if facts.bf16 else "16-mixed"
 
 
-class BF16Precision(_TrainerDeviceMixedPrecision):
+class BF16Precision(DevicePrecision):
     """Mixed precision with bfloat16 autocast; parameters, gradients and optimizer state stay float32.
 
     A subclass of Lightning's ``MixedPrecision``, so Lightning's own tools (``ThroughputMonitor``)
@@ -50,23 +50,15 @@ class BF16Precision(_TrainerDeviceMixedPrecision):
         Don't also pass ``Trainer(precision=...)``: the plugin is the precision setting.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-
-    @property
-    def fp8(self) -> bool:
-        """``False``: matmuls run in :attr:`compute_dtype` (bf16, or fp16 without bf16 support)."""
-        return False
-
     @override
-    def _precision_for(self, facts: DeviceFacts) -> _AutocastPrecision:
+    def autocast_mode(self, facts: DeviceFacts) -> AutocastMode:
         return autocast_precision(facts)
 
     @override
-    def bind(self, device: Union[torch.device, str], facts: Optional[DeviceFacts] = None) -> None:
+    def bind(self, device: Union[torch.device, str], facts: DeviceFacts, strategy: Any = None) -> None:
         before = self.device_facts
-        super().bind(device, facts)
-        if self.device_facts != before and self.precision == "16-mixed":
+        super().bind(device, facts, strategy)
+        if self.device_facts is not before and self.precision == "16-mixed":
             rank_zero_warn(
                 f"BF16Precision: {self.device_facts.describe()} has no native bfloat16 support, so training uses "
                 "float16 autocast with a GradScaler instead. Use a GPU with compute capability >= 8.0 (A100, H100, "

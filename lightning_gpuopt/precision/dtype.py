@@ -13,6 +13,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 
+from lightning_gpuopt.internals import unscales_in_step
 from lightning_gpuopt.perf.peaks import dtype_name
 
 __all__ = ["LIGHTNING_PRECISIONS", "clip_mixed_precision", "compute_dtype_name", "is_fp8", "tf32_enabled"]
@@ -136,9 +137,8 @@ def clip_mixed_precision(
     """
     if not clip_val or clip_val <= 0:
         return
-    # torch's flag for an optimizer whose step() unscales (fused AdamW); Lightning has unscaled all others already.
-    unscales_in_step = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    # An optimizer whose step() unscales (fused AdamW); Lightning has unscaled all others already.
     has_grads = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-    if plugin.scaler is not None and unscales_in_step and has_grads:  # no gradients: a skipped backward, nothing to clip
+    if plugin.scaler is not None and unscales_in_step(optimizer) and has_grads:  # no gradients: a skipped backward, nothing to clip
         plugin.scaler.unscale_(optimizer)
     Precision.clip_gradients(plugin, optimizer, clip_val, GradClipAlgorithmType(algorithm))

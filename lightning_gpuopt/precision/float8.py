@@ -1,11 +1,8 @@
 """`Float8Precision`: torchao float8 training of Linear layers, under bfloat16 autocast.
 
-Design note: the model is converted wherever the Trainer builds it. Modules built in the
-LightningModule's ``__init__`` are converted in ``convert_module`` (the strategy calls it in
-``setup``, before DDP wraps the model). Modules built in ``configure_model`` are converted the moment
-they are assigned to the LightningModule (a module-registration hook, active only inside
-``module_init_context``), i.e. before anything in ``configure_model`` can ``fully_shard`` or compile
-them; that is what FSDP2 (``ModelParallelStrategy``) needs, without the user editing their module.
+Layers convert where the Trainer builds them (:meth:`~lightning_gpuopt.precision.base.DevicePrecision.convert`):
+as ``configure_model`` assigns them, before FSDP2's ``fully_shard`` or a compile; else in ``convert_module``,
+before DDP wraps the model.
 """
 
 from __future__ import annotations
@@ -20,7 +17,8 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_gpuopt.perf.compiled import is_compiled
-from lightning_gpuopt.precision.autocast import _TrainerDeviceMixedPrecision
+from lightning_gpuopt.perf.device import DeviceFacts
+from lightning_gpuopt.precision.base import DevicePrecision
 from lightning_gpuopt.precision.float8_layers import (
     RECIPES,
     Float8Recipe,
@@ -47,7 +45,7 @@ def check_float8_device(facts: DeviceFacts, emulate: bool) -> None:
         check_float8_device(REFERENCE_DEVICES["A100"], emulate=False)      # raises: compute capability 8.0
 
     Args:
-        facts: The training device (:func:`~lightning_gpuopt.perf.device.read_device`).
+        facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
         emulate: Whether float8 matmuls are emulated (allowed on any device).
     """
     if emulate or facts.fp8:
@@ -94,7 +92,7 @@ def check_float8_strategy(strategy: Any) -> None:
         )
 
 
-class Float8Precision(_TrainerDeviceMixedPrecision):
+class Float8Precision(DevicePrecision):
     """Float8 training with torchao: Linear layers run FP8 matmuls, everything else bf16 autocast.
 
     Parameters, gradients and optimizer state stay float32, and the state dict has the keys and
@@ -171,46 +169,36 @@ class Float8Precision(_TrainerDeviceMixedPrecision):
         the rest runs in :attr:`compute_dtype`, the bf16 autocast dtype."""
         return True
 
-    def _setup_for(self, module: "pl.LightningModule") -> None:
-        """Adopt the Trainer's device and strategy, checking the hardware (before any conversion)."""
-        self._bind_from(module)
-        if self._bound_device is not None:
+    @override
+    def bind(self, device: Union[torch.device, str], facts: DeviceFacts, strategy: Any = None) -> None:
+        before = self.device_facts
+        super().bind(device, facts, strategy)
+        if self.device_facts is not before:  # checked once per device: before any layer converts
             check_float8_device(self.device_facts, self.emulate)
-        trainer = getattr(module, "_trainer", None)
-        if trainer is not None:
+        if strategy is not None:
             from lightning.pytorch.strategies import ModelParallelStrategy
 
-            check_float8_strategy(trainer.strategy)
-
-            self._fsdp_float8_all_gather = isinstance(trainer.strategy, ModelParallelStrategy) and self.recipe == "tensorwise"
-
-    def _convert(self, root: Module, prefix: str = "") -> None:
-        config = float8_config(self.recipe, self.emulate, self._fsdp_float8_all_gather)
-        on_cpu = self._bound_device is not None and self._bound_device.type == "cpu"
-        report = convert_linears_to_float8(root, config, self.module_filter, self.recipe, prefix, cpu_autocast_hook=on_cpu)
-        seen = {name for name, _, _ in self.conversion_report}  # skipped layers are seen again in setup
-        self.conversion_report.extend(row for row in report if row[0] not in seen)
+            check_float8_strategy(strategy)
+            self._fsdp_float8_all_gather = isinstance(strategy, ModelParallelStrategy) and self.recipe == "tensorwise"
 
     @override
-    def _on_register(self, parent: Module, name: str, child: Optional[Module]) -> Optional[Module]:
-        # Module-registration hook (module_init_context): convert whatever is assigned to a LightningModule, as soon as it is.
-        if child is None or not isinstance(parent, pl.LightningModule):
-            return None
-        self._setup_for(parent)
-        if isinstance(child, nn.Linear):  # torchao converts a root Linear by returning a new module
-            holder = nn.ModuleDict({name: child})
-            self._convert(holder)
-            return holder[name]
-        self._convert(child, prefix=f"{name}.")
-        return None
+    def convert(self, module: Module, name: str) -> Module:
+        if not name and _is_fully_sharded(module):
+            self._check_nothing_left_after_sharding(module)
+            return module
+        config = float8_config(self.recipe, self.emulate, self._fsdp_float8_all_gather)
+        on_cpu = self.bound_device is not None and self.bound_device.type == "cpu"
+        root, prefix = module, (f"{name}." if name else "")
+        if isinstance(module, nn.Linear):  # torchao converts a root Linear by returning a new module
+            root, prefix = nn.ModuleDict({name or "linear": module}), ""
+        report = convert_linears_to_float8(root, config, self.module_filter, self.recipe, prefix, cpu_autocast_hook=on_cpu)
+        seen = {fqn for fqn, _, _ in self.conversion_report}  # skipped layers are seen again in setup
+        self.conversion_report.extend(row for row in report if row[0] not in seen)
+        return root[name or "linear"] if root is not module else module
 
     @override
     def convert_module(self, module: Module) -> Module:
-        self._setup_for(module)
-        if _is_fully_sharded(module):
-            self._check_nothing_left_after_sharding(module)
-        else:
-            self._convert(module)
+        module = super().convert_module(module)
         converted = sum(reason is None for _, _, reason in self.conversion_report)
         rank_zero_info(format_conversion_table(self.conversion_report, self.recipe))
         message = nothing_converted_message(self.conversion_report, self.recipe, type(module).__name__)

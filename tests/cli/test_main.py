@@ -216,7 +216,7 @@ def test_main_ends_the_process_group_after_a_successful_run(text_dir, cache_dir,
 def test_stack_precision_is_the_fastest_on_the_device(name):
     from lightning_gpuopt.cli.defaults import default_stack, float32_note
 
-    facts = REFERENCE_DEVICES[name]
+    facts = REFERENCE_DEVICES[name].type
     plugins = default_stack(facts)["trainer.plugins"]
     if name == "cpu":  # bf16 autocast doubles the step time on a CPU
         assert plugins is None and float32_note(None, None, facts).startswith("gpuopt: running in float32 on the CPU")
@@ -233,9 +233,9 @@ def _plugin_paths(plugins):
 
 
 def _stack_plugin_paths():
-    from lightning_gpuopt.cli.defaults import stack_device, stack_precision_plugins
+    from lightning_gpuopt.cli.defaults import stack_device_type, stack_precision_plugins
 
-    return _plugin_paths(stack_precision_plugins(stack_device()))
+    return _plugin_paths(stack_precision_plugins(stack_device_type()))
 
 
 def test_default_stack_is_in_the_parsed_config():

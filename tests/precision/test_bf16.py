@@ -53,7 +53,7 @@ def test_plugins_are_built_without_initialising_cuda(monkeypatch):
     def initialises_cuda():
         raise AssertionError("initialised CUDA while building a precision plugin")
 
-    monkeypatch.setattr("lightning_gpuopt.precision.autocast.cuda_device_count", lambda: 1)  # a GPU machine
+    monkeypatch.setattr("lightning_gpuopt.precision.base.cuda_device_count", lambda: 1)  # a GPU machine
     monkeypatch.setattr(torch.cuda, "_lazy_init", initialises_cuda)
     for plugin in (BF16Precision(), Float8Precision()):
         assert (plugin.device, plugin.precision, plugin.scaler, plugin.device_facts) == ("cuda", "bf16-mixed", None, None)
@@ -90,12 +90,12 @@ def test_autocast_precision_for_every_reference_device(name):
 
 
 def test_callbacks_bind_the_plugin_at_setup_and_read_the_device_dtype(monkeypatch):
-    # Callbacks' setup runs before convert_module. MFUMonitor binds the plugin there, so it reads the dtype of
-    # the training device: fp16 where the device (a V100, as read_device would report it) has no bf16. A
-    # callback after it, as Lightning's ThroughputMonitor, reads the same.
+    # Callbacks' setup runs before convert_module. MFUMonitor asks for the run's device there, which binds the
+    # plugin, so it reads the dtype of the training device: fp16 where the device (a V100, as read_device would
+    # report it) has no bf16. A callback after it, as Lightning's ThroughputMonitor, reads the same.
     from lightning_gpuopt.callbacks import MFUMonitor
 
-    monkeypatch.setattr("lightning_gpuopt.precision.autocast.read_device", lambda device: REFERENCE_DEVICES["V100"])
+    monkeypatch.setattr("lightning_gpuopt.perf.device.read_device", lambda device: REFERENCE_DEVICES["V100"])
     seen = {}
 
     class Reader(pl.Callback):
@@ -112,11 +112,11 @@ def test_callbacks_bind_the_plugin_at_setup_and_read_the_device_dtype(monkeypatc
 
 
 def test_configure_model_reads_the_dtype_of_the_training_device(monkeypatch):
-    # configure_model runs before convert_module (GPTModule picks FSDP2's parameter dtype there): the plugin
-    # binds as the first module is assigned to the LightningModule.
+    # configure_model runs before convert_module (GPTModule picks FSDP2's parameter dtype there): with no callback
+    # asking for the device earlier, the plugin binds as the first module is assigned to the LightningModule.
     from lightning_gpuopt.precision.dtype import compute_dtype_name
 
-    monkeypatch.setattr("lightning_gpuopt.precision.autocast.read_device", lambda device: REFERENCE_DEVICES["T4"])
+    monkeypatch.setattr("lightning_gpuopt.perf.device.read_device", lambda device: REFERENCE_DEVICES["T4"])
 
     class BuiltInConfigureModel(ProbeGPT):
         def __init__(self):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -213,18 +212,16 @@ def test_float8_without_torchao_names_the_extra(monkeypatch):
         Float8Precision()
 
 
-def test_float8_on_pre_sm89_gpu_names_emulate_and_bf16(monkeypatch):
+def test_float8_on_pre_sm89_gpu_names_emulate_and_bf16():
     with pytest.raises(RuntimeError, match=r"A100.* has 8\.0.*emulate=True.*BF16Precision"):
         check_float8_device(REFERENCE_DEVICES["A100"], emulate=False)
     check_float8_device(REFERENCE_DEVICES["A100"], emulate=True)  # emulation is allowed anywhere
     check_float8_device(REFERENCE_DEVICES["L4"], emulate=False)
     check_float8_device(REFERENCE_DEVICES["H100 SXM"], emulate=False)
 
-    # The plugin runs the check when it learns the Trainer's device, on its facts, before converting anything.
-    monkeypatch.setattr("lightning_gpuopt.precision.autocast.read_device", lambda device: REFERENCE_DEVICES["T4"])
-    on_gpu = SimpleNamespace(_trainer=SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0))))
+    # The plugin runs the check when it is bound to the run's device, on its facts, before converting anything.
     with pytest.raises(RuntimeError, match="emulate=True"):
-        Float8Precision()._setup_for(on_gpu)
+        Float8Precision().bind(torch.device("cuda", 0), REFERENCE_DEVICES["T4"])
 
 
 def test_float8_with_per_block_compile_trains_like_uncompiled():

@@ -82,7 +82,7 @@ def test_compiled_float8_step_not_slower_than_bf16_at_d4096():
 
 def test_bf16_precision_on_this_gpu():
     plugin = BF16Precision()
-    plugin.bind(torch.device("cuda", 0))
+    plugin.bind(torch.device("cuda", 0), read_device("cuda:0"))
     expected = torch.bfloat16 if read_device("cuda:0").bf16 else torch.float16
     assert plugin.compute_dtype == expected and plugin.device == "cuda"
     assert (plugin.scaler is None) == (expected == torch.bfloat16)
@@ -90,8 +90,5 @@ def test_bf16_precision_on_this_gpu():
 
 @pytest.mark.skipif("sm89()", reason="checks the error raised on GPUs older than SM 8.9")
 def test_float8_on_old_gpu_raises_naming_alternatives():
-    from types import SimpleNamespace
-
-    on_gpu = SimpleNamespace(_trainer=SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0))))
     with pytest.raises(RuntimeError, match="emulate=True.*BF16Precision"):
-        Float8Precision()._setup_for(on_gpu)
+        Float8Precision().bind(torch.device("cuda", 0), read_device("cuda:0"))

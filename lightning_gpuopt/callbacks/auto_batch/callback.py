@@ -1,18 +1,15 @@
 """`AutoBatchSize`: the largest micro-batch that fits, with the global batch kept through gradient accumulation.
 
-The callback holds the decisions (which size, when to redo a step or stop), the checks and the
-logging, and what a new micro-batch takes beyond the batch-size attribute (the validation cadence,
-the check that the training loader really uses the new size). The work is elsewhere: the search in :mod:`lightning_gpuopt.callbacks.auto_batch.search` (plain
-functions), the trial steps in :mod:`lightning_gpuopt.callbacks.auto_batch.trial`, the recovery from an
-out-of-memory error later in training in :mod:`lightning_gpuopt.callbacks.auto_batch.recovery`, and every
-touch of Lightning's private loop state in :mod:`lightning_gpuopt.internals`.
+The callback decides (which size, when to redo a step or stop), hands the size to the data
+(:func:`hand_over`), checks and logs. The search is plain functions in ``search.py``, the trials and
+their undo in ``trial.py``, a later out-of-memory error in ``recovery.py``.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
@@ -26,12 +23,31 @@ from lightning_gpuopt.callbacks.auto_batch import recovery as oom
 from lightning_gpuopt.callbacks.auto_batch.trial import batch_len, trial_steps
 from lightning_gpuopt.internals import drop_train_loader, is_last_batch, require_internals
 from lightning_gpuopt.callbacks.auto_batch import search
-from lightning_gpuopt.callbacks.auto_batch.search import Trial
+from lightning_gpuopt.callbacks.auto_batch.search import SEARCH_MODES, SearchMode, Trial
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 from lightning_gpuopt.perf.parallel import data_parallel_size
 from lightning_gpuopt.perf.oom import is_oom_error
+from lightning_gpuopt.protocols import TakesMicroBatch
 
 __all__ = ["AutoBatchSize"]
+
+
+def current_micro_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str) -> int:
+    """The micro-batch the training data uses now: a :class:`~lightning_gpuopt.protocols.TakesMicroBatch`
+    datamodule's ``batch_size``, else the ``attr`` attribute of the datamodule or module."""
+    data = trainer.datamodule
+    return int(data.batch_size if isinstance(data, TakesMicroBatch) else lightning_getattr(pl_module, attr))
+
+
+def hand_over(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str, size: int) -> None:
+    """Give the training data micro-batch ``size``: by a call to a datamodule that takes one
+    (:class:`~lightning_gpuopt.protocols.TakesMicroBatch`), else by setting ``attr`` on the datamodule or
+    module (the fallback, said at ``setup``). Its next ``train_dataloader()`` builds the loader with it."""
+    data = trainer.datamodule
+    if isinstance(data, TakesMicroBatch):
+        data.use_micro_batch(size)
+    else:
+        lightning_setattr(pl_module, attr, size)
 
 
 def keep_validation_cadence(trainer: pl.Trainer, old: int, new: int) -> None:
@@ -71,7 +87,7 @@ def loader_batch_size(loader: Any) -> Optional[int]:
 def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, replicas: int) -> bool:
     """Raise, with the fix, if the training loader does not use the micro-batch ``expected``.
 
-    A DataLoader built once (in ``__init__`` or ``setup()``) ignores the batch size set on ``attr``
+    A DataLoader built once (in ``__init__`` or ``setup()``) ignores the micro-batch handed over
     afterwards, and the run would train another global batch than the one reported. The loader's
     own ``batch_size`` is compared; a loader without one (a custom batch sampler) is judged by the
     samples in ``batch`` (the first dimension of its first tensor). Returns ``False`` when the
@@ -86,7 +102,7 @@ def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, repli
         trainer: The running Trainer (in ``on_train_batch_start``).
         batch: The training batch.
         expected: The micro-batch it must hold.
-        attr: The batch-size attribute that was set, for the message.
+        attr: The batch-size attribute set when the datamodule does not take the micro-batch by a call.
         replicas: Data-parallel ranks, for the message.
     """
     held, what = loader_batch_size(trainer.train_dataloader), "the training DataLoader's batch_size is"
@@ -103,12 +119,15 @@ def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, repli
             return False
     if held != expected:
         accumulate = trainer.accumulate_grad_batches
+        data = trainer.datamodule
+        by_call = isinstance(data, TakesMicroBatch)
+        how, source = (f"{type(data).__name__}.use_micro_batch", "batch_size") if by_call else (f"`{attr}`", attr)
         raise ValueError(
-            f"AutoBatchSize set the micro-batch to {expected} through `{attr}`, but {what} {held}, so each optimizer "
+            f"AutoBatchSize set the micro-batch to {expected} through {how}, but {what} {held}, so each optimizer "
             f"step would train {held} x {accumulate} x {replicas} = {held * accumulate * replicas} samples instead of "
-            f"the global batch {expected * accumulate * replicas}. The training DataLoader ignores `{attr}`: build it "
-            f"inside train_dataloader() from self.{attr} (not once in __init__ or setup()), or remove AutoBatchSize "
-            "and set the batch size yourself."
+            f"the global batch {expected * accumulate * replicas}. The training DataLoader ignores `{source}`: build "
+            f"it inside train_dataloader() from self.{source} (not once in __init__ or setup()), or remove "
+            "AutoBatchSize and set the batch size yourself."
         )
     return True
 
@@ -179,12 +198,21 @@ def check_can_set_micro_batch(
             "AutoBatchSize needs automatic optimization (it sets trainer.accumulate_grad_batches); "
             f"{type(pl_module).__name__} sets automatic_optimization=False."
         )
+    data = trainer.datamodule
+    if isinstance(data, TakesMicroBatch):
+        return
     if not lightning_hasattr(pl_module, attr):
         raise ValueError(
             f"AutoBatchSize sets the micro-batch through a `{attr}` attribute of the datamodule or the module, and "
             f"neither {type(pl_module).__name__} nor the datamodule has one: add it (and use it in train_dataloader()), "
             "or name yours with AutoBatchSize(batch_size_attr=...)."
         )
+    data_name = type(data).__name__ if data is not None else "the training data (no datamodule)"
+    rank_zero_info(
+        f"AutoBatchSize: {data_name} does not take the micro-batch by a call (lightning_gpuopt.protocols."
+        f"TakesMicroBatch), so it is set through the `{attr}` attribute: train_dataloader() must build its "
+        "loader from it."
+    )
 
 
 class AutoBatchSize(Callback):
@@ -200,8 +228,8 @@ class AutoBatchSize(Callback):
         ``global_batch_size = micro_batch_size * accumulate_grad_batches * data-parallel ranks``
 
     holds exactly: the optimisation (global batch, learning-rate schedule) is what you
-    configured, whatever the GPU. The datamodule's (or module's) ``batch_size`` is set to the
-    micro-batch and ``trainer.accumulate_grad_batches`` to the accumulation.
+    configured, whatever the GPU. The datamodule is told the micro-batch (``use_micro_batch``, or its
+    ``batch_size`` set), and ``trainer.accumulate_grad_batches`` is set to the accumulation.
 
     The search leaves no trace (weights, optimizer, schedulers, grad scaler, RNG, ``global_step``
     and logged metrics are as before; other callbacks do not see the trial steps), and under DDP
@@ -235,7 +263,8 @@ class AutoBatchSize(Callback):
         steps_per_trial: Training steps per tried size. The default 2 runs the second step with
             the optimizer state the first one created, as every training step after the first
             does; 1 measures less memory than training needs.
-        batch_size_attr: Name of the batch-size attribute on the datamodule or module.
+        batch_size_attr: The batch-size attribute set on the datamodule or module when the datamodule does
+            not take the micro-batch by a call (:class:`~lightning_gpuopt.protocols.TakesMicroBatch`).
         recover_oom: Recover from out-of-memory errors later in training.
 
     Note:
@@ -249,7 +278,7 @@ class AutoBatchSize(Callback):
         self,
         global_batch_size: Optional[int] = None,
         max_micro_batch_size: Optional[int] = None,
-        mode: Literal["binsearch", "power"] = "binsearch",
+        mode: SearchMode = "binsearch",
         memory_margin: float = 0.1,
         steps_per_trial: int = 2,
         batch_size_attr: str = "batch_size",
@@ -258,7 +287,7 @@ class AutoBatchSize(Callback):
         own = "AutoBatchSize"
         check_int(own, "global_batch_size", global_batch_size, minimum=1, optional=True)
         check_int(own, "max_micro_batch_size", max_micro_batch_size, minimum=1, optional=True)
-        check_choice(own, "mode", mode, ("binsearch", "power"))
+        check_choice(own, "mode", mode, SEARCH_MODES)
         check_number(own, "memory_margin", memory_margin, low=0, high=1, high_open=True, hint=" (the fraction of memory to keep free)")
         check_int(own, "steps_per_trial", steps_per_trial, minimum=1)
         self.global_batch_size = global_batch_size
@@ -272,7 +301,9 @@ class AutoBatchSize(Callback):
         self.accumulate_grad_batches: Optional[int] = None
         self.trials: list[Trial] = []
         self.recoveries: list[dict[str, int]] = []  # the decisions above are saved in checkpoints
-        self._per_device: Optional[int] = None
+        self._per_device: Optional[int] = None  # samples per optimizer step on one device, set at setup
+        self._candidates: list[int] = []  # the micro-batches that keep it, smallest first
+        self._global_changed = False  # the global batch differs from the one the Trainer was configured with
         self._restored: Optional[dict[str, Any]] = None
         self._undo_retry: Optional[Callable[[], None]] = None
         self._stopped = False  # this callback already stopped the run (and said why)
@@ -287,8 +318,12 @@ class AutoBatchSize(Callback):
         self._searched_in_this_fit = False  # before any checkpoint is restored (also after a failed fit)
         self._fit = None
         check_can_set_micro_batch(trainer, pl_module, self.batch_size_attr, self.max_micro_batch_size)
-        if self.global_batch_size is not None:  # fails now, not after the data preparation
-            search.per_device_batch(self.global_batch_size, data_parallel_size(trainer))
+        replicas = data_parallel_size(trainer)
+        micro = current_micro_batch(trainer, pl_module, self.batch_size_attr)
+        configured = micro * trainer.accumulate_grad_batches * replicas  # the global batch the Trainer would train
+        self._per_device = search.per_device_batch(self.global_batch_size or configured, replicas)  # fails now
+        self._global_changed = self._per_device * replicas != configured
+        self._candidates = search.micro_batch_candidates(self._per_device, self.max_micro_batch_size)
         require_internals(trainer, "AutoBatchSize")
 
     @override
@@ -302,19 +337,13 @@ class AutoBatchSize(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        configured = int(lightning_getattr(pl_module, self.batch_size_attr))
-        replicas = data_parallel_size(trainer)
-        configured_global = configured * trainer.accumulate_grad_batches * replicas
-        global_batch = self.global_batch_size or configured_global
-        self._per_device = search.per_device_batch(global_batch, replicas)
         if self._restored is not None and self._apply_restored(trainer, pl_module):
             return
-        candidates = search.micro_batch_candidates(self._per_device, self.max_micro_batch_size)
         with trial_steps(trainer, pl_module, self.steps_per_trial, self.memory_margin) as trial:
-            best, self.trials = search.largest_fitting(candidates, trial, self.mode)
+            best, self.trials = search.largest_fitting(self._candidates, trial, self.mode)
         if best is None:
             raise search.nothing_fits_error(self.memory_margin)
-        self._apply(trainer, pl_module, best, global_batch != configured_global)
+        self._apply(trainer, pl_module, best, self._global_changed)
         self._report(trainer)
         self._searched_in_this_fit = True
         self._fit = (trainer, pl_module)
@@ -331,10 +360,10 @@ class AutoBatchSize(Callback):
             trainer.strategy.setup_optimizers(trainer)
 
     def _set_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: int) -> None:
-        old = int(lightning_getattr(pl_module, self.batch_size_attr))
+        old = current_micro_batch(trainer, pl_module, self.batch_size_attr)
         self.micro_batch_size = micro
         self.accumulate_grad_batches = self._per_device // micro
-        lightning_setattr(pl_module, self.batch_size_attr, micro)
+        hand_over(trainer, pl_module, self.batch_size_attr, micro)
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
         keep_validation_cadence(trainer, old, micro)
         self._check_batch = micro
@@ -345,9 +374,7 @@ class AutoBatchSize(Callback):
         if restored.get("per_device_batch") != self._per_device:
             rank_zero_info("AutoBatchSize: the per-device batch changed since the checkpoint: searching again.")
             return False
-        micro = restored["micro_batch_size"]
-        if self.max_micro_batch_size is not None and micro > self.max_micro_batch_size:
-            micro = search.micro_batch_candidates(self._per_device, self.max_micro_batch_size)[-1]
+        micro = min(restored["micro_batch_size"], self._candidates[-1])  # the largest below max_micro_batch_size
         self._apply(trainer, pl_module, micro, global_batch_changed=False)
         rank_zero_info(
             f"AutoBatchSize: micro-batch {micro} x {self.accumulate_grad_batches} accumulation, from the checkpoint."
@@ -403,7 +430,7 @@ class AutoBatchSize(Callback):
         self._fit = None  # no reference to the Trainer outlives its fit
 
     def _recover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data_fetcher: Any, message: str) -> None:
-        old = self.micro_batch_size or int(lightning_getattr(pl_module, self.batch_size_attr))
+        old = self.micro_batch_size or current_micro_batch(trainer, pl_module, self.batch_size_attr)
         self._per_device = self._per_device or old * trainer.accumulate_grad_batches
         new = search.fallback_micro_batch(old, self._per_device)
         if new is None:

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_gpuopt.callbacks.auto_batch.training_state import forget_unfinished_scaler_step
+from lightning_gpuopt.callbacks.auto_batch.trial import forget_unfinished_scaler_step
 from lightning_gpuopt.internals import (
     dump_checkpoint,
     move_batch_position,

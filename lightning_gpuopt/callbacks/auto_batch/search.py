@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, get_args
 
+from lightning_gpuopt.option_checks import check_choice
 from lightning_gpuopt.perf.units import GiB
 
-__all__ = ["Trial", "describe_search", "divisors", "nothing_fits_error", "search_metrics", "largest_fitting", "micro_batch_candidates", "per_device_batch", "fallback_micro_batch"]
+__all__ = ["SEARCH_MODES", "SearchMode", "Trial", "describe_search", "divisors", "nothing_fits_error", "search_metrics",
+           "largest_fitting", "micro_batch_candidates", "per_device_batch", "fallback_micro_batch"]
 
 SearchMode = Literal["binsearch", "power"]
+SEARCH_MODES: tuple[str, ...] = get_args(SearchMode)
 
 
 @dataclass
@@ -129,8 +132,7 @@ def largest_fitting(
     Returns:
         ``(best, trials)``; ``best`` is ``None`` when even the smallest candidate fails.
     """
-    if mode not in ("binsearch", "power"):
-        raise ValueError(f"AutoBatchSize.mode must be 'binsearch' or 'power', got {mode!r}.")
+    check_choice("AutoBatchSize", "mode", mode, SEARCH_MODES)
     trials: list[Trial] = []
 
     def fits(index: int) -> bool:

@@ -1,39 +1,41 @@
-"""The trial step of ``AutoBatchSize``: real training steps at a candidate micro-batch, that leave no trace.
+"""The trials of ``AutoBatchSize`` and their undo: real training steps at a candidate micro-batch that leave no trace.
 
-A trial runs ``training_step``, backward and the optimizer step through the run's own strategy
-and precision plugin, on a batch of the real shape built from the training data, and reports
-whether it fits (:class:`~lightning_gpuopt.callbacks.auto_batch.search.Trial`). :func:`trial_steps` captures
-the training state first and puts it back afterwards; other callbacks do not see the trial steps,
-and what they log is dropped. Lightning's private state is reached through
-:mod:`lightning_gpuopt.internals` only.
+:func:`trial_steps` captures the training state (:class:`TrainingState`), runs ``training_step``, backward and the
+optimizer step through the run's own strategy and precision plugin on batches of the real shape, and puts the
+state back; other callbacks do not see the trials, and what they log is dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import RunningStage
+from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data import default_collate
 
-from lightning_gpuopt.callbacks.auto_batch.training_state import TrainingState, forget_unfinished_scaler_step
 from lightning_gpuopt.internals import (
     build_train_loader,
     call_strategy_hook,
+    forget_scaler_steps,
+    local_tensor,
     throwaway_results,
     transfer_hooks,
 )
 from lightning_gpuopt.callbacks.auto_batch.search import Trial
-from lightning_gpuopt.perf.device import read_device
+from lightning_gpuopt.perf.device import training_device
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
 from lightning_gpuopt.protocols import CompilesItself
 from lightning_gpuopt.perf.units import GiB
+from lightning_gpuopt.resume import capture_rng_state, restore_rng_state
 
-__all__ = ["batch_len", "trial_steps"]
+__all__ = ["TrainingState", "batch_len", "forget_unfinished_scaler_step", "trial_steps"]
 
 
 @contextlib.contextmanager
@@ -114,7 +116,7 @@ def _trial(
     peak = None
     if device.type == "cuda":
         peak = torch.cuda.max_memory_reserved(device)  # a measurement on the run's own GPU
-        total = read_device(device).total_memory
+        total = training_device(trainer).total_memory
         if fits and peak > (1 - margin) * total:
             fits, reason = False, f"peak {peak / GiB:.1f} GiB leaves less than {margin:.0%} free"
     free_memory(device)
@@ -266,3 +268,130 @@ def batch_len(batch: Any) -> Optional[int]:
         if found is not None:
             return found
     return None
+
+
+# ------------------------------------------------------------------ the undo: what a trial can change
+
+
+def forget_unfinished_scaler_step(trainer: pl.Trainer) -> None:
+    """Forget a grad-scaler step that an error cut short.
+
+    Lightning's fp16 step calls ``scaler.unscale_`` before ``scaler.step``; an OOM in between leaves
+    the optimizer marked "unscaled", and the next ``unscale_`` would raise. ``update`` is what
+    normally clears it, and cannot run without a finished step.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        forget_scaler_steps(scaler)
+
+
+@dataclass
+class _HostShard:
+    """A DTensor's local shard in host memory, with what rebuilds the DTensor on its device."""
+
+    local: Tensor
+    device: torch.device
+    spec: tuple  # (device mesh, placements, global shape, global stride)
+
+    def back(self) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.spec
+        local = self.local.to(self.device)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _to_host(value: Any) -> Any:
+    """A copy of an optimizer state dict with its tensors in host memory (DTensors as their local shard)."""
+    if isinstance(value, Tensor) and local_tensor(value) is not value:  # DTensor (FSDP2)
+        spec = (value.device_mesh, value.placements, value.shape, value.stride())
+        local = local_tensor(value)
+        return _HostShard(local.detach().to("cpu", copy=True), local.device, spec)
+    if isinstance(value, Tensor):  # torchao's low-bit states move too (their subclasses implement the copy)
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _from_host(value: Any) -> Any:
+    """The state dict to load: DTensors rebuilt on their device (``load_state_dict`` moves plain tensors)."""
+    if isinstance(value, _HostShard):
+        return value.back()
+    if isinstance(value, dict):
+        return {k: _from_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_from_host(v) for v in value)
+    return value
+
+
+@dataclass
+class TrainingState:
+    """Weights, optimizer and LR-scheduler state, grad-scaler state, RNG states and module modes.
+
+    Weights and optimizer state are copied to host memory, so the copies do not take the device
+    memory the search measures (Adam's state is twice the weights: a copy on the device would make
+    the search pick a smaller micro-batch, or find none). Optimizer state is copied only when it
+    exists. It is empty at the start of a fresh run (trial steps create it and ``restore`` drops it
+    again), and a checkpoint's optimizer state arrives after ``on_fit_start`` under every strategy,
+    so after the search; it exists when ``configure_optimizers`` hands over an optimizer that has
+    already stepped (one kept across fits) or a callback loads optimizer state in ``on_fit_start``.
+    ``restore`` loads it back onto its parameters' device and dtype.
+    """
+
+    weights: list[Tensor] = field(default_factory=list)
+    grads_were_none: bool = True
+    optimizers: list[Optional[dict]] = field(default_factory=list)
+    groups: list[list[dict]] = field(default_factory=list)  # each optimizer's param-group settings (lr, ...)
+    schedulers: list[dict] = field(default_factory=list)
+    scaler: Optional[dict] = None
+    rng: dict[str, Any] = field(default_factory=dict)
+    modes: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def capture(cls, trainer: pl.Trainer, module: torch.nn.Module) -> "TrainingState":
+        tensors = list(module.parameters()) + list(module.buffers())
+        state = cls(
+            weights=[local_tensor(t.detach()).to("cpu", copy=True) for t in tensors],
+            grads_were_none=all(p.grad is None for p in module.parameters()),
+            optimizers=[
+                _to_host(opt.state_dict()) if len(opt.state) else None for opt in trainer.optimizers
+            ],
+            groups=[
+                [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
+                for opt in trainer.optimizers
+            ],
+            schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
+            modes=[m.training for m in module.modules()],
+        )
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            state.scaler = copy.deepcopy(scaler.state_dict())
+        state.rng = capture_rng_state()
+        return state
+
+    def restore(self, trainer: pl.Trainer, module: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for t, saved in zip(list(module.parameters()) + list(module.buffers()), self.weights):
+                local_tensor(t).copy_(saved)
+        if self.grads_were_none:
+            for p in module.parameters():
+                p.grad = None
+        for opt, saved, groups in zip(trainer.optimizers, self.optimizers, self.groups):
+            if saved is None:
+                opt.state.clear()  # the run had no optimizer state yet: drop what the trials created
+                for group, settings in zip(opt.param_groups, groups):  # and what a scheduler step changed
+                    group.update(copy.deepcopy(settings))
+            else:
+                opt.load_state_dict(_from_host(saved))
+        for cfg, saved in zip(trainer.lr_scheduler_configs, self.schedulers):
+            cfg.scheduler.load_state_dict(saved)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and self.scaler is not None:
+            scaler.load_state_dict(self.scaler)
+        forget_unfinished_scaler_step(trainer)
+        restore_rng_state(self.rng)
+        for m, mode in zip(module.modules(), self.modes):
+            m.training = mode

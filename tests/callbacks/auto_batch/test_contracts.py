@@ -4,6 +4,7 @@ save, it honours the SavesAlone hook of any callback, and it refuses a loader th
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import lightning.pytorch as pl
 import pytest
@@ -12,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks import AutoBatchSize, ExactResume
 from lightning_gpuopt.data import TextDataModule
-from lightning_gpuopt.protocols import ResumableData, SavesAlone
+from lightning_gpuopt.protocols import ResumableData, SavesAlone, TakesMicroBatch
 from tests.callbacks.auto_batch._helpers import OOMAbove, StepRecorder, TokenData, cpu_trainer
 
 
@@ -113,6 +114,35 @@ def test_a_short_last_batch_is_not_taken_for_a_loader_that_ignores_the_size(tmp_
 def test_text_datamodule_is_resumable_data_and_plain_ones_are_not():
     assert isinstance(TextDataModule(source="stdlib"), ResumableData)
     assert not isinstance(TokenData(), ResumableData)
+
+
+class _Told(TokenData):
+    """A datamodule of one's own that takes the micro-batch by a call (TakesMicroBatch)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.told = []
+
+    def use_micro_batch(self, size):
+        self.told.append(size)
+        self.batch_size = size
+
+
+def test_a_datamodule_that_takes_the_micro_batch_is_told_by_a_call_and_others_get_the_attribute(tmp_path, caplog):
+    assert isinstance(TextDataModule(source="stdlib"), TakesMicroBatch) and not isinstance(TokenData(), TakesMicroBatch)
+    fallback = "does not take the micro-batch by a call"
+    told = _Told(batch_size=8)
+    search = AutoBatchSize(max_micro_batch_size=4, steps_per_trial=1, batch_size_attr="rows")  # no such attribute:
+    with caplog.at_level(logging.INFO):  # the call alone hands the size over
+        _trainer([search], 1, tmp_path / "a").fit(OOMAbove(limit=2), datamodule=told)
+    assert told.told == [2] and not any(fallback in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    plain = TokenData(batch_size=8)
+    with caplog.at_level(logging.INFO):
+        _trainer([AutoBatchSize(max_micro_batch_size=4, steps_per_trial=1)], 1, tmp_path / "b").fit(
+            OOMAbove(limit=2), datamodule=plain
+        )
+    assert plain.batch_size == 2 and sum(fallback in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("shape", ["nanogpt", "llama", "litgpt", "noforward", "iterable-collate"])

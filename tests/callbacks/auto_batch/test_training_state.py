@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_gpuopt.callbacks import AutoBatchSize
-from lightning_gpuopt.callbacks.auto_batch.training_state import TrainingState
+from lightning_gpuopt.callbacks.auto_batch.trial import TrainingState
 from tests.callbacks.auto_batch._helpers import OOMAbove, TokenData, cpu_trainer
 from tests.precision._helpers import tiny_gpt_module, token_loader
 

@@ -1,0 +1,138 @@
+"""`DevicePrecision`: the public base of this package's precision plugins.
+
+Lightning's ``MixedPrecision`` takes its autocast device as an argument; a ``DevicePrecision`` is told
+the run's device and its facts once (:func:`~lightning_gpuopt.perf.device.training_device`) and decides
+from them, and converts the model's layers where the Trainer builds them. ``docs/precision.md`` shows a
+new plugin written on it in one file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import nn
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gpuopt.internals import attached_trainer
+from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, training_device
+from lightning_gpuopt.precision.dtype import clip_mixed_precision
+
+__all__ = ["AutocastMode", "DevicePrecision"]
+
+AutocastMode = Literal["16-mixed", "bf16-mixed"]
+"""The autocast a ``DevicePrecision`` runs under: bf16, or fp16 with a ``GradScaler``."""
+
+
+class DevicePrecision(MixedPrecision):
+    """A ``MixedPrecision`` plugin that decides from the training device's facts and converts the model.
+
+    Subclass it and override what differs: :meth:`autocast_mode` (bf16 by default), :attr:`fp8`,
+    :meth:`bind` (to check the device, calling ``super().bind`` first) and :meth:`convert` (to replace
+    layers). It is bound once per run, before anything in the run reads its dtype; until then it states
+    bf16 on the device a Trainer would pick (CUDA if present), without initialising CUDA.
+
+    Example::
+
+        class MyPrecision(DevicePrecision):
+            def convert(self, module, name):
+                return swap_linears(module)   # any in-place or returned replacement
+
+        trainer = Trainer(plugins=[MyPrecision()])
+    """
+
+    def __init__(self) -> None:
+        # The device count does not initialise CUDA (NVML), so a fork-based launch can still use the GPU.
+        super().__init__(precision="bf16-mixed", device="cuda" if cuda_device_count() > 0 else "cpu")
+        self.device_facts: Optional[DeviceFacts] = None  # the facts bound to; None until bound
+        self.bound_device: Optional[torch.device] = None
+
+    def autocast_mode(self, facts: DeviceFacts) -> AutocastMode:
+        """The autocast on a device with these facts."""
+        return "bf16-mixed"
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the converted layers run float8 matmuls (MFU then counts against the fp8 peak)."""
+        return False
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in under this plugin's autocast (read by MFU and throughput callbacks)."""
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+
+    def bind(self, device: Union[torch.device, str], facts: DeviceFacts, strategy: Any = None) -> None:
+        """Train on ``device``, deciding from ``facts``: the autocast mode, and a ``GradScaler`` under fp16.
+
+        A run binds the plugin once (``training_device``). A plugin already bound to ``device`` keeps its
+        facts, so one bound by hand to decide as on another GPU keeps that decision in a fit.
+
+        Example::
+
+            plugin.bind(torch.device("cpu"), REFERENCE_DEVICES["V100"])  # fp16 and a GradScaler, on the CPU
+
+        Args:
+            device: The device training runs on (autocast and the ``GradScaler`` run there).
+            facts: The facts the decisions read.
+            strategy: The run's strategy, ``None`` when bound by hand.
+        """
+        device = torch.device(device)
+        if device == self.bound_device:
+            return
+        self.device_facts, self.bound_device, self.device = facts, device, device.type
+        self.precision = self.autocast_mode(facts)
+        self.scaler = None if self.precision == "bf16-mixed" else torch.amp.GradScaler(device=device.type)
+
+    def convert(self, module: Module, name: str) -> Module:
+        """Convert the layers of ``module`` and return it, or what replaces it; by default nothing changes.
+
+        Called for each module that ``configure_model`` assigns to the LightningModule (``name`` is its
+        attribute name), before anything else in that hook can shard or compile it, and for the whole
+        LightningModule when the strategy sets up (``name`` is ``""``): a module converted already must
+        be left as it is.
+        """
+        return module
+
+    def _bind_to_run(self, module: Module) -> None:
+        trainer = attached_trainer(module)
+        if trainer is not None:
+            training_device(trainer)  # binds this plugin, once per run
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        self._bind_to_run(module)
+        return self.convert(module, "")
+
+    def _on_register(self, parent: Module, name: str, child: Optional[Module]) -> Optional[Module]:
+        # Active inside module_init_context (configure_model): a module assigned to the LightningModule is converted now.
+        if child is None or not isinstance(parent, pl.LightningModule):
+            return None
+        self._bind_to_run(parent)
+        converted = self.convert(child, name)
+        return None if converted is child else converted
+
+    @override
+    @contextmanager
+    def module_init_context(self) -> Generator[None, None, None]:
+        handle = nn.modules.module.register_module_module_registration_hook(self._on_register)
+        try:
+            with super().module_init_context():
+                yield
+        finally:
+            handle.remove()
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        clip_mixed_precision(self, optimizer, clip_val, gradient_clip_algorithm)
