@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.generation import generate
-from lightning_gpuopt.model.kv_cache import KVCache
+from lightning_gpuopt.model.kv_cache import KVCache, padded_causal_mask
 from lightning_gpuopt.model.loss import linear_cross_entropy
 
 __all__ = ["GPT", "KVCache"]
@@ -46,11 +46,16 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self._flash_attn = _flash_attn_func() if config.attention == "flash-attn" else None
 
-    def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cache: Optional[KVCache] = None, mask: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """``mask``: boolean (B, 1, T, S), ``True`` where a query may attend (``None``: causal over the cache);
+        ``key_padding_mask``: (B, T) bool, ``False`` on padding among the new tokens, recorded in the cache."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         dropout = self.dropout if self.training else 0.0
-        if self._flash_attn is not None and cache is None:
+        if self._flash_attn is not None and cache is None and mask is None:
             # flash-attn wants (B, T, nh, hs)
             shape = (B, T, self.n_head, self.head_size)
             y = self._flash_attn(q.view(shape), k.view(shape), v.view(shape), dropout_p=dropout, causal=True)
@@ -59,17 +64,19 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        if cache is None or cache.pos == 0:
-            mask, is_causal = None, True
+        if mask is not None:
+            is_causal = False  # padding, or rows at different lengths: the mask says it all
+        elif cache is None or cache.pos == 0:
+            is_causal = True
         elif T == 1:
-            mask, is_causal = None, False  # one new token attends to every cached position
+            is_causal = False  # one new token attends to every cached position
         else:
             # T new tokens after `cache.pos` cached ones: token i sees positions <= pos + i
             pos = cache.pos
             mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
             is_causal = False
         if cache is not None:
-            k, v = cache.update(k, v)  # (B, nh, pos + T, hs)
+            k, v = cache.update(k, v, key_padding_mask)  # (B, nh, S, hs)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
@@ -97,8 +104,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(
+        self, x: Tensor, cache: Optional[KVCache] = None, mask: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, mask, key_padding_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -184,7 +194,8 @@ class GPT(nn.Module):
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * T
 
     def forward(
-        self, idx: Tensor, caches: Optional[list[KVCache]] = None, targets: Optional[Tensor] = None
+        self, idx: Tensor, caches: Optional[list[KVCache]] = None, targets: Optional[Tensor] = None,
+        input_pos: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
     ) -> Tensor:
         """Logits of shape (B, T, padded_vocab_size) for token ids ``idx`` of shape (B, T), or, given
         ``targets``, the mean next-token loss (see :meth:`loss_from_hidden`).
@@ -194,6 +205,10 @@ class GPT(nn.Module):
             caches: One ``KVCache`` per block, for incremental decoding (see ``generate``).
             targets: Token ids of shape (B, T) to predict; -1 marks a position without a target.
                 With targets the full logits are never materialised.
+            input_pos: Position of each token, (B, T) or (T,); ``None``: counted from the cache (or 0), skipping
+                padding.
+            key_padding_mask: (B, T) bool, ``False`` on padding tokens (prompts of different lengths, left-padded),
+                which no token attends to. Each real token then gets what its row alone would.
         """
         B, T = idx.shape
         start = caches[0].pos if caches else 0
@@ -202,14 +217,24 @@ class GPT(nn.Module):
                 f"Sequence of length {start + T} is longer than GPTConfig.block_size={self.config.block_size}: "
                 "use shorter sequences or a model with a larger block_size."
             )
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        mask = None
+        if caches:
+            mask = caches[0].attention_mask(B, T, key_padding_mask, idx.device)  # (B, 1, T, S) or None: causal
+            if input_pos is None:
+                input_pos = caches[0].next_positions(B, T, key_padding_mask, idx.device)
+        elif key_padding_mask is not None:
+            mask = padded_causal_mask(key_padding_mask, torch.arange(T, device=idx.device).expand(B, T))  # (B, 1, T, T)
+            if input_pos is None:
+                input_pos = (key_padding_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): real tokens before
+        if input_pos is None:
+            input_pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(input_pos))  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             cache = caches[i] if caches else None
             if self.config.activation_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, None, mask, use_reentrant=False)
             else:
-                x = block(x, cache)
+                x = block(x, cache, mask, key_padding_mask)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x)
