@@ -118,12 +118,12 @@ class CompletionWriter:
                 text = text[: text.index(stop)]
         line: dict[str, Any] = {**record, "index": p, "sample": s, "completion": text, "tokens": finished.tokens,
                                 "finish": finished.reason}
-        self.done += 1
-        self.tokens += len(finished.tokens)
-        self.reasons[finished.reason] += 1
         if self.scorer is not None:
             line["score"] = score_of(self.scorer, self.scorer_spec, record, text)
         self._write(0, line)
+        self.done += 1
+        self.tokens += len(finished.tokens)
+        self.reasons[finished.reason] += 1
         if self.scorer is not None and line["score"] >= self.keep_min_score:
             self.kept += 1
             self._write(1, {k: v for k, v in line.items() if k not in ("tokens", "finish")})

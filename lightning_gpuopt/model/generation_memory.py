@@ -77,7 +77,8 @@ def generation_batch_size(
     kv = 2 * config.n_layer * context * config.n_embd * dtype_bytes
     decode = config.padded_vocab_size * (dtype_bytes + 8) + _HIDDEN_COPIES * config.n_embd * dtype_bytes
     per_row = kv + decode
-    prefill = 3 * min(PREFILL_LOGITS_BYTES, 4 * context * config.padded_vocab_size * (most_rows or 1))
+    prefill_rows = most_rows if most_rows is not None else PREFILL_LOGITS_BYTES  # unknown: as many as a prefill takes
+    prefill = 3 * min(PREFILL_LOGITS_BYTES, 4 * context * config.padded_vocab_size * prefill_rows)
     if facts.total_memory is None:
         rows = CPU_ROWS if most_rows is None else min(CPU_ROWS, most_rows)
         return GenerationMemory(rows, per_row, kv, weight_bytes + prefill,
