@@ -38,6 +38,10 @@ from lightning_gpuopt.model.kv_cache import KVCache
 
 __all__ = ["Finished", "GenerationJob", "Request", "fit_to_context", "generate_batched"]
 
+REFILL_FRACTION = 8
+"""Idle rows are refilled once they are this fraction of the batch (or the whole batch, or one would outgrow the
+context): each refill is a prefill forward, so a few at a time cost fewer forwards than one per finished row."""
+
 PREFILL_LOGITS_BYTES = 1 << 30
 """Most bytes of float32 logits one prefill forward may produce: prompts are prefilled in groups of rows that fit."""
 
@@ -303,16 +307,24 @@ def _run_cached(
     caller: _Caller, pending: Iterator[_Row], batch_size: int, stops: _Stops, sample: Callable[[Tensor], tuple[Tensor, list[int]]]
 ) -> Iterator[Finished]:
     # long: one loop owns the batch's rows, its caches and its last tokens; cut up, it would hide which row is where
-    device, n_layer = caller.device, caller.n_layer
+    device, n_layer, block_size = caller.device, caller.n_layer, caller.block_size
     new = _take(pending, batch_size)  # the first prompts set the batch's rows
     capacity = len(new)
+    waiting = capacity == batch_size  # whether prompts may still wait
     if capacity == 0:
         return
-    caches = [KVCache(caller.block_size) for _ in range(n_layer)]  # row b of every cache is rows[b]
+    refill_at = max(1, capacity // REFILL_FRACTION)
+    caches = [KVCache(block_size) for _ in range(n_layer)]  # row b of every cache is rows[b]; None rows are idle
     rows: list[Optional[_Row]] = [None] * capacity
     last = torch.zeros(capacity, 1, dtype=torch.long, device=device)  # (B, 1): each row's token to feed next
     while True:
         free = [b for b, row in enumerate(rows) if row is None]
+        # Refill idle rows in groups (one prefill forward costs about a decode step), before an idle row, still
+        # decoded, would outgrow the context, and whenever the whole batch is idle.
+        full = free and max(caches[0]._lengths[b] for b in free) + 1 >= block_size if caches[0].k is not None else False
+        if waiting and free and not new and (len(free) >= refill_at or full or len(free) == capacity):
+            new = _take(pending, len(free))
+            waiting = len(new) == len(free)
         while new:  # prefill new prompts into free rows; a row that ends at once gives its place to the next prompt
             n = _prefill_group(caller, new)
             group, new = new[:n], new[n:]
@@ -324,7 +336,9 @@ def _run_cached(
                 reason = stops.add(row, token)
                 if reason is not None:
                     yield Finished(row.request.key, row.tokens, reason)
-                    new.extend(_take(pending, 1))
+                    more = _take(pending, 1) if waiting else []
+                    waiting = waiting and bool(more)
+                    new.extend(more)
                     continue
                 slot = free.pop(0)
                 rows[slot] = row
@@ -335,20 +349,19 @@ def _run_cached(
                     part.keep(placed)  # without the rows that already ended
                     cache.load_rows(slots, part, capacity)
                 last[slots] = picked[placed]
-        if free:  # no prompt waits: the finished rows leave the batch
+        if free and not waiting:  # no prompt waits: the idle rows leave the batch
             stay = [b for b, row in enumerate(rows) if row is not None]
             if not stay:
                 return
             for cache in caches:
                 cache.keep(stay)
             rows, last, capacity = [rows[b] for b in stay], last[stay], len(stay)
-        last, tokens = sample(caller.logits(last, None, caches))  # one token for every row
+        last, tokens = sample(caller.logits(last, None, caches))  # one token for every row (idle ones too)
         for b, (row, token) in enumerate(zip(rows, tokens)):
-            reason = stops.add(row, token)
+            reason = None if row is None else stops.add(row, token)
             if reason is not None:
                 yield Finished(row.request.key, row.tokens, reason)
                 rows[b] = None
-        new = _take(pending, rows.count(None))
 
 
 def _run_uncached(
