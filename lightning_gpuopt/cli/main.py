@@ -209,6 +209,8 @@ class GPTCLI(LightningCLI):
             self.checkpoint_settings = OwnCheckpoint.read(self.config)
 
     def after_instantiate_classes(self) -> None:
+        if self.subcommand == "predict" and self.trains_gpt:  # before any work: new tokens the context cannot hold
+            fit_to_context(1, self.model.hparams.max_new_tokens, self.model.config.block_size)
         if self.subcommand and not self.config[self.subcommand].get("generate", {}).get("prompts_file"):  # else that file
             check_stage_data(self.subcommand, self.model, self.datamodule)
         settings = getattr(self, "checkpoint_settings", None)
@@ -325,8 +327,6 @@ class GPTCLI(LightningCLI):
         """``trainer.predict`` on the data's prompts, or on ``generate.prompts_file`` with continuous batching."""
         options = self.config.predict.get("generate", {})
         self._generated = False
-        if self.trains_gpt:  # before any work: new tokens the context cannot hold
-            fit_to_context(1, model.hparams.max_new_tokens, model.config.block_size)
         if not options.get("prompts_file"):
             return self.trainer.predict(model, datamodule=datamodule, **kwargs)
         self._generated = True
