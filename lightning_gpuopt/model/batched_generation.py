@@ -5,7 +5,8 @@ Design note. The batch is a set of rows, one per cache row (:class:`~lightning_g
 keeps a length and a validity mask per row). New prompts are prefilled together, left-padded to the
 longest of them, into a cache of their own with ``key_padding_mask``, so each row's positions and
 attended keys are those of its prompt alone (greedy decoding gives it exactly the tokens it would get
-alone); their rows are then copied into the rows of finished ones (``KVCache.load_rows``). Every decode
+alone); their rows are then copied into the rows of finished ones (``KVCache.load_rows``). Samples of
+one prompt admitted together share its prefill (its cache rows are copied once per sample). Every decode
 step feeds each row its last token at its own column. A row ends at the end-of-text token, at a stop
 sequence (matched on token ids), or after its ``max_new_tokens``; when no prompt waits, finished rows
 leave the batch (``KVCache.keep``) so the last rows do not drag idle ones along.
@@ -328,9 +329,12 @@ def _run_cached(
         while new:  # prefill new prompts into free rows; a row that ends at once gives its place to the next prompt
             n = _prefill_group(caller, new)
             group, new = new[:n], new[n:]
-            ids, mask = _left_padded([r.request.ids for r in group], device)  # (G, W)
+            # Rows of one prompt (its samples) admitted together share one prefill: its cache rows are copied
+            unique: dict[tuple[int, ...], int] = {}
+            source = [unique.setdefault(tuple(r.request.ids), len(unique)) for r in group]  # group row -> prompt
+            ids, mask = _left_padded(list(unique), device)  # (U, W)
             fresh = [KVCache(ids.size(1)) for _ in range(n_layer)]
-            picked, first = sample(caller.logits(ids, mask, fresh))
+            picked, first = sample(caller.logits(ids, mask, fresh)[source])  # (G, V): each row draws its own
             placed, slots = [], []
             for g, (row, token) in enumerate(zip(group, first)):
                 reason = stops.add(row, token)
@@ -346,7 +350,7 @@ def _run_cached(
                 slots.append(slot)
             if placed:
                 for cache, part in zip(caches, fresh):
-                    part.keep(placed)  # without the rows that already ended
+                    part.keep([source[g] for g in placed])  # a prompt's rows once per sample placed
                     cache.load_rows(slots, part, capacity)
                 last[slots] = picked[placed]
         if free and not waiting:  # no prompt waits: the idle rows leave the batch

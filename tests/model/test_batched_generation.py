@@ -181,3 +181,17 @@ def test_generation_job_is_left_alone_by_lightnings_batch_transfer():
 
     job = GenerationJob([Request([1, 2], 3)], on_finished=print)
     assert move_data_to_device(job, torch.device("cpu")) is job
+
+
+def test_samples_of_a_prompt_share_its_prefill_and_draw_their_own_tokens(greedy_alone):
+    model = _model()
+    prompts = _requests()[:3]
+    shapes: list = []
+    model.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    rows = [Request(r.ids, 6, key=(r.key, s)) for r in prompts for s in range(4)]
+    sampled = {d.key: d.tokens for d in generate_batched(model, rows, 12, temperature=1.0, generator=torch.Generator().manual_seed(0))}
+    assert shapes[0] == (3, max(len(r.ids) for r in prompts))  # one prefill row per prompt, not per sample
+    for r in prompts:
+        assert len({tuple(sampled[(r.key, s)]) for s in range(4)}) > 1  # each sample draws its own tokens
+    greedy = {d.key: d.tokens for d in generate_batched(model, rows, 12, temperature=0)}
+    assert all(greedy[(r.key, s)] == greedy_alone[r.key][:6] for r in prompts for s in range(4))
