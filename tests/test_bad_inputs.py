@@ -222,6 +222,24 @@ def _nonfinite_ckpt(ctx: Ctx) -> Path:
     return ctx.tmp / "inf.ckpt"
 
 
+def _predict(ctx: Ctx, *args: str, prompts: str = "a prompt\n", name: str = "p.txt") -> None:
+    """``gpuopt predict`` of a prompts file on the test corpus; the error must come before data preparation."""
+    (ctx.tmp / name).write_bytes(prompts.encode("utf-8") if isinstance(prompts, str) else prompts)
+    data = ["--data.source", str(ctx.text_dir), "--data.vocab_size", "300", "--data.block_size", "32", "--data.num_workers", "0",
+            "--generate.output", str(ctx.tmp / "g.jsonl")]
+    try:
+        main(["predict", *data, "--generate.prompts_file", str(ctx.tmp / name), *args])
+    finally:
+        assert not (ctx.cache.exists() and any(ctx.cache.iterdir())), "an error after data preparation"
+        assert not list(ctx.tmp.glob("g.jsonl*")), "an error after the output was opened"
+
+
+def _bad_records(ctx: Ctx) -> None:
+    """A .jsonl fine-tuning corpus whose second record has no text: refused while it is read, before any token file."""
+    (ctx.tmp / "records.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"text": 3}\n')
+    _prepare_leaves_nothing(ctx, ctx.tmp / "records.jsonl")
+
+
 def _requires_missing(module: str) -> Optional[str]:
     return f"{module} is installed" if importlib.util.find_spec(module) is not None else None
 
@@ -509,6 +527,38 @@ CASES = [
          r"--ckpt_path hpc: no hpc_ckpt_N.ckpt in .*Pass the checkpoint's path"),
     Case("ckpt-path-registry", lambda c: _cli_before_data(c, ["--ckpt_path", "registry:my-model"]), SystemExit,
          r"needs a local file\. Download it from the model registry first .* and pass its path"),
+    Case("predict-scorer-raises", lambda c: _predict(c, "--generate.scorer", "tests.cli.test_prompts:raise_always"), SystemExit,
+         r"generate.scorer='tests.cli.test_prompts:raise_always' raised KeyError: 'answer' for the prompt 'a prompt' and the "
+         r"completion '': make it return a number \(0 for a completion it rejects\) for any completion"),
+    Case("predict-scorer-missing", lambda c: _predict(c, "--generate.scorer", "no_such_checks:score"), SystemExit,
+         r"generate.scorer='no_such_checks:score': cannot import no_such_checks .*put no_such_checks.py where Python finds it \(e.g. PYTHONPATH=."),
+    Case("predict-scorer-no-function", lambda c: _predict(c, "--generate.scorer", "tests.cli.test_prompts:scorer"), SystemExit,
+         r"tests.cli.test_prompts has no function 'scorer' \(it has \[.*\]\): name one of them"),
+    Case("predict-scorer-not-a-number", lambda c: _predict(c, "--generate.scorer", "tests.cli.test_prompts:words"), SystemExit,
+         r"returned 'many' \(str\) for the prompt 'a prompt': it must return a finite number or a bool"),
+    Case("predict-kept-output-without-scorer", lambda c: _predict(c, "--generate.kept_output", str(c.tmp / "k.jsonl")), SystemExit,
+         r"generate.kept_output is written with a scorer only: add --generate.scorer module:function"),
+    Case("predict-stop-empty", lambda c: _predict(c, "--generate.stop", '["\\n", ""]'), SystemExit,
+         r"generate.stop\[1\] is empty, so it has no tokens and would never match: give each stop sequence some text"),
+    Case("predict-prompts-not-utf8", lambda c: _predict(c, prompts="caf\u00e9\n".encode("latin-1")), SystemExit,
+         r"generate.prompts_file=.*p.txt' is not UTF-8 text \(byte 0xe9 on line 1 cannot be decoded\): save it as UTF-8, e.g. iconv"),
+    Case("predict-prompts-broken-json", lambda c: _predict(c, prompts='{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c",}\n', name="p.jsonl"),
+         SystemExit, r"p.jsonl, line 3: not valid JSON \(.*\): fix that line; each line of a .jsonl file is one JSON object"),
+    Case("predict-output-folder-not-writable",
+         lambda c: _predict(c, "--generate.output", str(Path(c.yaml("")) / "g.jsonl")), SystemExit,
+         r"generate.output=.*bad.yaml/g.jsonl': .*bad.yaml is not a folder: give a --generate.output in a folder you can write"),
+    Case("predict-max-new-tokens-over-context", lambda c: _predict(c, "--model.max_new_tokens", "100000000"), SystemExit,
+         r"max_new_tokens=100000000 does not fit in the model's context of block_size=32 tokens, prompt included: ask for at most 31"),
+    Case("fit-init-from-other-architecture",
+         lambda c: _cli_before_data(c, ["--model.init_from", _lightning_ckpt(c), "--model.n_layer", "3"]), SystemExit,
+         r"model.init_from=.*run.ckpt' holds weights of another architecture than this run's: it has n_layer=2 and this run "
+         r"asks model.n_layer=3\. Drop those options \(the file's architecture is used\)"),
+    Case("fit-init-from-missing", lambda c: _cli_before_data(c, ["--model.init_from", str(c.tmp / "none.ckpt")]), SystemExit,
+         r"Checkpoint .*none.ckpt' does not exist: check the path"),
+    Case("data-loss-on-completion-plain-text", lambda c: c.data(loss_on="completion"), ValueError,
+         r"data.loss_on='completion' needs prompt/completion records, and data.source=.* is plain text: give a .jsonl file"),
+    Case("data-jsonl-bad-record", _bad_records, ValueError,
+         r"records.jsonl, line 2: a JSONL corpus line needs \"prompt\" and \"completion\" strings \(or a \"text\" string\)"),
     Case("checkpoint-nonfinite-optimizer-state",
          lambda c: AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(1)},
                                                          "optimizer_states": [{"state": {0: {"exp_avg_sq": torch.tensor([float("inf")])}}}]},

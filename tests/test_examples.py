@@ -50,3 +50,46 @@ def test_train_wikitext_validates_past_a_short_epoch_and_resumes(tmp_path, text_
     sys.modules.pop("train_wikitext", None)
     assert resumed.ckpt_path == os.path.realpath(tmp_path / "ckpt" / "last.ckpt")  # continued from step 40
     assert resumed.global_step == 45
+
+
+def test_rft_recipe_train_generate_score_keep_fine_tune(tmp_path, text_dir, cache_dir, monkeypatch, caplog):
+    """The rejection-sampling loop of examples/configs/rft.yaml at a tiny size, through gpuopt: train, generate
+    samples per prompt of examples/rft_prompts.jsonl, score them with examples/rft_checker.py, fine-tune on the
+    kept ones from the trained weights (a new run: step 0, fresh optimizer; the run's tokenizer)."""
+    import json
+
+    import torch
+
+    from lightning_gpuopt.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import rft_checker
+
+    data = ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.block_size", "32", "--data.num_workers", "0"]
+    quiet = ["--trainer.enable_progress_bar", "false", "--trainer.logger", "false"]
+    main(["fit", *data, *quiet, "--model.preset", "tiny", "--trainer.max_steps", "3", "--model.warmup_steps", "1",
+          "--trainer.limit_val_batches", "0", "--trainer.default_root_dir", "base"])
+    base = tmp_path / "base" / "checkpoints" / "last.ckpt"
+    main(["predict", *data, "--trainer.enable_progress_bar", "false", "--ckpt_path", str(base),
+          "--generate.prompts_file", str(EXAMPLES / "rft_prompts.jsonl"), "--generate.samples_per_prompt", "2",
+          "--model.temperature", "0.7", "--model.max_new_tokens", "8", "--generate.stop", '["\\n"]',
+          "--generate.scorer", "rft_checker:score", "--generate.keep_min_score", "0",  # keep all: a 3-step model rarely passes
+          "--generate.output", "gen/generations.jsonl"])
+    lines = [json.loads(line) for line in (tmp_path / "gen" / "generations.jsonl").read_text().splitlines()]
+    assert len(lines) == 40 and all("\n" not in r["completion"] for r in lines)
+    assert all(r["score"] == rft_checker.score(r, r["completion"]) for r in lines)
+    assert len((tmp_path / "gen" / "generations.kept.jsonl").read_text().splitlines()) == 40
+    with caplog.at_level("INFO"):
+        main(["fit", "--config", str(EXAMPLES / "configs" / "rft.yaml"), *quiet, "--model.init_from", str(base),
+              "--data.source", "gen/generations.kept.jsonl", "--trainer.max_steps", "2", "--model.learning_rate", "1e-9",
+              "--model.warmup_steps", "1", "--model.dropout", "0.0", "--trainer.default_root_dir", "tuned"])
+    assert f"model.init_from: the GPT starts from the weights of {base} (step 3 of its run)" in caplog.text
+    tuned = torch.load(tmp_path / "tuned" / "checkpoints" / "last.ckpt", weights_only=True)
+    before = torch.load(base, weights_only=True)
+    assert tuned["global_step"] == 2  # a new run, not step 3 + 2
+    assert tuned["hyper_parameters"]["block_size"] == 32 and tuned["hyper_parameters"]["vocab_size"] == before["hyper_parameters"]["vocab_size"]
+    for key, weight in before["state_dict"].items():  # lr 1e-9: the fine-tuned weights are the trained ones
+        torch.testing.assert_close(tuned["state_dict"][key], weight, atol=1e-6, rtol=0)
+    assert tuned["TextDataModule"]["tokenizer_sha256"] == before["TextDataModule"]["tokenizer_sha256"]
+    sys.modules.pop("rft_checker", None)

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -132,7 +133,8 @@ def check_monitored_metrics(callbacks: Sequence[Callback], logged: Sequence[str]
 
 
 def check_output_file(option: str, path: Union[str, Path], overwrite: bool = False, overwrite_option: str = "") -> None:
-    """Raise if ``path``, a file the command will write, is an existing folder, or an existing file not to overwrite.
+    """Raise if ``path``, a file the command will write, is an existing folder, an existing file not to overwrite, or
+    in a folder this process cannot write (or create), before any work is done.
 
     Example::
 
@@ -153,6 +155,12 @@ def check_output_file(option: str, path: Union[str, Path], overwrite: bool = Fal
             f"{option}={str(path)!r} exists (written by an earlier run, or a file of yours) and would be replaced: give "
             f"another --{option}, or --{overwrite_option} true to replace it."
         )
+    folder = path.absolute().parent
+    existing = next(p for p in (folder, *folder.parents) if p.exists())  # the folder, or the one it would be made in
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a folder" if not existing.is_dir() else "is not writable (read-only, or another user's)"
+        made = "" if existing == folder else f" (where {folder} would be created)"
+        raise ValueError(f"{option}={str(path)!r}: {existing}{made} {what}: give a --{option} in a folder you can write.")
 
 
 def check_config_files(argv: Sequence[str]) -> None:

@@ -20,7 +20,6 @@ import re
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
@@ -47,7 +46,6 @@ from lightning_gpuopt.cli.config_checks import (
     check_callbacks_once,
     check_config_files,
     check_monitored_metrics,
-    check_output_file,
     check_stage_data,
     check_trainer_options,
 )
@@ -60,11 +58,13 @@ from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
-from lightning_gpuopt.cli.prompts import PromptBatches, read_prompts, write_completions
+from lightning_gpuopt.cli.generate import add_generate_arguments, check_generate_options, completions_path, generate_from_file
+from lightning_gpuopt.model.batched_generation import fit_to_context
 from lightning_gpuopt.cli.resume_checks import (
     OwnCheckpoint,
     check_steps_left,
     merge_checkpoint_settings,
+    merge_init_weights,
     prepare_resumed_fit,
     resolve_run_folder,
 )
@@ -118,15 +118,6 @@ class _SuggestingParser(LightningArgumentParser):
         sys.stderr.write(f"gpuopt: error: {message}\n({prog} --help lists the options)\n")
         self.exit(2)
 
-
-
-def _completions_path(config: Any) -> Path:
-    """The file ``gpuopt predict --generate.prompts_file`` writes: ``generate.output``, else ``generations.jsonl``
-    in ``trainer.default_root_dir`` (the working folder when unset, as Lightning's)."""
-    output = (config.get("generate") or {}).get("output")
-    if output:
-        return Path(output).expanduser()
-    return Path((config.get("trainer") or {}).get("default_root_dir") or os.getcwd()) / "generations.jsonl"
 
 
 class GPTCLI(LightningCLI):
@@ -186,16 +177,7 @@ class GPTCLI(LightningCLI):
         parser.set_defaults(default_stack(self.stack_device_type))
         if not self.reads_text:  # a loader of your own resumes exactly when ExactResume may rebuild it
             parser.set_defaults({"exact_resume.rebuild_loaders": True})
-        parser.add_argument("--generate.prompts_file", type=Optional[str], default=None,
-                            help="predict: a text file (one prompt per line) or JSONL (a \"prompt\" per line) to continue.")
-        parser.add_argument("--generate.batch_size", type=int, default=32,
-                            help="predict: rows per generation batch (prompts of equal token length share one).")
-        parser.add_argument("--generate.samples_per_prompt", type=int, default=1,
-                            help="predict: completions per prompt of the prompts file.")
-        parser.add_argument("--generate.output", type=Optional[str], default=None,
-                            help="predict: the JSONL file written; default <trainer.default_root_dir>/generations.jsonl.")
-        parser.add_argument("--generate.overwrite", type=bool, default=False,
-                            help="predict: replace generate.output if it exists (otherwise an existing file stops the run).")
+        add_generate_arguments(parser)
         parser.add_argument(
             "--auto_strategy.device_memory_gb", type=Optional[float], default=None,
             help="Memory per device (GB) for trainer.strategy=gpuopt-auto; default: read from GPU 0.",
@@ -228,13 +210,15 @@ class GPTCLI(LightningCLI):
         # module of your own is built as configured; its checkpoint is read here and compared once it is built.
         resolve_run_folder(self.config)
         if self.trains_gpt:
-            self.config, self.checkpoint_settings = merge_checkpoint_settings(
-                self.parser, self.config, GPTModule, TextDataModule if self.reads_text else None
-            )
+            data_class = TextDataModule if self.reads_text else None
+            self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule, data_class)
+            self.config, self.init_settings = merge_init_weights(self.parser, self.config, GPTModule, data_class)
         else:
             self.checkpoint_settings = OwnCheckpoint.read(self.config)
 
     def after_instantiate_classes(self) -> None:
+        if self.subcommand == "predict" and self.trains_gpt:  # before any work: new tokens the context cannot hold
+            fit_to_context(1, self.model.hparams.max_new_tokens, self.model.config.block_size)
         if self.subcommand and not self.config[self.subcommand].get("generate", {}).get("prompts_file"):  # else that file
             check_stage_data(self.subcommand, self.model, self.datamodule)
         settings = getattr(self, "checkpoint_settings", None)
@@ -250,6 +234,13 @@ class GPTCLI(LightningCLI):
             settings.report()
             if self.reads_text:  # before data preparation: the run's token ids keep their meaning
                 self.datamodule.use_checkpoint_tokenizer(settings.data_state)
+        init = getattr(self, "init_settings", None)
+        if init is not None:  # weights alone: the architecture checked like a resume's, the run's tokenizer taken
+            init.check_model(self.model)
+            rank_zero_info(f"model.init_from: the GPT starts from the weights of {init.path} (step {init.global_step} of its "
+                           "run); the optimizer and the learning-rate schedule start fresh.")
+            if self.reads_text:
+                self.datamodule.use_checkpoint_tokenizer(init.data_state)
         if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
             prepare_resumed_fit(self.trainer)
 
@@ -270,11 +261,7 @@ class GPTCLI(LightningCLI):
             self.parser.error("generate.prompts_file needs GPTModule and TextDataModule (it encodes the prompts with the "
                               "data's tokenizer); for a module of your own, give the prompts as its predict data.")
         if generate.get("prompts_file"):
-            for name in ("batch_size", "samples_per_prompt"):
-                if generate.get(name, 1) < 1:
-                    self.parser.error(f"generate.{name} must be >= 1, got {generate.get(name)}.")
-            read_prompts(generate["prompts_file"])  # a missing or empty file fails before the model is built
-            check_output_file("generate.output", _completions_path(config), generate.get("overwrite", False), "generate.overwrite")
+            self._scorer = check_generate_options(config, generate, self.parser.error)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -338,35 +325,26 @@ class GPTCLI(LightningCLI):
         return strategy
 
     def before_predict(self) -> None:
-        if self.config.predict.get("ckpt_path") is None:
+        if self.config.predict.get("ckpt_path") is None and not self.config.predict.model.get("init_from"):
             rank_zero_warn(
                 "gpuopt predict: no --ckpt_path given, so this samples an untrained (randomly initialised) model. "
                 "Pass --ckpt_path PATH/last.ckpt of a fit to sample the trained one."
             )
 
     def predict(self, model: Any, datamodule: Any = None, **kwargs: Any) -> Any:
-        """``trainer.predict`` on the data's prompts, or on ``generate.prompts_file`` in equal-length batches."""
+        """``trainer.predict`` on the data's prompts, or on ``generate.prompts_file`` with continuous batching."""
         options = self.config.predict.get("generate", {})
-        self._prompt_batches = None
+        self._generated = False
         if not options.get("prompts_file"):
             return self.trainer.predict(model, datamodule=datamodule, **kwargs)
-        prompts = read_prompts(options["prompts_file"])
-        self._prompt_batches = PromptBatches.build(
-            prompts, datamodule.encode, options.get("samples_per_prompt", 1), options.get("batch_size", 32)
-        )
-        from torch.utils.data import DataLoader
-
-        loader = DataLoader(self._prompt_batches.tensors(), batch_size=None)
-        return self.trainer.predict(model, dataloaders=loader, **kwargs)
+        self._generated = True
+        generate_from_file(self.trainer, model, datamodule, options, completions_path(self.config.predict),
+                           getattr(self, "_scorer", None), **kwargs)
 
     def after_predict(self) -> None:
+        if self._generated:
+            return  # written as they finished, and summed up
         predictions = self.trainer.predict_loop.predictions or []
-        if self._prompt_batches is not None:
-            records = self._prompt_batches.completions(predictions, self.datamodule.decode)
-            path = write_completions(records, _completions_path(self.config.predict))
-            tokens = sum(len(r["tokens"]) for r in records)
-            rank_zero_info(f"gpuopt predict: wrote {len(records)} completions ({tokens} tokens) to {path}")
-            return
         if not (self.trains_gpt and self.reads_text):
             rank_zero_info(f"gpuopt predict: {len(predictions)} batches of predictions from "
                            f"{type(self.model).__name__}.predict_step (trainer.predict_loop.predictions).")
@@ -380,8 +358,9 @@ class _StopPredictOnSigterm(Callback):
     """Ends ``predict`` at once on SIGTERM (a scheduler's kill), in the middle of a batch's generation.
 
     Lightning's handler only sets ``trainer.received_sigterm``, which its fit and validation loops read
-    and its predict loop does not, so a SIGTERM was ignored until every prompt was done. Predict has
-    nothing to save (the completions file is written whole at the end), so this handler stops at once.
+    and its predict loop does not, so a SIGTERM was ignored until every prompt was done. Completions of a
+    prompts file are written as they finish, so this handler stops at once and the finished ones are kept
+    (:mod:`lightning_gpuopt.cli.completions`).
     """
 
     def __init__(self) -> None:
@@ -399,7 +378,7 @@ class _StopPredictOnSigterm(Callback):
             self._previous = None
 
     def _stop(self, signum: int, frame: Any) -> None:
-        rank_zero_info("gpuopt predict: received SIGTERM; stopped before writing any completions.")
+        rank_zero_info("gpuopt predict: received SIGTERM; stopping.")
         raise SystemExit(128 + signal.SIGTERM)  # the exit status of a SIGTERM, as after a fit's save
 
 

@@ -1,137 +1,174 @@
-"""Prompts file -> batches of equal-length prompts -> JSONL completions (``gpuopt predict --generate.prompts_file``).
+"""Prompts file -> generation requests, and the scorer that judges completions (``gpuopt predict --generate.prompts_file``).
 
-Design note: ``GPT.generate`` continues a (B, T) batch of prompts that all have T tokens (no
-padding, so no attention mask is needed and every row gets exactly the tokens it would get alone).
-Prompts are therefore grouped by token count: all samples of a prompt, and prompts that tokenise
-to the same length, share a batch of up to ``batch_size`` rows. The typical data-generation job,
-many samples of each prompt, fills whole batches.
+Design note: every row of a prompts file (each of ``samples_per_prompt`` samples of each prompt) is a
+:class:`~lightning_gpuopt.model.batched_generation.Request` of its own, whatever its token length:
+``GPTModule.predict_step`` generates them with continuous batching (prompts of any lengths share a
+batch, left-padded, each row getting the tokens its prompt alone would). A prompt too long for the
+context left by ``max_new_tokens`` keeps its last tokens, said once. The records a JSONL file gives
+(a ``"prompt"`` and any other fields, e.g. a reference ``"answer"``) go to the scorer with each
+completion (:mod:`lightning_gpuopt.cli.completions` writes them).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-import os
+import math
+import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from itertools import groupby
 from pathlib import Path
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
-import torch
-from torch import Tensor
+from lightning_gpuopt.model.batched_generation import Request, fit_to_context
 
-__all__ = ["PromptBatches", "read_prompts", "write_completions"]
+__all__ = ["Scorer", "check_scorer", "load_scorer", "plan_requests", "read_prompts", "score_of"]
+
+Scorer = Callable[[dict, str], Any]
+"""``scorer(record, completion) -> number``: the prompt's record (its ``"prompt"`` and other JSONL fields) and the
+completion's text; a bool counts as 0 or 1."""
 
 
-def read_prompts(path: Union[str, Path]) -> list[str]:
-    """The prompts in ``path``: a ``.jsonl`` file with a ``"prompt"`` per line, else one prompt per line.
+def read_prompts(path: Union[str, Path]) -> list[dict]:
+    """The records of ``path``: a ``.jsonl`` file of objects with a ``"prompt"`` string (other fields are kept),
+    else one prompt per line (``{"prompt": line}``).
 
     In a text file ``\\n`` inside a line stands for a newline. Empty lines are skipped.
 
     Example::
 
-        read_prompts("prompts.txt")    # ["def main(", "class Foo:\\n    def"]
+        read_prompts("prompts.txt")    # [{"prompt": "def main("}, {"prompt": "class Foo:\\n    def"}]
+        read_prompts("qa.jsonl")       # [{"prompt": "2+3=", "answer": "5"}, ...]
 
     Args:
         path: The prompts file.
 
     Raises:
-        ValueError: The file does not exist, holds no prompt, or has a JSONL line without a ``"prompt"`` string.
+        ValueError: The file does not exist, is not UTF-8, holds no prompt, or has a JSONL line that is not
+            JSON or has no ``"prompt"`` string (the message names the file's line).
     """
     path = Path(path).expanduser()
+    option = f"generate.prompts_file={str(path)!r}"
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
-        raise ValueError(f"generate.prompts_file={str(path)!r} {what}: give a text or JSONL file of prompts (one a line).")
-    prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        raise ValueError(f"{option} {what}: give a text or JSONL file of prompts (one a line).")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{option} is not UTF-8 text (byte 0x{data[err.start]:02x} on line {line} cannot be decoded): save it as UTF-8, "
+            f"e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}."
+        ) from err
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         if path.suffix == ".jsonl":
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f"{path}:{number}: each JSONL line needs a \"prompt\" string, got {line[:80]!r}.")
-            prompts.append(record["prompt"])
+            records.append(_json_record(path, number, line))
         else:
-            prompts.append(line.replace("\\n", "\n"))
-    if not prompts:
-        raise ValueError(f"generate.prompts_file={str(path)!r} holds no prompt: write one prompt per line.")
-    return prompts
+            records.append({"prompt": line.replace("\\n", "\n")})
+    if not records:
+        raise ValueError(f"{option} holds no prompt: write one prompt per line.")
+    return records
 
 
-@dataclass
-class PromptBatches:
-    """Rows of (prompt index, sample index, token ids), grouped into batches of equal-length rows.
-
-    Example::
-
-        batches = PromptBatches.build(["a b", "c"], encode, samples_per_prompt=2, batch_size=8)
-        outputs = [model.generate(ids, 16) for ids in batches.tensors()]
-        records = batches.completions(outputs, decode)
-
-    Attributes:
-        prompts: The prompt texts.
-        batches: For each batch, the rows it holds as ``(prompt index, sample index, ids)``.
-    """
-
-    prompts: list[str]
-    batches: list[list[tuple[int, int, list[int]]]] = field(default_factory=list)
-
-    @classmethod
-    def build(
-        cls, prompts: Sequence[str], encode: Callable[[str], list[int]], samples_per_prompt: int, batch_size: int
-    ) -> "PromptBatches":
-        """Tokenise ``prompts`` and group ``samples_per_prompt`` rows of each into batches of at most ``batch_size``."""
-        if batch_size < 1 or samples_per_prompt < 1:
-            raise ValueError(
-                f"generate.batch_size and generate.samples_per_prompt must be >= 1, got {batch_size} and {samples_per_prompt}."
-            )
-        rows = []
-        for p, prompt in enumerate(prompts):
-            ids = encode(prompt)
-            if not ids:
-                raise ValueError(f"Prompt {p + 1} ({prompt!r}) has no tokens: give each prompt some text.")
-            rows.extend((p, s, ids) for s in range(samples_per_prompt))
-        rows.sort(key=lambda row: len(row[2]))  # stable: a prompt's samples stay together
-        batches = []
-        for _, same_length in groupby(rows, key=lambda row: len(row[2])):
-            group = list(same_length)
-            batches.extend(group[i : i + batch_size] for i in range(0, len(group), batch_size))
-        return cls(list(prompts), batches)
-
-    def tensors(self) -> list[Tensor]:
-        """One (B, T) tensor of token ids per batch."""
-        return [torch.tensor([ids for _, _, ids in batch], dtype=torch.long) for batch in self.batches]
-
-    def completions(self, outputs: Sequence[Tensor], decode: Callable[[list[int]], str]) -> list[dict]:
-        """``{"prompt", "sample", "completion", "tokens"}`` per row, in prompt order, from each batch's output ids."""
-        if len(outputs) != len(self.batches):
-            raise ValueError(f"Expected {len(self.batches)} generated batches, got {len(outputs)}.")
-        keyed = []
-        for batch, out in zip(self.batches, outputs):
-            for (p, s, ids), row in zip(batch, out.tolist()):
-                new = row[len(ids) :]
-                keyed.append(((p, s), {"prompt": self.prompts[p], "sample": s, "completion": decode(new), "tokens": new}))
-        keyed.sort(key=lambda item: item[0])
-        return [record for _, record in keyed]
-
-
-def write_completions(records: Sequence[dict], path: Union[str, Path]) -> Path:
-    """Write ``records`` as JSONL to ``path`` (through a temporary file and a rename), return the path.
-
-    Example::
-
-        write_completions([{"prompt": "a", "completion": " b", "tokens": [7]}], "out.jsonl")
-    """
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise ValueError(f"generate.output={str(path)!r} is a folder: give a file path, e.g. {str(path / 'generations.jsonl')!r}.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+def _json_record(path: Path, number: int, line: str) -> dict:
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # after a failed write or rename: no partial file left beside the output
-    return path
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno}): fix that line; each line of a "
+            '.jsonl file is one JSON object such as {"prompt": "2+3=", "answer": "5"}.'
+        ) from err
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise ValueError(f"{path}, line {number}: each JSONL line needs a \"prompt\" string, got {line[:80]!r}.")
+    return record
+
+
+def plan_requests(
+    records: Sequence[dict], encode: Callable[[str], list[int]], samples_per_prompt: int, max_new_tokens: int,
+    block_size: int,
+) -> tuple[list[Request], int]:
+    """One request per sample of each prompt, keyed ``(prompt index, sample index)``, and how many prompts were cut.
+
+    A prompt longer than the ``block_size - max_new_tokens`` tokens the context leaves it keeps its last ones.
+
+    Example::
+
+        requests, cut = plan_requests(read_prompts("p.txt"), data.encode, 4, 128, 1024)
+
+    Raises:
+        ValueError: A prompt has no tokens, ``samples_per_prompt`` is below 1, or ``max_new_tokens`` does not fit in
+            the context.
+    """
+    if samples_per_prompt < 1:
+        raise ValueError(f"generate.samples_per_prompt must be >= 1, got {samples_per_prompt}.")
+    requests, cut = [], 0
+    for p, record in enumerate(records):
+        ids = encode(record["prompt"])
+        if not ids:
+            raise ValueError(f"Prompt {p + 1} ({record['prompt']!r}) has no tokens: give each prompt some text.")
+        keep = fit_to_context(len(ids), max_new_tokens, block_size)
+        cut += keep < len(ids)
+        requests.extend(Request(ids[-keep:], max_new_tokens, key=(p, s)) for s in range(samples_per_prompt))
+    return requests, cut
+
+
+def load_scorer(spec: str) -> Scorer:
+    """The function ``spec`` names, as ``module:function`` (the module importable from ``sys.path``).
+
+    Example::
+
+        score = load_scorer("examples.rft.checker:score")
+
+    Raises:
+        ValueError: ``spec`` is not ``module:function``, the module cannot be imported, or has no such callable.
+    """
+    option = f"generate.scorer={spec!r}"
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"{option} must name a function as module:function, e.g. my_checks:score.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"{option}: cannot import {module_name} ({err}): put {module_name.replace('.', '/')}.py where Python finds it "
+            "(e.g. PYTHONPATH=. gpuopt predict ...) or fix the name."
+        ) from err
+    scorer = getattr(module, name, None)
+    if not callable(scorer):
+        functions = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))[:8]
+        raise ValueError(f"{option}: {module_name} has no function {name!r} (it has {functions}): name one of them.")
+    return scorer
+
+
+def score_of(scorer: Scorer, spec: str, record: dict, completion: str) -> float:
+    """``scorer(record, completion)`` as a finite float; a clear error when it raises or returns something else.
+
+    Raises:
+        ValueError: The scorer raised, or returned no finite number.
+    """
+    try:
+        value = scorer(record, completion)
+    except Exception as err:
+        raise ValueError(
+            f"generate.scorer={spec!r} raised {type(err).__name__}: {err} for the prompt {record['prompt'][:60]!r} and the "
+            f"completion {completion[:60]!r}: make it return a number (0 for a completion it rejects) for any completion."
+        ) from err
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(
+            f"generate.scorer={spec!r} returned {value!r} ({type(value).__name__}) for the prompt {record['prompt'][:60]!r}: "
+            "it must return a finite number or a bool."
+        )
+    return float(value)
+
+
+def check_scorer(scorer: Scorer, spec: str, record: dict) -> None:
+    """Call ``scorer`` once with ``record`` and an empty completion, before any generation: a scorer that raises or
+    returns no number fails now, not after the completions were generated.
+
+    Raises:
+        ValueError: See :func:`score_of`.
+    """
+    score_of(scorer, spec, record, "")

@@ -56,6 +56,7 @@ __all__ = [
     "asked_settings",
     "check_steps_left",
     "merge_checkpoint_settings",
+    "merge_init_weights",
     "prepare_resumed_fit",
     "resolve_run_folder",
 ]
@@ -71,7 +72,7 @@ def _norm(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def asked_settings(model_config: dict[str, Any], model_class: type) -> dict[str, Any]:
+def asked_settings(model_config: dict[str, Any], model_class: type, linked: bool = True) -> dict[str, Any]:
     """The ``model`` options in ``model_config`` whose value is not ``model_class``'s default.
 
     Example::
@@ -81,6 +82,7 @@ def asked_settings(model_config: dict[str, Any], model_class: type) -> dict[str,
     Args:
         model_config: The parsed ``model`` group.
         model_class: The module class whose ``__init__`` defaults are the unasked values.
+        linked: Leave out ``block_size`` and ``vocab_size`` (a model's, set from the data's).
     """
     defaults = {
         name: p.default
@@ -90,7 +92,7 @@ def asked_settings(model_config: dict[str, Any], model_class: type) -> dict[str,
     return {
         k: _norm(v)
         for k, v in model_config.items()
-        if k in defaults and k not in ("block_size", "vocab_size") and _norm(v) != _norm(defaults[k])
+        if k in defaults and not (linked and k in ("block_size", "vocab_size")) and _norm(v) != _norm(defaults[k])
     }
 
 
@@ -121,6 +123,8 @@ class CheckpointSettings:
     data_state: Optional[dict[str, Any]] = None
     global_step: Optional[int] = None
     epochs_done: Optional[int] = None
+    option: str = "--ckpt_path"
+    """How the checkpoint was named: ``--ckpt_path``, or ``--model.init_from`` for weights alone."""
 
     def check_model(self, model: Any) -> None:
         """Refuse a built model whose data-linked shape (``block_size``, ``vocab_size``) is not the checkpoint's."""
@@ -133,7 +137,7 @@ class CheckpointSettings:
                     fix += ", or data.tokenizer to the training run's tokenizer.json"
                 errors.append(f"model.{name}={built} (linked from {flag}) but the checkpoint has {name}={saved}: {fix}")
         if errors:
-            raise ValueError(_refusal(self.path, errors))
+            raise ValueError(_refusal(self.path, errors, self.option))
 
     def report(self) -> None:
         """Say which asked settings replace the checkpoint's (logged once, rank 0)."""
@@ -155,10 +159,15 @@ def _resolved(saved: dict[str, Any], name: str) -> Any:
     return PRESETS.get(saved.get("preset"), {}).get(name)
 
 
-def _refusal(path: str, problems: list[str]) -> str:
+def _refusal(path: str, problems: list[str], option: str = "--ckpt_path") -> str:
+    if option == "--ckpt_path":
+        return (
+            f"The architecture cannot change when loading the checkpoint {path!r}: " + "; ".join(problems) + ". "
+            "Drop those options (the checkpoint's values are used), or start a new run without --ckpt_path."
+        )
     return (
-        f"The architecture cannot change when loading the checkpoint {path!r}: " + "; ".join(problems) + ". "
-        "Drop those options (the checkpoint's values are used), or start a new run without --ckpt_path."
+        f"model.init_from={path!r} holds weights of another architecture than this run's: " + "; ".join(problems) + ". "
+        "Drop those options (the file's architecture is used), or start from a checkpoint of this architecture."
     )
 
 
@@ -275,7 +284,8 @@ def merge_checkpoint_settings(
         return config, None
     path = os.fspath(ckpt_path)
     checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped, not read: only the hyper-parameters are used
-    saved = {k: _norm(v) for k, v in gptmodule_hparams(checkpoint, path).items() if not k.startswith("_")}
+    # init_from names where the checkpoint's run started, not what it holds: never merged (see merge_init_weights)
+    saved = {k: _norm(v) for k, v in gptmodule_hparams(checkpoint, path).items() if not k.startswith("_") and k != "init_from"}
     if "pytorch-lightning_version" not in checkpoint:
         raise CheckpointError(
             f"{path!r} is not a Lightning checkpoint (no 'pytorch-lightning_version'): give a checkpoint written by "
@@ -284,6 +294,7 @@ def merge_checkpoint_settings(
     model_config = config[subcommand].model
     model_config = model_config.as_dict() if hasattr(model_config, "as_dict") else dict(model_config)
     asked = asked_settings(model_config, model_class)
+    asked.pop("init_from", None)
     refused = [
         f"model.{k}={asked[k]!r} but the checkpoint has {k}={_resolved(saved, k)!r}"
         for k in ARCHITECTURE
@@ -316,6 +327,51 @@ def merge_checkpoint_settings(
             settings.data[k] = (_norm(saved_data[k]), _norm(v))
     config = parser.parse_object({subcommand: {"model": merged}}, config)
     return config, settings
+
+
+def merge_init_weights(
+    parser: Any, config: Any, model_class: type, data_class: Optional[type] = None
+) -> tuple[Any, Optional[CheckpointSettings]]:
+    """Take the architecture (and the data's block and vocabulary sizes, unless asked) of ``model.init_from``'s
+    checkpoint into ``config``, refusing an asked architecture that differs, as with ``--ckpt_path``; every other
+    setting is the configuration's (a new run: fresh optimizer and schedule). The data gets the checkpoint's
+    tokenizer (``data_state``). With ``--ckpt_path`` that file holds the weights: ``init_from`` is dropped, said once.
+
+    Example::
+
+        config, settings = merge_init_weights(cli.parser, cli.config, GPTModule, TextDataModule)
+
+    Raises:
+        CheckpointError: The file is missing, broken, or not a ``GPTModule`` checkpoint.
+        ValueError: The configuration asks for another architecture than the file's.
+    """
+    subcommand = config.get("subcommand")
+    if not subcommand:
+        return config, None
+    group = config[subcommand]
+    model_config = group.model.as_dict() if hasattr(group.model, "as_dict") else dict(group.model)
+    init_from = model_config.get("init_from")
+    if not init_from:
+        return config, None
+    if group.get("ckpt_path"):
+        rank_zero_info(f"model.init_from={init_from!r} is not read: --ckpt_path {group.get('ckpt_path')} holds the weights.")
+        return parser.parse_object({subcommand: {"model": {"init_from": None}}}, config), None
+    path = os.fspath(Path(init_from).expanduser())
+    checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped, not read: the hyper-parameters are compared here
+    saved = {k: _norm(v) for k, v in gptmodule_hparams(checkpoint, path).items() if not k.startswith("_")}
+    asked = asked_settings(model_config, model_class)
+    refused = [f"it has {k}={_resolved(saved, k)!r} and this run asks model.{k}={asked[k]!r}"
+               for k in ARCHITECTURE if k in asked and _resolved(saved, k) != asked[k]]
+    if refused:
+        raise ValueError(_refusal(path, refused, "--model.init_from"))
+    settings = CheckpointSettings(path, subcommand, saved, global_step=checkpoint.get("global_step"), option="--model.init_from")
+    merged = {"model": {**{k: saved[k] for k in ARCHITECTURE if k in saved}, "init_from": path}}
+    if data_class is not None and group.get("data") is not None:  # the data's sizes, unless asked: the model's link to them
+        settings.data_state = checkpoint.get(data_class.__qualname__)
+        data_config = group.data.as_dict() if hasattr(group.data, "as_dict") else dict(group.data)
+        asked_data = asked_settings(data_config, data_class, linked=False)
+        merged["data"] = {k: saved[k] for k in ("block_size", "vocab_size") if saved.get(k) is not None and k not in asked_data}
+    return parser.parse_object({subcommand: merged}, config), settings
 
 
 @dataclass

@@ -125,7 +125,7 @@ def write_meta(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
         folder: The cache folder, holding ``tokenizer.json`` and every file named in ``meta["splits"]``.
         meta: The metadata; ``files``, ``tokenizer_sha256`` and ``checksum`` are added.
     """
-    names = sorted({span["file"] for span in meta["splits"].values()})
+    names = sorted({name for span in meta["splits"].values() for name in (span["file"], span.get("answers")) if name})
     meta = dict(meta)
     meta["files"] = {n: {"bytes": (folder / n).stat().st_size, "fingerprint": file_fingerprint(folder / n)} for n in names}
     meta["tokenizer_sha256"] = _sha256(folder / TOKENIZER)

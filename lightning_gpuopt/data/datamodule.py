@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -17,9 +17,9 @@ from lightning_gpuopt.data.prepare import prepare_token_cache
 from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
-from lightning_gpuopt.data.tokenizer import carried_tokenizer, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+from lightning_gpuopt.data.tokenizer import EOT_TOKEN, carried_tokenizer, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
-from lightning_gpuopt.option_checks import check_int, check_number
+from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 from lightning_gpuopt.resume import step_boundary
@@ -120,6 +120,9 @@ class TextDataModule(pl.LightningDataModule):
         seed: Seed of the training windows' offsets.
         prompts: Prompts continued by ``predict`` (one batch per prompt).
         samples_per_prompt: Continuations generated per prompt.
+        loss_on: ``"all"`` tokens, or only those of the completions (``"completion"``) of a ``.jsonl`` source of
+            ``"prompt"``/``"completion"`` records, e.g. what ``gpuopt predict --generate.scorer`` kept: the prompts
+            are read as context and not learnt (each completion's end-of-text is).
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class TextDataModule(pl.LightningDataModule):
         seed: int = 1337,
         prompts: Optional[list[str]] = None,
         samples_per_prompt: int = 4,
+        loss_on: Literal["all", "completion"] = "all",
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -174,6 +178,14 @@ class TextDataModule(pl.LightningDataModule):
                 f"TextDataModule.vocab_size must be at least {_MIN_VOCAB} (256 bytes + <|endoftext|>), got {vocab_size!r}."
             )
         self._corpus: Corpus = resolve_source(source)
+        check_choice("TextDataModule", "loss_on", loss_on, ("all", "completion"))
+        if loss_on == "completion" and not self._corpus.answers:
+            raise ValueError(
+                f"data.loss_on='completion' needs prompt/completion records, and data.source={source!r} is plain text: give "
+                'a .jsonl file of {"prompt": ..., "completion": ...} lines (gpuopt predict --generate.scorer keeps one), '
+                "or data.loss_on='all'."
+            )
+        self.loss_on = loss_on
         self._meta: Optional[dict] = None
         self.datasets: dict[str, torch.utils.data.Dataset] = {}
         self._sampler: Optional[ResumableSampler] = None
@@ -290,12 +302,13 @@ class TextDataModule(pl.LightningDataModule):
         for split, span in meta["splits"].items():
             if split in self.datasets:
                 continue
+            answers = out / span["answers"] if self.loss_on == "completion" else None
             args = (out / span["file"], meta["dtype"], span["start"], span["end"], self.block_size)
             try:
                 if split == "train":
-                    self.datasets[split] = RandomWindows(*args, length=self.samples_per_epoch, seed=self.seed)
+                    self.datasets[split] = RandomWindows(*args, length=self.samples_per_epoch, seed=self.seed, answers=answers)
                 else:
-                    self.datasets[split] = SequentialWindows(*args)
+                    self.datasets[split] = SequentialWindows(*args, answers=answers)
             except ValueError as err:
                 raise ValueError(f"The {split} split of {self._corpus.description} is too short: {err}") from err
         if stage == "fit":
@@ -418,6 +431,11 @@ class TextDataModule(pl.LightningDataModule):
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with this data's tokenizer."""
         return self._require_tokenizer().encode(text).ids
+
+    @property
+    def eot_id(self) -> int:
+        """The id of the end-of-text token (``<|endoftext|>``), which ends every document and a generated answer."""
+        return self._require_tokenizer().token_to_id(EOT_TOKEN)
 
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """Text of token ids (a list or a 1-D tensor)."""

@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from lightning_gpuopt.data.cache import TOKENIZER, cache_lock, check_cache, check_writable, remove_leftovers, write_meta
-from lightning_gpuopt.data.sources import Corpus
+from lightning_gpuopt.data.sources import AnswerText, Corpus
 from lightning_gpuopt.data.tokenizer import EOT_TOKEN, train_bpe_tokenizer
 from lightning_gpuopt.data.tokens import token_dtype, write_tokens
 
@@ -44,7 +44,8 @@ def _empty(corpus: Corpus) -> ValueError:
 
 
 def encode_documents(
-    tokenizer: Tokenizer, documents: Iterator[Iterator[str]], eot: int, stats: Optional[dict[str, int]] = None
+    tokenizer: Tokenizer, documents: Iterator[Iterator[str]], eot: int, stats: Optional[dict[str, int]] = None,
+    answers_out: Optional[BinaryIO] = None,
 ) -> Iterator[np.ndarray]:
     """Token ids of every document, an EOT after each, encoded in batches of pieces on every core.
 
@@ -57,6 +58,8 @@ def encode_documents(
         documents: Each document as an iterator of consecutive text pieces.
         eot: The id written after every document.
         stats: If given, ``stats["documents"]`` is increased by the number of documents read.
+        answers_out: If given, one byte per token is written there in step with the ids: 1 for the tokens of
+            :class:`~lightning_gpuopt.data.sources.AnswerText` pieces and every EOT, 0 for the others (prompts).
     """
     stats = {"documents": 0} if stats is None else stats
     batch: list[str] = []
@@ -64,8 +67,11 @@ def encode_documents(
     size = encode_batch_size()
 
     def flush() -> Iterator[np.ndarray]:
-        for enc, last in zip(tokenizer.encode_batch_fast(batch), ends):
+        for piece, enc, last in zip(batch, tokenizer.encode_batch_fast(batch), ends):
             ids = np.asarray(enc.ids, dtype=np.int64)
+            if answers_out is not None:  # the EOT after an answer is learnt with it: the model learns to stop
+                answers_out.write(np.full(len(ids), isinstance(piece, AnswerText), dtype=np.uint8).tobytes())
+                answers_out.write(b"\x01" if last else b"")
             yield np.append(ids, eot) if last else ids
         batch.clear()
         ends.clear()
@@ -134,8 +140,16 @@ def prepare_tokens(
     train_docs = 0
     for split, documents in corpus.splits.items():
         stats = {"documents": 0}
-        n = write_tokens(out / f"{split}.bin", encode_documents(tokenizer, documents(), eot, stats), dtype)
-        splits[split] = {"file": f"{split}.bin", "start": 0, "end": n}
+        if corpus.answers:  # one byte per token beside the ids: which tokens are answers
+            answers = out / f"{split}.answers.bin"
+            tmp = answers.with_name(f"{answers.name}.tmp{os.getpid()}")
+            with open(tmp, "wb") as f:
+                n = write_tokens(out / f"{split}.bin", encode_documents(tokenizer, documents(), eot, stats, f), dtype)
+            os.replace(tmp, answers)
+            splits[split] = {"file": f"{split}.bin", "answers": answers.name, "start": 0, "end": n}
+        else:
+            n = write_tokens(out / f"{split}.bin", encode_documents(tokenizer, documents(), eot, stats), dtype)
+            splits[split] = {"file": f"{split}.bin", "start": 0, "end": n}
         if split == "train":
             train_docs = stats["documents"]
     total = splits["train"]["end"]
@@ -146,7 +160,7 @@ def prepare_tokens(
     end = total
     for split in ("test", "val"):
         if split not in splits:
-            splits[split] = {"file": "train.bin", "start": end - n_hold, "end": end}
+            splits[split] = {**splits["train"], "start": end - n_hold, "end": end}
             end -= n_hold
     splits["train"]["end"] = end
     return {"vocab_size": vocab, "dtype": dtype.name, "eot_token_id": eot, "splits": splits}

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from lightning_gpuopt.data.streaming import file_pieces, text_pieces
 
-__all__ = ["Corpus", "resolve_source", "stdlib_files"]
+__all__ = ["AnswerText", "Corpus", "resolve_source", "stdlib_files"]
 
 # File names of the split files a folder may hold: WikiText's raw release, and the layout of
 # PyTorch's word_language_model example.
@@ -26,6 +26,13 @@ _SPLIT_FILES = {
     "test": ("wiki.test.raw", "test.txt"),
 }
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+class AnswerText(str):
+    """A piece of a document that is an answer (a completion): in a corpus of prompt/completion records, the text
+    the loss may be limited to (``TextDataModule(loss_on="completion")``)."""
+
+    __slots__ = ()
 
 
 @dataclass
@@ -43,12 +50,14 @@ class Corpus:
             part of the cache folder's name.
         fingerprint: Changes whenever the text may have changed: for files, their paths, sizes,
             modification times and inode change times (see ``docs/data.md``, "unchanged corpus").
+        answers: Its documents mark their answers (:class:`AnswerText` pieces): prompt/completion records.
     """
 
     description: str
     splits: dict[str, Callable[[], Iterator[Iterator[str]]]]
     identity: str
     fingerprint: str
+    answers: bool = False
 
 
 def stdlib_files() -> list[Path]:
@@ -89,6 +98,42 @@ def _file_corpus(description: str, files: dict[str, list[Path]]) -> Corpus:
         identity=identity,
         fingerprint=fingerprint,
     )
+
+
+def _record_pieces(path: Path, number: int, line: str) -> Iterator[str]:
+    """A JSONL line's document: ``prompt`` then ``completion`` (an answer), or ``text`` (all of it an answer)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno}): fix that line.") from err
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+        yield from text_pieces(record["prompt"])
+        yield from (AnswerText(p) for p in text_pieces(record["completion"]))
+    elif isinstance(record, dict) and isinstance(record.get("text"), str):
+        yield from (AnswerText(p) for p in text_pieces(record["text"]))
+    else:
+        raise ValueError(
+            f"{path}, line {number}: a JSONL corpus line needs \"prompt\" and \"completion\" strings (or a \"text\" "
+            f"string), got {line[:80]!r}: fix the line, or train on plain text files."
+        )
+
+
+def _jsonl_corpus(description: str, files: list[Path]) -> Corpus:
+    """Prompt/completion records, one JSON object a line (what ``gpuopt predict --generate.scorer`` keeps)."""
+
+    def documents() -> Iterator[Iterator[str]]:
+        for path in files:
+            try:
+                with open(path, encoding="utf-8") as f:  # a line at a time: memory bounded by the longest record
+                    for number, line in enumerate(f, start=1):
+                        if line.strip():
+                            yield _record_pieces(path, number, line)
+            except (OSError, UnicodeDecodeError) as err:
+                raise ValueError(f"Cannot read training records from {path}: {err}. Fix its permissions or save it as UTF-8.") from err
+
+    identity, fingerprint = _file_fingerprints({"train": files})
+    identity = hashlib.sha256(f"jsonl-records\0{identity}".encode()).hexdigest()  # not the same files read as text
+    return Corpus(description=description, splits={"train": documents}, identity=identity, fingerprint=fingerprint, answers=True)
 
 
 def _special_kind(path: Path) -> Optional[str]:
@@ -167,7 +212,9 @@ def resolve_source(source: str) -> Corpus:
             - a folder holding split files (``wiki.train.raw``/``wiki.valid.raw``/``wiki.test.raw``
               or ``train.txt``/``valid.txt``/``test.txt``): those splits;
             - any other folder: every ``*.txt``, ``*.md``, ``*.raw`` and ``*.py`` file under it;
-            - a file, or a glob pattern (``**`` allowed): those files;
+            - a file, or a glob pattern (``**`` allowed): those files; ``.jsonl`` files are records, one a line,
+              of ``"prompt"`` and ``"completion"`` (a fine-tuning corpus, e.g. the completions ``gpuopt predict``
+              kept) or of ``"text"``;
             - ``"hf:NAME"`` or ``"hf:NAME:CONFIG"``: a Hugging Face dataset with a ``text`` column
               (needs the ``datasets`` package and network access).
 
@@ -192,11 +239,13 @@ def resolve_source(source: str) -> Corpus:
             )
         return _file_corpus(f"{len(files)} files under {path}", {"train": files})
     if path.is_file():
-        return _file_corpus(str(path), {"train": [path]})
+        return _jsonl_corpus(f"records in {path}", [path]) if path.suffix == ".jsonl" else _file_corpus(str(path), {"train": [path]})
     if glob.has_magic(source):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
         if not files:
             raise ValueError(f"data.source={source!r} matches no files: check the pattern.")
+        if all(f.suffix == ".jsonl" for f in files):
+            return _jsonl_corpus(f"records in {len(files)} files matching {source}", files)
         return _file_corpus(f"{len(files)} files matching {source}", {"train": files})
     kind = _special_kind(path)
     if kind is not None:

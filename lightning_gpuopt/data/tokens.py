@@ -44,9 +44,14 @@ def write_tokens(path: str | Path, chunks: Iterable[np.ndarray], dtype: np.dtype
 
 
 class _TokenSpan(Dataset):
-    """Tokens ``[start, end)`` of a memory-mapped file; the map is opened lazily in each worker."""
+    """Tokens ``[start, end)`` of a memory-mapped file; the map is opened lazily in each worker.
 
-    def __init__(self, path: str | Path, dtype: str, start: int, end: int, block_size: int) -> None:
+    With ``answers`` (a file of one byte per token, 1 for answer tokens) only answer tokens are targets: the
+    others get -1, which the loss ignores (fine-tuning on completions only).
+    """
+
+    def __init__(self, path: str | Path, dtype: str, start: int, end: int, block_size: int,
+                 answers: Optional[str | Path] = None) -> None:
         if end - start < block_size + 1:
             raise ValueError(
                 f"{Path(path).name} holds {end - start} tokens in this split, fewer than one training window of "
@@ -54,7 +59,9 @@ class _TokenSpan(Dataset):
                 "data.val_fraction."
             )
         self.path, self.dtype, self.start, self.end, self.block_size = str(path), dtype, start, end, block_size
+        self.answers = None if answers is None else str(answers)
         self._tokens: Optional[np.memmap] = None
+        self._answers: Optional[np.memmap] = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,10 +72,21 @@ class _TokenSpan(Dataset):
             self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         lo = self.start + offset
         chunk = torch.from_numpy(self._tokens[lo : lo + self.block_size + 1].astype(np.int64))
-        return chunk[:-1], chunk[1:]  # inputs, next-token targets
+        if self.answers is None:
+            return chunk[:-1], chunk[1:]  # inputs, next-token targets
+        learnt = torch.from_numpy(self._answer_bytes(lo + 1, lo + self.block_size + 1).astype(np.bool_))
+        return chunk[:-1], chunk[1:].masked_fill(~learnt, -1)  # only answer tokens are targets
+
+    def _answer_bytes(self, lo: int, hi: int) -> np.ndarray:
+        if self._answers is None:
+            self._answers = np.memmap(self.answers, dtype=np.uint8, mode="r")
+        return self._answers[lo:hi]
 
     def __getstate__(self) -> dict:  # memmaps are reopened, not pickled, in worker processes
-        return {**self.__dict__, "_tokens": None}
+        return {**self.__dict__, "_tokens": None, "_answers": None}
+
+
+_DRAWS = 100  # windows drawn for one index before a corpus is called too sparse in answers
 
 
 class RandomWindows(_TokenSpan):
@@ -87,6 +105,8 @@ class RandomWindows(_TokenSpan):
         block_size: Model context length; each item is ``(x, y)`` of that length.
         length: Number of windows (an "epoch"); defaults to ``(end - start) // block_size``.
         seed: Seed of the offsets.
+        answers: The file marking answer tokens, for a loss on them only; a window is then drawn again (from
+            ``(seed, i, attempt)``) until it holds an answer token.
     """
 
     def __init__(
@@ -98,8 +118,9 @@ class RandomWindows(_TokenSpan):
         block_size: int,
         length: Optional[int] = None,
         seed: int = 0,
+        answers: Optional[str | Path] = None,
     ) -> None:
-        super().__init__(path, dtype, start, end, block_size)
+        super().__init__(path, dtype, start, end, block_size, answers)
         self.length = length if length is not None else max(1, self.num_tokens // block_size)
         self.seed = seed
         self._high = self.num_tokens - block_size  # exclusive upper bound of an offset
@@ -111,7 +132,21 @@ class RandomWindows(_TokenSpan):
         if i < 0:
             raise IndexError(i)
         offset = int(np.random.default_rng((self.seed, i)).integers(0, self._high))
+        if self.answers is not None:
+            offset = self._with_answer(i, offset)
         return self._window(offset)
+
+    def _with_answer(self, i: int, offset: int) -> int:
+        """``offset``, or the first window drawn after it from ``(seed, i, attempt)`` that holds an answer token."""
+        for attempt in range(1, _DRAWS + 1):
+            if self._answer_bytes(self.start + offset + 1, self.start + offset + self.block_size + 1).any():
+                return offset
+            offset = int(np.random.default_rng((self.seed, i, attempt)).integers(0, self._high))
+        raise ValueError(
+            f"{_DRAWS} windows of {self.block_size} tokens drawn from {Path(self.path).parent} held no answer token: the "
+            "completions are too rare in this corpus for a loss on them only. Use data.loss_on='all', a larger "
+            "data.block_size, or a corpus with more completions."
+        )
 
 
 class SequentialWindows(_TokenSpan):

@@ -1,5 +1,6 @@
 """GPT model, its config and presets, generation, and the ``GPTModule`` LightningModule."""
 
+from lightning_gpuopt.model.batched_generation import Finished, GenerationJob, Request, generate_batched
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
 from lightning_gpuopt.model.config import PRESETS, GPTConfig
 from lightning_gpuopt.model.generation import generate
@@ -8,4 +9,7 @@ from lightning_gpuopt.model.kv_cache import KVCache
 from lightning_gpuopt.model.module import GPTModule
 from lightning_gpuopt.model.sharding import shard_gpt
 
-__all__ = ["CheckpointError", "GPT", "GPTConfig", "GPTModule", "KVCache", "PRESETS", "generate", "load_gpt", "shard_gpt"]
+__all__ = [
+    "CheckpointError", "Finished", "GPT", "GPTConfig", "GPTModule", "GenerationJob", "KVCache", "PRESETS", "Request", "generate",
+    "generate_batched", "load_gpt", "shard_gpt",
+]

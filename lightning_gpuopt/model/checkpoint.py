@@ -19,7 +19,7 @@ from lightning_gpuopt.model.gpt import GPT
 
 from lightning_gpuopt.internals import COMPILED_PREFIX
 
-__all__ = ["CheckpointError", "gpt_state_dict", "gptmodule_hparams", "load_gpt", "read_checkpoint"]
+__all__ = ["CheckpointError", "gpt_state_dict", "gptmodule_hparams", "load_gpt", "load_gpt_weights", "read_checkpoint"]
 
 MapLocation = Union[str, torch.device, Callable, dict, None]
 
@@ -205,3 +205,45 @@ def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", *
     if isinstance(map_location, (str, torch.device)):
         model.to(map_location)
     return model.eval()
+
+
+def load_gpt_weights(model: GPT, path: Union[str, os.PathLike]) -> None:
+    """Copy the weights of a ``GPTModule`` checkpoint into ``model``, a GPT of the same architecture (fine-tuning).
+
+    Only the weights: no optimizer state, schedule or step (``GPTModule(init_from=...)`` calls it when it builds
+    its GPT, so a new run starts from them).
+
+    Example::
+
+        model = GPT(GPTConfig.from_name("tiny", vocab_size=4096, block_size=256))
+        load_gpt_weights(model, "runs/base/checkpoints/last.ckpt")
+
+    Args:
+        model: The GPT, with its parameters on a device (not the meta device).
+        path: A ``GPTModule`` checkpoint (``last.ckpt``, or any file :func:`load_gpt` reads).
+
+    Raises:
+        CheckpointError: The file is missing, broken, not a ``GPTModule`` checkpoint, or holds a GPT of another shape.
+        ValueError: The parameters are on the meta device (nothing could be copied into them).
+    """
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"model.init_from={str(path)!r}: the GPT was built on the meta device (sharded or empty-initialised), so the "
+            "weights cannot be copied into it; fine-tune under a strategy that builds the model on a device (DDP, "
+            "one device), or load the weights in configure_model after materialising them."
+        )
+    checkpoint = read_checkpoint(path)
+    gptmodule_hparams(checkpoint, path)  # a GPTModule's checkpoint, or a clear error
+    state = gpt_state_dict(checkpoint)
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    wrong = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        shown = "; ".join(f"{k}: {list(a)} in the file, {list(b)} in the model" for k, a, b in wrong[:3])
+        raise CheckpointError(
+            f"model.init_from={str(path)!r} holds a GPT of another architecture than this run's"
+            + (f" ({shown})" if shown else f" (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            + ": build the model with the checkpoint's preset, n_layer, n_head, n_embd, block_size and tokenizer "
+            "(gpuopt fit --model.init_from takes them from the file: drop the options that differ)."
+        )
+    model.load_state_dict(state, strict=True)

@@ -34,9 +34,12 @@ def sample_next(
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_k is not None and top_k < logits.size(-1):
+        # Draw among the top_k only: the same distribution as masking the rest to -inf, without a draw over the
+        # whole vocabulary (torch.multinomial's cost grows with the number of categories).
+        values, ids = torch.topk(logits, top_k)  # (B, k)
+        pick = torch.multinomial(torch.softmax(values, dim=-1), num_samples=1, generator=generator)  # (B, 1)
+        return ids.gather(-1, pick)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
 

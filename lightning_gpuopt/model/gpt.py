@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.generation import generate
-from lightning_gpuopt.model.kv_cache import KVCache
+from lightning_gpuopt.model.kv_cache import KVCache, padded_causal_mask
 from lightning_gpuopt.model.loss import linear_cross_entropy
 from lightning_gpuopt.model.rope import apply_rope, rope_cos_sin
 
@@ -94,27 +94,35 @@ class CausalSelfAttention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_size)
         return apply_rope(q, *rope), apply_rope(k, *rope), v
 
-    def forward(self, x: Tensor, cache: Optional[KVCache] = None, rope: Optional[Rope] = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cache: Optional[KVCache] = None, rope: Optional[Rope] = None, mask: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """``rope``: the rotation of the Llama style's queries and keys; ``mask``: boolean (B, 1, T, S), ``True``
+        where a query may attend (``None``: causal over the cache); ``key_padding_mask``: (B, T) bool, ``False`` on
+        padding among the new tokens, recorded in the cache."""
         B, T, C = x.shape
         q, k, v = self._qkv(x, rope)  # (B, T, nh or n_kv_head, hs)
         dropout = self.dropout if self.training else 0.0
-        if self._flash_attn is not None and cache is None:
+        if self._flash_attn is not None and cache is None and mask is None:
             # flash-attn wants (B, T, nh, hs), and takes fewer key/value heads as they are
             y = self._flash_attn(q, k, v, dropout_p=dropout, causal=True)
             return self.resid_dropout(self.c_proj(y.reshape(B, T, -1)))
 
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
-        if cache is None or cache.pos == 0:
-            mask, is_causal = None, True
+        if mask is not None:
+            is_causal = False  # padding, or rows at different lengths: the mask says it all
+        elif cache is None or cache.pos == 0:
+            is_causal = True
         elif T == 1:
-            mask, is_causal = None, False  # one new token attends to every cached position
+            is_causal = False  # one new token attends to every cached position
         else:
             # T new tokens after `cache.pos` cached ones: token i sees positions <= pos + i
             pos = cache.pos
             mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
             is_causal = False
         if cache is not None:
-            k, v = cache.update(k, v)  # (B, n_kv_head, pos + T, hs): the grouped heads are cached, not repeated
+            k, v = cache.update(k, v, key_padding_mask)  # (B, n_kv_head, S, hs): grouped heads cached, not repeated
         gqa = {}
         if k.size(1) != q.size(1):  # grouped-query attention: n_head / n_kv_head query heads per key/value head
             if grouped_heads_run_fused(q.dtype, mask is not None):
@@ -168,8 +176,11 @@ class Block(nn.Module):
         self.ln_2 = _norm(config)
         self.mlp = MLP(config) if config.arch == "gpt2" else SwiGLU(config)
 
-    def forward(self, x: Tensor, cache: Optional[KVCache] = None, rope: Optional[Rope] = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache, rope)
+    def forward(
+        self, x: Tensor, cache: Optional[KVCache] = None, rope: Optional[Rope] = None, mask: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, rope, mask, key_padding_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -269,7 +280,8 @@ class GPT(nn.Module):
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * T
 
     def forward(
-        self, idx: Tensor, caches: Optional[list[KVCache]] = None, targets: Optional[Tensor] = None
+        self, idx: Tensor, caches: Optional[list[KVCache]] = None, targets: Optional[Tensor] = None,
+        input_pos: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
     ) -> Tensor:
         """Logits of shape (B, T, padded_vocab_size) for token ids ``idx`` of shape (B, T), or, given
         ``targets``, the mean next-token loss (see :meth:`loss_from_hidden`).
@@ -279,6 +291,10 @@ class GPT(nn.Module):
             caches: One ``KVCache`` per block, for incremental decoding (see ``generate``).
             targets: Token ids of shape (B, T) to predict; -1 marks a position without a target.
                 With targets the full logits are never materialised.
+            input_pos: Position of each token, (B, T) or (T,); ``None``: counted from the cache (or 0), skipping
+                padding.
+            key_padding_mask: (B, T) bool, ``False`` on padding tokens (prompts of different lengths, left-padded),
+                which no token attends to. Each real token then gets what its row alone would.
         """
         B, T = idx.shape
         start = caches[0].pos if caches else 0
@@ -287,18 +303,28 @@ class GPT(nn.Module):
                 f"Sequence of length {start + T} is longer than GPTConfig.block_size={self.config.block_size}: "
                 "use shorter sequences or a model with a larger block_size."
             )
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+        mask = None
+        if caches:
+            mask = caches[0].attention_mask(B, T, key_padding_mask, idx.device)  # (B, 1, T, S) or None: causal
+            if input_pos is None:
+                input_pos = caches[0].next_positions(B, T, key_padding_mask, idx.device)
+        elif key_padding_mask is not None:
+            mask = padded_causal_mask(key_padding_mask, torch.arange(T, device=idx.device).expand(B, T))  # (B, 1, T, T)
+            if input_pos is None:
+                input_pos = (key_padding_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): real tokens before
+        if input_pos is None:
+            input_pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
         if self.config.arch == "gpt2":
-            x, rope = self.transformer.wte(idx) + self.transformer.wpe(pos), None
+            x, rope = self.transformer.wte(idx) + self.transformer.wpe(input_pos), None
         else:  # the rotation angles of these positions, shared by every block
-            x, rope = self.transformer.wte(idx), rope_cos_sin(pos, self.config.head_size, self.config.rope_theta)
+            x, rope = self.transformer.wte(idx), rope_cos_sin(input_pos, self.config.head_size, self.config.rope_theta)
         x = self.transformer.drop(x)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             cache = caches[i] if caches else None
             if self.config.activation_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, None, rope, use_reentrant=False)
+                x = checkpoint(block, x, None, rope, mask, use_reentrant=False)
             else:
-                x = block(x, cache, rope)
+                x = block(x, cache, rope, mask, key_padding_mask)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x)

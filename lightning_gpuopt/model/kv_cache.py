@@ -1,55 +1,221 @@
-"""`KVCache`: keys and values of past positions for one attention layer, for incremental decoding.
+"""`KVCache`: keys and values of past positions for one attention layer, row by row, for incremental decoding.
 
 Its own module because two others use it and neither should import the other for it: attention in
-``gpt.py`` fills it, and ``generation.py`` creates one per block.
+``gpt.py`` fills it, and ``generation.py`` / ``batched_generation.py`` create one per block.
+
+Design note: each row ``b`` of the batch fills its own columns ``[0, lengths[b])`` of the storage, and
+``valid[b, j]`` says whether column ``j`` holds a real token (``False``: the left padding of a prompt
+shorter than the others it was prefilled with). Rows may be at different lengths: continuous batching
+prefills a new prompt into the rows of a finished one (:meth:`KVCache.load_rows`) while the other rows
+go on. A row's next token is written at its own column ``lengths[b]``; the query at column ``c`` sees
+the valid columns ``<= c`` (:meth:`KVCache.attention_mask`), and its position (for the position
+embedding, or rotary) is the number of real tokens before it (:meth:`KVCache.next_positions`), which is
+what the prompt alone would have. While every row holds the same number of columns, all valid (the
+plain use: a batch of equal-length prompts), no mask is built at all (``dense``), and attention runs
+causal or unmasked as before.
+
+The host keeps a copy of the lengths (``_lengths``), so slicing to the filled columns never waits for
+the device.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "padded_causal_mask"]
+
+
+def padded_causal_mask(valid: Tensor, columns: Tensor) -> Tensor:
+    """Boolean attention mask (B, 1, T, S): query ``i`` of row ``b``, at column ``columns[b, i]``, sees the columns
+    ``j <= columns[b, i]`` where ``valid[b, j]``, and always its own (a pad query, whose output is never used,
+    would otherwise see nothing and give NaN).
+
+    Example::
+
+        mask = padded_causal_mask(attention_mask.bool(), torch.arange(T).expand(B, T))  # left padding, no cache
+
+    Args:
+        valid: (B, S) bool, ``True`` where a column holds a real token.
+        columns: (B, T) long, the column of each query.
+    """
+    j = torch.arange(valid.size(1), device=valid.device)  # (S,)
+    own = columns[..., None]  # (B, T, 1)
+    return ((valid[:, None, :] & (j <= own)) | (j == own))[:, None]  # (B, 1, T, S)
 
 
 class KVCache:
-    """Keys and values of past positions for one attention layer, for incremental decoding.
+    """Keys and values of past positions for one attention layer, row by row, for incremental decoding.
 
-    The storage is allocated on the first ``update`` with that call's device and dtype (the dtype
-    attention runs in, e.g. bf16 under autocast).
+    The storage is allocated on the first ``update`` (or :meth:`load_rows`) with that call's device and
+    dtype (the dtype attention runs in, e.g. bf16 under autocast).
 
     Args:
-        max_len: Most positions the cache holds (the model's ``block_size``).
+        max_len: Most columns a row holds (the model's ``block_size``).
 
     Example::
 
         caches = [KVCache(model.config.block_size) for _ in range(model.config.n_layer)]
         logits = model(prompt_ids, caches)            # fills every layer's cache
         logits = model(next_ids, caches)              # attends over the cached positions
+        # prompts of different lengths, left-padded, mask True on real tokens:
+        logits = model(padded_ids, caches, key_padding_mask=mask)
     """
 
     def __init__(self, max_len: int) -> None:
         self.max_len = max_len
-        self.k: Optional[Tensor] = None
-        self.v: Optional[Tensor] = None
-        self.pos = 0  # number of positions filled
+        self.k: Optional[Tensor] = None  # (B, nh, max_len, hs)
+        self.v: Optional[Tensor] = None  # (B, nh, max_len, hs)
+        self.valid: Optional[Tensor] = None  # (B, max_len) bool: column holds a real token
+        self.lengths: Optional[Tensor] = None  # (B,) long: columns filled per row
+        self.seen: Optional[Tensor] = None  # (B,) long: real tokens per row (the next position)
+        self._lengths: list[int] = []  # host copy of `lengths`
+        self.dense = True  # every row holds the same columns, all valid: no mask needed
+
+    @property
+    def pos(self) -> int:
+        """Columns filled in the longest row (for a dense cache: in every row)."""
+        return max(self._lengths, default=0)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._lengths)
 
     def reset(self) -> None:
         """Forget every cached position (the storage is kept)."""
-        self.pos = 0
+        self._lengths = [0] * len(self._lengths)
+        if self.lengths is not None:
+            self.lengths.zero_()
+            self.seen.zero_()
+            self.valid.zero_()
+        self.dense = True
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k``/``v`` of shape (B, nh, T, hs) (nh: the key/value heads, ``n_kv_head``); return all so far."""
-        start, end = self.pos, self.pos + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KVCache holds {self.max_len} positions; cannot append up to {end}.")
-        stale = self.k is None or (self.k.shape[0], self.k.dtype, self.k.device) != (k.shape[0], k.dtype, k.device)
-        if stale and start == 0:
-            B, nh, _, hs = k.shape
-            self.k = k.new_zeros(B, nh, self.max_len, hs)
-            self.v = v.new_zeros(B, nh, self.max_len, hs)
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        self.pos = end
+    def _allocate(self, like: Tensor, batch_size: int) -> None:
+        """Storage for ``batch_size`` rows with the heads, head size, dtype and device of ``like`` (B, nh, T, hs)."""
+        _, nh, _, hs = like.shape
+        self.k = like.new_zeros(batch_size, nh, self.max_len, hs)
+        self.v = like.new_zeros(batch_size, nh, self.max_len, hs)
+        self.valid = torch.zeros(batch_size, self.max_len, dtype=torch.bool, device=like.device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=like.device)
+        self.seen = torch.zeros(batch_size, dtype=torch.long, device=like.device)
+        self._lengths = [0] * batch_size
+        self.dense = True
+
+    def _fresh(self, batch_size: int) -> bool:
+        """Nothing cached for a batch of ``batch_size`` rows (no storage yet, or an emptied one of another size)."""
+        return self.lengths is None or (self.pos == 0 and self.lengths.size(0) != batch_size)
+
+    def _columns(self, T: int, device: torch.device) -> Tensor:
+        """(B, T) columns the next ``T`` tokens of each row go to."""
+        return self.lengths[:, None] + torch.arange(T, device=device)
+
+    def _check_room(self, T: int) -> None:
+        if self.pos + T > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions; cannot append up to {self.pos + T}.")
+
+    def next_positions(self, batch_size: int, T: int, key_padding_mask: Optional[Tensor], device: torch.device) -> Tensor:
+        """Positions of the next ``T`` tokens: (T,) for a dense cache without padding, else (B, T).
+
+        A row's position counts its real tokens only, so a left-padded prompt's tokens get the positions
+        the prompt alone would (pad tokens get the position of the next real one; they are never attended).
+        """
+        fresh = self._fresh(batch_size)
+        if key_padding_mask is None and (self.dense or fresh):
+            start = 0 if fresh else self.pos
+            return torch.arange(start, start + T, dtype=torch.long, device=device)  # (T,)
+        seen = torch.zeros(batch_size, dtype=torch.long, device=device) if fresh else self.seen
+        steps = key_padding_mask.long().cumsum(-1) - 1 if key_padding_mask is not None else torch.arange(T, device=device)
+        return (seen[:, None] + steps).clamp(min=0)  # (B, T)
+
+    def attention_mask(self, batch_size: int, T: int, key_padding_mask: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+        """Boolean mask (B, 1, T, S) of the keys each of the next ``T`` queries sees, ``S`` the filled columns after
+        them; ``None`` when the cache is dense and ``key_padding_mask`` is ``None`` (causal attention as usual).
+
+        A query sees the valid columns up to its own, and always its own column (a pad query, whose output
+        is never used, would otherwise see nothing and give NaN).
+        """
+        fresh = self._fresh(batch_size)
+        if key_padding_mask is None and (self.dense or fresh):
+            return None
+        if fresh:  # nothing cached yet
+            cols = torch.arange(T, device=device).expand(batch_size, T)  # (B, T)
+            valid = torch.zeros(batch_size, T, dtype=torch.bool, device=device)
+        else:
+            cols = self._columns(T, device)  # (B, T)
+            valid = self.valid[:, : self.pos + T].clone()  # (B, S)
+        new = key_padding_mask if key_padding_mask is not None else torch.ones_like(cols, dtype=torch.bool)
+        valid.scatter_(1, cols, new)
+        return padded_causal_mask(valid, cols)  # (B, 1, T, S)
+
+    def update(self, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """Write ``k``/``v`` of shape (B, nh, T, hs) after each row's filled columns; return the keys and values of
+        the filled columns, (B, nh, S, hs). ``nh`` is the key/value heads (``n_kv_head``: grouped, not repeated).
+
+        Args:
+            k: Keys of the new tokens.
+            v: Their values.
+            key_padding_mask: (B, T) bool, ``False`` for padding among the new tokens; ``None``: all real.
+        """
+        B, _, T, _ = k.shape
+        stale = self.k is None or (self.k.shape[0], self.k.dtype, self.k.device) != (B, k.dtype, k.device)
+        if stale and self.pos == 0:
+            self._allocate(k, B)
+        self._check_room(T)
+        if self.dense and key_padding_mask is None:  # every row at the same column: one slice
+            start = self._lengths[0]
+            self.k[:, :, start : start + T] = k
+            self.v[:, :, start : start + T] = v
+            self.valid[:, start : start + T] = True
+            self.seen += T
+        else:
+            cols = self._columns(T, k.device)  # (B, T)
+            rows = torch.arange(B, device=k.device)[:, None]  # (B, 1)
+            self.k[rows, :, cols] = k.transpose(1, 2)  # indexed (B, T, nh, hs)
+            self.v[rows, :, cols] = v.transpose(1, 2)
+            new = key_padding_mask if key_padding_mask is not None else torch.ones(B, T, dtype=torch.bool, device=k.device)
+            self.valid[rows, cols] = new
+            self.seen += new.sum(-1)
+            if key_padding_mask is not None:
+                self.dense = False
+        self.lengths += T
+        self._lengths = [n + T for n in self._lengths]
+        end = self.pos
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def load_rows(self, rows: list[int], other: "KVCache", batch_size: int) -> None:
+        """Put every row of ``other`` (a cache just prefilled with new prompts) into rows ``rows`` of this cache.
+
+        The rows' earlier content is dropped. This cache's storage is allocated for ``batch_size`` rows on
+        first use, with ``other``'s dtype and device.
+
+        Args:
+            rows: Where ``other``'s rows go, one index per row of ``other``.
+            other: The prefilled cache.
+            batch_size: Rows of this cache when it allocates its storage.
+        """
+        if len(rows) != other.batch_size:
+            raise ValueError(f"load_rows got {len(rows)} row indices for a cache of {other.batch_size} rows.")
+        if self.k is None:
+            self._allocate(other.k, batch_size)
+        width = other.pos
+        if width > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions; cannot load rows of {width}.")
+        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        self.k[index, :, :width] = other.k[:, :, :width]
+        self.v[index, :, :width] = other.v[:, :, :width]
+        self.valid[index] = False
+        self.valid[index, :width] = other.valid[:, :width]
+        self.lengths[index] = other.lengths
+        self.seen[index] = other.seen
+        for row, n in zip(rows, other._lengths):
+            self._lengths[row] = n
+        self.dense = False
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only rows ``rows`` (in that order): the batch shrinks to them (finished rows leave)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        self.k, self.v = self.k[index], self.v[index]
+        self.valid, self.lengths, self.seen = self.valid[index], self.lengths[index], self.seen[index]
+        self._lengths = [self._lengths[r] for r in rows]

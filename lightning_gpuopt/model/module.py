@@ -8,17 +8,20 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_gpuopt.internals import attached_trainer, show_in_progress_bar
-from lightning_gpuopt.perf.device import training_device
+from lightning_gpuopt.perf.device import read_device, training_device
 from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype_name
 from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.loss import LossImpl
+from lightning_gpuopt.model.batched_generation import GenerationJob, fit_to_context, generate_batched
+from lightning_gpuopt.model.checkpoint import load_gpt_weights
+from lightning_gpuopt.model.generation_memory import generation_batch_size
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
 from lightning_gpuopt.model.sharding import shard_gpt
@@ -75,6 +78,9 @@ class GPTModule(pl.LightningModule):
         max_new_tokens: Tokens generated per prompt by ``predict_step``.
         temperature: Sampling temperature for ``predict_step`` (0 is greedy).
         top_k: Top-k sampling for ``predict_step``.
+        init_from: A checkpoint (a ``GPTModule``'s ``last.ckpt``, or any file :func:`~lightning_gpuopt.model.load_gpt`
+            reads) whose weights the GPT starts from, for fine-tuning: a new run, with a fresh optimizer and schedule.
+            Its architecture must be this module's (``gpuopt fit --model.init_from`` takes it from the file).
 
     Note:
         The ``GPT`` is built in ``configure_model`` (under the Trainer's init context, so precision
@@ -110,6 +116,7 @@ class GPTModule(pl.LightningModule):
         max_new_tokens: int = 64,
         temperature: float = 0.8,
         top_k: Optional[int] = 50,
+        init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -174,6 +181,8 @@ class GPTModule(pl.LightningModule):
         if self.model is not None:  # idempotent: Lightning may call it more than once
             return
         self.model = GPT(self.config)
+        if self.hparams.get("init_from"):  # before sharding and compiling: the plain GPT takes the weights
+            load_gpt_weights(self.model, self.hparams.init_from)
         mesh = self.device_mesh  # set by ModelParallelStrategy before this hook
         if mesh is not None:
             mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
@@ -271,17 +280,47 @@ class GPTModule(pl.LightningModule):
         self.log("test/ppl", torch.exp(self.test_loss.compute()))
 
     @override
-    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
-        """Continue each prompt in ``batch`` (token ids (B, T), or a tuple whose first item is)."""
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """Continue each prompt in ``batch`` (token ids (B, T), or a tuple whose first item is); or, given a
+        :class:`~lightning_gpuopt.model.batched_generation.GenerationJob`, generate its prompts of any lengths with
+        continuous batching, handing each finished row to the job (returns ``{"completions": n, "tokens": t}``).
+
+        ``max_new_tokens`` must leave the prompt a token of the context; a prompt longer than ``block_size -
+        max_new_tokens`` is generated from its last tokens, with a warning.
+        """
+        if isinstance(batch, GenerationJob):
+            return self._generate_job(batch)
         idx = batch[0] if isinstance(batch, (tuple, list)) else batch
         hp = self.hparams
-        if idx.size(1) > self.config.block_size:
+        keep = fit_to_context(idx.size(1), hp.max_new_tokens, self.config.block_size)
+        if keep < idx.size(1):
             rank_zero_warn(
-                f"A prompt of {idx.size(1)} tokens is longer than the model's context (block_size="
-                f"{self.config.block_size}): generation sees only its last {self.config.block_size} tokens. "
-                "Shorten the prompt, or train with a larger data.block_size.", category=UserWarning
+                f"A prompt of {idx.size(1)} tokens and max_new_tokens={hp.max_new_tokens} do not fit in the model's context "
+                f"(block_size={self.config.block_size}): generation sees only its last {keep} tokens. Shorten the prompt, "
+                "ask for fewer new tokens, or train with a larger data.block_size.", category=UserWarning
             )
-        return self.model.generate(idx, hp.max_new_tokens, temperature=hp.temperature, top_k=hp.top_k)
+        return self.model.generate(idx[:, -keep:], hp.max_new_tokens, temperature=hp.temperature, top_k=hp.top_k)
+
+    def _generate_job(self, job: GenerationJob) -> dict[str, int]:
+        hp = self.hparams
+        rows = job.batch_size
+        if rows is None:
+            trainer = attached_trainer(self)
+            name = compute_dtype_name(trainer.precision_plugin) if trainer is not None else None
+            facts = training_device(trainer) if trainer is not None else read_device(self.device)
+            dtype_bytes = 2 if name in ("bf16", "fp16", "fp8") else next(self.model.parameters()).element_size()
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            memory = generation_batch_size(self.config, facts, weights, dtype_bytes,
+                                           context=self.config.block_size, most_rows=len(job.requests))
+            rows = memory.rows
+            rank_zero_info(f"Generation batch: {memory.reason}. (GenerationJob.batch_size, --generate.batch_size in gpuopt, sets another.)")
+        counts = {"completions": 0, "tokens": 0}
+        for done in generate_batched(self.model, job.requests, rows, hp.temperature, hp.top_k, job.eot_id,
+                                     job.stop_sequences, on_step=job.on_step):
+            job.on_finished(done)
+            counts["completions"] += 1
+            counts["tokens"] += len(done.tokens)
+        return counts
 
     @override
     def configure_gradient_clipping(

@@ -1,21 +1,37 @@
-"""benchmarks.generation runs every configuration and reports consistent numbers (tiny size, CPU)."""
+"""benchmarks.generation runs the three configurations on the same rows and reports consistent numbers (tiny size, CPU)."""
 
 import json
 
-from benchmarks.generation import CONFIGS, main
+import torch
+
+from benchmarks.generation import CONFIGS, _arguments, _workload, main, run_config
 
 
 def test_generation_benchmark_reports_every_configuration(tmp_path):
+    threads = torch.get_num_threads()
     report = main(["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--vocab-size", "300", "--block-size", "32",
-                   "--prompts", "4", "--prompt-len", "4", "--new-tokens", "4", "--batch-size", "4", "--repeats", "1",
-                   "--out", str(tmp_path)])
+                   "--prompts", "4", "--samples", "2", "--min-len", "2", "--max-len", "8", "--new-tokens", "8",
+                   "--answer-len", "3", "--batch-size", "4", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)])
+    assert torch.get_num_threads() == threads  # put back
     rows = {r["config"]: r for r in report["results"]}
-    assert list(rows) == list(CONFIGS)
-    assert all(r["tokens_per_sec"] > 0 for r in rows.values())
-    assert rows["seq-fp32"]["speedup"] == 1.0 and rows["batched-bf16"]["batch"] == 4
-    assert rows["batched-bf16"]["dtype"] == "bf16" and not rows["seq-fp32-nocache"]["kv_cache"]
+    assert list(rows) == list(CONFIGS) and report["rows"] == 8
+    assert all(r["answer_tokens_per_sec"] > 0 and 0 < r["mean_answer_tokens"] <= 8 for r in rows.values())
+    assert rows["sequential"]["speedup"] == 1.0 and rows["continuous"]["batch"] == 4 and rows["sequential"]["batch"] == 1
     assert json.loads((tmp_path / "generation.json").read_text())["results"] == report["results"]
-    assert "| `batched-bf16` | 4 | bf16 | yes |" in (tmp_path / "generation.md").read_text()
+    assert "| `continuous` | 4 |" in (tmp_path / "generation.md").read_text()
+
+
+def test_configurations_answer_alike_and_answers_end_early():
+    """Greedy, the three configurations give every row the same answer, cut at its end-of-text; the raised
+    end-of-text logit ends answers before --new-tokens."""
+    args = _arguments(["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--vocab-size", "300", "--block-size", "48",
+                       "--prompts", "6", "--samples", "1", "--min-len", "2", "--max-len", "16", "--new-tokens", "24",
+                       "--answer-len", "4", "--temperature", "1.0"])
+    model, rows, _ = _workload(args, torch.device("cpu"))
+    answers = {name: run_config(name, model, rows, 24, 4, 0.0, 50, None)[1] for name in CONFIGS}
+    assert answers["sequential"] == answers["grouped"] == answers["continuous"]
+    sampled = run_config("continuous", model, rows * 8, 24, 16, 1.0, 50, None)[1]
+    assert sum(len(a) for a in sampled) / len(sampled) < 12  # most answers end well before 24 tokens
 
 
 def test_results_go_to_the_current_folder_not_over_the_recorded_ones(tmp_path, monkeypatch):
@@ -24,7 +40,8 @@ def test_results_go_to_the_current_folder_not_over_the_recorded_ones(tmp_path, m
     recorded = (REPO / "benchmarks/results/cpu/generation.json").read_bytes()
     monkeypatch.chdir(tmp_path)
     main(["--n-layer", "1", "--n-embd", "16", "--n-head", "1", "--vocab-size", "64", "--block-size", "16",
-          "--prompts", "2", "--prompt-len", "2", "--new-tokens", "2", "--batch-size", "2", "--repeats", "1"])
+          "--prompts", "2", "--samples", "1", "--min-len", "2", "--max-len", "4", "--new-tokens", "2", "--batch-size", "2",
+          "--repeats", "1", "--configs", "continuous"])
     assert sorted(p.name for p in (tmp_path / "benchmark-results" / "cpu").iterdir()) == ["generation.json", "generation.md"]
     assert (REPO / "benchmarks/results/cpu/generation.json").read_bytes() == recorded
     written = json.loads((tmp_path / "benchmark-results/cpu/generation.json").read_text())

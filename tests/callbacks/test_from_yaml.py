@@ -56,10 +56,10 @@ def test_every_recipe_builds_the_stack(config):
     """Each shipped recipe's plugins and callbacks are real objects with the recipe's values."""
     trainer = yaml.safe_load(config.read_text())["trainer"]
     parser = _stack_parser()
-    plugins = trainer.get("plugins", [])  # the quickstart and hf-llama leave the precision to the stack (float32 on a CPU)
+    plugins = trainer.get("plugins", [])  # the quickstart, hf-llama and rft leave the precision to the stack (float32 on a CPU)
     init = parser.instantiate_classes(parser.parse_object({"callbacks": trainer["callbacks"], "plugins": plugins}))
     try:
-        assert [type(p) for p in init.plugins] == ([] if config.stem in ("quickstart", "hf-llama") else [BF16Precision])
+        assert [type(p) for p in init.plugins] == ([] if config.stem in ("quickstart", "hf-llama", "rft") else [BF16Precision])
         by_type = {type(c): c for c in init.callbacks}
         assert {CUDASettings, MFUMonitor, NonFiniteGuard, ModelCheckpoint} <= set(by_type)
         checkpoint = by_type[ModelCheckpoint]

@@ -22,3 +22,18 @@ def test_a_callback_keyed_by_its_settings_is_refused_only_with_the_same_settings
     check_callbacks_once([ModelCheckpoint(monitor="val/loss"), ModelCheckpoint(monitor="train/loss")])
     with pytest.raises(ValueError, match=r"lists ModelCheckpoint twice: with the same settings, .*'monitor': 'val/loss'"):
         check_callbacks_once([ModelCheckpoint(monitor="val/loss"), ModelCheckpoint(monitor="val/loss")])
+
+
+def test_an_output_in_a_folder_this_process_cannot_write_is_refused(tmp_path, monkeypatch):
+    """The folder is checked before any work (predict generated everything, then lost it in two chained OSErrors);
+    as root every folder is writable, so a read-only mount is stood in for by os.access saying so."""
+    import os
+
+    from lightning_gpuopt.cli.config_checks import check_output_file
+
+    check_output_file("generate.output", tmp_path / "new" / "deeper" / "g.jsonl")  # created later: its parent is writable
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode))
+    with pytest.raises(ValueError, match=r"generate.output=.*new/g.jsonl': .* \(where .*new would be created\) is not writable "
+                                         r"\(read-only, or another user's\): give a --generate.output in a folder you can write"):
+        check_output_file("generate.output", tmp_path / "new" / "g.jsonl")

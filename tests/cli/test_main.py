@@ -29,7 +29,7 @@ GPT_CONFIGS = [c for c in CONFIGS if c.stem != "hf-llama"]  # hf-llama trains a 
 
 def test_every_shipped_config_is_there():
     assert {p.stem for p in CONFIGS} == {"quickstart", "fast", "production", "max-quality", "mega", "h100", "multi-gpu", "hf-llama",
-                                               "llama-1b"}
+                                               "llama-1b", "rft"}
 
 
 def test_the_wandb_sync_path_in_the_docs_is_where_the_recipes_write():
@@ -62,11 +62,11 @@ def test_config_parses_through_the_cli_parser(config):
     ns = cli.config
     assert ns.model.preset == raw["model"]["preset"]
     assert ns.trainer.max_steps == raw["trainer"]["max_steps"]
-    assert ns.model.block_size == raw["data"]["block_size"]  # linked from the data
+    assert ns.model.block_size == raw["data"].get("block_size", 256)  # linked from the data (rft: from init_from's, at run time)
     # Every recipe runs the stack explicitly: no Lightning precision string, our plugin and callbacks. The
-    # quickstart, which also runs on a CPU, leaves the precision to the stack: float32 on a CPU.
+    # quickstart and rft, which also run on a CPU, leave the precision to the stack: float32 on a CPU.
     assert ns.trainer.precision is None
-    if config.stem == "quickstart":
+    if config.stem in ("quickstart", "rft"):
         assert "plugins" not in raw["trainer"] and _plugin_paths(ns.trainer.plugins) == _stack_plugin_paths()
     else:
         assert [p.class_path for p in ns.trainer.plugins] == ["lightning_gpuopt.precision.BF16Precision"]
@@ -76,7 +76,7 @@ def test_config_parses_through_the_cli_parser(config):
     assert checkpoint.save_last is True and checkpoint.every_n_train_steps >= 100
     assert checkpoint.every_n_epochs is None  # not at every validation
     # Validation runs every 500 optimizer steps in the WikiText-103 recipes (val_check_interval counts micro-batches).
-    if config.stem != "quickstart":
+    if config.stem not in ("quickstart", "rft"):
         assert ns.trainer.val_check_interval == 500 * ns.trainer.accumulate_grad_batches
         assert ns.trainer.check_val_every_n_epoch is None
 

@@ -223,3 +223,46 @@ def test_a_vocabulary_the_corpus_fills_does_not_warn(text_dir, cache_dir, recwar
     dm.setup("fit")
     assert dm.vocab_size >= 270
     assert not [w for w in recwarn if "vocab_size" in str(w.message)]
+
+
+def _records(tmp_path, n: int = 60) -> Path:
+    """A .jsonl corpus of prompt/completion records, as gpuopt predict --generate.scorer keeps them."""
+    words = "the model reads text and learns to predict the next token".split()
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(n):
+        pick = lambda k: " ".join(words[j] for j in torch.randint(0, len(words), (k,), generator=g).tolist())  # noqa: E731
+        lines.append(json.dumps({"prompt": f"Q{i}: {pick(3)}?\nA:", "completion": f" {pick(4)}."}))
+    path = tmp_path / "kept.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_records_learn_the_completions_only_when_asked(tmp_path, cache_dir):
+    """loss_on='completion': prompt tokens are inputs but never targets; each completion and its end-of-text are."""
+    source = _records(tmp_path)
+    dm = _module(source, cache_dir, block_size=16, val_fraction=0.1, loss_on="completion")
+    dm.setup("fit")
+    first = json.loads(source.read_text().splitlines()[0])
+    prompt, completion = dm.encode(first["prompt"]), dm.encode(first["completion"])
+    stream = prompt + completion + [dm.eot_id]
+    x, y = dm.datasets["train"]._window(0)
+    assert x.tolist() == stream[:16]
+    learnt = [0] * (len(prompt) - 1) + [1] * (len(completion) + 1)  # targets: the next token, learnt when an answer's
+    assert (y[: len(learnt)] != -1).long().tolist() == learnt
+    assert y[len(prompt) - 1 : len(learnt)].tolist() == completion + [dm.eot_id]
+    for i in range(8):  # every training window holds an answer token
+        assert (dm.datasets["train"][i][1] != -1).any()
+    every = _module(source, cache_dir, block_size=16, val_fraction=0.1)  # loss_on='all': the same tokens, every one learnt
+    every.setup("fit")
+    x_all, y_all = every.datasets["train"]._window(0)
+    assert torch.equal(x_all, x) and (y_all != -1).all()
+
+
+def test_completion_loss_needs_records_and_a_broken_record_is_named(tmp_path, text_dir, cache_dir):
+    with pytest.raises(ValueError, match=r"data.loss_on='completion' needs prompt/completion records, and data.source=.* is plain text"):
+        _module(text_dir, cache_dir, loss_on="completion")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+    with pytest.raises(ValueError, match=r'bad.jsonl, line 2: a JSONL corpus line needs "prompt" and "completion" strings'):
+        _module(bad, cache_dir).prepare_data()

@@ -166,10 +166,13 @@ def test_float8_under_fsdp2_gathers_weights_in_float8_or_bf16_never_fp32(fsdp2_t
 def test_predict_says_when_a_prompt_is_longer_than_the_context():
     module = GPTModule(preset="tiny", vocab_size=64, block_size=16, max_new_tokens=2, temperature=0)
     module.configure_model()
-    with pytest.warns(UserWarning, match=r"A prompt of 20 tokens is longer than the model's context \(block_size=16\): "
-                                         r"generation sees only its last 16 tokens"):
+    with pytest.warns(UserWarning, match=r"A prompt of 20 tokens and max_new_tokens=2 do not fit in the model's context "
+                                         r"\(block_size=16\): generation sees only its last 14 tokens"):
         out = module.predict_step(torch.zeros(1, 20, dtype=torch.long), 0)
-    assert out.shape == (1, 22)
+    assert out.shape == (1, 16)
+    module.hparams.max_new_tokens = 16
+    with pytest.raises(ValueError, match=r"max_new_tokens=16 does not fit in the model's context of block_size=16 tokens"):
+        module.predict_step(torch.zeros(1, 2, dtype=torch.long), 0)
 
 
 def test_the_llama_style_gpt_trains_under_fsdp2_with_float8(fsdp2_trainer):
@@ -193,3 +196,51 @@ def test_the_llama_style_gpt_trains_under_fsdp2_with_float8(fsdp2_trainer):
     assert isinstance(model.transformer.h[0].attn.k_proj, Float8Linear) and isinstance(model.transformer.h[0].mlp.gate_proj, Float8Linear)
     assert model.lm_head.weight is not model.transformer.wte.weight
     assert len(losses.losses) == 3 and all(math.isfinite(x) for x in losses.losses)
+
+
+def test_predict_step_runs_a_generation_job_of_mixed_lengths(caplog):
+    """A GenerationJob through trainer.predict: every row handed over as it finishes, greedy rows as GPT.generate's
+    alone, the batch size from the device (a CPU: a fixed number of rows, said)."""
+    from torch.utils.data import DataLoader
+
+    from lightning_gpuopt.model.batched_generation import GenerationJob, Request
+
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=32, max_new_tokens=5, temperature=0)
+    requests = [Request(list(range(1, n + 1)), 5, key=n) for n in (1, 7, 3, 12)]
+    done = []
+    job = GenerationJob(requests, on_finished=done.append)
+    with caplog.at_level("INFO"):
+        out = _trainer().predict(module, dataloaders=DataLoader([job], batch_size=None, collate_fn=lambda j: j))
+    assert out == [{"completions": 4, "tokens": 20}]
+    assert "Generation batch: 4 rows (cpu: no device memory to size the batch from)" in caplog.text
+    for d in done:
+        prompt = torch.tensor([list(range(1, d.key + 1))])
+        assert d.tokens == module.model.generate(prompt, 5, temperature=0)[0, d.key:].tolist()
+
+
+def _gpt_checkpoint(path, **config) -> GPT:
+    from lightning_gpuopt.model import GPTConfig
+
+    gpt = GPT(GPTConfig.from_name("tiny", **config))
+    hparams = {"preset": "tiny", **config}
+    torch.save({"hyper_parameters": hparams, "state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}}, path)
+    return gpt
+
+
+def test_init_from_starts_from_the_checkpoints_weights(tmp_path):
+    torch.manual_seed(1)
+    saved = _gpt_checkpoint(tmp_path / "base.ckpt", vocab_size=64, block_size=32)
+    torch.manual_seed(2)  # another initialisation: the weights must come from the file
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=32, init_from=str(tmp_path / "base.ckpt"))
+    module.configure_model()
+    for (k, a), (_, b) in zip(saved.state_dict().items(), module.model.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_init_from_another_architecture_is_refused(tmp_path):
+    from lightning_gpuopt.model.checkpoint import CheckpointError
+
+    _gpt_checkpoint(tmp_path / "base.ckpt", vocab_size=64, block_size=32, n_layer=3)
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=32, init_from=str(tmp_path / "base.ckpt"))
+    with pytest.raises(CheckpointError, match=r"another architecture than this run's \(missing \[\], unexpected \['transformer.h.2"):
+        module.configure_model()

@@ -1,0 +1,160 @@
+"""Completions written as they finish: a JSONL of every completion and, with a scorer, a JSONL of the accepted ones,
+which ``TextDataModule`` reads as a fine-tuning corpus (``gpuopt predict --generate.prompts_file``).
+
+Design note: each finished row is decoded, cut at its first stop sequence, scored, and appended to
+``<output>.partial`` as one line (one write and a flush each), so a SIGTERM, a scorer that raises
+half-way or a ``kill -9`` loses no finished completion. When the run ends, or stops early, the lines
+are sorted into prompt order and written to ``output`` (and the accepted ones to ``kept_output``)
+through a temporary file and a rename, and the partial files are removed. After a ``kill -9`` the
+partial files hold every line finished before it.
+
+Stop sequences are matched on token ids while generating (fast, and the row stops there); a stop string
+that the model produced inside a longer token is still cut from the text here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any, Callable, Optional, Union
+
+from lightning_gpuopt.cli.prompts import Scorer, score_of
+from lightning_gpuopt.model.batched_generation import Finished
+
+__all__ = ["CompletionWriter", "kept_path", "write_jsonl"]
+
+_REASONS = {"eot": "at end-of-text", "stop": "at a stop sequence", "length": "at max_new_tokens"}
+
+
+def write_jsonl(records: Sequence[dict], path: Union[str, Path]) -> Path:
+    """Write ``records`` as JSONL to ``path`` (through a temporary file and a rename), return the path.
+
+    Example::
+
+        write_jsonl([{"prompt": "a", "completion": " b", "tokens": [7]}], "out.jsonl")
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"generate.output={str(path)!r} is a folder: give a file path, e.g. {str(path / 'generations.jsonl')!r}.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # after a failed write or rename: no partial file left beside the output
+    return path
+
+
+def kept_path(output: Union[str, Path]) -> Path:
+    """The accepted completions' file beside ``output``: ``generations.jsonl`` -> ``generations.kept.jsonl``."""
+    output = Path(output)
+    return output.with_name(f"{output.stem}.kept{output.suffix or '.jsonl'}")
+
+
+class CompletionWriter:
+    """Decodes, scores and writes each finished row as it comes (see the module's note).
+
+    Example::
+
+        writer = CompletionWriter(records, data.decode, "gen.jsonl", scorer=score, scorer_spec="checks:score")
+        with writer:
+            for done in generate_batched(...):
+                writer.add(done)
+        print(writer.summary())
+
+    Args:
+        records: The prompts' records, by prompt index (the keys of the finished rows are ``(prompt, sample)``).
+        decode: Token ids to text.
+        output: The JSONL of every completion.
+        kept_output: The JSONL of the accepted ones (``None``: beside ``output``, see :func:`kept_path`); written only
+            with a ``scorer``.
+        scorer: ``scorer(record, completion) -> number`` (``None``: nothing is scored or kept).
+        scorer_spec: How the scorer was named (for messages).
+        keep_min_score: The least score a kept completion has.
+        stop_strings: Text that ends a completion (cut at its first occurrence).
+    """
+
+    def __init__(
+        self, records: Sequence[dict], decode: Callable[[list[int]], str], output: Union[str, Path],
+        kept_output: Union[str, Path, None] = None, scorer: Optional[Scorer] = None, scorer_spec: str = "",
+        keep_min_score: float = 1.0, stop_strings: Sequence[str] = (),
+    ) -> None:
+        self.records = list(records)
+        self.decode = decode
+        self.output = Path(output).expanduser()
+        self.kept_output = Path(kept_output).expanduser() if kept_output else kept_path(self.output)
+        self.scorer, self.scorer_spec, self.keep_min_score = scorer, scorer_spec, keep_min_score
+        self.stop_strings = [s for s in stop_strings if s]
+        self.done = 0
+        self.tokens = 0
+        self.kept = 0
+        self.reasons: Counter = Counter()
+        self._files: list[IO[str]] = []
+
+    def partial(self, path: Path) -> Path:
+        return path.with_name(path.name + ".partial")
+
+    def __enter__(self) -> "CompletionWriter":
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self._files = [open(self.partial(self.output), "w", encoding="utf-8")]
+        if self.scorer is not None:
+            self.kept_output.parent.mkdir(parents=True, exist_ok=True)
+            self._files.append(open(self.partial(self.kept_output), "w", encoding="utf-8"))
+        return self
+
+    def add(self, finished: Finished) -> None:
+        """Decode, cut, score and append one finished row."""
+        p, s = finished.key
+        record = self.records[p]
+        text = self.decode(finished.tokens)
+        for stop in self.stop_strings:
+            if stop in text:
+                text = text[: text.index(stop)]
+        line: dict[str, Any] = {**record, "index": p, "sample": s, "completion": text, "tokens": finished.tokens,
+                                "finish": finished.reason}
+        if self.scorer is not None:
+            line["score"] = score_of(self.scorer, self.scorer_spec, record, text)
+        self._write(0, line)
+        self.done += 1
+        self.tokens += len(finished.tokens)
+        self.reasons[finished.reason] += 1
+        if self.scorer is not None and line["score"] >= self.keep_min_score:
+            self.kept += 1
+            self._write(1, {k: v for k, v in line.items() if k not in ("tokens", "finish")})
+
+    def _write(self, which: int, line: dict) -> None:
+        f = self._files[which]
+        f.write(json.dumps(line, ensure_ascii=False) + "\n")
+        f.flush()
+
+    def __exit__(self, *exc: Any) -> None:
+        """Sort the lines into prompt order and put them in place whole; remove the partial files."""
+        for f in self._files:
+            f.close()
+        pairs = [(self.output, self.partial(self.output))]
+        if self.scorer is not None:
+            pairs.append((self.kept_output, self.partial(self.kept_output)))
+        for final, partial in pairs:
+            if self.done == 0 and exc[0] is not None:  # stopped before any row finished: nothing to keep
+                partial.unlink()
+                continue
+            lines = [json.loads(line) for line in partial.read_text(encoding="utf-8").splitlines()]
+            lines.sort(key=lambda r: (r["index"], r["sample"]))
+            write_jsonl(lines, final)
+            partial.unlink()
+
+    def summary(self, total: int, seconds: float) -> str:
+        """One line: completions, tokens, how they ended, the rate, where they went, what was kept."""
+        ends = ", ".join(f"{n} {_REASONS[r]}" for r, n in sorted(self.reasons.items()))
+        rate = f"{self.tokens / seconds:,.0f} tokens/s" if seconds > 0 else "no time"
+        head = f"{self.done} completions" if self.done == total else f"{self.done} of {total} completions"
+        line = f"{head} ({self.tokens:,} tokens{': ' + ends if ends else ''}) in {seconds:.1f} s, {rate}; written to {self.output}"
+        if self.scorer is not None:
+            line += f"; kept {self.kept} with score >= {self.keep_min_score:g} in {self.kept_output}"
+        return line

@@ -1,0 +1,149 @@
+"""``gpuopt predict --generate.prompts_file``: its options, their checks before anything is built, and the run.
+
+The run is one :class:`~lightning_gpuopt.model.batched_generation.GenerationJob` through ``trainer.predict``
+(so the Trainer's device, precision plugin and checkpoint loading apply): ``GPTModule.predict_step``
+generates every row with continuous batching and hands each finished one to a
+:class:`~lightning_gpuopt.cli.completions.CompletionWriter`, which writes it at once; a bar counts them.
+What finished is kept when the run stops early (SIGTERM, a scorer that raises).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Optional
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
+
+from lightning_gpuopt.cli.completions import CompletionWriter, kept_path
+from lightning_gpuopt.cli.config_checks import check_output_file
+from lightning_gpuopt.cli.generation_progress import GenerationProgress
+from lightning_gpuopt.cli.prompts import Scorer, check_scorer, load_scorer, plan_requests, read_prompts
+from lightning_gpuopt.model.batched_generation import Finished, GenerationJob
+
+__all__ = ["add_generate_arguments", "check_generate_options", "completions_path", "generate_from_file"]
+
+
+def add_generate_arguments(parser: Any) -> None:
+    """The ``--generate.*`` options of ``gpuopt predict``."""
+    add = parser.add_argument
+    add("--generate.prompts_file", type=Optional[str], default=None,
+        help="predict: a text file (one prompt per line) or JSONL (a \"prompt\" per line; other fields go to the scorer).")
+    add("--generate.batch_size", type=Optional[int], default=None,
+        help="predict: rows generated at a time (prompts of any lengths share a batch); default: the largest the "
+             "device's memory allows (64 rows on a CPU).")
+    add("--generate.samples_per_prompt", type=int, default=1, help="predict: completions per prompt of the prompts file.")
+    add("--generate.stop", type=list[str], default=[],
+        help="predict: text that ends a completion, besides end-of-text (e.g. '[\"\\n\\n\"]').")
+    add("--generate.output", type=Optional[str], default=None,
+        help="predict: the JSONL file written; default <trainer.default_root_dir>/generations.jsonl.")
+    add("--generate.overwrite", type=bool, default=False,
+        help="predict: replace generate.output (and kept_output) if it exists (otherwise an existing file stops the run).")
+    add("--generate.scorer", type=Optional[str], default=None,
+        help="predict: module:function called as f(record, completion) -> number for each completion; the score is "
+             "written, and completions scoring >= keep_min_score go to kept_output.")
+    add("--generate.keep_min_score", type=float, default=1.0,
+        help="predict: the least score a kept completion has (a scorer returning True/False keeps True).")
+    add("--generate.kept_output", type=Optional[str], default=None,
+        help="predict: the JSONL of kept completions (prompt, completion, score: a fine-tuning corpus for "
+             "TextDataModule); default <output stem>.kept.jsonl beside generate.output.")
+
+
+def completions_path(config: Any) -> Path:
+    """The file ``gpuopt predict --generate.prompts_file`` writes: ``generate.output``, else ``generations.jsonl``
+    in ``trainer.default_root_dir`` (the working folder when unset, as Lightning's)."""
+    output = (config.get("generate") or {}).get("output")
+    if output:
+        return Path(output).expanduser()
+    return Path((config.get("trainer") or {}).get("default_root_dir") or os.getcwd()) / "generations.jsonl"
+
+
+def check_generate_options(config: Any, generate: Any, error: Callable[[str], NoReturn]) -> Optional[Scorer]:
+    """Check everything about ``generate.*`` that can be checked before the model is built; return the scorer.
+
+    Sizes, stop strings, the prompts file (read whole), the output files (not a folder, not an existing file
+    unless ``overwrite``, in a writable folder), and the scorer: imported, then called once with the first
+    prompt's record and an empty completion.
+
+    Args:
+        config: The subcommand's parsed configuration.
+        generate: Its ``generate`` group.
+        error: Reports an option error (the parser's ``error``).
+    """
+    for name in ("batch_size", "samples_per_prompt"):
+        if generate.get(name) is not None and generate.get(name) < 1:
+            error(f"generate.{name} must be >= 1, got {generate.get(name)}.")
+    for i, stop in enumerate(generate.get("stop") or []):
+        if not stop:
+            error(f"generate.stop[{i}] is empty, so it has no tokens and would never match: give each stop sequence some "
+                  "text (e.g. '[\"\\n\\n\"]'), or leave it out.")
+    records = read_prompts(generate["prompts_file"])
+    output = completions_path(config)
+    overwrite = generate.get("overwrite", False)
+    check_output_file("generate.output", output, overwrite, "generate.overwrite")
+    if not generate.get("scorer"):
+        if generate.get("kept_output"):
+            error("generate.kept_output is written with a scorer only: add --generate.scorer module:function.")
+        return None
+    check_output_file("generate.kept_output", generate.get("kept_output") or kept_path(output), overwrite, "generate.overwrite")
+    scorer = load_scorer(generate["scorer"])
+    check_scorer(scorer, generate["scorer"], records[0])
+    return scorer
+
+
+def generate_from_file(
+    trainer: Trainer, model: LightningModule, data: LightningDataModule, options: Any, output: Path,
+    scorer: Optional[Scorer], **predict_kwargs: Any,
+) -> None:
+    """Generate every row of the prompts file through ``trainer.predict``, each completion written as it finishes.
+
+    Args:
+        trainer: The predict Trainer (one device).
+        model: The ``GPTModule``.
+        data: The ``TextDataModule`` (its tokenizer encodes the prompts and decodes the completions).
+        options: The ``generate`` group.
+        output: The completions file.
+        scorer: From :func:`check_generate_options`.
+        predict_kwargs: More arguments of ``trainer.predict`` (``ckpt_path``).
+
+    Raises:
+        ValueError: Several devices, a stop string without tokens, a prompt without tokens.
+    """
+    if trainer.world_size > 1:
+        raise ValueError("generate.prompts_file generates on one device (each process would repeat every prompt): set "
+                         "--trainer.devices 1.")
+    records = read_prompts(options["prompts_file"])
+    stops = list(options.get("stop") or [])
+    stop_ids = [data.encode(s) for s in stops]
+    for text, ids in zip(stops, stop_ids):
+        if not ids:
+            raise ValueError(f"generate.stop {text!r} has no tokens: give each stop sequence some text, or leave it out.")
+    new, block = model.hparams.max_new_tokens, model.config.block_size
+    requests, cut = plan_requests(records, data.encode, options.get("samples_per_prompt", 1), new, block)
+    if cut:
+        rank_zero_info(f"gpuopt predict: {cut} of {len(records)} prompts are longer than the {block - new} tokens that "
+                       f"block_size={block} leaves beside model.max_new_tokens={new}: they are generated from their last tokens.")
+    writer = CompletionWriter(records, data.decode, output, options.get("kept_output"), scorer, options.get("scorer") or "",
+                              options.get("keep_min_score", 1.0), stops)
+    bar = GenerationProgress(len(requests))
+
+    def finished(done: Finished) -> None:
+        writer.add(done)
+        bar.finished()
+
+    job = GenerationJob(requests, finished, options.get("batch_size"), data.eot_id, stop_ids, on_step=bar.step)
+    if trainer.progress_bar_callback is not None:
+        trainer.progress_bar_callback.disable()  # it counts batches, and the job is one
+    try:
+        with writer:
+            trainer.predict(model, dataloaders=DataLoader([job], batch_size=None, collate_fn=_as_is), **predict_kwargs)
+    finally:
+        bar.close()
+        stopped = "" if writer.done == len(requests) else "stopped early: "
+        rank_zero_info(f"gpuopt predict: {stopped}{writer.summary(len(requests), bar.seconds)}")
+
+
+def _as_is(job: GenerationJob) -> GenerationJob:
+    return job
