@@ -61,6 +61,15 @@ def test_greedy_rows_equal_one_prompt_at_a_time(batch_size, how, greedy_alone):
         assert out[request.key].reason == "length"
 
 
+@pytest.mark.parametrize("how", ["kv-cache", "no-cache"])
+def test_llama_style_greedy_rows_equal_one_prompt_at_a_time(how):
+    """The same with rotary positions per row and grouped key/value heads in the cache."""
+    model = _model(arch="llama", n_head=4, n_kv_head=2, n_embd=64)
+    requests = _requests(6, seed=1)
+    out = {d.key: d.tokens for d in generate_batched(model, requests, 3, temperature=0, use_cache=None if how == "kv-cache" else False)}
+    assert out == {r.key: _alone(model, r) for r in requests}
+
+
 def test_padded_forward_gives_each_row_its_own_logits():
     model = _model()
     prompts = [torch.randint(0, 96, (n,)) for n in (3, 9, 5)]
