@@ -1,4 +1,4 @@
-"""GPT model, its config and presets, generation, and the ``GPTModule`` LightningModule."""
+"""GPT model, its config and presets, generation, its FSDP2 and tensor-parallel plans, and the ``GPTModule`` LightningModule."""
 
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
 from lightning_gpuopt.model.config import PRESETS, GPTConfig
@@ -7,5 +7,9 @@ from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.kv_cache import KVCache
 from lightning_gpuopt.model.module import GPTModule
 from lightning_gpuopt.model.sharding import shard_gpt
+from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel, parallelize_gpt
 
-__all__ = ["CheckpointError", "GPT", "GPTConfig", "GPTModule", "KVCache", "PRESETS", "generate", "load_gpt", "shard_gpt"]
+__all__ = [
+    "CheckpointError", "GPT", "GPTConfig", "GPTModule", "KVCache", "PRESETS", "check_tensor_parallel", "generate", "load_gpt",
+    "parallelize_gpt", "shard_gpt",
+]

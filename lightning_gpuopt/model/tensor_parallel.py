@@ -3,7 +3,7 @@
 The plan belongs to the model, as the FSDP2 one does (``model/sharding.py``); ``GPTModule.configure_model``
 applies it on the ``tensor_parallel`` mesh of Lightning's ``ModelParallelStrategy``, then FSDP2 on the
 ``data_parallel`` mesh. Every piece is a parallel style of ``torch.distributed.tensor.parallel`` (or torchao's
-float8 versions of them); the only collectives written here are the two row reductions of the loss
+float8 versions of them); the only collectives the package writes for it are the loss's two row reductions
 (``model/loss.py``).
 
 Design note (Megatron-LM's split, Shoeybi et al. 2019, arXiv:1909.08053, with sequence parallelism from
@@ -24,7 +24,8 @@ Korthikanti et al. 2022, arXiv:2205.05198; torchtitan's ``parallelize_llama`` ap
 * **float8** (``Float8Precision``, tensorwise recipe): the layers it converted get torchao's float8 styles,
   whose all-gathers move float8 (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
   ``PrepareFloat8ModuleInput``); with the rowwise recipes they get the plain styles and gather in bf16,
-  as torchtitan does.
+  as torchtitan does. So do all float8 layers on a backend without float8 collectives (gloo, on the CPU:
+  its all-gather of a float8 tensor fails with "Invalid scalar type"), said once.
 
 Only the Llama-style option set is split. GPT-2's fused ``c_attn`` (``q | k | v`` in one weight) cannot be:
 a column-wise split of it gives rank 0 all the queries and part of the keys, not whole heads of each.

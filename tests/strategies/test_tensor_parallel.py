@@ -79,6 +79,19 @@ def test_the_float8_styles_compute_what_the_whole_model_does(mesh, monkeypatch):
         torch.testing.assert_close(a.grad.full_tensor(), b.grad, msg=name)
 
 
+def test_activation_checkpointing_recomputes_the_split_blocks(mesh):
+    """A one-rank mesh: the plan's hooks run again in the recomputation, and the gradients are the whole model's."""
+    whole = GPT(GPTConfig.from_name("llama-tiny", block_size=16, vocab_size=256, tie_embeddings=False))
+    split = parallelize_gpt(copy.deepcopy(whole), mesh)
+    split.config = GPTConfig.from_name("llama-tiny", block_size=16, vocab_size=256, tie_embeddings=False,
+                                       activation_checkpointing=True)
+    idx = torch.randint(0, 256, (2, 16))
+    split(idx, targets=idx).backward()
+    whole(idx, targets=idx).backward()
+    for (name, a), b in zip(split.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(a.grad.full_tensor(), b.grad, msg=name)
+
+
 def test_the_loss_refuses_full_logits_of_a_split_head(mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 
