@@ -55,6 +55,7 @@ from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_e
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
+from lightning_gpuopt.perf.parallel import tensor_parallel_size
 from lightning_gpuopt.internals import parser_options
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
@@ -216,6 +217,8 @@ class GPTCLI(LightningCLI):
 
     def after_fit(self) -> None:
         can_predict = (self.trains_gpt and self.reads_text) or has_predict_data(self.model, self.datamodule)
+        if self.trains_gpt and tensor_parallel_size(self.trainer) > 1:  # GPTModule does not generate split (docs/parallel.md)
+            can_predict = False
         # Classes of one's own are often importable only through PYTHONPATH (PYTHONPATH=examples gpuopt fit ...):
         # the printed commands carry it, so they run as printed in a fresh shell.
         path = os.environ.get("PYTHONPATH")

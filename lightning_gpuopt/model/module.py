@@ -34,6 +34,7 @@ def _tensor_parallel_size(mesh: Any) -> int:
         return 1
     return mesh["tensor_parallel"].size()
 
+
 class GPTModule(pl.LightningModule):
     """Trains a :class:`~lightning_gpuopt.model.GPT` language model.
 
