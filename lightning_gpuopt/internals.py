@@ -45,6 +45,7 @@ __all__ = [
     "is_last_batch",
     "last_batch_ready",
     "local_tensor",
+    "mark_sigterm_received",
     "missing_internals",
     "move_batch_position",
     "no_version_counter",
@@ -95,6 +96,7 @@ TOUCHED = (
         for name in ("ready", "started", "processed", "completed")
     ),
     "trainer.fit_loop.epoch_loop._results",  # logged values of the epoch (throwaway_results)
+    "trainer._signal_connector.received_sigterm",  # the flag behind trainer.received_sigterm (mark_sigterm_received)
     "trainer.fit_loop.epoch_loop._num_ready_batches_reached",  # last batch of the epoch (last_batch_ready)
     "trainer._checkpoint_connector.dump_checkpoint",  # a checkpoint as a dict (dump_checkpoint)
     "trainer._accelerator_connector.use_distributed_sampler",  # the Trainer flag (data_parallel_ranks)
@@ -393,6 +395,11 @@ def settle_validation_counters(trainer: pl.Trainer) -> None:
     interrupted validation, one batch is counted as fetched and started that never ran."""
     total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
     total.ready = total.started = total.processed = total.completed
+
+
+def mark_sigterm_received(trainer: pl.Trainer) -> None:
+    """Set ``trainer.received_sigterm`` (a read-only property) as Lightning's own SIGTERM handler does."""
+    trainer._signal_connector.received_sigterm = True
 
 
 def is_last_batch(trainer: pl.Trainer) -> bool:

@@ -27,6 +27,7 @@ from lightning_gpuopt.data.tokenizer import carried_tokenizer, check_same_tokeni
 from lightning_gpuopt.checkpoint import AtomicCheckpointIO, NonFiniteCheckpointError
 from lightning_gpuopt.precision import Float8Precision
 from lightning_gpuopt.precision.float8 import check_float8_device, check_float8_strategy
+from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel
 from lightning_gpuopt.strategies import choose_strategy
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -266,6 +267,20 @@ def _liger_on_cpu():
     return linear_cross_entropy(torch.zeros(2, 16), torch.zeros(32, 16), torch.zeros(2, dtype=torch.long), impl="liger")
 
 
+def _split_module() -> GPTModule:
+    """A Llama-style GPTModule as ModelParallelStrategy(tensor_parallel_size=2) leaves it before setup: with the mesh."""
+
+    class TensorParallelPair:
+        mesh_dim_names = ("data_parallel", "tensor_parallel")
+
+        def __getitem__(self, name):
+            return type("Dim", (), {"size": lambda self: 2})()
+
+    module = GPTModule(preset="llama-tiny")
+    module._device_mesh = TensorParallelPair()
+    return module
+
+
 def _fsdp_fp16_strategy():
     from lightning.pytorch.strategies import FSDPStrategy
     from torch.distributed.fsdp import MixedPrecision
@@ -362,6 +377,18 @@ CASES = [
          r"ExactResume.rebuild_loaders must be True or False, got 'yes'"),
     Case("choose-strategy-not-a-model", lambda c: choose_strategy("1.5b", devices=2, device_memory=16e9), ValueError,
          r"needs a model: a GPTConfig, or any nn.Module / LightningModule, got str"),
+    Case("choose-strategy-devices-per-node",
+         lambda c: choose_strategy(GPTConfig.from_name("tiny"), devices=8, devices_per_node=3, device_memory=16e9),
+         ValueError, r"devices_per_node=3\) must be a positive integer dividing devices=8"),
+    Case("tp-gpt2", lambda c: check_tensor_parallel(GPTConfig.from_name("774m"), 2), ValueError,
+         r"splits the Llama-style GPT only: GPT-2's fused c_attn projection cannot be split into whole heads. "
+         r"Use GPTConfig\(arch='llama'\)"),
+    Case("tp-size-not-dividing", lambda c: check_tensor_parallel(GPTConfig.from_name("llama-8b"), 16), ValueError,
+         r"tensor_parallel_size=16 does not divide n_kv_head=8: .* Choose tensor_parallel_size from \[1, 2, 4, 8\]"),
+    Case("tp-full-logits-loss", lambda c: check_tensor_parallel(GPTConfig.from_name("llama-1b", loss_impl="plain"), 2),
+         ValueError, r"loss_impl='plain' needs the whole output head on one rank.* use loss_impl='chunked'"),
+    Case("tp-predict", lambda c: _split_module().setup("predict"), ValueError,
+         r"does not generate split over 2 tensor-parallel ranks .*: predict with tensor_parallel_size=1"),
     Case("choose-strategy-no-block-size", lambda c: choose_strategy(_ForeignLM(), devices=2, device_memory=16e9), ValueError,
          r"cannot tell the sequence length of _ForeignLM: pass block_size="),
     Case("choose-strategy-no-parameters", lambda c: choose_strategy(_ForeignLM(build=False), devices=2, device_memory=16e9, block_size=32),
@@ -405,6 +432,12 @@ CASES = [
     Case("yaml-wrong-type", lambda c: main(["fit", "--config", c.yaml("trainer:\n  max_steps: ten\n")]), SystemExit,
          r'Parser key "trainer.max_steps":\s+Expected a <class \'int\'>. Got value: ten'),
     Case("cli-unknown-option", lambda c: main(["fit", "--model.n_layers", "4"]), SystemExit, r"unrecognized arguments: --model.n_layers 4; for --model.n_layers did you mean --model.n_layer\?"),
+    Case("auto-strategy-print-plan-without-auto",
+         lambda c: main(["fit", "--trainer.max_steps", "1", "--auto_strategy.print_plan", "true"]), SystemExit,
+         r"--auto_strategy.print_plan prints what trainer.strategy=gpuopt-auto picks: add --trainer.strategy gpuopt-auto"),
+    Case("auto-strategy-unknown-device",
+         lambda c: main(["fit", "--trainer.max_steps", "1", "--trainer.strategy", "gpuopt-auto", "--auto_strategy.device", "H100"]),
+         SystemExit, r"--auto_strategy.device='H100' is not a GPU the planner knows \(did you mean 'H100 SXM'\?\)"),
     Case("cli-fit-without-run-length", lambda c: main(["fit", "--model.preset", "tiny"]), SystemExit,
          r"gpuopt fit needs a run length: set trainer.max_steps \(e\.g\. --trainer.max_steps 3000\)"),
     Case("predict-prompts-file-missing", lambda c: main(["predict", "--generate.prompts_file", str(c.tmp / "none.txt")]),

@@ -19,7 +19,7 @@ from lightning_gpuopt.perf.mfu import MFU_DTYPES, WindowTotals, input_ids_of, mf
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
-from lightning_gpuopt.perf.parallel import data_parallel_size
+from lightning_gpuopt.perf.parallel import data_parallel_size, tensor_parallel_size
 from lightning_gpuopt.precision.dtype import compute_dtype_name, is_fp8
 
 __all__ = ["MFUMonitor"]
@@ -59,9 +59,9 @@ class MFUMonitor(Callback):
     ============================== ==========================================================================
     Key                            Meaning
     ============================== ==========================================================================
-    ``perf/tokens_per_sec``        Tokens per second, all devices (per-device rate times data-parallel size)
-    ``perf/tokens_per_sec_per_device`` Tokens per second on one device
-    ``perf/tflops_per_device``     Achieved model TFLOP/s per device (FLOPs per token x tokens/s)
+    ``perf/tokens_per_sec``        Tokens per second, all devices (a data-parallel rank's rate times data-parallel size)
+    ``perf/tokens_per_sec_per_device`` Tokens per second on one device (under tensor parallelism: its group's over its size)
+    ``perf/tflops_per_device``     Achieved model TFLOP/s per device (FLOPs per token x tokens/s, over the tensor-parallel size)
     ``perf/mfu``                   ``tflops_per_device / peak``: the device's dense bf16 peak, whatever the dtype
     ``perf/mfu_fp8``               Under FP8 only: against the fp8 peak
     ``perf/mfu_measured``          With ``measure_peak=True``: against a timed bf16 matmul
@@ -99,7 +99,9 @@ class MFUMonitor(Callback):
 
     Note:
         Global tokens/s assume data parallelism with equal micro-batches on every rank (DDP, FSDP2);
-        the FLOPs are those of the whole model, so ``perf/mfu`` is per device either way.
+        the FLOPs are those of the whole model, so ``perf/mfu`` is per device either way. Under tensor
+        parallelism (``ModelParallelStrategy(tensor_parallel_size=N)``) the ``N`` devices of a group train on the
+        same tokens, counted once (``total_tokens`` is per data-parallel rank), and each does ``1/N`` of their FLOPs.
     """
 
     def __init__(
@@ -137,8 +139,8 @@ class MFUMonitor(Callback):
         self.windows: list[WindowTotals] = []  # what each window of this fit measured: the report adds these up
         self.flops_source: Optional[str] = None  # how the FLOPs per token were found
         self.summary: dict[str, Any] = {}
-        self.total_tokens = 0  # tokens trained on in the run (per device), the steps before a resume included
-        self.total_flops = 0.0  # model FLOPs of those tokens (per device)
+        self.total_tokens = 0  # tokens trained on in the run (per data-parallel rank), the steps before a resume included
+        self.total_flops = 0.0  # model FLOPs of those tokens (per data-parallel rank: the whole model's)
         self._at_step = (0, 0.0)  # (total_tokens, total_flops) at the last optimizer step
         self._at_fit_start = (0, 0.0)  # (total_tokens, total_flops) restored from a checkpoint
         self._reset_run()
@@ -339,6 +341,7 @@ class MFUMonitor(Callback):
             peak=self._peak,
             peak_fp8=self._peak_fp8,
             measured_peak=self._measured_peak,
+            tensor_parallel=tensor_parallel_size(trainer),
         )
         metrics.update(mfu.memory_stats(self._facts))
         self.history.append(metrics)
@@ -414,4 +417,5 @@ class MFUMonitor(Callback):
             run_flops=self.total_flops if resumed else None,
             on_cuda=self._facts.is_cuda,
             compiled=is_compiled(pl_module),
+            tensor_parallel=tensor_parallel_size(trainer),
         )

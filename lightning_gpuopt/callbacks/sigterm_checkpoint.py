@@ -8,12 +8,14 @@ import threading
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_gpuopt.internals import require_internals, settle_validation_counters
+from lightning_gpuopt.internals import mark_sigterm_received, require_internals, settle_validation_counters
 from lightning_gpuopt.resume import microbatches_since_step, restart_interrupted_validation
 
 __all__ = ["SigtermCheckpoint"]
@@ -43,6 +45,14 @@ class SigtermCheckpoint(Callback):
     Only ``fit`` saves: a SIGTERM during ``validate``, ``test`` or ``predict`` leaves every file as it
     was (their state has no training progress, and ``last.ckpt`` may be the checkpoint they read).
 
+    With several processes (DDP, FSDP2, tensor parallel, several nodes) a SIGTERM may reach some of them only: a
+    preempted node, a ``kill`` of one launcher. Lightning 2.6 announces it from inside its signal handler with a
+    broadcast from rank 0, which ranks the signal did not reach never join: the run hangs. During ``fit`` this
+    callback handles SIGTERM instead: the handler only notes it (and passes it on to the processes this one
+    launched, as Lightning's does), and after every training or validation micro-batch the ranks agree, with
+    one all-reduce of a flag over a gloo group of their own (on the CPU: no wait for the GPU), whether any of
+    them received one; if so every rank stops after that same micro-batch and saves together.
+
     Unlike Lightning's ``OnExceptionCheckpoint``, it does not make a later ``fit`` without
     ``ckpt_path`` resume by itself, and it keeps the file after the run.
 
@@ -65,6 +75,9 @@ class SigtermCheckpoint(Callback):
         self._interrupted = False
         self._saving = False  # inside this callback's own save
         self._validation_step: Optional[int] = None  # the step whose validation the checkpoint interrupted
+        self._group: Any = None  # a gloo group of every rank, for agreeing on a SIGTERM (several processes only)
+        self._launcher: Any = None
+        self._received = False  # this process received SIGTERM; the ranks agree on it after each micro-batch
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # The first Ctrl-C: hand the second one back to the previous handler, then take Lightning's SIGTERM path.
@@ -100,12 +113,50 @@ class SigtermCheckpoint(Callback):
             self._interrupted = False
             if self._previous_sigint is None:
                 self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+            if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+                self._handle_sigterm_across_ranks(trainer)
         if self._validation_step is not None:  # Lightning has read the loop state: the validation runs next
             require_internals(trainer, "SigtermCheckpoint (resuming an interrupted validation)")
             settle_validation_counters(trainer)
             rank_zero_info(f"SigtermCheckpoint: running the validation of step {self._validation_step} again, "
                            "which the checkpoint's SIGTERM interrupted.")
             self._validation_step = None
+
+    def _handle_sigterm_across_ranks(self, trainer: pl.Trainer) -> None:
+        require_internals(trainer, "SigtermCheckpoint (a SIGTERM agreed on by every rank)")
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")  # every rank calls this hook, in the same order
+        self._launcher, self._received = trainer.strategy.launcher, False
+        signal.signal(signal.SIGTERM, self._on_sigterm)  # Lightning's handler, which broadcasts, is put back at teardown
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self._received and self._launcher is not None:
+            self._launcher.kill(signum)  # the processes this one started on its node (none under torchrun or SLURM)
+        self._received = True
+
+    def _agree_on_sigterm(self, trainer: pl.Trainer) -> None:
+        """Every rank learns whether any received SIGTERM; Lightning then stops them all after the same micro-batch."""
+        if self._group is None:
+            return
+        flag = torch.tensor([int(self._received)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item() and not trainer.received_sigterm:
+            rank_zero_info("SigtermCheckpoint: a process of this run received SIGTERM; every rank stops after this batch.")
+            mark_sigterm_received(trainer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._agree_on_sigterm(trainer)
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._agree_on_sigterm(trainer)
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -124,6 +175,9 @@ class SigtermCheckpoint(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_sigint()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group, self._launcher = None, None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

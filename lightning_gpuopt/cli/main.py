@@ -32,13 +32,13 @@ from typing_extensions import override
 
 from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
 from lightning_gpuopt.callbacks.progress_bar import default_progress_bar
+from lightning_gpuopt.cli.auto_strategy import add_auto_strategy_arguments, auto_strategy, check_auto_strategy_options
 from lightning_gpuopt.cli.defaults import (
     check_run_length,
     default_stack,
     dropped_stack_note,
     fill_checkpoint_dirs,
     float32_note,
-    precision_for_estimate,
     replace_precision_plugins,
     stack_device_type,
 )
@@ -53,9 +53,8 @@ from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_e
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
+from lightning_gpuopt.perf.parallel import tensor_parallel_size
 from lightning_gpuopt.internals import parser_options
-from lightning_gpuopt.perf.device import cuda_device_count
-from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
 from lightning_gpuopt.cli.generate import add_generate_arguments, check_generate_options, completions_path, generate_from_file
@@ -71,7 +70,7 @@ from lightning_gpuopt.cli.resume_checks import (
 from lightning_gpuopt.cli.quiet import quiet_lightning
 from lightning_gpuopt.cli.typehints import int_before_float
 from lightning_gpuopt.cli.run_summary import has_predict_data, model_line, where_things_went
-from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
+from lightning_gpuopt.strategies import AUTO_STRATEGY, end_distributed
 
 __all__ = ["GPTCLI", "main", "make_cli"]
 
@@ -139,8 +138,10 @@ class GPTCLI(LightningCLI):
     and ``SigtermCheckpoint`` are always added (a resumed ``fit --ckpt_path last`` continues
     exactly, also after a SIGTERM, which ends ``gpuopt`` with status 143). With
     ``trainer.strategy: gpuopt-auto`` the strategy is chosen for the model by
-    :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP or FSDP2), and the reason is logged;
-    ``--auto_strategy.device_memory_gb`` overrides the memory read from GPU 0.
+    :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP, FSDP2, or FSDP2 with tensor parallelism within a
+    node, ``trainer.num_nodes`` nodes of ``trainer.devices`` each), and the reason is logged;
+    ``--auto_strategy.device_memory_gb`` overrides the memory read from GPU 0, ``--auto_strategy.device "H100 SXM"``
+    plans for another GPU, and ``--auto_strategy.print_plan true`` prints the plan and stops.
 
     A LightningModule or LightningDataModule of your own (``--model my_pkg.NanoGPT``,
     ``--data.class_path ...``, see :func:`make_cli`) gets the same stack, ``ExactResume`` (with
@@ -178,10 +179,7 @@ class GPTCLI(LightningCLI):
         if not self.reads_text:  # a loader of your own resumes exactly when ExactResume may rebuild it
             parser.set_defaults({"exact_resume.rebuild_loaders": True})
         add_generate_arguments(parser)
-        parser.add_argument(
-            "--auto_strategy.device_memory_gb", type=Optional[float], default=None,
-            help="Memory per device (GB) for trainer.strategy=gpuopt-auto; default: read from GPU 0.",
-        )
+        add_auto_strategy_arguments(parser)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:]  # for the commands printed at the end
@@ -194,10 +192,15 @@ class GPTCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def before_fit(self) -> None:
+        if self.config.fit.get("auto_strategy", {}).get("print_plan"):
+            print(f"trainer.strategy={AUTO_STRATEGY}: {self._plan}")  # the command's output
+            sys.exit(0)
         rank_zero_info(model_line(self.model))
 
     def after_fit(self) -> None:
         can_predict = (self.trains_gpt and self.reads_text) or has_predict_data(self.model, self.datamodule)
+        if self.trains_gpt and tensor_parallel_size(self.trainer) > 1:  # GPTModule does not generate split (docs/parallel.md)
+            can_predict = False
         # Classes of one's own are often importable only through PYTHONPATH (PYTHONPATH=examples gpuopt fit ...):
         # the printed commands carry it, so they run as printed in a fresh shell.
         path = os.environ.get("PYTHONPATH")
@@ -253,6 +256,7 @@ class GPTCLI(LightningCLI):
             if problem:
                 self.parser.error(problem)
         generate = config.get("generate", {})
+        check_auto_strategy_options(config, self.parser.error)
         if self.subcommand == "predict":
             self.save_config_callback = None  # predict writes its samples, not a log folder with the config
         if self.subcommand != "predict" and generate.get("prompts_file"):
@@ -304,24 +308,9 @@ class GPTCLI(LightningCLI):
         return trainer
 
     def _auto_strategy(self, config: Any, trainer_cfg: dict) -> Any:
-        devices = trainer_cfg.get("devices", "auto")
-        if devices in ("auto", -1, "-1"):
-            devices = max(1, cuda_device_count())
-        elif isinstance(devices, str):
-            devices = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
-        elif isinstance(devices, (list, tuple)):
-            devices = len(devices)
-        devices *= int(trainer_cfg.get("num_nodes", 1) or 1)
-        memory_gb = config.get("auto_strategy", {}).get("device_memory_gb")
-        strategy, reason = choose_strategy(
-            self.model,
-            devices=devices,
-            device_memory=None if memory_gb is None else memory_gb * GB,
-            precision=precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins")),
-            micro_batch=_micro_batch(self.datamodule),
-            block_size=getattr(self.datamodule, "block_size", None),
-        )
-        rank_zero_info(f"trainer.strategy={AUTO_STRATEGY}: {reason}")
+        strategy, self._plan = auto_strategy(self.model, self.datamodule, config, trainer_cfg)
+        if not (config.get("auto_strategy") or {}).get("print_plan"):  # else before_fit prints it, once
+            rank_zero_info(f"trainer.strategy={AUTO_STRATEGY}: {self._plan}")
         return strategy
 
     def before_predict(self) -> None:
@@ -380,18 +369,6 @@ class _StopPredictOnSigterm(Callback):
     def _stop(self, signum: int, frame: Any) -> None:
         rank_zero_info("gpuopt predict: received SIGTERM; stopping.")
         raise SystemExit(128 + signal.SIGTERM)  # the exit status of a SIGTERM, as after a fit's save
-
-
-def _micro_batch(datamodule: Any) -> int:
-    """The micro-batch size ``gpuopt-auto`` plans for: the data module's ``batch_size``."""
-    batch_size = getattr(datamodule, "batch_size", None)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-        raise ValueError(
-            f"trainer.strategy={AUTO_STRATEGY} needs the micro-batch size to plan memory, read from the data module's "
-            f"batch_size attribute, but {'the module trains on its own loaders' if datamodule is None else f'{type(datamodule).__name__} has batch_size={batch_size!r}'}: give the data module "
-            "an int batch_size, or name the strategy (trainer.strategy: ddp or fsdp)."
-        )
-    return batch_size
 
 
 def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:

@@ -1,4 +1,4 @@
-"""GPT model, its config and presets, generation, and the ``GPTModule`` LightningModule."""
+"""GPT model, its config and presets, generation, its FSDP2 and tensor-parallel plans, and the ``GPTModule`` LightningModule."""
 
 from lightning_gpuopt.model.batched_generation import Finished, GenerationJob, Request, generate_batched
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
@@ -8,8 +8,9 @@ from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.kv_cache import KVCache
 from lightning_gpuopt.model.module import GPTModule
 from lightning_gpuopt.model.sharding import shard_gpt
+from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel, parallelize_gpt
 
 __all__ = [
-    "CheckpointError", "Finished", "GPT", "GPTConfig", "GPTModule", "GenerationJob", "KVCache", "PRESETS", "Request", "generate",
-    "generate_batched", "load_gpt", "shard_gpt",
+    "CheckpointError", "Finished", "GPT", "GPTConfig", "GPTModule", "GenerationJob", "KVCache", "PRESETS", "Request",
+    "check_tensor_parallel", "generate", "generate_batched", "load_gpt", "parallelize_gpt", "shard_gpt",
 ]

@@ -22,6 +22,15 @@ reduction over the vocabulary; ``compile_chunk=True`` compiles it (once, with a 
 rows, so any batch size reuses it) into two fused kernels that read each logit twice in bf16.
 Eager, it holds the chunk's logits and one float32 copy: exact, and what CPU runs use.
 
+Under tensor parallelism the head weight is a ``DTensor`` sharded by vocabulary rows over the
+tensor-parallel group (``model/tensor_parallel.py``), and the loss stays chunked and exact: each rank
+computes its ``V / tp`` columns of a chunk's logits from the gathered hidden states, the row maxima
+and the softmax denominators and target logits are summed over the group (two all-reduces of ``n`` and
+``2 n`` floats per chunk), and each rank keeps the gradient of its own rows; the gradients of the hidden
+states are partial sums that the DTensor backward reduce-scatters back to the sequence shards
+(Megatron's vocabulary-parallel cross-entropy, chunked). No rank ever holds more than one chunk of
+``V / tp`` logits, nor the whole head weight.
+
 Why not torch's own ``F.linear_cross_entropy(..., options=nn.LinearCrossEntropyOptions())`` (torch
 >= 2.13, chunked too). ``python -m benchmarks.step_memory`` (vocab 50257, T 1024, micro-batch 4, a
 quiet 2-core CPU, ``benchmarks/README.md``): autocast does not reach its custom op, so under bf16 its
@@ -37,7 +46,7 @@ GradScaler's first scale (65536) they overflow to Inf. Its GPU time is not measu
 from __future__ import annotations
 
 import functools
-from typing import Callable, Literal, Optional, get_args
+from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +134,61 @@ def _chunk_loss(h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int) -> T
     return _exp_and_loss(h_c @ w.t(), targets, ignore_index)[2]
 
 
+class _VocabShard(NamedTuple):
+    """This rank's rows of a vocabulary-parallel head: the first row's token id and the group holding the others."""
+
+    start: int
+    group: Any
+
+
+def _shard_logits(h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int, start: int):
+    """This rank's columns of a chunk's float32 logits, their row maxima, and where the targets are."""
+    x = (h_c @ w.t()).float()  # (n, V / tp)
+    valid = targets != ignore_index
+    local = targets - start
+    owned = valid & (local >= 0) & (local < x.size(1))  # the target's column is on this rank
+    safe = torch.where(owned, local, 0).unsqueeze(1)  # (n, 1)
+    return x, x.amax(dim=1, keepdim=True), valid, owned, safe
+
+
+def _shard_exp(x: Tensor, row_max: Tensor, owned: Tensor, safe: Tensor) -> tuple[Tensor, Tensor]:
+    """``exp(x - max)`` in place in ``x``, and this rank's parts of the row sums and of the shifted target logits."""
+    picked = torch.where(owned.unsqueeze(1), x.gather(1, safe) - row_max, 0.0)  # (n, 1), zero off this rank
+    exp = x.sub_(row_max).exp_()
+    return exp, torch.cat((exp.sum(dim=1, keepdim=True), picked), dim=1)  # (n, V / tp), (n, 2)
+
+
+def _shard_grad(exp: Tensor, total: Tensor, valid: Tensor, owned: Tensor, safe: Tensor, grad_dtype: torch.dtype,
+                lift: float) -> Tensor:
+    """``lift * (softmax - one_hot)`` on this rank's columns (as ``_chunk_loss_and_grad``)."""
+    grad = exp.div_(total)
+    grad.scatter_add_(1, safe, torch.where(owned, -1.0, 0.0).unsqueeze(1))  # the one-hot on the target's rank only
+    grad.mul_((valid.to(grad.dtype) * lift).unsqueeze(1))
+    return grad.to(grad_dtype)
+
+
+def _shard_chunk(h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int, shard: _VocabShard, compile_chunk: bool,
+                 grad_dtype: Optional[torch.dtype] = None, lift: float = 1.0) -> tuple[Tensor, Optional[Tensor]]:
+    """Sum of a chunk's token losses over the whole vocabulary and this rank's columns of the logits' gradient
+    (``None`` without ``grad_dtype``: evaluation); the same arithmetic as ``_chunk_loss_and_grad``, the two row
+    reductions completed over the tensor-parallel group."""
+    import torch.distributed as dist
+
+    logits, exp_sums, grad_of = (
+        (_compiled(f) for f in (_shard_logits, _shard_exp, _shard_grad)) if compile_chunk
+        else (_shard_logits, _shard_exp, _shard_grad)
+    )
+    x, row_max, valid, owned, safe = logits(h_c, w, targets, ignore_index, shard.start)
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=shard.group)  # the max over every rank's columns
+    exp, sums = exp_sums(x, row_max, owned, safe)
+    dist.all_reduce(sums, group=shard.group)  # the softmax denominators and the target logits, whole
+    total, picked = sums[:, :1], sums[:, 1:]
+    loss_sum = torch.where(valid, (total.log() - picked).squeeze(1), 0.0).sum()
+    if grad_dtype is None:
+        return loss_sum, None
+    return loss_sum, grad_of(exp, total, valid, owned, safe, grad_dtype, lift)
+
+
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
     # dynamic=True: one graph for every chunk length (a batch-size search or the last, shorter chunk
@@ -151,7 +215,7 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk):
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk, shard):
         # A tensor, not a Python number: no host sync. With every target ignored it is inf and the
         # loss 0 * inf = NaN, as F.cross_entropy's mean over no tokens.
         scale = 1.0 / (targets != ignore_index).sum().float()
@@ -161,8 +225,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         w_g, h_g = weight.to(grad_dtype), hidden.to(grad_dtype)  # the matmuls' operands (no copy on CUDA)
         acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
-        grad_fn = _compiled(_chunk_loss_and_grad) if compile_chunk else _chunk_loss_and_grad
-        loss_fn = _compiled(_chunk_loss) if compile_chunk else _chunk_loss
+        if shard is None:
+            grad_fn = _compiled(_chunk_loss_and_grad) if compile_chunk else _chunk_loss_and_grad
+            loss_fn = _compiled(_chunk_loss) if compile_chunk else _chunk_loss
+        else:  # this rank's rows of a vocabulary-parallel head (the loss still over the whole vocabulary)
+            def grad_fn(h_c, w, t_c, ignore_index, grad_dtype, lift):
+                return _shard_chunk(h_c, w, t_c, ignore_index, shard, compile_chunk, grad_dtype, lift)
+
+            def loss_fn(h_c, w, t_c, ignore_index):
+                return _shard_chunk(h_c, w, t_c, ignore_index, shard, compile_chunk)[0]
         grad_h = hidden.new_empty(hidden.shape, dtype=acc) if needs_grad[0] else None
         grad_w = weight.new_zeros(weight.shape, dtype=acc) if needs_grad[1] else None
         for start in range(0, h.size(0), chunk_size):
@@ -175,7 +246,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_h is None and grad_w is None:  # evaluation
                 loss_sum += loss_fn(h_c, w, t_c, ignore_index)
                 continue
-            chunk_loss, g = grad_fn(h_c, w, t_c, ignore_index, grad_dtype, lift)  # g: (n, V), one chunk
+            chunk_loss, g = grad_fn(h_c, w, t_c, ignore_index, grad_dtype, lift)  # g: (n, V) (V / tp under TP)
             loss_sum += chunk_loss
             if grad_h is not None:
                 _mm_into(grad_h[start:end], g, w_g, accumulate=False)  # (n, C)
@@ -195,7 +266,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         factor = grad_out * ctx.scale
         grad_h = (grad_h * factor).to(ctx.dtypes[0]) if grad_h is not None else None
         grad_w = (grad_w * factor).to(ctx.dtypes[1]) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, compute_dtype: torch.dtype) -> Tensor:
@@ -284,6 +355,15 @@ def linear_cross_entropy(
             f"shape {tuple(hidden.shape)} (expected {tuple(hidden.shape[:-1])})."
         )
     impl = resolve_loss_impl(impl, hidden.device)
+    shard = None
+    if _is_dtensor(weight):  # a tensor-parallel head, sharded by vocabulary rows
+        if impl != "chunked":
+            raise ValueError(
+                f"loss_impl={impl!r} needs the whole output head on one rank, and under tensor parallelism it is "
+                "sharded by vocabulary over the tensor-parallel group: use loss_impl='chunked' (or 'auto'), which "
+                "computes the same loss from the shards."
+            )
+        hidden, weight, shard = _vocab_parallel_operands(hidden, weight)
     device_type = hidden.device.type
     autocast = torch.is_autocast_enabled(device_type)
     compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
@@ -293,17 +373,51 @@ def linear_cross_entropy(
     if impl == "liger":
         return _liger(hidden, weight, targets, ignore_index, compute_dtype)
     if chunk_size is None:
-        chunk_size = chunk_tokens(weight.size(0), compute_dtype, chunk_bytes)
-    return _chunked(hidden, weight, targets, ignore_index, chunk_size, compute_dtype, compile_chunk)
+        chunk_size = chunk_tokens(weight.size(0), compute_dtype, chunk_bytes)  # this rank's rows under TP
+    return _chunked(hidden, weight, targets, ignore_index, chunk_size, compute_dtype, compile_chunk, shard)
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _vocab_parallel_operands(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, _VocabShard]:
+    """The local operands of a vocabulary-parallel loss: the hidden states of every position (gathered from their
+    sequence shards; their gradient is a partial sum, reduce-scattered back by DTensor's backward), this rank's
+    rows of the head weight, and where those rows start."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(
+            f"linear_cross_entropy: a DTensor head weight must be sharded by vocabulary rows over one mesh dimension "
+            f"(placements (Shard(0),), as ColwiseParallel shards an output head), got {tuple(weight.placements)} over "
+            f"a {mesh.ndim}-D mesh: shard the head with model.tensor_parallel.parallelize_gpt."
+        )
+    if weight.size(0) % mesh.size() != 0:
+        raise ValueError(
+            f"linear_cross_entropy: the head's {weight.size(0)} vocabulary rows do not split evenly over "
+            f"{mesh.size()} tensor-parallel ranks: pad the vocabulary to a multiple of {mesh.size()} "
+            "(GPTConfig.padding_multiple)."
+        )
+    if not isinstance(hidden, DTensor):  # the same hidden states on every rank
+        hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+    hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    local = weight.to_local()
+    return hidden, local, _VocabShard(mesh.get_local_rank() * local.size(0), mesh.get_group())
 
 
 # A whole-model torch.compile stops here and runs the chunk loop eagerly: the loop's length follows the
 # token count, and the per-chunk kernel inside is compiled on its own (compile_chunk).
 @torch.compiler.disable
-def _chunked(hidden, weight, targets, ignore_index, chunk_size, compute_dtype, compile_chunk) -> Tensor:
+def _chunked(hidden, weight, targets, ignore_index, chunk_size, compute_dtype, compile_chunk, shard=None) -> Tensor:
     grad = torch.is_grad_enabled()
     needs_grad = (grad and hidden.requires_grad, grad and weight.requires_grad)
     with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedLinearCrossEntropy.apply(
-            hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk
+            hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk, shard
         )

@@ -25,9 +25,18 @@ from lightning_gpuopt.model.generation_memory import generation_batch_size
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
 from lightning_gpuopt.model.sharding import shard_gpt
+from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel, parallelize_gpt
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 
 __all__ = ["GPTModule"]
+
+
+def _tensor_parallel_size(mesh: Any) -> int:
+    """Ranks of the ``tensor_parallel`` dimension of ``ModelParallelStrategy``'s mesh; 1 without one."""
+    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh["tensor_parallel"].size()
+
 
 class GPTModule(pl.LightningModule):
     """Trains a :class:`~lightning_gpuopt.model.GPT` language model.
@@ -176,15 +185,18 @@ class GPTModule(pl.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Build the GPT; under ``ModelParallelStrategy`` shard it with FSDP2 (per block, then the
+        """Build the GPT; under ``ModelParallelStrategy`` split it over the ``tensor_parallel`` mesh when that has
+        more than one rank (``parallelize_gpt``), then shard it with FSDP2 over ``data_parallel`` (per block, then the
         root; bf16 parameters when the precision is bf16); then compile it if asked."""
         if self.model is not None:  # idempotent: Lightning may call it more than once
             return
-        self.model = GPT(self.config)
+        self.model = GPT(self.config)  # float8 layers are converted here, as it is assigned (Float8Precision)
         if self.hparams.get("init_from"):  # before sharding and compiling: the plain GPT takes the weights
             load_gpt_weights(self.model, self.hparams.init_from)
         mesh = self.device_mesh  # set by ModelParallelStrategy before this hook
         if mesh is not None:
+            if _tensor_parallel_size(mesh) > 1:
+                parallelize_gpt(self.model, mesh["tensor_parallel"])
             mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
             shard_gpt(self.model, mesh, param_dtype=self._fsdp_param_dtype())
         if self.hparams.compile:  # after sharding: the compiled graph sees FSDP2's hooks
@@ -210,6 +222,13 @@ class GPTModule(pl.LightningModule):
         if trainer is not None:  # before the model is built: flash-attn would fail at the first step
             facts = training_device(trainer)
             check_attention_runs(self.config, facts, compute_dtype_name(trainer.precision_plugin))
+        tensor_parallel = _tensor_parallel_size(self.device_mesh)
+        check_tensor_parallel(self.config, tensor_parallel)  # before the model is built
+        if stage == "predict" and tensor_parallel > 1:
+            raise ValueError(
+                f"GPTModule does not generate split over {tensor_parallel} tensor-parallel ranks (its decoding cache "
+                "and sequence shards are planned for training only): predict with tensor_parallel_size=1."
+            )
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)

@@ -118,6 +118,7 @@ def window_metrics(
     peak: Optional[float] = None,
     peak_fp8: Optional[float] = None,
     measured_peak: Optional[float] = None,
+    tensor_parallel: int = 1,
 ) -> dict[str, float]:
     """The ``perf/*`` metrics of one window of ``steps`` optimizer steps (see ``MFUMonitor``'s key table).
 
@@ -128,9 +129,10 @@ def window_metrics(
         (8192.0, 0.4096, 500.0)
 
     Args:
-        tokens: Tokens this device trained on in the window; with none, only the step time and the
-            data-loader wait are returned.
-        flops: Model FLOPs of those tokens; ``None`` when some micro-batch's count is unknown.
+        tokens: Tokens this device's data-parallel rank trained on in the window (the ``tensor_parallel`` devices
+            of a rank train on the same tokens, counted once); with none, only the step time and the data-loader
+            wait are returned.
+        flops: Model FLOPs of those tokens (the whole model's); ``None`` when some micro-batch's count is unknown.
         elapsed: Seconds the window took (synchronised at both ends).
         steps: Optimizer steps in the window.
         wait: Seconds spent waiting for batches.
@@ -138,16 +140,18 @@ def window_metrics(
         peak: Dense bf16 peak FLOP/s per device, for ``perf/mfu``.
         peak_fp8: fp8 peak, for ``perf/mfu_fp8``.
         measured_peak: A timed bf16 matmul's FLOP/s, for ``perf/mfu_measured``.
+        tensor_parallel: Devices that split each layer (:func:`~lightning_gpuopt.perf.parallel.tensor_parallel_size`):
+            the tokens and FLOPs of a data-parallel rank are divided over them, per device.
     """
     elapsed = max(elapsed, 1e-12)
     metrics = {"perf/step_time_ms": 1000 * elapsed / steps, "perf/dataloader_wait_pct": 100 * wait / elapsed}
     if tokens <= 0:  # no tokens found in the batches: no rate to report
         return metrics
-    per_device = tokens / elapsed
-    metrics["perf/tokens_per_sec"] = per_device * replicas
-    metrics["perf/tokens_per_sec_per_device"] = per_device
+    per_rank = tokens / elapsed  # a data-parallel rank: one device, or a tensor-parallel group of them
+    metrics["perf/tokens_per_sec"] = per_rank * replicas
+    metrics["perf/tokens_per_sec_per_device"] = per_rank / tensor_parallel
     if flops is not None:
-        achieved = flops / elapsed
+        achieved = flops / elapsed / tensor_parallel
         metrics["perf/tflops_per_device"] = achieved / 1e12
         for key, divisor in (("perf/mfu", peak), ("perf/mfu_fp8", peak_fp8), ("perf/mfu_measured", measured_peak)):
             if divisor is not None:
@@ -216,6 +220,7 @@ def summarise_windows(
     run_flops: Optional[float] = None,
     on_cuda: bool = False,
     compiled: bool = False,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """The end-of-fit report: ``{"text", "advice", "metrics"}`` over this fit's measured windows, with advice that names the fix.
 
@@ -235,17 +240,18 @@ def summarise_windows(
         window: Optimizer steps per window.
         warmup_steps: Optimizer steps left out at the start.
         dtype: The matmul dtype of the run.
-        fit_tokens: Tokens per device trained on in this fit, warm-up included.
+        fit_tokens: Tokens per data-parallel rank trained on in this fit, warm-up included.
         fit_flops: Model FLOPs of those tokens.
         replicas: Data-parallel size (tokens/s is for all devices).
         peak: Dense bf16 peak FLOP/s per device, for MFU.
         peak_fp8: fp8 peak, for MFU against it.
         measured_peak: A timed bf16 matmul's FLOP/s.
         peak_memory_pct: The highest ``mem/peak_pct`` logged (CUDA only).
-        run_tokens: Tokens per device of the whole run when this fit resumed one; ``None`` for a fresh run.
+        run_tokens: Tokens per data-parallel rank of the whole run when this fit resumed one; ``None`` for a fresh run.
         run_flops: Model FLOPs of those tokens.
         on_cuda: Whether the run is on a CUDA device (the fp32 advice applies there only).
         compiled: Whether the module runs under ``torch.compile`` (the fp8 advice).
+        tensor_parallel: Devices that split each layer (see :func:`window_metrics`).
     """
     if not windows:
         text = (
@@ -265,7 +271,9 @@ def summarise_windows(
         peak=peak,
         peak_fp8=peak_fp8,
         measured_peak=measured_peak,
+        tensor_parallel=tensor_parallel,
     )
+    per = "per device" if tensor_parallel == 1 else f"per data-parallel rank ({tensor_parallel} tensor-parallel devices)"
     lines = [
         f"MFUMonitor report ({_plural(len(windows), 'window')} of {_plural(window, 'step')} in this fit, "
         f"{_plural(steps, 'step')} measured, {dtype} matmuls):"
@@ -283,9 +291,9 @@ def summarise_windows(
         lines.append(f"  peak memory {peak_memory_pct:.0f}% of the device")
     lines.append(f"  data-loader wait {metrics['perf/dataloader_wait_pct']:.1f}%")
     if fit_tokens > 0:
-        lines.append(f"  {fit_tokens:,} tokens per device in this fit ({fit_flops / 1e12:.3g} model TFLOP)")
+        lines.append(f"  {fit_tokens:,} tokens {per} in this fit ({fit_flops / 1e12:.3g} model TFLOP)")
     if run_tokens is not None:
-        lines.append(f"  the run so far, resumed: {run_tokens:,} tokens per device ({(run_flops or 0.0) / 1e12:.3g} model TFLOP)")
+        lines.append(f"  the run so far, resumed: {run_tokens:,} tokens {per} ({(run_flops or 0.0) / 1e12:.3g} model TFLOP)")
     advice = _advice(peak_memory_pct, metrics["perf/dataloader_wait_pct"], dtype, on_cuda, compiled)
     lines += [f"  advice: {a}" for a in advice]
     return {"text": "\n".join(lines), "advice": advice, "metrics": metrics}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["data_parallel_rank", "data_parallel_size"]
+__all__ = ["data_parallel_rank", "data_parallel_size", "tensor_parallel_size"]
 
 
 def _sampler_kwargs(trainer: Any) -> dict[str, Any]:
@@ -51,3 +51,21 @@ def data_parallel_rank(trainer: Optional[Any]) -> int:
     if trainer is None:
         return 0
     return int(_sampler_kwargs(trainer).get("rank", trainer.global_rank))
+
+
+def tensor_parallel_size(trainer: Optional[Any]) -> int:
+    """Ranks that split each layer and read the same samples: the world size over :func:`data_parallel_size`
+    (``ModelParallelStrategy``'s ``tensor_parallel_size``; 1 under DDP, FSDP2 alone and one device).
+
+    Example::
+
+        >>> import lightning.pytorch as pl
+        >>> tensor_parallel_size(pl.Trainer(accelerator="cpu", devices=1, logger=False)), tensor_parallel_size(None)
+        (1, 1)
+
+    Args:
+        trainer: A ``lightning.pytorch.Trainer``, or ``None`` (no Trainer yet: one rank).
+    """
+    if trainer is None:
+        return 1
+    return max(1, trainer.world_size // data_parallel_size(trainer))

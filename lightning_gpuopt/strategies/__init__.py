@@ -1,7 +1,9 @@
-"""Distributed strategies: DDP or FSDP2 for a model (with the reason), and a clean end of the process group."""
+"""Distributed strategies: DDP, FSDP2 or FSDP2 + tensor parallel for a model (with the reason), and a clean end of the
+process group."""
 
 from lightning_gpuopt.strategies.choose import (
     AUTO_STRATEGY,
+    NETWORK_BANDWIDTH,
     MemoryEstimate,
     choose_strategy,
     estimate_memory,
@@ -12,6 +14,7 @@ from lightning_gpuopt.strategies.process_group import end_distributed
 __all__ = [
     "AUTO_STRATEGY",
     "MemoryEstimate",
+    "NETWORK_BANDWIDTH",
     "choose_strategy",
     "end_distributed",
     "estimate_memory",

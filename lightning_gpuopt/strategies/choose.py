@@ -1,4 +1,5 @@
-"""`choose_strategy`: DDP when the model trains on one GPU, FSDP2 (``ModelParallelStrategy``) otherwise.
+"""`choose_strategy`: DDP when the model trains on one GPU, else FSDP2 (``ModelParallelStrategy``), with tensor
+parallelism within a node when FSDP2 alone does not fit or does not scale.
 
 Design note, the memory estimate (bytes on one device; stated so it can be checked and changed):
 
@@ -33,10 +34,31 @@ Design note, the memory estimate (bytes on one device; stated so it can be check
   logits by the rule above with the vocabulary read from the output.
 * **Headroom**: the sum must fit in ``headroom`` (default 85%) of the device's memory; the rest is
   the CUDA context, the allocator's fragmentation and communication buffers.
+
+Design note, the tensor-parallel size ``tp`` (the Llama-style GPT only; ``model/tensor_parallel.py``):
+
+* **Memory with** ``tp``: FSDP2 over ``devices / tp`` ranks and TP over ``tp`` split the model state over every
+  device (``16 N / devices`` either way). TP with sequence parallelism splits each block's activations ``tp``
+  ways, except the two block inputs that the column-wise layers gather and keep whole (``2 x 2 n_embd`` bytes
+  per token and layer), and the vocabulary-parallel loss splits the logits ``tp`` ways. So TP buys activation
+  memory (a micro-batch ``tp`` times longer in tokens at the same memory), never model-state memory.
+* **Scaling**: per micro-batch FSDP2 moves ``2 + 2 + 4 = 8`` bytes per parameter through each GPU's link
+  (bf16 all-gathers in the forward and the backward, a float32 reduce-scatter; 12 in float32), and the GPUs of a
+  data-parallel rank compute ``6 N`` FLOPs per token. The all-gathers hide behind compute when a data-parallel
+  rank's micro-batch holds at least ``8 x peak x MFU / (6 x bandwidth)`` tokens (both sides divide by ``tp``):
+  with an H100's 989 TFLOP/s at 40% MFU that is 1,173 tokens over NVLink (450 GB/s per GPU), so within a node
+  FSDP2 alone always scales, and 10,554 over a 400 Gb/s network link per GPU (:data:`NETWORK_BANDWIDTH`).
+  Across nodes, when the largest micro-batch FSDP2 alone fits holds fewer tokens, TP (whose activation split
+  fits a longer one) is added. A GPU whose peak is not in ``perf/peaks.py`` is not weighed (said in the reason).
+* **The choice**: ``tp = 1`` when FSDP2 alone fits and scales; else the smallest power of two dividing the
+  node's devices (and the model's query and key/value heads, MLP width and padded vocabulary) that fits and
+  scales, or, if none scales, the smallest that fits. If none fits, FSDP2 alone when the model state alone is
+  over the budget (TP cannot help: train on more devices), else the largest size, with the fix.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Union
 
 import torch
@@ -45,17 +67,29 @@ from torch import nn
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel
 from lightning_gpuopt.perf.activations import measure_activation_bytes, measure_step_activation_bytes
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.model_parallel import AtomicModelParallelStrategy
 
-__all__ = ["AUTO_STRATEGY", "MemoryEstimate", "choose_strategy", "estimate_memory", "estimate_module_memory"]
+__all__ = [
+    "AUTO_STRATEGY", "NETWORK_BANDWIDTH", "MemoryEstimate", "choose_strategy", "estimate_memory", "estimate_module_memory"
+]
 
 AUTO_STRATEGY = "gpuopt-auto"
 """The ``trainer.strategy`` value the ``gpuopt`` CLI resolves with :func:`choose_strategy`."""
 
 _STATE_BYTES_PER_PARAM = 16
+
+NETWORK_BANDWIDTH = 50e9
+"""Bytes/s per GPU between nodes that ``choose_strategy`` assumes: one 400 Gb/s InfiniBand or RoCE link per GPU
+(eight per node, as DGX/HGX H100 nodes have)."""
+
+# The share of the peak a well-tuned run reaches (MFUMonitor's figure on H100s is 35-50%): the compute time
+# FSDP2's communication hides behind. Lower would hide more, so this errs towards adding tensor parallelism.
+_ASSUMED_MFU = 0.4
+_POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)
 _LLAMA_FIGURES = (
     "Llama formula: 16 B per parameter (fp32 weights+grads+AdamW), 2 x (9 n_embd + 2 kv + 4 ffn) B per token per layer"
 )
@@ -84,7 +118,7 @@ def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precis
 
     Args:
         config: The GPT architecture.
-        micro_batch: Sequences per device per micro-batch.
+        micro_batch: Sequences per micro-batch on a data-parallel rank (one device, or a tensor-parallel group).
         block_size: Tokens per sequence.
         precision: The Trainer's precision string; ``32``/``64`` activations count double.
     """
@@ -229,6 +263,49 @@ def _block_size_of(model: Any) -> Optional[int]:
     return None
 
 
+def _check_devices(devices: Any, devices_per_node: Any, headroom: float) -> int:
+    """Check the device counts and the headroom; the devices of one node."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"choose_strategy(devices=...) must be a positive integer, got {devices!r}.")
+    if not 0 < headroom <= 1:
+        raise ValueError(f"choose_strategy(headroom=...) must be in (0, 1], got {headroom!r}.")
+    per_node = devices if devices_per_node is None else devices_per_node
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1 or devices % per_node:
+        raise ValueError(
+            f"choose_strategy(devices_per_node={devices_per_node!r}) must be a positive integer dividing devices={devices} "
+            "(the devices of one node; every node has as many)."
+        )
+    return per_node
+
+
+def _memory_of(facts: DeviceFacts) -> float:
+    if facts.total_memory is None:
+        raise ValueError(
+            f"choose_strategy cannot read a GPU's memory on {facts.describe()} (no CUDA): pass device_memory= (bytes) "
+            "or device= (e.g. perf.device.REFERENCE_DEVICES['H100 SXM']), or --auto_strategy.device_memory_gb in the gpuopt CLI."
+        )
+    return float(facts.total_memory)
+
+
+def _estimate(model: Any, config: Optional[GPTConfig], micro_batch: int, block_size: Optional[int], precision: str,
+              activation_bytes: Optional[float], batch: Any) -> tuple[MemoryEstimate, int]:
+    """The memory estimate of one full replica, and the sequence length it is for."""
+    if config is not None:
+        block_size = block_size or config.block_size
+        est = estimate_memory(config, micro_batch, block_size, precision)
+        if activation_bytes is not None:
+            est["activations"], est["logits"] = float(activation_bytes), 0.0
+            est.figures += "; activation_bytes= as given"
+        return est, block_size
+    block_size = block_size or _block_size_of(model) or (_batch_shape(batch)[1] if batch is not None else None)
+    if block_size is None:
+        raise ValueError(
+            f"choose_strategy cannot tell the sequence length of {type(model).__name__}: pass block_size= "
+            "(tokens per sequence)."
+        )
+    return estimate_module_memory(model, micro_batch, block_size, precision, activation_bytes, batch), block_size
+
+
 def choose_strategy(
     model,
     devices: int,
@@ -240,8 +317,11 @@ def choose_strategy(
     activation_bytes: Optional[float] = None,
     device: Optional[DeviceFacts] = None,
     batch: Any = None,
+    devices_per_node: Optional[int] = None,
+    network_bandwidth: float = NETWORK_BANDWIDTH,
 ) -> tuple[Union[Strategy, str], str]:
-    """Pick DDP when the whole training state plus activations fits on one device, FSDP2 otherwise.
+    """Pick DDP when the whole training state plus activations fits on one device, else FSDP2, with tensor
+    parallelism within a node when FSDP2 alone does not fit or does not scale (see the module's design note).
 
     Example::
 
@@ -253,7 +333,7 @@ def choose_strategy(
     Args:
         model: A ``GPTConfig``, ``GPT`` or ``GPTModule`` (estimated by the GPT formula), or any other
             ``nn.Module``/LightningModule (estimated from its parameters and measured activations).
-        devices: Data-parallel devices (all nodes).
+        devices: Devices of the run, all nodes together.
         device_memory: Bytes of memory per device; ``None`` takes ``device``'s.
         precision: The Trainer's precision string.
         micro_batch: Sequences per device per micro-batch.
@@ -265,11 +345,14 @@ def choose_strategy(
             this machine's current CUDA device (:func:`~lightning_gpuopt.perf.device.read_device`).
         batch: A training batch of any module but ours (a Hugging Face dict with ``attention_mask``, ...):
             its activations are measured over ``training_step(batch)`` instead of ``forward(input_ids)``.
+        devices_per_node: Devices of one node, the most a tensor-parallel group spans; ``None``: all of them (one node).
+        network_bandwidth: Bytes/s per GPU between nodes (:data:`NETWORK_BANDWIDTH`: one 400 Gb/s link per GPU),
+            for whether FSDP2's all-gathers across nodes hide behind compute.
 
     Returns:
         ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or an
-        ``AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)`` (FSDP2,
-        which ``GPTModule.configure_model`` shards per block; Lightning's ``ModelParallelStrategy``
+        ``AtomicModelParallelStrategy(data_parallel_size=devices // tp, tensor_parallel_size=tp)`` (FSDP2, with tensor
+        parallelism when ``tp > 1``, which ``GPTModule.configure_model`` applies; Lightning's ``ModelParallelStrategy``
         with checkpoints replaced atomically), and one line with the numbers behind it.
     """
     config = _config_of(model)
@@ -277,32 +360,12 @@ def choose_strategy(
         raise ValueError(
             f"choose_strategy needs a model: a GPTConfig, or any nn.Module / LightningModule, got {type(model).__name__}."
         )
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"choose_strategy(devices=...) must be a positive integer, got {devices!r}.")
-    if not 0 < headroom <= 1:
-        raise ValueError(f"choose_strategy(headroom=...) must be in (0, 1], got {headroom!r}.")
+    per_node = _check_devices(devices, devices_per_node, headroom)
+    facts = device
     if device_memory is None:
         facts = device if device is not None else read_device()
-        if facts.total_memory is None:
-            raise ValueError(
-                f"choose_strategy cannot read a GPU's memory on {facts.describe()} (no CUDA): pass device_memory= (bytes) "
-                "or device= (e.g. perf.device.REFERENCE_DEVICES['H100 SXM']), or --auto_strategy.device_memory_gb in the gpuopt CLI."
-            )
-        device_memory = float(facts.total_memory)
-    if config is not None:
-        block_size = block_size or config.block_size
-        est = estimate_memory(config, micro_batch, block_size, precision)
-        if activation_bytes is not None:
-            est["activations"], est["logits"] = float(activation_bytes), 0.0
-            est.figures += "; activation_bytes= as given"
-    else:
-        block_size = block_size or _block_size_of(model) or (_batch_shape(batch)[1] if batch is not None else None)
-        if block_size is None:
-            raise ValueError(
-                f"choose_strategy cannot tell the sequence length of {type(model).__name__}: pass block_size= "
-                "(tokens per sequence)."
-            )
-        est = estimate_module_memory(model, micro_batch, block_size, precision, activation_bytes, batch)
+        device_memory = _memory_of(facts)
+    est, block_size = _estimate(model, config, micro_batch, block_size, precision, activation_bytes, batch)
     budget = headroom * device_memory
     numbers = (
         f"{est['params'] / 1e6:,.0f}M params -> {est['model_state'] / GB:.1f} GB weights+grads+AdamW, "
@@ -320,15 +383,114 @@ def choose_strategy(
             "train on more devices, lower data.batch_size, or "
             + ("set model.activation_checkpointing=true." if config is not None else "use activation checkpointing.")
         )
-    sharded = est["model_state"] / devices + est["activations"] + est["logits"]
-    fits = "fits" if sharded <= budget else "still does NOT fit: lower the micro-batch or enable activation checkpointing"
-    reason = (
-        f"FSDP2 (ModelParallelStrategy): a full replica needs {est.total / GB:.1f} GB, over the budget: {numbers}; "
-        f"sharded over {devices} devices it needs {sharded / GB:.1f} GB per device and {fits}."
-    )
     if config is None:
-        reason += (
-            f" {type(model).__name__}.configure_model must apply torch.distributed.fsdp.fully_shard (as "
+        sharded = est["model_state"] / devices + est["activations"] + est["logits"]
+        fits = "fits" if sharded <= budget else "still does NOT fit: lower the micro-batch or enable activation checkpointing"
+        reason = (
+            f"FSDP2 (ModelParallelStrategy): a full replica needs {est.total / GB:.1f} GB, over the budget: {numbers}; "
+            f"sharded over {devices} devices it needs {sharded / GB:.1f} GB per device and {fits}. "
+            f"{type(model).__name__}.configure_model must apply torch.distributed.fsdp.fully_shard (as "
             "Lightning's ModelParallelStrategy requires), e.g. to each block and then the whole model."
         )
-    return AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), reason
+        return AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), reason
+    peak = (facts.peak_tflops("bf16") or facts.peak_tflops("fp16")) if facts is not None else None  # fp16 where no bf16
+    plan = _ShardingPlan(config, est, devices, per_node, micro_batch, block_size, precision, budget,
+                         activation_bytes is not None)
+    tp, why = plan.choose(None if peak is None else peak * 1e12, network_bandwidth)
+    name = "FSDP2" if tp == 1 else f"FSDP2 + tensor parallel {tp}"
+    reason = (
+        f"{name} (ModelParallelStrategy, {devices // tp} data-parallel x {tp} tensor-parallel): a full replica needs "
+        f"{est.total / GB:.1f} GB, over the budget: {numbers}; {why}"
+    )
+    return AtomicModelParallelStrategy(data_parallel_size=devices // tp, tensor_parallel_size=tp), reason
+
+
+class _ShardingPlan:
+    """Per-device memory of FSDP2 over ``devices / tp`` ranks with tensor parallelism over ``tp`` (see the design
+    note), and the choice of ``tp``."""
+
+    def __init__(self, config: GPTConfig, est: MemoryEstimate, devices: int, per_node: int, micro_batch: int,
+                 block_size: int, precision: str, budget: float, activations_given: bool) -> None:
+        self.config, self.est, self.devices, self.per_node = config, est, devices, per_node
+        self.micro_batch, self.block_size, self.precision, self.budget = micro_batch, block_size, precision, budget
+        self.activations_given = activations_given
+        self.sizes = [t for t in _POWERS_OF_TWO if t <= per_node and per_node % t == 0 and self._splits(t)]
+
+    def _splits(self, tp: int) -> bool:
+        try:
+            check_tensor_parallel(self.config, tp)
+        except ValueError:
+            return False
+        return True
+
+    def bytes(self, tp: int, micro_batch: Optional[int] = None) -> float:
+        """Bytes per device at ``micro_batch`` sequences per data-parallel rank (``None``: the planned one)."""
+        scale = (micro_batch or self.micro_batch) / self.micro_batch
+        state = self.est["model_state"] / self.devices  # FSDP2 and TP together split it over every device
+        if tp == 1 or self.activations_given:
+            return state + scale * (self.est["activations"] + self.est["logits"]) / tp
+        cfg, tokens = self.config, (micro_batch or self.micro_batch) * self.block_size
+        act_bytes = 4 if str(self.precision).startswith(("32", "64")) else 2
+        whole = _activation_elements(cfg)
+        split = (whole - 2 * cfg.n_embd) / tp + 2 * cfg.n_embd  # the two gathered block inputs are kept whole
+        if cfg.activation_checkpointing:
+            act = tokens * (cfg.n_layer * act_bytes * cfg.n_embd / tp + split * act_bytes)
+        else:
+            act = tokens * cfg.n_layer * split * act_bytes
+        return state + act + scale * self.est["logits"] / tp  # vocabulary-parallel loss: V / tp logits
+
+    def most_sequences(self, tp: int) -> int:
+        """The largest micro-batch (sequences per data-parallel rank) that fits the budget."""
+        fixed = self.est["model_state"] / self.devices
+        per_sequence = (self.bytes(tp) - fixed) / self.micro_batch
+        return max(0, int((self.budget - fixed) // per_sequence)) if per_sequence > 0 else 0
+
+    def choose(self, peak_flops: Optional[float], network_bandwidth: float) -> tuple[int, str]:
+        """``(tp, why)``: 1 when FSDP2 alone fits and scales, else the smallest size within a node that fits (and
+        scales, where one does)."""
+        nodes = self.devices // self.per_node
+        needed = None
+        if nodes > 1 and peak_flops is not None:
+            param_bytes = 4 if str(self.precision).startswith(("32", "64")) else 2
+            moved = 2 * param_bytes + 4  # per parameter and micro-batch: two all-gathers, a float32 reduce-scatter
+            needed = moved * peak_flops * _ASSUMED_MFU / (6 * network_bandwidth)
+        fits = {t: self.bytes(t) <= self.budget for t in self.sizes}
+        scales = {t: needed is None or self.most_sequences(t) * self.block_size >= needed for t in self.sizes}
+        fitting = [t for t in self.sizes if fits[t]]
+        chosen = next((t for t in fitting if scales[t]), fitting[0] if fitting else None)
+        lines = [self._describe(t, fits[t]) for t in sorted({1, *([chosen] if chosen else self.sizes[-1:])})]
+        if needed is not None:
+            lines.append(
+                f"across {nodes} nodes FSDP2's all-gathers hide behind compute from {needed:,.0f} tokens per "
+                f"micro-batch on a data-parallel rank ({moved} B per parameter over {network_bandwidth / 1e9:.0f} GB/s "
+                f"per GPU, against {_ASSUMED_MFU:.0%} of {peak_flops / 1e12:,.1f} TFLOP/s)"
+            )
+        elif nodes > 1:
+            lines.append(f"across {nodes} nodes; this GPU's peak FLOP/s is unknown, so the network is not weighed")
+        if chosen is None:
+            state = self.est["model_state"] / self.devices
+            if state > self.budget:
+                least = -(-self.est["model_state"] // self.budget)
+                fix = f"the model state alone needs {state / GB:.1f} GB per device: train on at least {least:.0f} devices"
+            else:
+                fix = "lower the micro-batch or set model.activation_checkpointing=true"
+            chosen = 1 if state > self.budget else self.sizes[-1]
+            return chosen, "; ".join(lines) + f"; it still does NOT fit: {fix}."
+        if self.config.arch != "llama" and not fits[1]:
+            lines.append("tensor parallelism splits the Llama-style GPT only (arch='llama')")
+        if needed is not None and not scales[chosen]:
+            lines.append("no tensor-parallel size within a node reaches that, so the smallest that fits is used")
+        elif needed is not None and self.micro_batch * self.block_size < needed:
+            lines.append(
+                f"raise the micro-batch to {math.ceil(needed / self.block_size)} sequences (data.batch_size, or "
+                "AutoBatchSize) to reach that"
+            )
+        return chosen, "; ".join(lines) + "."
+
+    def _describe(self, tp: int, fits: bool) -> str:
+        what = f"sharded over {self.devices} devices it" if tp == 1 else f"with tensor parallel {tp} it"
+        most = self.most_sequences(tp)
+        return (
+            f"{what} needs {self.bytes(tp) / GB:.1f} GB per device and {'fits' if fits else 'does NOT fit'}"
+            + (f" (up to {most} x {self.block_size} tokens per micro-batch)" if fits else "")
+        )

@@ -29,7 +29,7 @@ GPT_CONFIGS = [c for c in CONFIGS if c.stem != "hf-llama"]  # hf-llama trains a 
 
 def test_every_shipped_config_is_there():
     assert {p.stem for p in CONFIGS} == {"quickstart", "fast", "production", "max-quality", "mega", "h100", "multi-gpu", "hf-llama",
-                                               "llama-1b", "rft"}
+                                               "llama-1b", "llama-8b-tp", "rft"}
 
 
 def test_the_wandb_sync_path_in_the_docs_is_where_the_recipes_write():

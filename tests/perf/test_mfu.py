@@ -25,6 +25,19 @@ def test_window_metrics_values():
     }
 
 
+def test_tensor_parallel_divides_a_rank_s_tokens_and_flops_over_its_devices():
+    """2 data-parallel ranks of 4 tensor-parallel devices: each rank's 8192 tokens are counted once for the
+    global rate, and each of its 4 devices does a quarter of their FLOPs."""
+    m = window_metrics(tokens=8192, flops=8192 * 1e9, elapsed=2.0, steps=4, wait=0.0, replicas=2, peak=1e13,
+                       tensor_parallel=4)
+    assert m["perf/tokens_per_sec"] == 8192.0  # 4096 tokens/s per rank x 2 ranks
+    assert m["perf/tokens_per_sec_per_device"] == 1024.0 and m["perf/tflops_per_device"] == 1.024
+    assert m["perf/mfu"] == pytest.approx(0.1024)
+    report = summarise_windows([WindowTotals(8192, 8192 * 1e9, 2.0, 4, 0.0)], window=4, warmup_steps=0, dtype="bf16",
+                               fit_tokens=8192, fit_flops=8192 * 1e9, replicas=2, peak=1e13, tensor_parallel=4)
+    assert report["metrics"] == m and "8,192 tokens per data-parallel rank (4 tensor-parallel devices)" in report["text"]
+
+
 def test_unknown_flops_log_throughput_only():
     m = window_metrics(tokens=100, flops=None, elapsed=1.0, steps=1, wait=0.0, replicas=1, peak=1e12)
     assert "perf/mfu" not in m and "perf/tflops_per_device" not in m and m["perf/tokens_per_sec"] == 100.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
+from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size, tensor_parallel_size
 
 
 def test_no_trainer_is_one_rank():
@@ -32,3 +32,9 @@ def test_sampler_kwargs_win_over_world_size():
         strategy, world_size, global_rank = TensorParallel(), 4, 3
 
     assert (data_parallel_size(FourRanks()), data_parallel_rank(FourRanks())) == (2, 1)
+    assert tensor_parallel_size(FourRanks()) == 2  # the two ranks of each data-parallel rank split its layers
+
+
+def test_tensor_parallel_size_is_one_without_a_tensor_parallel_dimension():
+    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy="ddp", logger=False, enable_progress_bar=False)
+    assert tensor_parallel_size(trainer) == 1 and tensor_parallel_size(None) == 1

@@ -196,3 +196,67 @@ def test_llama_activation_formula_agrees_with_the_measured_activations(monkeypat
         formula = estimate_memory(module.config, micro_batch=2, block_size=1024)
         measured = estimate_module_memory(module.model, micro_batch=2, block_size=1024)
         assert measured["activations"] == pytest.approx(formula["activations"], rel=0.02)
+
+
+AC = {"activation_checkpointing": True}
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "gpu", "per_node", "nodes", "micro_batch", "block", "plan", "says"),
+    [
+        ("1.5b", {}, "H100 SXM", 8, 1, 8, 1024, "DDP", "a full replica fits on each device"),
+        ("1.5b", {}, "V100", 8, 4, 1, 1024, (32, 1), "sharded over 32 devices it needs 4.0 GB per device and fits"),
+        ("llama-1b", {}, "H100 SXM", 8, 1, 8, 2048, "DDP", "a full replica fits"),
+        ("llama-3b", {}, "L4", 4, 1, 1, 4096, (1, 4), "with tensor parallel 4 it needs 18.8 GB per device and fits"),
+        ("llama-8b", {}, "H100 SXM", 8, 1, 1, 8192, (4, 2),
+         "sharded over 8 devices it needs 77.0 GB per device and does NOT fit; with tensor parallel 2 it needs 48.7 GB"),
+        ("llama-8b", AC, "H100 SXM", 8, 1, 1, 8192, (8, 1), "it needs 30.3 GB per device and fits (up to 4 x 8192 tokens"),
+        ("llama-8b", {}, "H100 SXM", 8, 8, 1, 8192, (32, 2),
+         "hide behind compute from 10,554 tokens per micro-batch on a data-parallel rank (8 B per parameter over 50 GB/s "
+         "per GPU, against 40% of 989.4 TFLOP/s); raise the micro-batch to 2 sequences"),
+        ("llama-70b", {}, "H100 SXM", 8, 8, 1, 8192, (8, 8),
+         "with tensor parallel 8 it needs 68.9 GB per device and fits (up to 1 x 8192 tokens per micro-batch); across 8 "
+         "nodes"),
+        ("llama-70b", AC, "H100 SXM", 8, 8, 1, 8192, (64, 1), "fits (up to 2 x 8192 tokens per micro-batch); across 8 nodes"),
+        ("llama-70b", AC, "H100 SXM", 8, 1, 1, 8192, (8, 1),
+         "still does NOT fit: the model state alone needs 141.1 GB per device: train on at least 16 devices"),
+        ("llama-70b", {}, "H200", 8, 8, 1, 8192, (8, 8), "with tensor parallel 8 it needs 68.9 GB per device and fits"),
+        ("llama-70b", AC, "A100", 8, 16, 1, 8192, (128, 1), "from 3,328 tokens per micro-batch"),
+    ],
+)
+def test_the_tensor_parallel_size_for_each_model_gpu_and_cluster(preset, overrides, gpu, per_node, nodes, micro_batch,
+                                                                 block, plan, says):
+    """DDP when a replica fits; FSDP2 alone when it fits and its all-gathers hide behind compute (always within a
+    node); else the smallest tensor-parallel size within a node that fits (and scales); the reason gives the numbers.
+    ``plan``: "DDP", or (data-parallel, tensor-parallel) sizes."""
+    config = GPTConfig.from_name(preset, block_size=block, **overrides)
+    strategy, reason = choose_strategy(config, devices=per_node * nodes, devices_per_node=per_node,
+                                       device=REFERENCE_DEVICES[gpu], micro_batch=micro_batch)
+    if plan == "DDP":
+        assert isinstance(strategy, DDPStrategy) and reason.startswith("DDP")
+    else:
+        assert isinstance(strategy, AtomicModelParallelStrategy)
+        assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == plan
+        name = "FSDP2" if plan[1] == 1 else f"FSDP2 + tensor parallel {plan[1]}"
+        assert reason.startswith(f"{name} (ModelParallelStrategy, {plan[0]} data-parallel x {plan[1]} tensor-parallel)")
+    assert says in reason, reason
+
+
+def test_the_llama_8b_recipe_plans_tensor_parallel_on_a_cpu(text_dir, cache_dir, capsys, tmp_path, monkeypatch):
+    """`gpuopt fit --config examples/configs/llama-8b-tp.yaml --auto_strategy.print_plan true` on a machine without a
+    GPU: the plan for 8 H100s and its memory per GPU, printed, and nothing prepared or trained."""
+    from lightning_gpuopt.cli.main import main
+    from tests._paths import REPO
+
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    recipe = str(REPO / "examples" / "configs" / "llama-8b-tp.yaml")
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", recipe, "--data.source", str(text_dir), "--auto_strategy.device", "H100 SXM",
+              "--auto_strategy.print_plan", "true"])
+    assert stopped.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("trainer.strategy=gpuopt-auto: FSDP2 + tensor parallel 2 (ModelParallelStrategy, 4 data-parallel x "
+                          "2 tensor-parallel)")
+    assert "7,248M params -> 116.0 GB weights+grads+AdamW" in out and "with tensor parallel 2 it needs 71.9 GB per device" in out
+    assert list((tmp_path / "run").iterdir()) == [] and not cache_dir.exists()  # no run folder, no token cache

@@ -1,0 +1,97 @@
+"""``trainer.strategy: gpuopt-auto`` in the ``gpuopt`` command: its options, their checks, and the strategy it picks.
+
+The choice itself is :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP, FSDP2, or FSDP2 with tensor
+parallelism within a node); this module reads what it needs from the parsed configuration: the devices per
+node and the nodes, the precision, the data module's micro-batch and sequence length, and the
+``--auto_strategy.*`` options (the memory or the GPU to plan for, and ``print_plan``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable, Optional
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+from lightning_gpuopt.cli.defaults import precision_for_estimate
+from lightning_gpuopt.perf.device import REFERENCE_DEVICES, cuda_device_count
+from lightning_gpuopt.perf.units import GB
+from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy
+
+__all__ = ["add_auto_strategy_arguments", "auto_strategy", "check_auto_strategy_options"]
+
+_GPUS = sorted(name for name in REFERENCE_DEVICES if name != "cpu")
+
+
+def add_auto_strategy_arguments(parser: LightningArgumentParser) -> None:
+    """The ``--auto_strategy.*`` options."""
+    parser.add_argument(
+        "--auto_strategy.device_memory_gb", type=Optional[float], default=None,
+        help="Memory per device (GB) for trainer.strategy=gpuopt-auto; default: read from GPU 0.",
+    )
+    parser.add_argument(
+        "--auto_strategy.device", type=Optional[str], default=None,
+        help=f"Plan trainer.strategy=gpuopt-auto for this GPU (its memory and peak FLOP/s), e.g. on a machine without "
+             f"it: one of {_GPUS}; default: GPU 0.",
+    )
+    parser.add_argument(
+        "--auto_strategy.print_plan", type=bool, default=False,
+        help="fit: print what trainer.strategy=gpuopt-auto picks (DDP, FSDP2, FSDP2 + tensor parallel) with its "
+             "memory estimate per GPU, and stop before any data or model is prepared.",
+    )
+
+
+def check_auto_strategy_options(config: Any, error: Callable[[str], Any]) -> None:
+    """Call ``error`` (the parser's) for ``--auto_strategy.*`` options that cannot work, before anything is built."""
+    plan = config.get("auto_strategy") or {}
+    if plan.get("print_plan") and (config.get("trainer") or {}).get("strategy") != AUTO_STRATEGY:
+        error(f"--auto_strategy.print_plan prints what trainer.strategy={AUTO_STRATEGY} picks: add "
+              f"--trainer.strategy {AUTO_STRATEGY}.")
+    gpu = plan.get("device")
+    if gpu is not None and gpu not in _GPUS:
+        close = [g for g in _GPUS if g.lower().startswith(gpu.lower())] or difflib.get_close_matches(gpu, _GPUS, n=1)
+        error(f"--auto_strategy.device={gpu!r} is not a GPU the planner knows"
+              + (f" (did you mean {close[0]!r}?)" if close else "") + f": choose one of {_GPUS}.")
+
+
+def auto_strategy(model: Any, datamodule: Any, config: Any, trainer_cfg: dict) -> tuple[Any, str]:
+    """``(strategy, reason)`` that ``choose_strategy`` gives for the configured run.
+
+    Args:
+        model: The built LightningModule.
+        datamodule: The built data module (its ``batch_size`` is the micro-batch planned for).
+        config: The subcommand's configuration (its ``auto_strategy`` group).
+        trainer_cfg: The Trainer's configuration (``devices``, ``num_nodes``, ``precision``, ``plugins``).
+    """
+    devices = trainer_cfg.get("devices", "auto")
+    if devices in ("auto", -1, "-1"):
+        devices = max(1, cuda_device_count())
+    elif isinstance(devices, str):
+        devices = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
+    elif isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
+    plan = config.get("auto_strategy") or {}
+    memory_gb, gpu = plan.get("device_memory_gb"), plan.get("device")
+    return choose_strategy(
+        model,
+        devices=devices * nodes,
+        device_memory=None if memory_gb is None else memory_gb * GB,
+        precision=precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins")),
+        micro_batch=_micro_batch(datamodule),
+        block_size=getattr(datamodule, "block_size", None),
+        device=None if gpu is None else REFERENCE_DEVICES[gpu],
+        devices_per_node=devices,
+    )
+
+
+def _micro_batch(datamodule: Any) -> int:
+    """The micro-batch size ``gpuopt-auto`` plans for: the data module's ``batch_size``."""
+    batch_size = getattr(datamodule, "batch_size", None)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise ValueError(
+            f"trainer.strategy={AUTO_STRATEGY} needs the micro-batch size to plan memory, read from the data module's "
+            f"batch_size attribute, but {'the module trains on its own loaders' if datamodule is None else f'{type(datamodule).__name__} has batch_size={batch_size!r}'}: give the data module "
+            "an int batch_size, or name the strategy (trainer.strategy: ddp or fsdp)."
+        )
+    return batch_size
