@@ -57,6 +57,8 @@ def check_trainer_options(trainer: Mapping[str, Any]) -> None:
     for stage in ("train", "val", "test", "predict"):
         name = f"limit_{stage}_batches"
         limit = trainer.get(name)
+        if isinstance(limit, float) and limit > 1 and limit.is_integer():
+            limit = int(limit)  # the parser reads `20` as 20.0 (Lightning's type lists float first); Lightning runs 20
         if isinstance(limit, int) and not isinstance(limit, bool):
             check_int("trainer", name, limit, minimum=0, optional=True,
                       hint=" (batches per epoch; 0 skips them): use e.g. 20, a fraction of the epoch such as 0.25, or leave it unset")

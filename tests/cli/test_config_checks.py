@@ -22,3 +22,12 @@ def test_a_callback_keyed_by_its_settings_is_refused_only_with_the_same_settings
     check_callbacks_once([ModelCheckpoint(monitor="val/loss"), ModelCheckpoint(monitor="train/loss")])
     with pytest.raises(ValueError, match=r"lists ModelCheckpoint twice: with the same settings, .*'monitor': 'val/loss'"):
         check_callbacks_once([ModelCheckpoint(monitor="val/loss"), ModelCheckpoint(monitor="val/loss")])
+
+
+def test_an_integer_limit_read_as_a_float_is_a_batch_count_as_lightning_runs_it():
+    from lightning_gpuopt.cli.config_checks import check_trainer_options
+
+    # The parser reads the quickstart's `limit_val_batches: 20` as 20.0 (Lightning's type lists float first).
+    check_trainer_options({"limit_val_batches": 20.0})
+    with pytest.raises(ValueError, match=r"limit_val_batches must be in \[0, 1\]"):
+        check_trainer_options({"limit_val_batches": 1.5})
