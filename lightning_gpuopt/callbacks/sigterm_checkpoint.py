@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.internals import require_internals, settle_validation_counters
 from lightning_gpuopt.resume import microbatches_since_step, restart_interrupted_validation
 
@@ -89,7 +90,7 @@ class SigtermCheckpoint(Callback):
         if stage == "fit" and not any(isinstance(c, ModelCheckpoint) for c in trainer.checkpoint_callbacks):
             rank_zero_warn(
                 "SigtermCheckpoint: the Trainer has no ModelCheckpoint, so a SIGTERM saves nothing. Add a "
-                "ModelCheckpoint(dirpath=..., save_last=True) to trainer.callbacks, or remove SigtermCheckpoint."
+                f"ModelCheckpoint that keeps last.ckpt ({option('ModelCheckpoint', 'save_last', True)}), or remove SigtermCheckpoint."
             )
 
     @override

@@ -18,7 +18,9 @@ import re
 import sys
 from typing import Any, Callable, Optional, TypeVar
 
-from lightning_gpuopt.callbacks.nonfinite_guard import NonFiniteError
+from lightning_gpuopt.callbacks.nonfinite_checks import learning_rate_option
+from lightning_gpuopt.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.checkpoint.safety import NonFiniteCheckpointError, is_disk_full, nonfinite_weights
 
 __all__ = ["TRACEBACK_ENV", "check_fit_ended_finite", "explain_parser_error", "run_reporting_errors"]
@@ -199,19 +201,15 @@ def check_fit_ended_finite(trainer: Any, module: Any) -> None:
     if bad:
         loss = trainer.callback_metrics.get("train/loss")
         loss_text = f"train/loss={float(loss)}, " if loss is not None else ""
+        guard = next((c for c in trainer.callbacks if isinstance(c, NonFiniteGuard)), None)
+        advice = (guard.advice(module) if guard is not None else
+                  f"Start a new run with a lower {learning_rate_option(module)} or gradient clipping "
+                  f"({option('Trainer', 'gradient_clip_val')}), and add lightning_gpuopt.callbacks.NonFiniteGuard "
+                  "to the callbacks: it stops at the first bad step and says whether the last checkpoint is worth resuming.")
         raise NonFiniteError(
             f"Training ended with non-finite weights ({len(bad)} of {len(params)} parameters hold NaN/Inf, first "
-            f"{bad[0]!r}; {loss_text}step {trainer.global_step}): the model diverged. Resume from the last good "
-            f"checkpoint with a lower {_learning_rate_option(module)} or trainer.gradient_clip_val, and add "
-            "lightning_gpuopt.callbacks.NonFiniteGuard to stop at the first bad step."
+            f"{bad[0]!r}; {loss_text}step {trainer.global_step}): the model diverged. {advice}"
         )
-
-
-def _learning_rate_option(module: Any) -> str:
-    """``model.learning_rate`` for ``GPTModule``, whose option it is; words for a module of one's own."""
-    from lightning_gpuopt.model import GPTModule
-
-    return "model.learning_rate" if isinstance(module, GPTModule) else "learning rate"
 
 
 def _exit_status(err: BaseException) -> Optional[int]:

@@ -55,6 +55,7 @@ from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.internals import parser_options
+from lightning_gpuopt.option_checks import command_line_options
 from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
@@ -462,7 +463,13 @@ def main(args: Optional[list[str]] = None) -> None:
     A SIGTERM during ``fit`` saves ``last.ckpt`` (``SigtermCheckpoint``) and ends the process with
     status 143 (128 + SIGTERM), so a scheduler sees an interrupted job and can requeue it.
 
-    ``gpuopt doctor`` is handled before LightningCLI parses anything (:mod:`lightning_gpuopt.cli.doctor`)."""
+    ``gpuopt doctor`` is handled before LightningCLI parses anything (:mod:`lightning_gpuopt.cli.doctor`).
+    Messages name their fixes as this command's options (:func:`~lightning_gpuopt.option_checks.option`)."""
+    with command_line_options():
+        _main(args)
+
+
+def _main(args: Optional[list[str]]) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["doctor"]:
         sys.exit(doctor_main(argv[1:]))
