@@ -412,6 +412,12 @@ CASES = [
          lambda c: main(["fit", "--config", c.yaml("trainer:\n  callbacks:\n    - class_path: lightning_gpuopt.callbacks.NonFiniteGuard\n"
                                                    "      init_args:\n        mode: lazy\n")]), SystemExit,
          r"trainer.callbacks: NonFiniteGuard\(mode=...\) must be one of 'auto', 'step', 'deferred', got 'lazy'\. Fix init_args.mode"),
+    Case("yaml-callback-out-of-range",
+         lambda c: _cli_before_data(c, ["--config", c.yaml("trainer:\n  callbacks:\n    - class_path: lightning_gpuopt.callbacks.NonFiniteGuard\n"
+                                                           "      init_args: {max_consecutive_skips: 0}\n")]), SystemExit,
+         r"gpuopt: error: trainer.callbacks: NonFiniteGuard.max_consecutive_skips must be an integer >= 1, got 0 .*Fix "
+         r"init_args.max_consecutive_skips of NonFiniteGuard in trainer.callbacks \(the --config file, or "
+         r"--trainer.callbacks.max_consecutive_skips right after --trainer.callbacks\+=NonFiniteGuard\)\.\n\(set GPUOPT_TRACEBACK"),
     Case("predict-batch-size-zero", lambda c: main(["predict", "--generate.prompts_file", c.yaml("a prompt\n"), "--generate.batch_size", "0"]),
          SystemExit, r"generate.batch_size must be >= 1, got 0"),
     Case("prompts-file-outside-predict", lambda c: main(["fit", "--trainer.max_steps", "1", "--generate.prompts_file", "p.txt"]),
@@ -455,6 +461,9 @@ CASES = [
          r"trainer.limit_val_batches must be an integer >= 0 or None, got -1 .*use e.g. 20, a fraction of the epoch such as 0.25"),
     Case("cli-float-not-finite", lambda c: main(["fit", "--trainer.max_steps", "1", "--model.learning_rate", "inf"]), SystemExit,
          r"model.learning_rate must be a finite number, got inf: give a finite value for --model.learning_rate"),
+    Case("cli-union-float-not-finite", lambda c: main(["fit", "--trainer.max_steps", "1", "--trainer.gradient_clip_val", "inf"]),
+         SystemExit, r"gpuopt: error: trainer.gradient_clip_val must be a finite number, got inf: give a finite value for "
+         r"--trainer.gradient_clip_val \(or trainer.gradient_clip_val in the --config file\)\.\n\(gpuopt fit --help"),
     Case("cli-list-given-as-text", lambda c: main(["predict", "--data.prompts", "the model"]), SystemExit,
          r"data.prompts takes a list, got the text 'the model': write it in brackets, --data.prompts '\[the model\]'"),
     Case("cli-max-steps-zero", lambda c: _cli_before_data(c, ["--trainer.max_steps", "0"]), SystemExit,

@@ -119,7 +119,7 @@ class NonFiniteGuard(Callback):
         check_choice("NonFiniteGuard", "policy", policy, ("skip", "stop"))
         check_choice("NonFiniteGuard", "mode", mode, ("auto", "step", "deferred"))
         check_int("NonFiniteGuard", "max_consecutive_skips", max_consecutive_skips, minimum=1,
-                  hint=" (use policy='stop' to stop at the first bad step)")
+                  hint=f" (use {option('NonFiniteGuard', 'policy', 'stop')} to stop at the first bad step)")
         self.policy = policy
         self.max_consecutive_skips = max_consecutive_skips
         self.check_gradients = check_gradients

@@ -23,13 +23,20 @@ from lightning_gpuopt.callbacks.nonfinite_guard import NonFiniteError, NonFinite
 from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.checkpoint.safety import NonFiniteCheckpointError, is_disk_full, nonfinite_weights
 
-__all__ = ["TRACEBACK_ENV", "check_fit_ended_finite", "explain_parser_error", "run_reporting_errors"]
+__all__ = ["TRACEBACK_ENV", "check_fit_ended_finite", "explain_instantiation_error", "explain_parser_error", "run_reporting_errors"]
 
 TRACEBACK_ENV = "GPUOPT_TRACEBACK"
 _LINK = re.compile(r"argument (\S+) --> (\S+): ")
 _NESTED = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*Parser key "([^"]+)":\s*([^\n]+)', re.S)
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.+)\]\. Got value: (.+)")
 _NOT_FINITE = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'float\'>\. Got value: ([-+]?(?:inf|infinity|nan))\s*$', re.I)
+_NOT_FINITE_UNION = re.compile(  # an Optional[Union[float, int]] option such as trainer.gradient_clip_val
+    r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[[^\n]*<class \'float\'>'
+    r".*?Given value: ([-+]?(?:inf|infinity|nan))\s*$", re.I | re.S
+)
+_UNION = "Does not validate against any of the Union subtypes"
+_LIST_OF = {"callbacks.callback.Callback": "trainer.callbacks", "Precision": "trainer.plugins", "CheckpointIO": "trainer.plugins"}
+_OWNER_OPTION = re.compile(r"^([A-Z]\w*)\.(\w+) must ")
 _NO_SHORT_NAME = re.compile(r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Expected a dot import path string: (\S+)', re.S)
 _LIST_AS_TEXT = re.compile(
     r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[list\[[^\n]*'
@@ -68,7 +75,7 @@ def explain_parser_error(message: str) -> str:
         source, target = link.groups()
         return (f"{target} is set from {source} (gpuopt links them, so the two always agree): drop {target} and "
                 f"set {source} only (--{source} on the command line, or {source} in the --config file).")
-    not_finite = _NOT_FINITE.search(message)
+    not_finite = _NOT_FINITE.search(message) or _NOT_FINITE_UNION.search(message)
     if not_finite:
         key, value = not_finite.groups()
         return f"{key} must be a finite number, got {value}: give a finite value for --{key} (or {key} in the --config file)."
@@ -117,6 +124,38 @@ def explain_parser_error(message: str) -> str:
         f"The --config file must be a YAML mapping of groups (trainer:, model:, data:, ...), got: {text[:200]!r}. "
         "See examples/configs/quickstart.yaml."
     )
+
+
+def explain_instantiation_error(err: BaseException) -> Optional[str]:
+    """One line for a class in ``trainer.callbacks`` or ``trainer.plugins`` whose constructor refused an argument,
+    else ``None``.
+
+    The parser builds those lists when the classes are instantiated, and reports a constructor's error as a page
+    of "Does not validate against any of the Union subtypes" with the real line one among three; this gives
+    that line, the list it came from and where to fix the value, as the ``gpuopt`` command takes it.
+
+    Example::
+
+        explain_instantiation_error(err)
+        # "trainer.callbacks: MFUMonitor.log_every_n_steps must be an integer >= 1 or None, got 0. Fix
+        #  init_args.log_every_n_steps of MFUMonitor in trainer.callbacks (the --config file, or
+        #  --trainer.callbacks.log_every_n_steps right after --trainer.callbacks+=MFUMonitor)."
+
+    Args:
+        err: The error the CLI raised while building the classes.
+    """
+    cause = err.__cause__
+    if not isinstance(err, ValueError) or not str(err).startswith(_UNION) or cause is None:
+        return None
+    subtypes = str(err).split("\n", 2)[1] if "\n" in str(err) else ""
+    where = next((group for name, group in _LIST_OF.items() if name in subtypes), "trainer.callbacks")
+    detail = str(cause).strip().rstrip(".")
+    owned = _OWNER_OPTION.match(detail)
+    if owned is None:
+        return f"{where}: {detail}. Fix the init_args of that class in {where} (the --config file or the command line)."
+    owner, name = owned.groups()
+    flag = f"--{where}.{name} right after --{where}+={owner}"
+    return f"{where}: {detail}. Fix {option(owner, name)} (the --config file, or {flag})."
 
 
 def _unknown_init_arg(group: str, class_path: str, key: str) -> str:
@@ -239,6 +278,7 @@ def run_reporting_errors(run: Callable[[], T]) -> T:
         if status is None or os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0"):
             raise
         label = "training stopped" if status == 1 else "error"
-        sys.stderr.write(f"gpuopt: {label}: {err}\n(set {TRACEBACK_ENV}=1 to see the traceback)\n")
+        message = explain_instantiation_error(err) or err
+        sys.stderr.write(f"gpuopt: {label}: {message}\n(set {TRACEBACK_ENV}=1 to see the traceback)\n")
         sys.stderr.flush()
         raise SystemExit(status) from None
