@@ -461,6 +461,17 @@ CASES = [
          r"trainer.limit_val_batches must be an integer >= 0 or None, got -1 .*use e.g. 20, a fraction of the epoch such as 0.25"),
     Case("cli-float-not-finite", lambda c: main(["fit", "--trainer.max_steps", "1", "--model.learning_rate", "inf"]), SystemExit,
          r"model.learning_rate must be a finite number, got inf: give a finite value for --model.learning_rate"),
+    Case("root-dir-not-writable", lambda c: _cli_before_data(c, ["--trainer.default_root_dir", "/sys/gpuopt-test-run"]), SystemExit,
+         r"trainer.default_root_dir='/sys/gpuopt-test-run' cannot be written \(.* at /sys\): the run's checkpoints and logs go "
+         r"there. Give a folder you can write, --trainer.default_root_dir runs/NAME",
+         skip=None if Path("/sys").is_dir() else "no /sys (a folder nobody can write into) on this system"),
+    Case("limit-fraction-under-one-batch",
+         lambda c: main(["fit", "--data.source", str(c.text_dir), "--data.vocab_size", "300", "--data.block_size", "128",
+                         "--data.num_workers", "0", "--model.preset", "tiny", "--model.warmup_steps", "0", "--trainer.max_steps", "1",
+                         "--trainer.logger", "false",
+                         "--trainer.default_root_dir", str(c.tmp / "run"), "--trainer.limit_val_batches", "0.1"]), SystemExit,
+         r"trainer.limit_val_batches=0.1 keeps less than one of the \d+ validation batches \(0.1 x \d+ < 1\), so no validation "
+         r"would run: give a fraction of at least [\d.]+, or a number of batches \(--trainer.limit_val_batches \d+ runs all"),
     Case("cli-union-float-not-finite", lambda c: main(["fit", "--trainer.max_steps", "1", "--trainer.gradient_clip_val", "inf"]),
          SystemExit, r"gpuopt: error: trainer.gradient_clip_val must be a finite number, got inf: give a finite value for "
          r"--trainer.gradient_clip_val \(or trainer.gradient_clip_val in the --config file\)\.\n\(gpuopt fit --help"),

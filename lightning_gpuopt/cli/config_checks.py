@@ -13,6 +13,8 @@ Example::
 from __future__ import annotations
 
 import difflib
+import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -30,6 +32,7 @@ __all__ = [
     "check_output_file",
     "check_trainer_options",
     "check_stage_data",
+    "check_writable",
 ]
 
 
@@ -69,6 +72,47 @@ def check_trainer_options(trainer: Mapping[str, Any]) -> None:
     if root is not None and Path(root).expanduser().exists() and not Path(root).expanduser().is_dir():
         raise ValueError(f"trainer.default_root_dir={str(root)!r} is a file, not a folder: give a folder for the run's "
                          "checkpoints and logs (it is created if missing).")
+
+
+def check_writable(option: str, path: Union[str, Path], is_file: bool = False, fix: str = "") -> None:
+    """Raise, naming ``option``, unless this process can write ``path`` (a folder, or with ``is_file`` a file).
+
+    Written for real, not asked of ``os.access``: a probe file is created in ``path`` (or a probe folder in
+    its nearest existing parent) and removed at once, so a read-only mount, a pseudo-filesystem such as
+    ``/sys``, a full quota or a folder of another user are all caught, also for root, who passes
+    permission bits. Nothing is left behind.
+
+    Example::
+
+        check_writable("trainer.default_root_dir", "/mnt/ro/run")
+        # ValueError: trainer.default_root_dir='/mnt/ro/run' cannot be written (Read-only file system at /mnt/ro): ...
+
+    Args:
+        option: The option that names the path (in the message).
+        path: The folder (or file) the command will write.
+        is_file: ``path`` is a file: it must not be a folder, and its folder must be writable.
+        fix: What to do, in the message; default: give another path with ``--<option>``.
+    """
+    path = Path(path).expanduser()
+    fix = fix or f"give a path you can write, --{option} PATH (or {option} in the --config file)"
+    if is_file and path.is_dir():
+        raise ValueError(f"{option}={str(path)!r} is a folder, not a file: {fix}.")
+    if not is_file and path.exists() and not path.is_dir():
+        raise ValueError(f"{option}={str(path)!r} is a file, not a folder: {fix}.")
+    folder = path.parent if is_file else path
+    probe = folder.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        if probe == folder.absolute():
+            handle, name = tempfile.mkstemp(dir=probe, prefix=".gpuopt-write-test-")
+            os.close(handle)
+            os.unlink(name)
+        else:  # the folder is created later: its nearest existing parent must take a new folder
+            os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".gpuopt-write-test-"))
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+        raise ValueError(f"{option}={str(path)!r} cannot be written ({why} at {probe}): {fix}.") from None
 
 
 def check_callbacks_once(callbacks: Sequence[Callback]) -> None:

@@ -1,8 +1,8 @@
 """How the ``gpuopt`` command ends on an error: one clear message and an exit status, the traceback on request.
 
-* A configuration or data error (``ValueError``, which includes ``CheckpointError``, or an
-  ``ImportError`` naming a missing extra) prints ``gpuopt: error: <message>`` and exits with 2, the
-  status of the parser's own errors.
+* A configuration or data error (``ValueError``, which includes ``CheckpointError``, an
+  ``ImportError`` naming a missing extra, or a Lightning error :func:`explain_lightning_error` knows to be one)
+  prints ``gpuopt: error: <message>`` and exits with 2, the status of the parser's own errors.
 * A run stopped because training diverged (``NonFiniteError``, ``NonFiniteCheckpointError``, or a
   ``fit`` that ended with non-finite weights) or a full disk prints its message and exits with 1.
 * ``GPUOPT_TRACEBACK=1`` re-raises instead, with the full traceback. Any other error keeps its traceback.
@@ -23,7 +23,14 @@ from lightning_gpuopt.callbacks.nonfinite_guard import NonFiniteError, NonFinite
 from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.checkpoint.safety import NonFiniteCheckpointError, is_disk_full, nonfinite_weights
 
-__all__ = ["TRACEBACK_ENV", "check_fit_ended_finite", "explain_instantiation_error", "explain_parser_error", "run_reporting_errors"]
+__all__ = [
+    "TRACEBACK_ENV",
+    "check_fit_ended_finite",
+    "explain_instantiation_error",
+    "explain_lightning_error",
+    "explain_parser_error",
+    "run_reporting_errors",
+]
 
 TRACEBACK_ENV = "GPUOPT_TRACEBACK"
 _LINK = re.compile(r"argument (\S+) --> (\S+): ")
@@ -37,6 +44,7 @@ _NOT_FINITE_UNION = re.compile(  # an Optional[Union[float, int]] option such as
 _UNION = "Does not validate against any of the Union subtypes"
 _LIST_OF = {"callbacks.callback.Callback": "trainer.callbacks", "Precision": "trainer.plugins", "CheckpointIO": "trainer.plugins"}
 _OWNER_OPTION = re.compile(r"^([A-Z]\w*)\.(\w+) must ")
+_LIMIT_UNDER_ONE = re.compile(r"You requested to check ([\d.e-]+) of the `(\w+)_dataloader` but [\d.e-]+ \* (\d+) < 1")
 _NO_SHORT_NAME = re.compile(r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Expected a dot import path string: (\S+)', re.S)
 _LIST_AS_TEXT = re.compile(
     r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[list\[[^\n]*'
@@ -251,12 +259,36 @@ def check_fit_ended_finite(trainer: Any, module: Any) -> None:
         )
 
 
+def explain_lightning_error(err: BaseException) -> Optional[str]:
+    """One line with the fix for a Lightning error that is a configuration error, else ``None``.
+
+    So far: a fractional ``trainer.limit_<stage>_batches`` that leaves less than one batch of a loader (Lightning
+    says "0.1 * 5 < 1" from inside its data connector, 17 frames down, when the loader is first built).
+
+    Example::
+
+        explain_lightning_error(MisconfigurationException("You requested to check 0.1 of the `val_dataloader` but "
+                                                          "0.1 * 5 < 1. ..."))
+        # "trainer.limit_val_batches=0.1 keeps less than one of the 5 val batches (0.1 x 5 < 1): ..."
+    """
+    under_one = _LIMIT_UNDER_ONE.search(str(err))
+    if under_one is None:
+        return None
+    fraction, prefix, length = under_one.groups()
+    stage = {"train": "training", "val": "validation"}.get(prefix, prefix)
+    option = f"trainer.limit_{prefix}_batches"
+    least = -(-1000 // int(length)) / 1000  # 1 / length, rounded up to 3 decimals
+    return (f"{option}={fraction} keeps less than one of the {length} {stage} batches ({fraction} x {length} < 1), so "
+            f"no {stage} would run: give a fraction of at least {least:g}, or a number of batches (--{option} "
+            f"{length} runs all {length}); a smaller batch size or sequence length also makes more batches.")
+
+
 def _exit_status(err: BaseException) -> Optional[int]:
     if isinstance(err, (NonFiniteError, NonFiniteCheckpointError)):
         return 1
     if isinstance(err, Exception) and is_disk_full(err):
         return 1
-    if isinstance(err, (ValueError, ImportError)):
+    if isinstance(err, (ValueError, ImportError)) or explain_lightning_error(err) is not None:
         return 2
     return None
 
@@ -278,7 +310,7 @@ def run_reporting_errors(run: Callable[[], T]) -> T:
         if status is None or os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0"):
             raise
         label = "training stopped" if status == 1 else "error"
-        message = explain_instantiation_error(err) or err
+        message = explain_instantiation_error(err) or explain_lightning_error(err) or err
         sys.stderr.write(f"gpuopt: {label}: {message}\n(set {TRACEBACK_ENV}=1 to see the traceback)\n")
         sys.stderr.flush()
         raise SystemExit(status) from None

@@ -49,6 +49,7 @@ from lightning_gpuopt.cli.config_checks import (
     check_output_file,
     check_stage_data,
     check_trainer_options,
+    check_writable,
 )
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
@@ -249,6 +250,7 @@ class GPTCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_trainer_options(config.get("trainer") or {})
+        _check_run_folder_writable(self.subcommand, config.get("trainer") or {})
         _drop_checkpoint_callbacks_if_disabled(config)
         if self.subcommand == "fit":
             problem = check_run_length(config.get("trainer", {}))
@@ -406,6 +408,15 @@ def _micro_batch(datamodule: Any) -> int:
             "an int batch_size, or name the strategy (trainer.strategy: ddp or fsdp)."
         )
     return batch_size
+
+
+def _check_run_folder_writable(subcommand: Optional[str], trainer: Any) -> None:
+    """``fit`` (and ``validate``/``test`` with a logger) write into ``trainer.default_root_dir``: refuse one that
+    cannot be written before anything is built, where Lightning failed with a traceback when it first wrote there."""
+    if subcommand == "fit" or (subcommand in ("validate", "test") and trainer.get("logger") is not False):
+        check_writable("trainer.default_root_dir", trainer.get("default_root_dir") or os.getcwd(), fix=(
+            "the run's checkpoints and logs go there. Give a folder you can write, --trainer.default_root_dir "
+            "runs/NAME (or trainer.default_root_dir in the --config file)"))
 
 
 def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:

@@ -31,3 +31,19 @@ def test_an_integer_limit_read_as_a_float_is_a_batch_count_as_lightning_runs_it(
     check_trainer_options({"limit_val_batches": 20.0})
     with pytest.raises(ValueError, match=r"limit_val_batches must be in \[0, 1\]"):
         check_trainer_options({"limit_val_batches": 1.5})
+
+
+def test_a_path_is_checked_writable_by_writing_and_nothing_is_left(tmp_path):
+    from lightning_gpuopt.cli.config_checks import check_writable
+
+    check_writable("trainer.default_root_dir", tmp_path / "new" / "run")  # its nearest existing parent takes a folder
+    check_writable("generate.output", tmp_path / "out.jsonl", is_file=True)
+    assert list(tmp_path.iterdir()) == []  # the probes are gone, and nothing was created
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"x='.*file' is a file, not a folder: give a path you can write, --x PATH"):
+        check_writable("x", tmp_path / "file")
+    with pytest.raises(ValueError, match=r"x='.*' is a folder, not a file"):
+        check_writable("x", tmp_path, is_file=True)
+    # Places root cannot write either (permission bits do not stop root, so a chmod-ed folder would not do).
+    with pytest.raises(ValueError, match=r"x='/proc/self/run' cannot be written \(.* at /proc/self\)"):
+        check_writable("x", "/proc/self/run")
