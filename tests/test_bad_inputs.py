@@ -432,6 +432,9 @@ CASES = [
     Case("doctor-steps-zero", lambda c: main(["doctor", "--steps", "0"]), SystemExit, r"--steps must be at least 1, got 0"),
     Case("doctor-json-folder-missing", lambda c: main(["doctor", "--json", str(c.tmp / "none" / "out.json")]), SystemExit,
          r"--json .*out.json: the folder .*none does not exist; create it or pick another path"),
+    Case("doctor-json-not-writable", lambda c: main(["doctor", "--json", str(c.tmp)]), SystemExit,
+         r"--json='.*' is a folder, not a file: the checks are written there at the end\. Give a file in a folder you can "
+         r"write, --json PATH"),
     Case("cli-default-class-named", lambda c: main(["fit", "--model", "lightning_gpuopt.GPTModule", "--trainer.max_steps", "1"]),
          SystemExit, r"model: lightning_gpuopt.GPTModule is gpuopt's default model and takes its options directly: drop the class path"),
     Case("predict-prompts-file-own-module",
