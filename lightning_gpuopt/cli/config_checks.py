@@ -248,11 +248,17 @@ class _DuplicateKey(yaml.YAMLError):
 
 
 class _NoDuplicateKeysLoader(yaml.SafeLoader):
-    """``yaml.safe_load``, except that a key given twice in one mapping is an error (YAML keeps the last silently)."""
+    """``yaml.safe_load``, except that a key given twice in one mapping is an error (YAML keeps the last silently).
+
+    Merge keys (``<<: *anchor``) are read as ``yaml.safe_load`` reads them: the mapping's own keys override the
+    merged ones, as YAML means, so only a key written twice in the mapping itself is refused.
+    """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise _DuplicateKey(
