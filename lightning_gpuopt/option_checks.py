@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
-__all__ = ["check_choice", "check_int", "check_number", "command_line_options", "option"]
+__all__ = ["check_choice", "check_int", "check_number", "command_line_options", "from_command_line", "option"]
 
 # Where the gpuopt command takes each class's options: a group of its own, else a list of trainer.*.
 _GROUPS = {"GPTModule": "model", "GPTConfig": "model", "TextDataModule": "data", "Trainer": "trainer",
@@ -38,6 +38,12 @@ def command_line_options() -> Iterator[None]:
         yield
     finally:
         _command_line = before
+
+
+def from_command_line() -> bool:
+    """Whether this runs inside the ``gpuopt`` command (:func:`command_line_options`): for the few fixes that are not
+    an option there at all."""
+    return _command_line
 
 
 def option(owner: str, name: str, value: Any = ...) -> str:

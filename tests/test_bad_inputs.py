@@ -161,6 +161,26 @@ def _cli_before_data(ctx: Ctx, args: list[str]) -> None:
         assert not ctx.cache.exists(), "the data was prepared before the error"
 
 
+class _OpensAFile:
+    """Pickled, it creates a file when unpickled: proof that a load ran the file's code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _resume_pickled_objects(ctx: Ctx) -> None:
+    """``--ckpt_path`` of a checkpoint whose pickle runs code, with ``--weights_only false``: refused, nothing ran."""
+    marker, path = ctx.tmp / "it-ran", ctx.tmp / "objects.ckpt"
+    torch.save({"global_step": 1, "state_dict": {}, "payload": _OpensAFile(marker)}, path)
+    try:
+        _cli_before_data(ctx, ["--ckpt_path", str(path), "--weights_only", "false"])
+    finally:
+        assert not marker.exists(), "the checkpoint's code ran"
+
+
 def _lightning_ckpt(ctx: Ctx) -> str:
     """A checkpoint as Lightning writes one for GPTModule(preset='tiny', vocab_size=300, block_size=32)."""
     path = ctx.tmp / "run.ckpt"
@@ -523,6 +543,10 @@ CASES = [
          r"--ckpt_path hpc: no hpc_ckpt_N.ckpt in .*Pass the checkpoint's path"),
     Case("ckpt-path-registry", lambda c: _cli_before_data(c, ["--ckpt_path", "registry:my-model"]), SystemExit,
          r"needs a local file\. Download it from the model registry first .* and pass its path"),
+    Case("checkpoint-pickled-objects-cli", _resume_pickled_objects, SystemExit,
+         r"holds objects other than tensors and primitive types \(the first: .*open\), so it was not loaded: .*gpuopt reads "
+         r"checkpoints with weights_only=True only, whatever --weights_only says\. If you trust the file, save what you "
+         r"need of it again in Python"),
     Case("checkpoint-nonfinite-optimizer-state",
          lambda c: AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(1)},
                                                          "optimizer_states": [{"state": {0: {"exp_avg_sq": torch.tensor([float("inf")])}}}]},
