@@ -345,7 +345,7 @@ CASES = [
          "pip install datasets", skip=_requires_missing("datasets")),
     # ---------------------------------------------------------------- plugins, strategies, hardware
     Case("fp8-on-old-gpu", lambda c: check_float8_device(REFERENCE_DEVICES["A100"], emulate=False), RuntimeError,
-         r"compute capability >= 8.9.*Float8Precision\(emulate=True\).*BF16Precision\(\)"),
+         r"compute capability >= 8.9.*Set Float8Precision\(emulate=True\).*or use BF16Precision to train fast"),
     Case("fp8-with-fp16-strategy", lambda c: check_float8_strategy(_fsdp_fp16_strategy()), ValueError,
          "param_dtype=torch.float16, reduce_dtype=torch.float16. Use torch.bfloat16"),
     Case("fp8-and-precision-flag", lambda c: pl.Trainer(plugins=[Float8Precision(emulate=True)], precision="16-mixed", logger=False),
@@ -375,7 +375,7 @@ CASES = [
                          callbacks=[NonFiniteGuard(mode="deferred")]),
          ValueError, r"fused torch.optim optimizer \(e.g. AdamW\(fused=True\)\) and no fp16 GradScaler; got AdamW. Use mode='step'"),
     Case("guard-unknown-policy", lambda c: NonFiniteGuard(policy="ignore"), ValueError, "policy must be 'skip' or 'stop'"),
-    Case("guard-max-skips-zero", lambda c: NonFiniteGuard(max_consecutive_skips=0), ValueError, "use policy='stop' to stop at the first bad step"),
+    Case("guard-max-skips-zero", lambda c: NonFiniteGuard(max_consecutive_skips=0), ValueError, r"use NonFiniteGuard\(policy='stop'\) to stop at the first bad step"),
     # ---------------------------------------------------------------- CLI and YAML
     Case("global-batch-not-divisible", lambda c: per_device_batch(100, 8), ValueError,
          r"use a multiple of 8, e\.g\. global_batch_size=96 or 104"),

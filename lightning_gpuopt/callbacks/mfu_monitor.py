@@ -162,6 +162,7 @@ class MFUMonitor(Callback):
         self._pause_start: Optional[float] = None
         self._gap_paused = 0.0  # of those, the seconds since the last training batch
         self._warned_no_tokens = False
+        self._said_flops = False  # the counted FLOPs per token are said once, not once per sequence length
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -230,7 +231,10 @@ class MFUMonitor(Callback):
             rank_zero_warn(f"MFUMonitor counted no matmul FLOPs in a training step of {name}, so TFLOP/s and MFU are not logged: {fix}")
             return None
         self.flops_source = f"{name}.training_step, counted over a real step"
-        rank_zero_info(f"MFUMonitor: {flops / tokens / 1e6:.4g} MFLOPs per token, counted over a real training step of {name}.")
+        if not self._said_flops:
+            self._said_flops = True
+            rank_zero_info(f"MFUMonitor: {flops / tokens / 1e6:.4g} MFLOPs per token at sequence length {self._counting}, "
+                           f"counted over a real training step of {name} (each new length is counted once, unsaid).")
         return flops / tokens
 
     def _start_count(self, pl_module: pl.LightningModule, batch: Any) -> None:

@@ -5,10 +5,16 @@ start at zero in a fresh fit; in a fit resumed inside an epoch the count starts 
 the total shrank by the steps already done, so the count passes the total: tqdm then shows ``84/?`` with
 no ETA, Rich ``84/40``, and the rate starts at the resumed batch over a second. These bars start the count
 at the resumed batch (the rate and ETA cover this fit's batches) and total the epoch as a fresh fit would.
+
+They also keep what the run says readable: a line logged while a tqdm bar is drawn (``rank_zero_info`` of a
+callback at a training step, "`Trainer.fit` stopped") goes above the bars on a line of its own, where it was
+written after the bar's text on the same line; whole numbers in the bar (``tok/s``, ``v_num``) show as
+whole numbers, where Rich wrote ``643.000``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional
 
@@ -17,7 +23,7 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgre
 from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
-__all__ = ["ResumedRichProgressBar", "ResumedTQDMProgressBar", "default_progress_bar", "train_bar_span"]
+__all__ = ["ResumedRichProgressBar", "ResumedTQDMProgressBar", "default_progress_bar", "train_bar_span", "whole_numbers_as_text"]
 
 
 def train_bar_span(trainer: pl.Trainer) -> tuple[int, Optional[int]]:
@@ -32,8 +38,55 @@ def train_bar_span(trainer: pl.Trainer) -> tuple[int, Optional[int]]:
     return done, (None if math.isinf(total) else int(total))
 
 
+class _AboveTheBars(logging.Handler):
+    """A console handler's records, written with ``tqdm.write``: the bars are cleared, the line written, the bars
+    drawn again below it."""
+
+    def __init__(self, console: logging.StreamHandler) -> None:
+        super().__init__(console.level)
+        self.console = console
+        self.setFormatter(console.formatter)
+        self.filters = list(console.filters)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+        try:
+            Tqdm.write(self.format(record), file=self.console.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: a handler reports its failure, never raises
+            self.handleError(record)
+
+
+_LOGGERS = ("lightning.pytorch", "lightning.fabric")  # where Lightning's and this package's rank_zero_info lines go
+
+
 class ResumedTQDMProgressBar(TQDMProgressBar):
-    """Lightning's ``TQDMProgressBar`` whose training bar starts at a resumed epoch's batch (see the module)."""
+    """Lightning's ``TQDMProgressBar`` whose training bar starts at a resumed epoch's batch, and that puts the lines
+    logged while it runs above it (see the module)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.is_enabled and not self._swapped:
+            for name in _LOGGERS:
+                logger = logging.getLogger(name)
+                for handler in list(logger.handlers):
+                    if type(handler) is logging.StreamHandler:  # a console, not a file
+                        above = _AboveTheBars(handler)
+                        logger.handlers[logger.handlers.index(handler)] = above
+                        self._swapped.append((logger, handler, above))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for logger, handler, above in self._swapped:
+            if above in logger.handlers:
+                logger.handlers[logger.handlers.index(above)] = handler
+        self._swapped = []
+        super().teardown(trainer, pl_module, stage)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -74,10 +127,7 @@ class ResumedRichProgressBar(RichProgressBar):
 
     @override
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        items = super().get_metrics(trainer, pl_module)
-        if isinstance(items.get("v_num"), int):
-            items["v_num"] = str(items["v_num"])  # a log version, not a metric: "0", not Rich's "0.000"
-        return items
+        return whole_numbers_as_text(super().get_metrics(trainer, pl_module))
 
     def _start_at_resumed_batch(self, trainer: pl.Trainer) -> None:
         if self.progress is None or self.is_disabled:
@@ -88,6 +138,17 @@ class ResumedRichProgressBar(RichProgressBar):
         if total is not None:  # reset also clears the speed samples: the rate covers this fit's batches
             self.progress.reset(self.train_progress_bar_id, total=total, completed=done)
             self.refresh()
+
+
+def whole_numbers_as_text(items: dict[str, Any]) -> dict[str, Any]:
+    """The bar's items with every ``int`` as text: Rich formats numbers with ``.3f``, so a version or a rate of
+    tokens/s showed as ``0.000`` and ``643.000``.
+
+    Example::
+
+        whole_numbers_as_text({"v_num": 0, "tok/s": 643, "train/loss": 7.57})  # {"v_num": "0", "tok/s": "643", ...}
+    """
+    return {k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in items.items()}
 
 
 def default_progress_bar() -> ProgressBar:

@@ -30,6 +30,7 @@ __all__ = [
     "check_config_files",
     "check_monitored_metrics",
     "check_output_file",
+    "check_run_folder_writable",
     "check_trainer_options",
     "check_stage_data",
     "check_writable",
@@ -60,7 +61,7 @@ def check_trainer_options(trainer: Mapping[str, Any]) -> None:
     for stage in ("train", "val", "test", "predict"):
         name = f"limit_{stage}_batches"
         limit = trainer.get(name)
-        if isinstance(limit, float) and limit > 1 and limit.is_integer():
+        if isinstance(limit, float) and limit.is_integer() and not 0 <= limit <= 1:
             limit = int(limit)  # the parser reads `20` as 20.0 (Lightning's type lists float first); Lightning runs 20
         if isinstance(limit, int) and not isinstance(limit, bool):
             check_int("trainer", name, limit, minimum=0, optional=True,
@@ -113,6 +114,25 @@ def check_writable(option: str, path: Union[str, Path], is_file: bool = False, f
     except OSError as err:
         why = err.strerror or type(err).__name__
         raise ValueError(f"{option}={str(path)!r} cannot be written ({why} at {probe}): {fix}.") from None
+
+
+def check_run_folder_writable(subcommand: Optional[str], trainer: Mapping[str, Any]) -> None:
+    """Raise if ``trainer.default_root_dir`` (the working folder when unset) cannot be written by a subcommand that
+    writes there: ``fit``, and ``validate``/``test`` with a logger. Lightning failed with an 18-frame traceback when
+    it first wrote there, after the data was prepared.
+
+    Example::
+
+        check_run_folder_writable("fit", {"default_root_dir": "/mnt/ro/run"})  # ValueError: ... cannot be written ...
+
+    Args:
+        subcommand: The ``gpuopt`` subcommand.
+        trainer: The parsed ``trainer`` group.
+    """
+    if subcommand == "fit" or (subcommand in ("validate", "test") and trainer.get("logger") is not False):
+        check_writable("trainer.default_root_dir", trainer.get("default_root_dir") or os.getcwd(), fix=(
+            "the run's checkpoints and logs go there. Give a folder you can write, --trainer.default_root_dir "
+            "runs/NAME (or trainer.default_root_dir in the --config file)"))
 
 
 def check_callbacks_once(callbacks: Sequence[Callback]) -> None:

@@ -48,8 +48,8 @@ from lightning_gpuopt.cli.config_checks import (
     check_monitored_metrics,
     check_output_file,
     check_stage_data,
+    check_run_folder_writable,
     check_trainer_options,
-    check_writable,
 )
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
@@ -250,7 +250,7 @@ class GPTCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_trainer_options(config.get("trainer") or {})
-        _check_run_folder_writable(self.subcommand, config.get("trainer") or {})
+        check_run_folder_writable(self.subcommand, config.get("trainer") or {})
         _drop_checkpoint_callbacks_if_disabled(config)
         if self.subcommand == "fit":
             problem = check_run_length(config.get("trainer", {}))
@@ -410,15 +410,6 @@ def _micro_batch(datamodule: Any) -> int:
     return batch_size
 
 
-def _check_run_folder_writable(subcommand: Optional[str], trainer: Any) -> None:
-    """``fit`` (and ``validate``/``test`` with a logger) write into ``trainer.default_root_dir``: refuse one that
-    cannot be written before anything is built, where Lightning failed with a traceback when it first wrote there."""
-    if subcommand == "fit" or (subcommand in ("validate", "test") and trainer.get("logger") is not False):
-        check_writable("trainer.default_root_dir", trainer.get("default_root_dir") or os.getcwd(), fix=(
-            "the run's checkpoints and logs go there. Give a folder you can write, --trainer.default_root_dir "
-            "runs/NAME (or trainer.default_root_dir in the --config file)"))
-
-
 def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:
     """``trainer.enable_checkpointing: false`` leaves out the ``ModelCheckpoint`` of the default stack (or
     a recipe), which Lightning would otherwise refuse next to that flag; says so in one line."""
@@ -476,14 +467,10 @@ def main(args: Optional[list[str]] = None) -> None:
 
     ``gpuopt doctor`` is handled before LightningCLI parses anything (:mod:`lightning_gpuopt.cli.doctor`).
     Messages name their fixes as this command's options (:func:`~lightning_gpuopt.option_checks.option`)."""
-    with command_line_options():
-        _main(args)
-
-
-def _main(args: Optional[list[str]]) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["doctor"]:
-        sys.exit(doctor_main(argv[1:]))
+        with command_line_options():
+            sys.exit(doctor_main(argv[1:]))
 
     def run() -> None:
         with quiet_lightning():
@@ -492,7 +479,8 @@ def _main(args: Optional[list[str]]) -> None:
             check_fit_ended_finite(cli.trainer, cli.model)  # a diverged run does not exit 0
 
     try:
-        run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)
+        with command_line_options():
+            run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)
     except SIGTERMException:  # a SystemExit, not an Exception: run_reporting_errors lets it through
         end_distributed()
         sys.exit(128 + signal.SIGTERM)
