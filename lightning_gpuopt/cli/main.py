@@ -83,22 +83,15 @@ _DESCRIPTION = (
     "gpuopt fit --print_config shows it all."
 )
 _DOCTOR_EPILOG = "gpuopt doctor: what this package will do on this machine (gpuopt doctor --help)."
-_OWN_CLASSES = (
-    "The model is GPTModule (--model.* below) on TextDataModule (--data.*) unless you name a class of your own: "
-    "--model my_pkg.MyModule trains any LightningModule, --data my_pkg.MyData reads any LightningDataModule (without "
-    "one, the module's own loaders), each with its own options after it (--model my_pkg.MyModule --model.n_layer 6). "
-    "The stack applies to both."
-)
-_SUBCOMMANDS = {  # a one-line usage, then what the command does: the options follow (some 800 lines for fit)
-    name: {"usage": f"gpuopt {name} [--config FILE] [--model CLASS] [--data CLASS] [--GROUP.OPTION VALUE ...]",
-           "description": f"gpuopt {name}: {what} {_OWN_CLASSES}"}
-    for name, what in (
-        ("fit", "train, with the stack for this machine (gpuopt --help); --ckpt_path last continues the last run."),
-        ("validate", "the validation loss of a checkpoint (--ckpt_path)."),
-        ("test", "the test loss of a checkpoint (--ckpt_path)."),
-        ("predict", "sample from a checkpoint (--ckpt_path): --data.prompts, or --generate.prompts_file to JSONL."),
-    )
-}
+_OWN_CLASSES = (  # said at the top of every subcommand's help, under a one-line usage: some 800 lines of options follow
+    "The model is GPTModule (--model.* below) on TextDataModule (--data.*) unless you name a class of your own: --model "
+    "my_pkg.MyModule trains any LightningModule, --data my_pkg.MyData reads any LightningDataModule (without one, the "
+    "module's own loaders), each with its options after it (--model my_pkg.MyModule --model.n_layer 6); same stack.")
+_SUBCOMMANDS = {name: {"usage": f"gpuopt {name} [--config FILE] [--model CLASS] [--data CLASS] [--GROUP.OPTION VALUE ...]",
+                       "description": f"gpuopt {name}: {what} {_OWN_CLASSES}"} for name, what in (
+    ("fit", "train, with the stack for this machine (gpuopt --help); --ckpt_path last continues the last run."),
+    ("validate", "the validation loss of a checkpoint (--ckpt_path)."), ("test", "the test loss of a checkpoint (--ckpt_path)."),
+    ("predict", "sample from a checkpoint (--ckpt_path): --data.prompts, or --generate.prompts_file to JSONL."))}
 _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
 
 
