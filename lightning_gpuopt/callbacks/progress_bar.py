@@ -82,11 +82,27 @@ class ResumedTQDMProgressBar(TQDMProgressBar):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._put_back_handlers()
+        super().teardown(trainer, pl_module, stage)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown after an error: the bars end their line here, so the message that follows
+        # (gpuopt's one-line error, a SIGTERM's save) starts a line of its own.
+        for name in ("train_progress_bar", "val_progress_bar", "test_progress_bar", "predict_progress_bar"):
+            try:
+                bar = getattr(self, name)
+            except TypeError:  # Lightning's property for a bar not made yet
+                continue
+            if not bar.disable:
+                bar.close()
+        self._put_back_handlers()
+
+    def _put_back_handlers(self) -> None:
         for logger, handler, above in self._swapped:
             if above in logger.handlers:
                 logger.handlers[logger.handlers.index(above)] = handler
         self._swapped = []
-        super().teardown(trainer, pl_module, stage)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:

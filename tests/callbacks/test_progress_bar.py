@@ -111,6 +111,14 @@ def test_a_line_logged_during_training_is_on_its_own_line_above_the_bar(monkeypa
     assert said == ["NonFiniteGuard: checking every optimizer step (one host sync per step)."]
     assert any(p.startswith("Epoch 0: 100%") for p in pieces)  # the bar, drawn again after the line
     assert logger.handlers == [console]  # put back at the end
+    # A fit that ends in an error (Lightning calls no teardown then): the handler is put back and the bar ends its
+    # line, so what is written next (gpuopt's one-line error) starts a line of its own.
+    failing = _model(bad_steps={2}, mode="nan")
+    with pytest.raises(Exception, match="NonFiniteGuard stopped the run"):
+        pl.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+                   default_root_dir=tmp_path, callbacks=[ResumedTQDMProgressBar(), NonFiniteGuard(policy="stop")]).fit(
+            failing, _loader())
+    assert logger.handlers == [console] and screen.getvalue().endswith("\n")
 
 
 def test_whole_numbers_show_as_whole_numbers():
