@@ -76,16 +76,16 @@ def find_nonfinite(optimizer: Optimizer) -> tuple[Tensor, list[tuple[int, Tensor
     return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]), params
 
 
-def bad_gradients(maxabs: Tensor) -> Tensor:
-    """Which entries of :func:`find_nonfinite`'s max-abs are bad: NaN/Inf, or over :data:`SQUARE_LIMIT` (a bool
-    tensor on the device; no host sync).
+def bad_gradients(maxabs: Tensor, limit: float = SQUARE_LIMIT) -> Tensor:
+    """Which entries of :func:`find_nonfinite`'s max-abs are bad: NaN/Inf, or over ``limit`` (a bool tensor on the
+    device; no host sync). Under an fp16 ``GradScaler`` the gradients are still scaled, so ``limit=math.inf``.
 
     Example::
 
         >>> bad_gradients(torch.tensor([1.0, float("nan"), 3e19])).tolist()
         [False, True, True]
     """
-    return ~(maxabs <= SQUARE_LIMIT)  # NaN compares False, so it is bad too
+    return ~(maxabs <= limit)  # NaN compares False, so it is bad too
 
 
 def describe_bad_step(
@@ -96,6 +96,7 @@ def describe_bad_step(
     params: list[tuple[int, Tensor]],
     loss_bad: bool,
     checked_gradients: bool = True,
+    limit: float = SQUARE_LIMIT,
 ) -> str:
     """The warning's account of a bad step: what was non-finite, when, and the first bad parameter by name.
 
@@ -113,13 +114,14 @@ def describe_bad_step(
         params: ``find_nonfinite``'s ``(param_group_index, parameter)`` pairs.
         loss_bad: Whether the loss was non-finite.
         checked_gradients: Whether the gradients were checked (to say they were finite).
+        limit: The largest good max-abs (:func:`bad_gradients`).
     """
     values = maxabs.tolist() if maxabs.numel() else []
     infinite = [not math.isfinite(v) for v in values]
-    too_large = any(math.isfinite(v) and v > SQUARE_LIMIT for v in values) and not any(infinite)
+    too_large = any(math.isfinite(v) and v > limit for v in values) and not any(infinite)
     what = "non-finite loss" if loss_bad else "gradients too large to square" if too_large else "non-finite gradients"
     text = f"{what} at global step {trainer.global_step} (epoch {trainer.current_epoch})"
-    bad = [params[i] for i, v in enumerate(values) if not v <= SQUARE_LIMIT]
+    bad = [params[i] for i, v in enumerate(values) if not v <= limit]
     if bad:
         names = {id(p): n for n, p in module.named_parameters()}
         group, param = bad[0]

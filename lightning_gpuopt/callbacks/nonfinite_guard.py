@@ -16,6 +16,7 @@ steps, before every checkpoint save and at the end of training.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -28,6 +29,7 @@ from typing_extensions import override
 
 from lightning_gpuopt.option_checks import check_choice, check_int, option
 from lightning_gpuopt.callbacks.nonfinite_checks import (
+    SQUARE_LIMIT,
     bad_gradients,
     count_on_device,
     describe_bad_step,
@@ -181,10 +183,12 @@ class NonFiniteGuard(Callback):
             self._flag_on_device(trainer, pl_module, optimizer)
             return
         loss_bad, self._loss_bad = self._loss_bad, None
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        limit = math.inf if scaler is not None else SQUARE_LIMIT  # scaled fp16 gradients: only NaN/Inf is bad
         if self.check_gradients:
             maxabs, params = find_nonfinite(optimizer)
             device = maxabs.device if maxabs.numel() else pl_module.device
-            grads_bad = bad_gradients(maxabs).sum(dtype=torch.float32)
+            grads_bad = bad_gradients(maxabs, limit).sum(dtype=torch.float32)
         else:
             maxabs, params, device = torch.zeros(0), [], pl_module.device
             grads_bad = torch.zeros((), device=device)
@@ -196,8 +200,7 @@ class NonFiniteGuard(Callback):
         self._stepped = True
         if not n_loss_bad and not n_grads_bad:
             return  # the batch's count of bad steps in a row is settled at its end (another optimizer may follow)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        where = describe_bad_step(trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad), self.check_gradients)
+        where = describe_bad_step(trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad), self.check_gradients, limit)
         if scaler is not None and not n_loss_bad:
             # fp16: the GradScaler skips steps with overflowing gradients and lowers its scale; not ours to count.
             self.scaler_skips += 1

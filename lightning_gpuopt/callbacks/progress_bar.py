@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
@@ -39,46 +39,64 @@ def train_bar_span(trainer: pl.Trainer) -> tuple[int, Optional[int]]:
 
 
 class _AboveTheBars(logging.Handler):
-    """A console handler's records, written with ``tqdm.write``: the bars are cleared, the line written, the bars
-    drawn again below it."""
+    """A console handler's records, written by the bar (``write``): above it, on a line of their own."""
 
-    def __init__(self, console: logging.StreamHandler) -> None:
+    def __init__(self, console: logging.StreamHandler, write: Callable[[str, Any], None]) -> None:
         super().__init__(console.level)
-        self.console = console
+        self.console, self.write = console, write
         self.setFormatter(console.formatter)
         self.filters = list(console.filters)
 
     def emit(self, record: logging.LogRecord) -> None:
-        from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
-
         try:
-            Tqdm.write(self.format(record), file=self.console.stream)
+            self.write(self.format(record), self.console.stream)
         except Exception:  # noqa: BLE001 - logging's own contract: a handler reports its failure, never raises
             self.handleError(record)
 
 
-_LOGGERS = ("lightning.pytorch", "lightning.fabric")  # where Lightning's and this package's rank_zero_info lines go
+class _LinesAboveTheBars:
+    """While the bar is set up, the console lines of Lightning's loggers (its own and every ``rank_zero_info``)
+    are written by the bar (``_write_above``), where they were written after the bar's text on its line."""
+
+    LOGGERS = ("lightning.pytorch", "lightning.fabric")
+    _swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]]
+
+    def _write_above(self, text: str, stream: Any) -> None:
+        raise NotImplementedError
+
+    def _take_log_lines(self) -> None:
+        if getattr(self, "_swapped", None):
+            return
+        self._swapped = []
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
+                if type(handler) is logging.StreamHandler:  # a console, not a file
+                    above = _AboveTheBars(handler, self._write_above)
+                    logger.handlers[logger.handlers.index(handler)] = above
+                    self._swapped.append((logger, handler, above))
+
+    def _put_back_handlers(self) -> None:
+        for logger, handler, above in getattr(self, "_swapped", []):
+            if above in logger.handlers:
+                logger.handlers[logger.handlers.index(above)] = handler
+        self._swapped = []
 
 
-class ResumedTQDMProgressBar(TQDMProgressBar):
+class ResumedTQDMProgressBar(_LinesAboveTheBars, TQDMProgressBar):
     """Lightning's ``TQDMProgressBar`` whose training bar starts at a resumed epoch's batch, and that puts the lines
     logged while it runs above it (see the module)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
+    def _write_above(self, text: str, stream: Any) -> None:
+        from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+        Tqdm.write(text, file=stream)  # clears the bars, writes the line, draws the bars again
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if self.is_enabled and not self._swapped:
-            for name in _LOGGERS:
-                logger = logging.getLogger(name)
-                for handler in list(logger.handlers):
-                    if type(handler) is logging.StreamHandler:  # a console, not a file
-                        above = _AboveTheBars(handler)
-                        logger.handlers[logger.handlers.index(handler)] = above
-                        self._swapped.append((logger, handler, above))
+        if self.is_enabled:
+            self._take_log_lines()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -98,12 +116,6 @@ class ResumedTQDMProgressBar(TQDMProgressBar):
                 bar.close()
         self._put_back_handlers()
 
-    def _put_back_handlers(self) -> None:
-        for logger, handler, above in self._swapped:
-            if above in logger.handlers:
-                logger.handlers[logger.handlers.index(above)] = handler
-        self._swapped = []
-
     @override
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
         super().on_train_start(trainer, *args)
@@ -121,8 +133,32 @@ class ResumedTQDMProgressBar(TQDMProgressBar):
         bar.refresh()
 
 
-class ResumedRichProgressBar(RichProgressBar):
-    """Lightning's ``RichProgressBar`` whose training bar starts at a resumed epoch's batch (see the module)."""
+class ResumedRichProgressBar(_LinesAboveTheBars, RichProgressBar):
+    """Lightning's ``RichProgressBar`` whose training bar starts at a resumed epoch's batch, and that prints the lines
+    logged while it runs above it (see the module)."""
+
+    def _write_above(self, text: str, stream: Any) -> None:
+        if self.progress is not None and self.progress.live.is_started:
+            self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            stream.write(text + "\n")
+            stream.flush()
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.is_enabled:
+            self._take_log_lines()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._put_back_handlers()
+        super().teardown(trainer, pl_module, stage)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)  # Lightning's: stops the live display
+        self._put_back_handlers()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

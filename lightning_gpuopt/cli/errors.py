@@ -276,10 +276,10 @@ def explain_lightning_error(err: BaseException) -> Optional[str]:
         return None
     fraction, prefix, length = under_one.groups()
     stage = {"train": "training", "val": "validation"}.get(prefix, prefix)
-    option = f"trainer.limit_{prefix}_batches"
+    key = f"trainer.limit_{prefix}_batches"
     least = -(-1000 // int(length)) / 1000  # 1 / length, rounded up to 3 decimals
-    return (f"{option}={fraction} keeps less than one of the {length} {stage} batches ({fraction} x {length} < 1), so "
-            f"no {stage} would run: give a fraction of at least {least:g}, or a number of batches (--{option} "
+    return (f"{key}={fraction} keeps less than one of the {length} {stage} batches ({fraction} x {length} < 1), so "
+            f"no {stage} would run: give a fraction of at least {least:g}, or a number of batches (--{key} "
             f"{length} runs all {length}); a smaller batch size or sequence length also makes more batches.")
 
 
