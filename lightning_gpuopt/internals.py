@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -63,6 +64,7 @@ __all__ = [
     "set_sdpa_backends",
     "settle_validation_counters",
     "show_in_progress_bar",
+    "sigterm_notice_logger",
     "tensor_base",
     "throwaway_results",
     "transfer_hooks",
@@ -111,6 +113,7 @@ TOUCHED = (
     "module._compiler_ctx",  # set by Trainer.fit on a compiled LightningModule (compiled_by_lightning)
     "import:lightning.pytorch.cli.LightningCLI._parse_ckpt_path",  # GPTCLI overrides it (cli/main.py)
     "import:lightning.pytorch.callbacks.RichProgressBar._get_train_description",  # overridden (callbacks/progress_bar.py)
+    "import:lightning.pytorch.trainer.connectors.signal_connector.log",  # its "Received SIGTERM" line (sigterm_notice_logger)
     # torch
     "import:torch._C._get_sdp_priority_order",  # SDPA backend priorities (sdp_priority_order)
     "import:torch._C._set_sdp_priority_order",  # (set_sdp_priority_order)
@@ -212,6 +215,18 @@ def _gone(name: str) -> str:
         f"lightning_gpuopt: {name} is gone in this version (Lightning {pl.__version__}, torch {torch.__version__}); "
         "lightning_gpuopt.internals needs an update."
     )
+
+
+def sigterm_notice_logger() -> logging.Logger:
+    """The logger of Lightning's "Received SIGTERM: 15" line: its signal connector's module logger.
+
+    Example::
+
+        sigterm_notice_logger().addFilter(drop)  # SigtermCheckpoint: a Ctrl-C it turned into a SIGTERM says so itself
+    """
+    from lightning.pytorch.trainer.connectors import signal_connector
+
+    return signal_connector.log
 
 
 def show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:

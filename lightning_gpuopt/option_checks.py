@@ -6,15 +6,80 @@ the value it got, before any data is prepared or any step runs::
     check_number("GPTModule", "learning_rate", learning_rate, low=0, low_open=True)
     check_int("AutoBatchSize", "max_micro_batch_size", value, minimum=1, optional=True)
     check_choice("NonFiniteGuard", "policy", policy, ("skip", "stop"))
+
+A message that names a fix names it in the form the user writes it, through :func:`option`: the Python
+argument (``AutoBatchSize(max_micro_batch_size=64)``), or inside the ``gpuopt`` command (which runs in
+:func:`command_line_options`) its option (``--model.learning_rate``, or the callback's ``init_args`` in
+``trainer.callbacks``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
-__all__ = ["check_choice", "check_int", "check_number"]
+__all__ = ["check_choice", "check_int", "check_number", "command_line_options", "from_command_line", "option"]
+
+# Where the gpuopt command takes each class's options: a group of its own, else a list of trainer.*.
+_GROUPS = {"GPTModule": "model", "GPTConfig": "model", "TextDataModule": "data", "Trainer": "trainer",
+           "Trainer.fit": "", "ExactResume": "exact_resume", "SigtermCheckpoint": "sigterm_checkpoint"}
+_PLUGINS = ("BF16Precision", "Float8Precision", "AtomicCheckpointIO")
+_command_line = False  # inside command_line_options()
+
+
+@contextmanager
+def command_line_options() -> Iterator[None]:
+    """Within it, :func:`option` names options as the ``gpuopt`` command takes them (its ``main`` runs inside)."""
+    global _command_line
+    before, _command_line = _command_line, True
+    try:
+        yield
+    finally:
+        _command_line = before
+
+
+def from_command_line() -> bool:
+    """Whether this runs inside the ``gpuopt`` command (:func:`command_line_options`): for the few fixes that are not
+    an option there at all."""
+    return _command_line
+
+
+def option(owner: str, name: str, value: Any = ...) -> str:
+    """The option ``name`` of the class ``owner`` (set to ``value``), as the user writes it here.
+
+    In Python, the constructor argument; in the ``gpuopt`` command (:func:`command_line_options`), the
+    flag of the class's group, or for a callback or plugin the ``init_args`` of its entry in the list.
+
+    Example::
+
+        option("AutoBatchSize", "max_micro_batch_size", 64)
+        # Python:  "AutoBatchSize(max_micro_batch_size=64)"
+        # gpuopt:  "init_args: {max_micro_batch_size: 64} of AutoBatchSize in trainer.callbacks"
+        option("GPTModule", "learning_rate")  # "GPTModule(learning_rate=...)" / "--model.learning_rate"
+
+    Args:
+        owner: The class, as users write it.
+        name: The option.
+        value: The value to name (left out: the option alone).
+    """
+    if not _command_line:
+        return f"{owner}({name}={'...' if value is ... else repr(value)})"
+    text = "" if value is ... else _yaml(value)
+    group = _GROUPS.get(owner)
+    if group is not None:
+        return f"--{group}{'.' if group else ''}{name}{' ' + text if text else ''}"
+    where = "trainer.plugins" if owner in _PLUGINS else "trainer.callbacks"
+    setting = f"init_args: {{{name}: {text}}}" if text else f"init_args.{name}"
+    return f"{setting} of {owner} in {where}"
+
+
+def _yaml(value: Any) -> str:
+    """``value`` as the command line and YAML write it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
 
 
 def _number(value: Any) -> bool:

@@ -162,6 +162,26 @@ def _cli_before_data(ctx: Ctx, args: list[str]) -> None:
         assert not ctx.cache.exists(), "the data was prepared before the error"
 
 
+class _OpensAFile:
+    """Pickled, it creates a file when unpickled: proof that a load ran the file's code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _resume_pickled_objects(ctx: Ctx) -> None:
+    """``--ckpt_path`` of a checkpoint whose pickle runs code, with ``--weights_only false``: refused, nothing ran."""
+    marker, path = ctx.tmp / "it-ran", ctx.tmp / "objects.ckpt"
+    torch.save({"global_step": 1, "state_dict": {}, "payload": _OpensAFile(marker)}, path)
+    try:
+        _cli_before_data(ctx, ["--ckpt_path", str(path), "--weights_only", "false"])
+    finally:
+        assert not marker.exists(), "the checkpoint's code ran"
+
+
 def _lightning_ckpt(ctx: Ctx) -> str:
     """A checkpoint as Lightning writes one for GPTModule(preset='tiny', vocab_size=300, block_size=32)."""
     path = ctx.tmp / "run.ckpt"
@@ -315,11 +335,11 @@ CASES = [
     Case("module-top-k-zero", lambda c: GPTModule(top_k=0), ValueError, r"top_k must be an integer >= 1 or None, got 0 \(None: no limit\)"),
     Case("compile-mode-without-compile", lambda c: GPTModule(compile_mode="max-autotune"), ValueError, "also set compile=True"),
     Case("flash-attn-missing", lambda c: GPTModule(attention="flash-attn"), ImportError,
-         r'pip install "lightning-gpuopt\[flash\]".*or use attention="sdpa"', skip=_requires_missing("flash_attn")),
+         r'pip install "lightning-gpuopt\[flash\]".*or use GPTModule\(attention=\'sdpa\'\)', skip=_requires_missing("flash_attn")),
     Case("flash-attn-float32", lambda c: check_attention_runs(_flash_config(), REFERENCE_DEVICES["A100"], "fp32"), ValueError,
-         r"runs in fp16 or bf16 only, and this run computes in fp32 .*use bf16 precision .*or attention='sdpa'"),
+         r"runs in fp16 or bf16 only, and this run computes in fp32 .*use bf16 precision .*or GPTModule\(attention='sdpa'\)"),
     Case("flash-attn-old-gpu", lambda c: check_attention_runs(_flash_config(), REFERENCE_DEVICES["V100"], "fp16"), ValueError,
-         r"needs a CUDA GPU of compute capability 8.0 or newer .*Tesla V100.*use attention='sdpa'"),
+         r"needs a CUDA GPU of compute capability 8.0 or newer .*Tesla V100.*use GPTModule\(attention='sdpa'\)"),
     Case("no-run-length", lambda c: c.fit(GPTModule(vocab_size=300, block_size=32), c.data(), max_steps=-1, max_epochs=-1),
          ValueError, r"set trainer.max_steps \(or max_epochs\)"),
     Case("data-longer-than-model-context", lambda c: c.fit(GPTModule(vocab_size=300, block_size=16), c.data()), ValueError,
@@ -367,7 +387,7 @@ CASES = [
          "pip install datasets", skip=_requires_missing("datasets")),
     # ---------------------------------------------------------------- plugins, strategies, hardware
     Case("fp8-on-old-gpu", lambda c: check_float8_device(REFERENCE_DEVICES["A100"], emulate=False), RuntimeError,
-         r"compute capability >= 8.9.*Float8Precision\(emulate=True\).*BF16Precision\(\)"),
+         r"compute capability >= 8.9.*Set Float8Precision\(emulate=True\).*or use BF16Precision to train fast"),
     Case("fp8-with-fp16-strategy", lambda c: check_float8_strategy(_fsdp_fp16_strategy()), ValueError,
          "param_dtype=torch.float16, reduce_dtype=torch.float16. Use torch.bfloat16"),
     Case("fp8-and-precision-flag", lambda c: pl.Trainer(plugins=[Float8Precision(emulate=True)], precision="16-mixed", logger=False),
@@ -409,7 +429,7 @@ CASES = [
                          callbacks=[NonFiniteGuard(mode="deferred")]),
          ValueError, r"fused torch.optim optimizer \(e.g. AdamW\(fused=True\)\) and no fp16 GradScaler; got AdamW. Use mode='step'"),
     Case("guard-unknown-policy", lambda c: NonFiniteGuard(policy="ignore"), ValueError, "policy must be 'skip' or 'stop'"),
-    Case("guard-max-skips-zero", lambda c: NonFiniteGuard(max_consecutive_skips=0), ValueError, "use policy='stop' to stop at the first bad step"),
+    Case("guard-max-skips-zero", lambda c: NonFiniteGuard(max_consecutive_skips=0), ValueError, r"use NonFiniteGuard\(policy='stop'\) to stop at the first bad step"),
     # ---------------------------------------------------------------- CLI and YAML
     Case("global-batch-not-divisible", lambda c: per_device_batch(100, 8), ValueError,
          r"use a multiple of 8, e\.g\. global_batch_size=96 or 104"),
@@ -472,6 +492,12 @@ CASES = [
          lambda c: main(["fit", "--config", c.yaml("trainer:\n  callbacks:\n    - class_path: lightning_gpuopt.callbacks.NonFiniteGuard\n"
                                                    "      init_args:\n        mode: lazy\n")]), SystemExit,
          r"trainer.callbacks: NonFiniteGuard\(mode=...\) must be one of 'auto', 'step', 'deferred', got 'lazy'\. Fix init_args.mode"),
+    Case("yaml-callback-out-of-range",
+         lambda c: _cli_before_data(c, ["--config", c.yaml("trainer:\n  callbacks:\n    - class_path: lightning_gpuopt.callbacks.NonFiniteGuard\n"
+                                                           "      init_args: {max_consecutive_skips: 0}\n")]), SystemExit,
+         r"gpuopt: error: trainer.callbacks: NonFiniteGuard.max_consecutive_skips must be an integer >= 1, got 0 .*Fix "
+         r"init_args.max_consecutive_skips of NonFiniteGuard in trainer.callbacks \(the --config file, or "
+         r"--trainer.callbacks.max_consecutive_skips right after --trainer.callbacks\+=NonFiniteGuard\)\.\n\(set GPUOPT_TRACEBACK"),
     Case("predict-batch-size-zero", lambda c: main(["predict", "--generate.prompts_file", c.yaml("a prompt\n"), "--generate.batch_size", "0"]),
          SystemExit, r"generate.batch_size must be >= 1, got 0"),
     Case("prompts-file-outside-predict", lambda c: main(["fit", "--trainer.max_steps", "1", "--generate.prompts_file", "p.txt"]),
@@ -486,6 +512,9 @@ CASES = [
     Case("doctor-steps-zero", lambda c: main(["doctor", "--steps", "0"]), SystemExit, r"--steps must be at least 1, got 0"),
     Case("doctor-json-folder-missing", lambda c: main(["doctor", "--json", str(c.tmp / "none" / "out.json")]), SystemExit,
          r"--json .*out.json: the folder .*none does not exist; create it or pick another path"),
+    Case("doctor-json-not-writable", lambda c: main(["doctor", "--json", str(c.tmp)]), SystemExit,
+         r"--json='.*' is a folder, not a file: the checks are written there at the end\. Give a file in a folder you can "
+         r"write, --json PATH"),
     Case("cli-default-class-named", lambda c: main(["fit", "--model", "lightning_gpuopt.GPTModule", "--trainer.max_steps", "1"]),
          SystemExit, r"model: lightning_gpuopt.GPTModule is gpuopt's default model and takes its options directly: drop the class path"),
     Case("predict-prompts-file-own-module",
@@ -515,6 +544,20 @@ CASES = [
          r"trainer.limit_val_batches must be an integer >= 0 or None, got -1 .*use e.g. 20, a fraction of the epoch such as 0.25"),
     Case("cli-float-not-finite", lambda c: main(["fit", "--trainer.max_steps", "1", "--model.learning_rate", "inf"]), SystemExit,
          r"model.learning_rate must be a finite number, got inf: give a finite value for --model.learning_rate"),
+    Case("root-dir-not-writable", lambda c: _cli_before_data(c, ["--trainer.default_root_dir", "/sys/gpuopt-test-run"]), SystemExit,
+         r"trainer.default_root_dir='/sys/gpuopt-test-run' cannot be written \(.* at /sys\): the run's checkpoints and logs go "
+         r"there. Give a folder you can write, --trainer.default_root_dir runs/NAME",
+         skip=None if Path("/sys").is_dir() else "no /sys (a folder nobody can write into) on this system"),
+    Case("limit-fraction-under-one-batch",
+         lambda c: main(["fit", "--data.source", str(c.text_dir), "--data.vocab_size", "300", "--data.block_size", "128",
+                         "--data.num_workers", "0", "--model.preset", "tiny", "--model.warmup_steps", "0", "--trainer.max_steps", "1",
+                         "--trainer.logger", "false",
+                         "--trainer.default_root_dir", str(c.tmp / "run"), "--trainer.limit_val_batches", "0.1"]), SystemExit,
+         r"trainer.limit_val_batches=0.1 keeps less than one of the \d+ validation batches \(0.1 x \d+ < 1\), so no validation "
+         r"would run: give a fraction of at least [\d.]+, or a number of batches \(--trainer.limit_val_batches \d+ runs all"),
+    Case("cli-union-float-not-finite", lambda c: main(["fit", "--trainer.max_steps", "1", "--trainer.gradient_clip_val", "inf"]),
+         SystemExit, r"gpuopt: error: trainer.gradient_clip_val must be a finite number, got inf: give a finite value for "
+         r"--trainer.gradient_clip_val \(or trainer.gradient_clip_val in the --config file\)\.\n\(gpuopt fit --help"),
     Case("cli-list-given-as-text", lambda c: main(["predict", "--data.prompts", "the model"]), SystemExit,
          r"data.prompts takes a list, got the text 'the model': write it in brackets, --data.prompts '\[the model\]'"),
     Case("cli-max-steps-zero", lambda c: _cli_before_data(c, ["--trainer.max_steps", "0"]), SystemExit,
@@ -579,7 +622,7 @@ CASES = [
          SystemExit, r"p.jsonl, line 3: not valid JSON \(.*\): fix that line; each line of a .jsonl file is one JSON object"),
     Case("predict-output-folder-not-writable",
          lambda c: _predict(c, "--generate.output", str(Path(c.yaml("")) / "g.jsonl")), SystemExit,
-         r"generate.output=.*bad.yaml/g.jsonl': .*bad.yaml is not a folder: give a --generate.output in a folder you can write"),
+         r"generate.output=.*bad.yaml/g.jsonl' cannot be written \(Not a directory at .*bad.yaml\): give a --generate.output in a folder you can write"),
     Case("predict-max-new-tokens-over-context", lambda c: _predict(c, "--model.max_new_tokens", "100000000"), SystemExit,
          r"max_new_tokens=100000000 does not fit in the model's context of block_size=32 tokens, prompt included: ask for at most 31"),
     Case("fit-init-from-other-architecture",
@@ -592,11 +635,16 @@ CASES = [
          r"data.loss_on='completion' needs prompt/completion records, and data.source=.* is plain text: give a .jsonl file"),
     Case("data-jsonl-bad-record", _bad_records, ValueError,
          r"records.jsonl, line 2: a JSONL corpus line needs \"prompt\" and \"completion\" strings \(or a \"text\" string\)"),
+    Case("checkpoint-pickled-objects-cli", _resume_pickled_objects, SystemExit,
+         r"holds objects other than tensors and primitive types \(the first: .*open\), so it was not loaded: .*gpuopt reads "
+         r"checkpoints with weights_only=True only, whatever --weights_only says\. If you trust the file, save what you "
+         r"need of it again in Python"),
     Case("checkpoint-nonfinite-optimizer-state",
          lambda c: AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(1)},
                                                          "optimizer_states": [{"state": {0: {"exp_avg_sq": torch.tensor([float("inf")])}}}]},
                                                         c.tmp / "last.ckpt"),
-         NonFiniteCheckpointError, r"1 of 1 optimizer-state tensors hold NaN/Inf \(first: 'optimizer_states.0.state.0.exp_avg_sq'\)"),
+         NonFiniteCheckpointError, r"1 of 1 optimizer-state tensors hold NaN/Inf \(first: 'optimizer_states.0.state.0.exp_avg_sq'\).* "
+         r"not necessarily good.*Add lightning_gpuopt.callbacks.NonFiniteGuard"),
     Case("checkpoint-nonfinite-on-load", lambda c: AtomicCheckpointIO().load_checkpoint(_nonfinite_ckpt(c)), CheckpointError,
          r"holds NaN/Inf in 1 weight and 0 optimizer-state tensors .*Use an earlier checkpoint of the run"),
     Case("checkpoint-nonfinite-weights", lambda c: AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}}, c.tmp / "last.ckpt"),

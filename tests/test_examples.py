@@ -2,6 +2,9 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -42,7 +45,8 @@ def test_train_wikitext_validates_past_a_short_epoch_and_resumes(tmp_path, text_
     trainer = train_wikitext.main([*args, "--max_steps", "40"])
     assert trainer.num_training_batches < 30 * trainer.accumulate_grad_batches  # the interval spans epochs
     assert trainer.global_step == 40 and trainer.current_epoch >= 1
-    assert isinstance(trainer.precision_plugin, BF16Precision)
+    # No --mixed_precision: the stack's choice for the device, bf16 on a GPU and float32 on a CPU.
+    assert isinstance(trainer.precision_plugin, BF16Precision) == torch.cuda.is_available()
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert {MFUMonitor, NonFiniteGuard, ModelCheckpoint} <= {type(c) for c in trainer.callbacks}
     assert "val/loss" in trainer.callback_metrics  # validated at step 30
@@ -93,3 +97,37 @@ def test_rft_recipe_train_generate_score_keep_fine_tune(tmp_path, text_dir, cach
         torch.testing.assert_close(tuned["state_dict"][key], weight, atol=1e-6, rtol=0)
     assert tuned["TextDataModule"]["tokenizer_sha256"] == before["TextDataModule"]["tokenizer_sha256"]
     sys.modules.pop("rft_checker", None)
+def test_train_wikitext_without_flags_says_what_to_pass_in_one_line(tmp_path, monkeypatch, capsys):
+    """No flags and no WikiText-103 on the machine (its default corpus): one line, not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import train_wikitext
+
+    with pytest.raises(SystemExit) as info:
+        train_wikitext.main([])
+    sys.modules.pop("train_wikitext", None)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("train_wikitext.py: no --data_dir, and WikiText-103 is not in")
+    assert "--data_dir stdlib for the offline corpus" in message and train_wikitext.CPU_COMMAND in message
+
+
+def test_train_wikitext_prints_little_before_training_and_takes_mixed_precision_alone(tmp_path, text_dir, cache_dir,
+                                                                                     monkeypatch, capsys):
+    """`--mixed_precision` with no value (as the seed commands wrote it) is the device's choice; no model summary
+    table, and no warning about a checkpoint folder the run was not asked for (a warning fails the test)."""
+    from lightning_gpuopt.callbacks import ResumedRichProgressBar, ResumedTQDMProgressBar, SigtermCheckpoint
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import train_wikitext
+
+    trainer = train_wikitext.main(
+        ["--data_dir", str(text_dir), "--max_steps", "2", "--d_model", "32", "--num_layers", "1", "--num_heads", "2",
+         "--block_size", "32", "--vocab_size", "300", "--batch_size", "4", "--num_workers", "0", "--mixed_precision"])
+    sys.modules.pop("train_wikitext", None)
+    assert trainer.global_step == 2
+    out = capsys.readouterr()
+    assert out.out.count("GPTModule: ") == 1 and "Modules in train mode" not in out.out + out.err
+    assert ("float32 on the CPU" in out.out) != torch.cuda.is_available()
+    assert isinstance(trainer.progress_bar_callback, (ResumedRichProgressBar, ResumedTQDMProgressBar))
+    assert not any(isinstance(c, SigtermCheckpoint) for c in trainer.callbacks)  # nowhere to save without --checkpoint_dir

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.precision.dtype import compute_dtype_name
 from lightning_gpuopt.internals import (
     sdp_priority_order,
@@ -119,7 +120,7 @@ def _cpu_line(rows: list[tuple[str, str, str]]) -> str:
     if not rows:
         return "CUDASettings: no CUDA device, nothing to set."
     would = ", ".join(f"{name}={value}" for name, value, _ in rows)
-    return f"CUDASettings: no CUDA device, nothing to set (on a GPU: {would}; CUDASettings(verbose=True) shows the table)."
+    return f"CUDASettings: no CUDA device, nothing to set (on a GPU: {would}; {option('CUDASettings', 'verbose', True)} shows the table)."
 
 
 class CUDASettings(Callback):
@@ -278,7 +279,7 @@ class CUDASettings(Callback):
         applied = self._saved is not None
         if applied and self.cudnn_benchmark is not None and torch.backends.cudnn.benchmark != self.cudnn_benchmark:
             rows = [r for r in rows if r[0] != "cudnn_benchmark"]
-            rows.append(("cudnn_benchmark", str(self.cudnn_benchmark), "overridden by Trainer(benchmark=...): drop one of the two"))
+            rows.append(("cudnn_benchmark", str(self.cudnn_benchmark), f"overridden by {option('Trainer', 'benchmark')}: drop one of the two"))
         self.report = rows
         if not self._logged:
             self._logged = True

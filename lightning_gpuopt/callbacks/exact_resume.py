@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.data.resumable import EpochSampler, generator_seed, make_resumable, not_exact_reason
 from lightning_gpuopt.internals import (
     batch_counters,
@@ -208,8 +209,9 @@ class ExactResume(Callback):
         exact = ("Weights, optimizer, schedule, loop counters and RNG states resume exactly; a run resumed from a "
                  "checkpoint saved inside an epoch sees other samples than the uninterrupted run. For an exact "
                  "data order: ")
-        epoch_ends = ("or save checkpoints only at epoch ends (ModelCheckpoint(every_n_epochs=1)) and accept a new "
-                      "shuffle per resumed epoch.")
+        epoch_ends = (f"or save checkpoints only at epoch ends ({option('ModelCheckpoint', 'every_n_epochs', 1)}) and "
+                      "accept a new shuffle per resumed epoch.")
+        rebuild_on = option("ExactResume", "rebuild_loaders", True)
         if isinstance(combined, (dict, list, tuple)):
             count = f"{len(combined)} loader{'s' if len(combined) != 1 else ''} in a {type(combined).__name__}"
             return (
@@ -217,11 +219,11 @@ class ExactResume(Callback):
                 f"returns {count}, which Lightning combines and ExactResume does not rebuild (rebuild_loaders=True "
                 f"rebuilds a single DataLoader only); {reason}. {exact}return one DataLoader with the default "
                 "sequential or shuffled sampler over a map-style dataset that yields every part of a batch, with "
-                f"ExactResume(rebuild_loaders=True); {epoch_ends}"
+                f"{rebuild_on}; {epoch_ends}"
             )
         rebuild = ("a DataLoader with the default sequential or shuffled sampler over a map-style dataset (the "
-                   "only kind ExactResume(rebuild_loaders=True) rebuilds)" if self.rebuild_loaders else
-                   "ExactResume(rebuild_loaders=True) for a DataLoader with the default sequential or shuffled sampler "
+                   f"only kind {rebuild_on} rebuilds)" if self.rebuild_loaders else
+                   f"{rebuild_on} for a DataLoader with the default sequential or shuffled sampler "
                    "over a map-style dataset")
         return (
             f"ExactResume: the data order of {name}'s training loader is not resumed exactly: {reason}. {exact}"

@@ -16,7 +16,7 @@ from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts, training_device
 from lightning_gpuopt.perf.flops import StepFlopCounter, model_flops_per_token
 from lightning_gpuopt.perf.mfu import MFU_DTYPES, WindowTotals, input_ids_of, mfu_peaks, summarise_windows, window_metrics
-from lightning_gpuopt.option_checks import check_choice, check_int, check_number
+from lightning_gpuopt.option_checks import check_choice, check_int, check_number, option
 from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
 from lightning_gpuopt.perf.parallel import data_parallel_size, tensor_parallel_size
@@ -163,6 +163,7 @@ class MFUMonitor(Callback):
         self._pause_start: Optional[float] = None
         self._gap_paused = 0.0  # of those, the seconds since the last training batch
         self._warned_no_tokens = False
+        self._said_flops = False  # the counted FLOPs per token are said once, not once per sequence length
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -178,7 +179,7 @@ class MFUMonitor(Callback):
         if self._dtype is None:
             rank_zero_warn(
                 f"MFUMonitor cannot tell the matmul dtype of the precision plugin {type(plugin).__name__}: assuming bf16. "
-                "Give the plugin a `compute_dtype` property or pass MFUMonitor(dtype=...)."
+                f"Give the plugin a `compute_dtype` property or set {option('MFUMonitor', 'dtype')}."
             )
             self._dtype = "bf16"
         if is_fp8(plugin) and self.dtype is None:
@@ -186,11 +187,11 @@ class MFUMonitor(Callback):
         # MFU against the dense bf16 peak whatever the run computes in (see perf/mfu.py).
         self._peak, self._peak_fp8, name = mfu_peaks(self._facts, self._dtype, self.peak_flops)
         if self._peak is None and not self._facts.is_cuda:  # expected off a GPU: said once, not as a warning
-            rank_zero_info(f"MFUMonitor: no peak FLOP/s for {name}, so perf/mfu is not logged (MFUMonitor(peak_flops=...) sets one).")
+            rank_zero_info(f"MFUMonitor: no peak FLOP/s for {name}, so perf/mfu is not logged ({option('MFUMonitor', 'peak_flops')} sets one).")
         elif self._peak is None:
             rank_zero_warn(
-                f"MFUMonitor has no bf16 peak FLOP/s for {name}, so perf/mfu is not logged: pass "
-                "MFUMonitor(peak_flops=...) with the dense per-device peak from the datasheet."
+                f"MFUMonitor has no bf16 peak FLOP/s for {name}, so perf/mfu is not logged: set "
+                f"{option('MFUMonitor', 'peak_flops')} to the dense per-device peak from the datasheet."
             )
 
     @override
@@ -202,7 +203,7 @@ class MFUMonitor(Callback):
                 self._measured_peak = measure_peak_flops(self._device, torch.bfloat16)
                 torch.cuda.reset_peak_memory_stats(self._device)  # memory of the run's own GPU: the probe's matrices are not the model's
             else:
-                rank_zero_warn("MFUMonitor(measure_peak=True) needs a CUDA device; perf/mfu_measured is not logged.")
+                rank_zero_warn(f"{option('MFUMonitor', 'measure_peak', True)} needs a CUDA device; perf/mfu_measured is not logged.")
         if self.warmup_steps == 0:
             self._start_window()
 
@@ -223,14 +224,17 @@ class MFUMonitor(Callback):
     def _counted(self, pl_module: pl.LightningModule, flops: int, tokens: int) -> Optional[float]:
         """FLOPs per token from the counted step, or ``None`` with the warning naming the fix."""
         name = type(pl_module).__name__
-        fix = f"define `flops_per_token(seq_len)` on {name} or pass MFUMonitor(flops_per_token=...)."
+        fix = f"define `flops_per_token(seq_len)` on {name} or set {option('MFUMonitor', 'flops_per_token')}."
         if tokens <= 0:  # said once by on_train_batch_end
             return None
         if flops <= 0:
             rank_zero_warn(f"MFUMonitor counted no matmul FLOPs in a training step of {name}, so TFLOP/s and MFU are not logged: {fix}")
             return None
         self.flops_source = f"{name}.training_step, counted over a real step"
-        rank_zero_info(f"MFUMonitor: {flops / tokens / 1e6:.4g} MFLOPs per token, counted over a real training step of {name}.")
+        if not self._said_flops:
+            self._said_flops = True
+            rank_zero_info(f"MFUMonitor: {flops / tokens / 1e6:.4g} MFLOPs per token at sequence length {self._counting}, "
+                           f"counted over a real training step of {name} (each new length is counted once, unsaid).")
         return flops / tokens
 
     def _start_count(self, pl_module: pl.LightningModule, batch: Any) -> None:
@@ -294,7 +298,7 @@ class MFUMonitor(Callback):
             self._warned_no_tokens = True
             rank_zero_warn(
                 f"MFUMonitor found no tokens in the batch of {type(pl_module).__name__}, so tokens/s, TFLOP/s and MFU "
-                "are not measured: pass MFUMonitor(tokens_fn=...) or give the batch an integer input-ids tensor "
+                f"are not measured: set {option('MFUMonitor', 'tokens_fn')} or give the batch an integer input-ids tensor "
                 "(batch[0] or batch['input_ids']; float features are not counted as tokens)."
             )
         flops = self._flops_for(pl_module, batch, batch_idx, tokens)
@@ -418,4 +422,14 @@ class MFUMonitor(Callback):
             on_cuda=self._facts.is_cuda,
             compiled=is_compiled(pl_module),
             tensor_parallel=tensor_parallel_size(trainer),
+            workers=_workers_option(trainer),
         )
+
+
+def _workers_option(trainer: pl.Trainer) -> str:
+    """What raises the training loader's workers: ``TextDataModule``'s option, or the loader's own ``num_workers``."""
+    from lightning_gpuopt.data import TextDataModule
+
+    if isinstance(trainer.datamodule, TextDataModule):
+        return f"the loader's workers ({option('TextDataModule', 'num_workers')})"
+    return "the training DataLoader's num_workers"

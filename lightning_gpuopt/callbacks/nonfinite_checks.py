@@ -1,10 +1,16 @@
 """What `NonFiniteGuard` does to one optimizer step, as plain functions: find, describe, skip, count.
 
 The callback (``nonfinite_guard.py``) decides when; these do the work on tensors and optimizers:
-:func:`find_nonfinite` (one device-side reduction over every gradient), :func:`describe_bad_step`
-(the warning's text, with the first bad parameter), :func:`skip_step` (leave the weights and the
-optimizer state bit-identical) and :func:`count_on_device` (deferred mode's counters, never read
-on the host between checks).
+:func:`find_nonfinite` (one device-side reduction over every gradient), :func:`bad_gradients` (which
+of them are NaN/Inf, or too large to square), :func:`describe_bad_step` (the warning's text, with the
+first bad parameter), :func:`skip_step` (leave the weights and the optimizer state bit-identical),
+:func:`count_on_device` (deferred mode's counters, never read on the host between checks) and
+:func:`recovery_advice` (what to do after a stop, from the loss the last checkpoint was written at).
+
+A gradient is bad when it holds NaN/Inf, and also when it is finite but larger than
+:data:`SQUARE_LIMIT`: its square overflows float32, so AdamW's ``exp_avg_sq`` (and the gradient norm
+that clipping computes) turns Inf, and every later update of that parameter is NaN or zero, at any
+learning rate. Checking the gradients alone would let such a step through.
 """
 
 from __future__ import annotations
@@ -17,8 +23,20 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_gpuopt.internals import foreach_norm, scaler_unscaled
+from lightning_gpuopt.option_checks import option
 
-__all__ = ["count_on_device", "describe_bad_step", "find_nonfinite", "skip_step"]
+__all__ = [
+    "SQUARE_LIMIT",
+    "bad_gradients",
+    "count_on_device",
+    "describe_bad_step",
+    "find_nonfinite",
+    "learning_rate_option",
+    "recovery_advice",
+    "skip_step",
+]
+
+SQUARE_LIMIT = math.sqrt(torch.finfo(torch.float32).max)  # ~1.8e19: a larger value's square is Inf in float32
 
 
 def _local(t: Tensor) -> Tensor:
@@ -58,6 +76,18 @@ def find_nonfinite(optimizer: Optimizer) -> tuple[Tensor, list[tuple[int, Tensor
     return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]), params
 
 
+def bad_gradients(maxabs: Tensor, limit: float = SQUARE_LIMIT) -> Tensor:
+    """Which entries of :func:`find_nonfinite`'s max-abs are bad: NaN/Inf, or over ``limit`` (a bool tensor on the
+    device; no host sync). Under an fp16 ``GradScaler`` the gradients are still scaled, so ``limit=math.inf``.
+
+    Example::
+
+        >>> bad_gradients(torch.tensor([1.0, float("nan"), 3e19])).tolist()
+        [False, True, True]
+    """
+    return ~(maxabs <= limit)  # NaN compares False, so it is bad too
+
+
 def describe_bad_step(
     trainer: Any,
     module: nn.Module,
@@ -66,6 +96,7 @@ def describe_bad_step(
     params: list[tuple[int, Tensor]],
     loss_bad: bool,
     checked_gradients: bool = True,
+    limit: float = SQUARE_LIMIT,
 ) -> str:
     """The warning's account of a bad step: what was non-finite, when, and the first bad parameter by name.
 
@@ -83,18 +114,23 @@ def describe_bad_step(
         params: ``find_nonfinite``'s ``(param_group_index, parameter)`` pairs.
         loss_bad: Whether the loss was non-finite.
         checked_gradients: Whether the gradients were checked (to say they were finite).
+        limit: The largest good max-abs (:func:`bad_gradients`).
     """
-    what = "non-finite loss" if loss_bad else "non-finite gradients"
+    values = maxabs.tolist() if maxabs.numel() else []
+    infinite = [not math.isfinite(v) for v in values]
+    too_large = any(math.isfinite(v) and v > limit for v in values) and not any(infinite)
+    what = "non-finite loss" if loss_bad else "gradients too large to square" if too_large else "non-finite gradients"
     text = f"{what} at global step {trainer.global_step} (epoch {trainer.current_epoch})"
-    flags = (~torch.isfinite(maxabs)).tolist() if maxabs.numel() else []
-    bad = [params[i] for i, f in enumerate(flags) if f]
+    bad = [params[i] for i, v in enumerate(values) if not v <= limit]
     if bad:
         names = {id(p): n for n, p in module.named_parameters()}
         group, param = bad[0]
         groups = sorted({g for g, _ in bad})
         wd = optimizer.param_groups[group].get("weight_decay")
+        kind = (f"gradients over {SQUARE_LIMIT:.2g} (max |grad| {max(values):.3g}: their squares overflow, so AdamW's "
+                "exp_avg_sq would turn Inf)" if too_large else "NaN/Inf gradients")
         text += (
-            f"; {len(bad)} parameter(s) with NaN/Inf gradients in param group(s) {groups}, first "
+            f"; {len(bad)} parameter(s) with {kind} in param group(s) {groups}, first "
             f"{names.get(id(param), '<unnamed>')!r} (param group {group}, weight_decay={wd})"
         )
     elif loss_bad and checked_gradients:
@@ -155,3 +191,46 @@ def count_on_device(pending: Optional[Tensor], bad: Tensor, global_step: int, co
     step = torch.full((), float(global_step), device=device)
     first = torch.where((first < 0) & (bad > 0), step, first)
     return torch.stack([count + bad, consecutive, torch.maximum(worst, consecutive), first])
+
+
+def learning_rate_option(module: Any) -> str:
+    """The learning-rate setting a message names: ``GPTModule``'s option, or words for a module of one's own."""
+    from lightning_gpuopt.model import GPTModule
+
+    return option("GPTModule", "learning_rate") if isinstance(module, GPTModule) else "learning rate"
+
+
+def recovery_advice(saved: Optional[tuple[int, float]], initial_loss: Optional[float], module: Any) -> str:
+    """What to do after a diverged run stopped, told by the train loss its last checkpoint was written at.
+
+    Resuming a checkpoint with a lower learning rate helps only if its weights had not diverged yet: the
+    gradients of the next step come from the weights, whatever the new rate. A checkpoint written at a
+    loss above the run's first (the untrained model's) holds weights that are worse than untrained, so
+    the advice is then a new run.
+
+    Example::
+
+        recovery_advice((2, 8.1e4), 5.7, module)
+        # "The last checkpoint (step 2) was written at train loss 8.1e+04, above the 5.7 the run started at ..."
+
+    Args:
+        saved: ``(global_step, train loss)`` when the last checkpoint of the run was written; ``None``: none was.
+        initial_loss: The train loss of the run's first batch; ``None``: not known.
+        module: The LightningModule, for the name of its learning-rate option.
+    """
+    lr, clip = learning_rate_option(module), option("Trainer", "gradient_clip_val")
+    if saved is None:
+        return (f"No checkpoint was written since this fit started: start it again with a lower {lr} or gradient "
+                f"clipping ({clip}).")
+    step, loss = saved
+    if initial_loss is None:
+        return (f"Resume from the last checkpoint (step {step}, written at train loss {loss:.4g}) with a lower {lr} "
+                f"or gradient clipping ({clip}) if that loss is below the one the run started at; otherwise its "
+                f"weights had diverged already: start a new run with a lower {lr}.")
+    if math.isfinite(loss) and loss <= initial_loss:
+        return (f"Resume from the last checkpoint (step {step}, written at train loss {loss:.4g}, below the "
+                f"{initial_loss:.4g} the run started at) with a lower {lr} or gradient clipping ({clip}).")
+    return (f"The last checkpoint (step {step}) was written at train loss {loss:.4g}, above the {initial_loss:.4g} "
+            f"the run started at: its weights had diverged already and give the same bad gradients at any learning "
+            f"rate, so resuming it fails again. Start a new run with a lower {lr} (in another "
+            f"{option('Trainer', 'default_root_dir')}), or resume an earlier checkpoint written before the loss rose.")

@@ -16,6 +16,7 @@ steps, before every checkpoint save and at the end of training.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -27,11 +28,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gpuopt.internals import unscales_in_step
-from lightning_gpuopt.option_checks import check_choice, check_int
+from lightning_gpuopt.option_checks import check_choice, check_int, option
 from lightning_gpuopt.callbacks.nonfinite_checks import (
+    SQUARE_LIMIT,
+    bad_gradients,
     count_on_device,
     describe_bad_step,
     find_nonfinite,
+    recovery_advice,
     skip_step,
 )
 
@@ -118,7 +122,7 @@ class NonFiniteGuard(Callback):
         check_choice("NonFiniteGuard", "policy", policy, ("skip", "stop"))
         check_choice("NonFiniteGuard", "mode", mode, ("auto", "step", "deferred"))
         check_int("NonFiniteGuard", "max_consecutive_skips", max_consecutive_skips, minimum=1,
-                  hint=" (use policy='stop' to stop at the first bad step)")
+                  hint=f" (use {option('NonFiniteGuard', 'policy', 'stop')} to stop at the first bad step)")
         self.policy = policy
         self.max_consecutive_skips = max_consecutive_skips
         self.check_gradients = check_gradients
@@ -134,6 +138,17 @@ class NonFiniteGuard(Callback):
         # This batch: an optimizer stepped, a bad step was counted, deferred mode's flag over its optimizers.
         self._stepped, self._batch_bad, self._batch_flag = False, False, None
         self.active_mode: Optional[str] = None  # "step" or "deferred", once the first step decided it
+        # The train loss of the run's first batch and of the latest one (device tensors, read only at a save or a
+        # stop), and (global step, train loss) at the last save: what recovery_advice tells a resumable checkpoint by.
+        self.initial_loss: Optional[float] = None
+        self._first_loss: Optional[Tensor] = None
+        self._fresh = False  # this fit starts at step 0: its first loss is the untrained model's
+        self._last_loss: Optional[tuple[Tensor, int]] = None
+        self.saved_at: Optional[tuple[int, float]] = None
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._fresh = trainer.global_step == 0  # a resume from a checkpoint without the guard's state: not known
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
@@ -169,10 +184,12 @@ class NonFiniteGuard(Callback):
             self._flag_on_device(trainer, pl_module, optimizer)
             return
         loss_bad, self._loss_bad = self._loss_bad, None
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        limit = math.inf if scaler is not None else SQUARE_LIMIT  # scaled fp16 gradients: only NaN/Inf is bad
         if self.check_gradients:
             maxabs, params = find_nonfinite(optimizer)
             device = maxabs.device if maxabs.numel() else pl_module.device
-            grads_bad = (~torch.isfinite(maxabs)).sum(dtype=torch.float32)
+            grads_bad = bad_gradients(maxabs, limit).sum(dtype=torch.float32)
         else:
             maxabs, params, device = torch.zeros(0), [], pl_module.device
             grads_bad = torch.zeros((), device=device)
@@ -184,8 +201,7 @@ class NonFiniteGuard(Callback):
         self._stepped = True
         if not n_loss_bad and not n_grads_bad:
             return  # the batch's count of bad steps in a row is settled at its end (another optimizer may follow)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        where = describe_bad_step(trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad), self.check_gradients)
+        where = describe_bad_step(trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad), self.check_gradients, limit)
         if scaler is not None and not n_loss_bad:
             # fp16: the GradScaler skips steps with overflowing gradients and lowers its scale; not ours to count.
             self.scaler_skips += 1
@@ -202,15 +218,14 @@ class NonFiniteGuard(Callback):
         if self.policy == "stop":
             raise NonFiniteError(
                 f"NonFiniteGuard stopped the run: {where}. The step was not applied and no checkpoint was written "
-                "after it: resume from the last checkpoint with a lower learning_rate, gradient clipping "
-                "(trainer.gradient_clip_val) or bf16 instead of fp16, or use NonFiniteGuard(policy='skip')."
+                f"after it. {self.advice(pl_module)} Under fp16, bf16 may help; {option('NonFiniteGuard', 'policy', 'skip')} "
+                "skips bad steps instead of stopping."
             )
         if self.consecutive_skips >= self.max_consecutive_skips:
             raise NonFiniteError(
                 f"NonFiniteGuard stopped the run after {self.consecutive_skips} non-finite steps in a row "
                 f"(max_consecutive_skips={self.max_consecutive_skips}); the last: {where}. The model is not "
-                "recovering: resume from the last checkpoint with a lower learning_rate or gradient clipping "
-                "(trainer.gradient_clip_val)."
+                f"recovering. {self.advice(pl_module)}"
             )
         rank_zero_warn(
             f"NonFiniteGuard: skipped {where} ({self.consecutive_skips}/{self.max_consecutive_skips} in a row)."
@@ -220,7 +235,7 @@ class NonFiniteGuard(Callback):
         loss_bad, self._loss_bad = self._loss_bad, None
         maxabs, _ = find_nonfinite(optimizer) if self.check_gradients else (torch.zeros(0), [])
         device = maxabs.device if maxabs.numel() else pl_module.device
-        bad = (~torch.isfinite(maxabs)).any().to(torch.float32) if maxabs.numel() else torch.zeros((), device=device)
+        bad = bad_gradients(maxabs).any().to(torch.float32) if maxabs.numel() else torch.zeros((), device=device)
         if loss_bad is not None:
             bad = torch.maximum(bad, loss_bad.to(device, torch.float32))
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -258,13 +273,40 @@ class NonFiniteGuard(Callback):
             why = "" if self.policy == "stop" else f" ({worst} in a row >= max_consecutive_skips={self.max_consecutive_skips})"
             raise NonFiniteError(
                 f"NonFiniteGuard stopped the run{why}: {self.last_report}. The bad steps were not applied and no "
-                "checkpoint was written after them: resume from the last checkpoint with a lower learning_rate or "
-                "gradient clipping (trainer.gradient_clip_val); NonFiniteGuard(mode='step') names the first bad parameter."
+                f"checkpoint was written after them. {self.advice(trainer.lightning_module if trainer else None)} "
+                f"{option('NonFiniteGuard', 'mode', 'step')} names the first bad parameter."
             )
         rank_zero_warn(f"NonFiniteGuard: {self.last_report}.")
 
+    def advice(self, pl_module: Any) -> str:
+        """What to do after the run diverged: resume the last checkpoint, or start anew (:func:`recovery_advice`,
+        from the train loss the last checkpoint was written at and the run's first). Reads the losses it needs.
+
+        Example::
+
+            guard.advice(module)  # "Resume from the last checkpoint (step 400, written at train loss 3.1, ...) ..."
+        """
+        self._read_initial_loss()
+        return recovery_advice(self.saved_at, self.initial_loss, pl_module)
+
+    def _read_initial_loss(self) -> None:
+        if self.initial_loss is None and self._first_loss is not None:
+            self.initial_loss = float(self._first_loss)
+        self._first_loss = None
+
+    def _record_loss(self, trainer: "pl.Trainer", outputs: Any) -> None:
+        """Keep the batch's train loss on the device (Lightning hands it divided by the accumulation)."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            return
+        loss = loss.detach() * trainer.accumulate_grad_batches
+        if self._fresh and self.initial_loss is None and self._first_loss is None:
+            self._first_loss = loss
+        self._last_loss = (loss, trainer.global_step)
+
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._record_loss(trainer, outputs)
         if self._stepped and not self._batch_bad:
             self.consecutive_skips = 0  # a batch whose optimizer steps were all finite
         self._count_batch()
@@ -287,14 +329,24 @@ class NonFiniteGuard(Callback):
             if hasattr(optimizer, "found_inf"):
                 del optimizer.found_inf
         self._deferred, self._pending, self._loss_bad, self._batch_flag = None, None, None, None
+        self._read_initial_loss()
+        self._last_loss = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
         self._read_deferred(None, "before a checkpoint save")  # Lightning asks for this before on_save_checkpoint
-        return {"skipped_steps": self.skipped_steps, "scaler_skips": self.scaler_skips, "consecutive_skips": self.consecutive_skips}
+        # Asked for by a save only: the loss this checkpoint is written at (one read, at a save, which waits anyway).
+        self._read_initial_loss()
+        if self._last_loss is not None:
+            self.saved_at = (self._last_loss[1], float(self._last_loss[0]))
+        return {"skipped_steps": self.skipped_steps, "scaler_skips": self.scaler_skips, "consecutive_skips": self.consecutive_skips,
+                "initial_loss": self.initial_loss, "saved_at": None if self.saved_at is None else list(self.saved_at)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.scaler_skips = int(state_dict.get("scaler_skips", 0))
         self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
+        self.initial_loss = state_dict.get("initial_loss")
+        saved = state_dict.get("saved_at")
+        self.saved_at = (int(saved[0]), float(saved[1])) if saved else None

@@ -5,19 +5,25 @@ start at zero in a fresh fit; in a fit resumed inside an epoch the count starts 
 the total shrank by the steps already done, so the count passes the total: tqdm then shows ``84/?`` with
 no ETA, Rich ``84/40``, and the rate starts at the resumed batch over a second. These bars start the count
 at the resumed batch (the rate and ETA cover this fit's batches) and total the epoch as a fresh fit would.
+
+They also keep what the run says readable: a line logged while a tqdm bar is drawn (``rank_zero_info`` of a
+callback at a training step, "`Trainer.fit` stopped") goes above the bars on a line of its own, where it was
+written after the bar's text on the same line; whole numbers in the bar (``tok/s``, ``v_num``) show as
+whole numbers, where Rich wrote ``643.000``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
-__all__ = ["ResumedRichProgressBar", "ResumedTQDMProgressBar", "default_progress_bar", "train_bar_span"]
+__all__ = ["ResumedRichProgressBar", "ResumedTQDMProgressBar", "default_progress_bar", "train_bar_span", "whole_numbers_as_text"]
 
 
 def train_bar_span(trainer: pl.Trainer) -> tuple[int, Optional[int]]:
@@ -32,8 +38,83 @@ def train_bar_span(trainer: pl.Trainer) -> tuple[int, Optional[int]]:
     return done, (None if math.isinf(total) else int(total))
 
 
-class ResumedTQDMProgressBar(TQDMProgressBar):
-    """Lightning's ``TQDMProgressBar`` whose training bar starts at a resumed epoch's batch (see the module)."""
+class _AboveTheBars(logging.Handler):
+    """A console handler's records, written by the bar (``write``): above it, on a line of their own."""
+
+    def __init__(self, console: logging.StreamHandler, write: Callable[[str, Any], None]) -> None:
+        super().__init__(console.level)
+        self.console, self.write = console, write
+        self.setFormatter(console.formatter)
+        self.filters = list(console.filters)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.write(self.format(record), self.console.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: a handler reports its failure, never raises
+            self.handleError(record)
+
+
+class _LinesAboveTheBars:
+    """While the bar is set up, the console lines of Lightning's loggers (its own and every ``rank_zero_info``)
+    are written by the bar (``_write_above``), where they were written after the bar's text on its line."""
+
+    LOGGERS = ("lightning.pytorch", "lightning.fabric")
+    _swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]]
+
+    def _write_above(self, text: str, stream: Any) -> None:
+        raise NotImplementedError
+
+    def _take_log_lines(self) -> None:
+        if getattr(self, "_swapped", None):
+            return
+        self._swapped = []
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
+                if type(handler) is logging.StreamHandler:  # a console, not a file
+                    above = _AboveTheBars(handler, self._write_above)
+                    logger.handlers[logger.handlers.index(handler)] = above
+                    self._swapped.append((logger, handler, above))
+
+    def _put_back_handlers(self) -> None:
+        for logger, handler, above in getattr(self, "_swapped", []):
+            if above in logger.handlers:
+                logger.handlers[logger.handlers.index(above)] = handler
+        self._swapped = []
+
+
+class ResumedTQDMProgressBar(_LinesAboveTheBars, TQDMProgressBar):
+    """Lightning's ``TQDMProgressBar`` whose training bar starts at a resumed epoch's batch, and that puts the lines
+    logged while it runs above it (see the module)."""
+
+    def _write_above(self, text: str, stream: Any) -> None:
+        from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+        Tqdm.write(text, file=stream)  # clears the bars, writes the line, draws the bars again
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.is_enabled:
+            self._take_log_lines()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._put_back_handlers()
+        super().teardown(trainer, pl_module, stage)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown after an error: the bars end their line here, so the message that follows
+        # (gpuopt's one-line error, a SIGTERM's save) starts a line of its own.
+        for name in ("train_progress_bar", "val_progress_bar", "test_progress_bar", "predict_progress_bar"):
+            try:
+                bar = getattr(self, name)
+            except TypeError:  # Lightning's property for a bar not made yet
+                continue
+            if not bar.disable:
+                bar.close()
+        self._put_back_handlers()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -52,8 +133,32 @@ class ResumedTQDMProgressBar(TQDMProgressBar):
         bar.refresh()
 
 
-class ResumedRichProgressBar(RichProgressBar):
-    """Lightning's ``RichProgressBar`` whose training bar starts at a resumed epoch's batch (see the module)."""
+class ResumedRichProgressBar(_LinesAboveTheBars, RichProgressBar):
+    """Lightning's ``RichProgressBar`` whose training bar starts at a resumed epoch's batch, and that prints the lines
+    logged while it runs above it (see the module)."""
+
+    def _write_above(self, text: str, stream: Any) -> None:
+        if self.progress is not None and self.progress.live.is_started:
+            self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            stream.write(text + "\n")
+            stream.flush()
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.is_enabled:
+            self._take_log_lines()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._put_back_handlers()
+        super().teardown(trainer, pl_module, stage)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)  # Lightning's: stops the live display
+        self._put_back_handlers()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -74,10 +179,7 @@ class ResumedRichProgressBar(RichProgressBar):
 
     @override
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        items = super().get_metrics(trainer, pl_module)
-        if isinstance(items.get("v_num"), int):
-            items["v_num"] = str(items["v_num"])  # a log version, not a metric: "0", not Rich's "0.000"
-        return items
+        return whole_numbers_as_text(super().get_metrics(trainer, pl_module))
 
     def _start_at_resumed_batch(self, trainer: pl.Trainer) -> None:
         if self.progress is None or self.is_disabled:
@@ -88,6 +190,17 @@ class ResumedRichProgressBar(RichProgressBar):
         if total is not None:  # reset also clears the speed samples: the rate covers this fit's batches
             self.progress.reset(self.train_progress_bar_id, total=total, completed=done)
             self.refresh()
+
+
+def whole_numbers_as_text(items: dict[str, Any]) -> dict[str, Any]:
+    """The bar's items with every ``int`` as text: Rich formats numbers with ``.3f``, so a version or a rate of
+    tokens/s showed as ``0.000`` and ``643.000``.
+
+    Example::
+
+        whole_numbers_as_text({"v_num": 0, "tok/s": 643, "train/loss": 7.57})  # {"v_num": "0", "tok/s": "643", ...}
+    """
+    return {k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in items.items()}
 
 
 def default_progress_bar() -> ProgressBar:

@@ -164,7 +164,8 @@ class ResumedOptimizerSettings(Callback):
             trainer.optimizers[0], hp.learning_rate, hp.weight_decay, tuple(hp.betas), hp.warmup_steps,
             hp.min_lr_ratio, total, steps_done,
         )
-        changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in self.applied.items())
+        names = {"decay_steps": "cosine decay steps (the run's steps after warm-up)"}  # no option of its own
+        changes = ", ".join(f"{names.get(k, k)} {old} -> {new}" for k, (old, new) in self.applied.items())
         rank_zero_info(
             f"Resumed at step {steps_done} with settings other than the checkpoint's: {changes}. The learning rate "
             f"is now {trainer.optimizers[0].param_groups[0]['lr']:.4g} (the new schedule at step {steps_done})."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -15,10 +16,18 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_gpuopt.internals import mark_sigterm_received, require_internals, settle_validation_counters
+from lightning_gpuopt.option_checks import option
+from lightning_gpuopt.internals import mark_sigterm_received, require_internals, settle_validation_counters, sigterm_notice_logger
 from lightning_gpuopt.resume import microbatches_since_step, restart_interrupted_validation
 
 __all__ = ["SigtermCheckpoint"]
+
+
+class _OwnSigterm(logging.Filter):
+    """Leaves out Lightning's "Received SIGTERM: 15" for the SIGTERM a Ctrl-C was turned into: said once, by us."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Received SIGTERM" not in record.getMessage()
 
 
 class SigtermCheckpoint(Callback):
@@ -72,6 +81,7 @@ class SigtermCheckpoint(Callback):
             raise ValueError(f"SigtermCheckpoint.filename must be a plain file name, got {filename!r}.")
         self.filename = filename
         self._previous_sigint: Any = None
+        self._own_sigterm = _OwnSigterm()
         self._interrupted = False
         self._saving = False  # inside this callback's own save
         self._validation_step: Optional[int] = None  # the step whose validation the checkpoint interrupted
@@ -84,6 +94,7 @@ class SigtermCheckpoint(Callback):
         self._restore_sigint()
         self._interrupted = True
         rank_zero_info("SigtermCheckpoint: Ctrl-C; saving last.ckpt after this batch (Ctrl-C again to stop at once).")
+        sigterm_notice_logger().addFilter(self._own_sigterm)  # until teardown
         os.kill(os.getpid(), signal.SIGTERM)
 
     def _restore_sigint(self) -> None:
@@ -102,7 +113,7 @@ class SigtermCheckpoint(Callback):
         if stage == "fit" and not any(isinstance(c, ModelCheckpoint) for c in trainer.checkpoint_callbacks):
             rank_zero_warn(
                 "SigtermCheckpoint: the Trainer has no ModelCheckpoint, so a SIGTERM saves nothing. Add a "
-                "ModelCheckpoint(dirpath=..., save_last=True) to trainer.callbacks, or remove SigtermCheckpoint."
+                f"ModelCheckpoint that keeps last.ckpt ({option('ModelCheckpoint', 'save_last', True)}), or remove SigtermCheckpoint."
             )
 
     @override
@@ -175,6 +186,7 @@ class SigtermCheckpoint(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_sigint()
+        sigterm_notice_logger().removeFilter(self._own_sigterm)
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group, self._launcher = None, None

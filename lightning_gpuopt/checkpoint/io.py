@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.model.checkpoint import CheckpointError, read_checkpoint
 from lightning_gpuopt.checkpoint.atomic_files import PathLike, atomic_save, fsync_path
 from lightning_gpuopt.checkpoint.safety import check_finite_weights, nonfinite_optimizer_state, nonfinite_weights
@@ -98,5 +99,5 @@ def _check_finite_on_load(checkpoint: dict[str, Any], path: PathLike) -> None:
             f"{str(path)!r} holds NaN/Inf in {len(bad)} weight and {len(bad_optimizer)} optimizer-state tensors (first: "
             f"{first!r}): it was written by a run that had diverged, so a resume would skip every step and a "
             "prediction would sample noise. Use an earlier checkpoint of the run, or start a new one; "
-            "AtomicCheckpointIO(allow_nonfinite=True) reads it anyway."
+            f"{option('AtomicCheckpointIO', 'allow_nonfinite', True)} reads it anyway."
         )

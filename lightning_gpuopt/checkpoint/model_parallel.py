@@ -115,7 +115,8 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         bad = nonfinite_weights(state)  # this rank's shards; the ranks agree before anything is written
         if not self.reduce_boolean_decision(not bad, all=True):
             raise NonFiniteCheckpointError(
-                non_finite_message(path, len(bad), len(state), bad[0] if bad else "on another rank", path.exists())
+                non_finite_message(path, len(bad), len(state), bad[0] if bad else "on another rank", path.exists(),
+                                   guarded="NonFiniteGuard" in (checkpoint.get("callbacks") or {}))
             )
 
         def prepare() -> None:

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.perf.units import GB
 
 __all__ = [
@@ -118,25 +119,41 @@ def check_finite_weights(checkpoint: dict[str, Any], path: Any) -> None:
         path: Where it was to be written (named in the message).
     """
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    guarded = isinstance(checkpoint, dict) and "NonFiniteGuard" in (checkpoint.get("callbacks") or {})
     bad = nonfinite_weights(state)
     if bad:
-        raise NonFiniteCheckpointError(non_finite_message(path, len(bad), len(state), bad[0], Path(str(path)).exists()))
+        raise NonFiniteCheckpointError(
+            non_finite_message(path, len(bad), len(state), bad[0], Path(str(path)).exists(), guarded=guarded)
+        )
     bad, total = nonfinite_optimizer_state(checkpoint)
     if bad:
         raise NonFiniteCheckpointError(
-            non_finite_message(path, len(bad), total, bad[0], Path(str(path)).exists(), "optimizer-state tensors")
+            non_finite_message(path, len(bad), total, bad[0], Path(str(path)).exists(), "optimizer-state tensors", guarded)
         )
 
 
-def non_finite_message(path: Any, n_bad: int, n_total: int, first: str, kept: bool, what: str = "weight tensors") -> str:
-    """The message of a refused non-finite save (shared with the distributed writer)."""
+def non_finite_message(
+    path: Any, n_bad: int, n_total: int, first: str, kept: bool, what: str = "weight tensors", guarded: bool = False
+) -> str:
+    """The message of a refused non-finite save (shared with the distributed writer).
+
+    The checkpoints kept are finite, which does not make them good: a loss rises for some steps before the
+    weights or AdamW's moments overflow, and a checkpoint written on the way holds weights that give the same
+    bad gradients at any learning rate. So the message does not call them good; ``NonFiniteGuard`` (named
+    when the run has none) stops at the first bad step and says whether its last checkpoint is worth resuming.
+    """
     path = Path(str(path))
+    guard = ("NonFiniteGuard did not stop it (it checks the loss and gradients of each step, not the weights after "
+             "the update): " if guarded else
+             "Add lightning_gpuopt.callbacks.NonFiniteGuard to the callbacks: it stops at the first bad step and says "
+             "whether the last checkpoint is worth resuming. Until then: ")
     return (
         f"Not writing the checkpoint {str(path)!r}: {n_bad} of {n_total} {what} hold NaN/Inf (first: "
         f"{first!r}), the run has diverged. "
-        + (f"The previous {path.name} is kept. " if kept else f"The checkpoints already in {path.parent} are kept. ")
-        + "Resume from the last good checkpoint with a lower learning rate or trainer.gradient_clip_val, "
-        "and add lightning_gpuopt.callbacks.NonFiniteGuard to catch the first bad step."
+        + (f"The previous {path.name} is kept" if kept else f"The checkpoints already in {path.parent} are kept")
+        + ", finite, but not necessarily good: weights written while the loss was rising give the same bad "
+        "gradients at any learning rate. " + guard + "resume a checkpoint written while the loss was still falling, "
+        "with a lower learning rate or gradient clipping, or start a new run with a lower learning rate."
     )
 
 
@@ -248,5 +265,6 @@ def disk_full_error(path: Path, needed_bytes: int) -> OSError:
         errno.ENOSPC,
         f"No space left on device at {path.parent} (needs ~{needed_bytes / GB:.2f} GB for {path.name}{free}). "
         + (f"The previous {path.name} is kept. " if path.exists() else "")
-        + "Free space there, or point ModelCheckpoint(dirpath=...) / trainer.default_root_dir at a larger disk.",
+        + f"Free space there, or point {option('ModelCheckpoint', 'dirpath')} or {option('Trainer', 'default_root_dir')} "
+        "at a larger disk.",
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -29,8 +30,10 @@ __all__ = [
     "check_config_files",
     "check_monitored_metrics",
     "check_output_file",
+    "check_run_folder_writable",
     "check_trainer_options",
     "check_stage_data",
+    "check_writable",
 ]
 
 
@@ -68,6 +71,66 @@ def check_trainer_options(trainer: Mapping[str, Any]) -> None:
     if root is not None and Path(root).expanduser().exists() and not Path(root).expanduser().is_dir():
         raise ValueError(f"trainer.default_root_dir={str(root)!r} is a file, not a folder: give a folder for the run's "
                          "checkpoints and logs (it is created if missing).")
+
+
+def check_writable(option: str, path: Union[str, Path], is_file: bool = False, fix: str = "") -> None:
+    """Raise, naming ``option``, unless this process can write ``path`` (a folder, or with ``is_file`` a file).
+
+    Written for real, not asked of ``os.access``: a probe file is created in ``path`` (or a probe folder in
+    its nearest existing parent) and removed at once, so a read-only mount, a pseudo-filesystem such as
+    ``/sys``, a full quota or a folder of another user are all caught, also for root, who passes
+    permission bits. Nothing is left behind.
+
+    Example::
+
+        check_writable("trainer.default_root_dir", "/mnt/ro/run")
+        # ValueError: trainer.default_root_dir='/mnt/ro/run' cannot be written (Read-only file system at /mnt/ro): ...
+
+    Args:
+        option: The option that names the path (in the message).
+        path: The folder (or file) the command will write.
+        is_file: ``path`` is a file: it must not be a folder, and its folder must be writable.
+        fix: What to do, in the message; default: give another path with ``--<option>``.
+    """
+    path = Path(path).expanduser()
+    fix = fix or f"give a path you can write, --{option} PATH (or {option} in the --config file)"
+    if is_file and path.is_dir():
+        raise ValueError(f"{option}={str(path)!r} is a folder, not a file: {fix}.")
+    if not is_file and path.exists() and not path.is_dir():
+        raise ValueError(f"{option}={str(path)!r} is a file, not a folder: {fix}.")
+    folder = path.parent if is_file else path
+    probe = folder.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        if probe == folder.absolute():
+            handle, name = tempfile.mkstemp(dir=probe, prefix=".gpuopt-write-test-")
+            os.close(handle)
+            os.unlink(name)
+        else:  # the folder is created later: its nearest existing parent must take a new folder
+            os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".gpuopt-write-test-"))
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+        raise ValueError(f"{option}={str(path)!r} cannot be written ({why} at {probe}): {fix}.") from None
+
+
+def check_run_folder_writable(subcommand: Optional[str], trainer: Mapping[str, Any]) -> None:
+    """Raise if ``trainer.default_root_dir`` (the working folder when unset) cannot be written by a subcommand that
+    writes there: ``fit``, and ``validate``/``test`` with a logger. Lightning failed with an 18-frame traceback when
+    it first wrote there, after the data was prepared.
+
+    Example::
+
+        check_run_folder_writable("fit", {"default_root_dir": "/mnt/ro/run"})  # ValueError: ... cannot be written ...
+
+    Args:
+        subcommand: The ``gpuopt`` subcommand.
+        trainer: The parsed ``trainer`` group.
+    """
+    if subcommand == "fit" or (subcommand in ("validate", "test") and trainer.get("logger") is not False):
+        check_writable("trainer.default_root_dir", trainer.get("default_root_dir") or os.getcwd(), fix=(
+            "the run's checkpoints and logs go there. Give a folder you can write, --trainer.default_root_dir "
+            "runs/NAME (or trainer.default_root_dir in the --config file)"))
 
 
 def check_callbacks_once(callbacks: Sequence[Callback]) -> None:
@@ -155,12 +218,7 @@ def check_output_file(option: str, path: Union[str, Path], overwrite: bool = Fal
             f"{option}={str(path)!r} exists (written by an earlier run, or a file of yours) and would be replaced: give "
             f"another --{option}, or --{overwrite_option} true to replace it."
         )
-    folder = path.absolute().parent
-    existing = next(p for p in (folder, *folder.parents) if p.exists())  # the folder, or the one it would be made in
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not a folder" if not existing.is_dir() else "is not writable (read-only, or another user's)"
-        made = "" if existing == folder else f" (where {folder} would be created)"
-        raise ValueError(f"{option}={str(path)!r}: {existing}{made} {what}: give a --{option} in a folder you can write.")
+    check_writable(option, path, is_file=True, fix=f"give a --{option} in a folder you can write")
 
 
 def check_config_files(argv: Sequence[str]) -> None:
@@ -210,11 +268,17 @@ class _DuplicateKey(yaml.YAMLError):
 
 
 class _NoDuplicateKeysLoader(yaml.SafeLoader):
-    """``yaml.safe_load``, except that a key given twice in one mapping is an error (YAML keeps the last silently)."""
+    """``yaml.safe_load``, except that a key given twice in one mapping is an error (YAML keeps the last silently).
+
+    Merge keys (``<<: *anchor``) are read as ``yaml.safe_load`` reads them: the mapping's own keys override the
+    merged ones, as YAML means, so only a key written twice in the mapping itself is refused.
+    """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise _DuplicateKey(

@@ -1,4 +1,4 @@
-"""``gpuopt doctor``: what this package will do on this machine, checked in under two minutes.
+"""``gpuopt doctor``: what this package will do on this machine, checked in about a minute (``docs/doctor.md``).
 
 Example::
 
@@ -30,9 +30,11 @@ from typing import Callable, Literal, NamedTuple, Optional, Sequence
 
 import torch
 
+from lightning_gpuopt.cli.config_checks import check_writable
 from lightning_gpuopt.callbacks.cuda_settings import CUDASettings, plan_settings
 from lightning_gpuopt.cli.errors import TRACEBACK_ENV
 from lightning_gpuopt.model.config import PRESETS, GPTConfig
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES, DeviceFacts, read_device
@@ -195,7 +197,8 @@ def float8_checks(facts: DeviceFacts, config: GPTConfig, recipe: str = "tensorwi
                        f"{facts.capability[1]}): Float8Precision runs float8 matmuls")
     else:
         device = Check("float8_device", "info", "no float8 tensor cores (compute capability >= 8.9 needed): "
-                       "Float8Precision(emulate=True) runs here in high precision, for testing, without a speed-up")
+                       f"{option('Float8Precision', 'emulate', True)} runs here in high precision, for testing, "
+                       "without a speed-up")
     try:
         require_torchao()
     except ImportError as err:
@@ -443,6 +446,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--steps must be at least 1, got {args.steps}.")
     if args.json is not None and not args.json.parent.is_dir():  # before the work, not after it
         parser.error(f"--json {args.json}: the folder {args.json.parent} does not exist; create it or pick another path.")
+    if args.json is not None:  # a folder, a read-only one, or one of another user: also before the work
+        try:
+            check_writable("--json", args.json, is_file=True, fix="the checks are written there at the end. Give a file "
+                           "in a folder you can write, --json PATH")
+        except ValueError as err:
+            parser.error(str(err))
     checks = run_checks(steps=args.steps, preset=args.preset)
     print(format_table(checks))
     code = exit_code(checks)

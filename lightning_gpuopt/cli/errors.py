@@ -1,8 +1,8 @@
 """How the ``gpuopt`` command ends on an error: one clear message and an exit status, the traceback on request.
 
-* A configuration or data error (``ValueError``, which includes ``CheckpointError``, or an
-  ``ImportError`` naming a missing extra) prints ``gpuopt: error: <message>`` and exits with 2, the
-  status of the parser's own errors.
+* A configuration or data error (``ValueError``, which includes ``CheckpointError``, an
+  ``ImportError`` naming a missing extra, or a Lightning error :func:`explain_lightning_error` knows to be one)
+  prints ``gpuopt: error: <message>`` and exits with 2, the status of the parser's own errors.
 * A run stopped because training diverged (``NonFiniteError``, ``NonFiniteCheckpointError``, or a
   ``fit`` that ended with non-finite weights) or a full disk prints its message and exits with 1.
 * ``GPUOPT_TRACEBACK=1`` re-raises instead, with the full traceback. Any other error keeps its traceback.
@@ -18,16 +18,33 @@ import re
 import sys
 from typing import Any, Callable, Optional, TypeVar
 
-from lightning_gpuopt.callbacks.nonfinite_guard import NonFiniteError
+from lightning_gpuopt.callbacks.nonfinite_checks import learning_rate_option
+from lightning_gpuopt.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.checkpoint.safety import NonFiniteCheckpointError, is_disk_full, nonfinite_weights
 
-__all__ = ["TRACEBACK_ENV", "check_fit_ended_finite", "explain_parser_error", "run_reporting_errors"]
+__all__ = [
+    "TRACEBACK_ENV",
+    "check_fit_ended_finite",
+    "explain_instantiation_error",
+    "explain_lightning_error",
+    "explain_parser_error",
+    "run_reporting_errors",
+]
 
 TRACEBACK_ENV = "GPUOPT_TRACEBACK"
 _LINK = re.compile(r"argument (\S+) --> (\S+): ")
 _NESTED = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*Parser key "([^"]+)":\s*([^\n]+)', re.S)
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.+)\]\. Got value: (.+)")
 _NOT_FINITE = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'float\'>\. Got value: ([-+]?(?:inf|infinity|nan))\s*$', re.I)
+_NOT_FINITE_UNION = re.compile(  # an Optional[Union[float, int]] option such as trainer.gradient_clip_val
+    r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[[^\n]*<class \'float\'>'
+    r".*?Given value: ([-+]?(?:inf|infinity|nan))\s*$", re.I | re.S
+)
+_UNION = "Does not validate against any of the Union subtypes"
+_LIST_OF = {"callbacks.callback.Callback": "trainer.callbacks", "Precision": "trainer.plugins", "CheckpointIO": "trainer.plugins"}
+_OWNER_OPTION = re.compile(r"^([A-Z]\w*)\.(\w+) must ")
+_LIMIT_UNDER_ONE = re.compile(r"You requested to check ([\d.e-]+) of the `(\w+)_dataloader` but [\d.e-]+ \* (\d+) < 1")
 _NO_SHORT_NAME = re.compile(r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Expected a dot import path string: (\S+)', re.S)
 _LIST_AS_TEXT = re.compile(
     r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[list\[[^\n]*'
@@ -66,7 +83,7 @@ def explain_parser_error(message: str) -> str:
         source, target = link.groups()
         return (f"{target} is set from {source} (gpuopt links them, so the two always agree): drop {target} and "
                 f"set {source} only (--{source} on the command line, or {source} in the --config file).")
-    not_finite = _NOT_FINITE.search(message)
+    not_finite = _NOT_FINITE.search(message) or _NOT_FINITE_UNION.search(message)
     if not_finite:
         key, value = not_finite.groups()
         return f"{key} must be a finite number, got {value}: give a finite value for --{key} (or {key} in the --config file)."
@@ -115,6 +132,38 @@ def explain_parser_error(message: str) -> str:
         f"The --config file must be a YAML mapping of groups (trainer:, model:, data:, ...), got: {text[:200]!r}. "
         "See examples/configs/quickstart.yaml."
     )
+
+
+def explain_instantiation_error(err: BaseException) -> Optional[str]:
+    """One line for a class in ``trainer.callbacks`` or ``trainer.plugins`` whose constructor refused an argument,
+    else ``None``.
+
+    The parser builds those lists when the classes are instantiated, and reports a constructor's error as a page
+    of "Does not validate against any of the Union subtypes" with the real line one among three; this gives
+    that line, the list it came from and where to fix the value, as the ``gpuopt`` command takes it.
+
+    Example::
+
+        explain_instantiation_error(err)
+        # "trainer.callbacks: MFUMonitor.log_every_n_steps must be an integer >= 1 or None, got 0. Fix
+        #  init_args.log_every_n_steps of MFUMonitor in trainer.callbacks (the --config file, or
+        #  --trainer.callbacks.log_every_n_steps right after --trainer.callbacks+=MFUMonitor)."
+
+    Args:
+        err: The error the CLI raised while building the classes.
+    """
+    cause = err.__cause__
+    if not isinstance(err, ValueError) or not str(err).startswith(_UNION) or cause is None:
+        return None
+    subtypes = str(err).split("\n", 2)[1] if "\n" in str(err) else ""
+    where = next((group for name, group in _LIST_OF.items() if name in subtypes), "trainer.callbacks")
+    detail = str(cause).strip().rstrip(".")
+    owned = _OWNER_OPTION.match(detail)
+    if owned is None:
+        return f"{where}: {detail}. Fix the init_args of that class in {where} (the --config file or the command line)."
+    owner, name = owned.groups()
+    flag = f"--{where}.{name} right after --{where}+={owner}"
+    return f"{where}: {detail}. Fix {option(owner, name)} (the --config file, or {flag})."
 
 
 def _unknown_init_arg(group: str, class_path: str, key: str) -> str:
@@ -199,19 +248,39 @@ def check_fit_ended_finite(trainer: Any, module: Any) -> None:
     if bad:
         loss = trainer.callback_metrics.get("train/loss")
         loss_text = f"train/loss={float(loss)}, " if loss is not None else ""
+        guard = next((c for c in trainer.callbacks if isinstance(c, NonFiniteGuard)), None)
+        advice = (guard.advice(module) if guard is not None else
+                  f"Start a new run with a lower {learning_rate_option(module)} or gradient clipping "
+                  f"({option('Trainer', 'gradient_clip_val')}), and add lightning_gpuopt.callbacks.NonFiniteGuard "
+                  "to the callbacks: it stops at the first bad step and says whether the last checkpoint is worth resuming.")
         raise NonFiniteError(
             f"Training ended with non-finite weights ({len(bad)} of {len(params)} parameters hold NaN/Inf, first "
-            f"{bad[0]!r}; {loss_text}step {trainer.global_step}): the model diverged. Resume from the last good "
-            f"checkpoint with a lower {_learning_rate_option(module)} or trainer.gradient_clip_val, and add "
-            "lightning_gpuopt.callbacks.NonFiniteGuard to stop at the first bad step."
+            f"{bad[0]!r}; {loss_text}step {trainer.global_step}): the model diverged. {advice}"
         )
 
 
-def _learning_rate_option(module: Any) -> str:
-    """``model.learning_rate`` for ``GPTModule``, whose option it is; words for a module of one's own."""
-    from lightning_gpuopt.model import GPTModule
+def explain_lightning_error(err: BaseException) -> Optional[str]:
+    """One line with the fix for a Lightning error that is a configuration error, else ``None``.
 
-    return "model.learning_rate" if isinstance(module, GPTModule) else "learning rate"
+    So far: a fractional ``trainer.limit_<stage>_batches`` that leaves less than one batch of a loader (Lightning
+    says "0.1 * 5 < 1" from inside its data connector, 17 frames down, when the loader is first built).
+
+    Example::
+
+        explain_lightning_error(MisconfigurationException("You requested to check 0.1 of the `val_dataloader` but "
+                                                          "0.1 * 5 < 1. ..."))
+        # "trainer.limit_val_batches=0.1 keeps less than one of the 5 val batches (0.1 x 5 < 1): ..."
+    """
+    under_one = _LIMIT_UNDER_ONE.search(str(err))
+    if under_one is None:
+        return None
+    fraction, prefix, length = under_one.groups()
+    stage = {"train": "training", "val": "validation"}.get(prefix, prefix)
+    key = f"trainer.limit_{prefix}_batches"
+    least = -(-1000 // int(length)) / 1000  # 1 / length, rounded up to 3 decimals
+    return (f"{key}={fraction} keeps less than one of the {length} {stage} batches ({fraction} x {length} < 1), so "
+            f"no {stage} would run: give a fraction of at least {least:g}, or a number of batches (--{key} "
+            f"{length} runs all {length}); a smaller batch size or sequence length also makes more batches.")
 
 
 def _exit_status(err: BaseException) -> Optional[int]:
@@ -219,7 +288,7 @@ def _exit_status(err: BaseException) -> Optional[int]:
         return 1
     if isinstance(err, Exception) and is_disk_full(err):
         return 1
-    if isinstance(err, (ValueError, ImportError)):
+    if isinstance(err, (ValueError, ImportError)) or explain_lightning_error(err) is not None:
         return 2
     return None
 
@@ -241,6 +310,7 @@ def run_reporting_errors(run: Callable[[], T]) -> T:
         if status is None or os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0"):
             raise
         label = "training stopped" if status == 1 else "error"
-        sys.stderr.write(f"gpuopt: {label}: {err}\n(set {TRACEBACK_ENV}=1 to see the traceback)\n")
+        message = explain_instantiation_error(err) or explain_lightning_error(err) or err
+        sys.stderr.write(f"gpuopt: {label}: {message}\n(set {TRACEBACK_ENV}=1 to see the traceback)\n")
         sys.stderr.flush()
         raise SystemExit(status) from None

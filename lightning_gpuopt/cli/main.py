@@ -47,6 +47,7 @@ from lightning_gpuopt.cli.config_checks import (
     check_config_files,
     check_monitored_metrics,
     check_stage_data,
+    check_run_folder_writable,
     check_trainer_options,
 )
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
@@ -55,6 +56,7 @@ from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.perf.parallel import tensor_parallel_size
 from lightning_gpuopt.internals import parser_options
+from lightning_gpuopt.option_checks import command_line_options
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
 from lightning_gpuopt.cli.generate import add_generate_arguments, check_generate_options, completions_path, generate_from_file
@@ -82,6 +84,15 @@ _DESCRIPTION = (
     "gpuopt fit --print_config shows it all."
 )
 _DOCTOR_EPILOG = "gpuopt doctor: what this package will do on this machine (gpuopt doctor --help)."
+_OWN_CLASSES = (  # said at the top of every subcommand's help, under a one-line usage: some 800 lines of options follow
+    "The model is GPTModule (--model.* below) on TextDataModule (--data.*) unless you name a class of your own: --model "
+    "my_pkg.MyModule trains any LightningModule, --data my_pkg.MyData reads any LightningDataModule (without one, the "
+    "module's own loaders), each with its options after it (--model my_pkg.MyModule --model.n_layer 6); same stack.")
+_SUBCOMMANDS = {name: {"usage": f"gpuopt {name} [--config FILE] [--model CLASS] [--data CLASS] [--GROUP.OPTION VALUE ...]",
+                       "description": f"gpuopt {name}: {what} {_OWN_CLASSES}"} for name, what in (
+    ("fit", "train, with the stack for this machine (gpuopt --help); --ckpt_path last continues the last run."),
+    ("validate", "the validation loss of a checkpoint (--ckpt_path)."), ("test", "the test loss of a checkpoint (--ckpt_path)."),
+    ("predict", "sample from a checkpoint (--ckpt_path): --data.prompts, or --generate.prompts_file to JSONL."))}
 _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
 
 
@@ -250,6 +261,7 @@ class GPTCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_trainer_options(config.get("trainer") or {})
+        check_run_folder_writable(self.subcommand, config.get("trainer") or {})
         _drop_checkpoint_callbacks_if_disabled(config)
         if self.subcommand == "fit":
             problem = check_run_length(config.get("trainer", {}))
@@ -408,7 +420,7 @@ def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
         seed_everything_default=1337,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"default_env": True, "env_prefix": "GPUOPT", "prog": "gpuopt", "epilog": _DOCTOR_EPILOG,
-                       "description": _DESCRIPTION},
+                       "description": _DESCRIPTION, **_SUBCOMMANDS},
         args=args,  # None: LightningCLI reads sys.argv itself (and does not warn about `args`)
     )
     return GPTCLI(
@@ -426,10 +438,12 @@ def main(args: Optional[list[str]] = None) -> None:
     A SIGTERM during ``fit`` saves ``last.ckpt`` (``SigtermCheckpoint``) and ends the process with
     status 143 (128 + SIGTERM), so a scheduler sees an interrupted job and can requeue it.
 
-    ``gpuopt doctor`` is handled before LightningCLI parses anything (:mod:`lightning_gpuopt.cli.doctor`)."""
+    ``gpuopt doctor`` is handled before LightningCLI parses anything (:mod:`lightning_gpuopt.cli.doctor`).
+    Messages name their fixes as this command's options (:func:`~lightning_gpuopt.option_checks.option`)."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["doctor"]:
-        sys.exit(doctor_main(argv[1:]))
+        with command_line_options():
+            sys.exit(doctor_main(argv[1:]))
 
     def run() -> None:
         with quiet_lightning():
@@ -438,7 +452,8 @@ def main(args: Optional[list[str]] = None) -> None:
             check_fit_ended_finite(cli.trainer, cli.model)  # a diverged run does not exit 0
 
     try:
-        run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)
+        with command_line_options():
+            run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)
     except SIGTERMException:  # a SystemExit, not an Exception: run_reporting_errors lets it through
         end_distributed()
         sys.exit(128 + signal.SIGTERM)

@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_gpuopt.model import GPT, GPTConfig
 
 __all__ = ["command_with_checkpoint", "count_text", "has_predict_data", "model_line", "where_things_went"]
 
@@ -72,13 +75,16 @@ def model_line(model: pl.LightningModule) -> str:
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
+    config = getattr(model, "config", None)
+    if total == 0 and isinstance(config, GPTConfig):  # GPTModule builds its GPT in configure_model: count its config's
+        with torch.device("meta"):
+            total = sum(p.numel() for p in GPT(config).parameters())
     if total == 0 and is_overridden("configure_model", model):
         count = "parameters built in configure_model, at the start of fit (none before it to count)"
     else:
         count = f"{count_text(total)} parameters"
         if frozen:
             count += f" ({count_text(total - frozen)} trainable, {count_text(frozen)} frozen)"
-    config = getattr(model, "config", None)
     shape = ""
     if config is not None and hasattr(config, "n_layer"):
         shape = (f" ({config.n_layer} layers, width {config.n_embd}, {config.n_head} heads, context {config.block_size}, "

@@ -49,7 +49,8 @@ __all__ = [
     "write_meta",
 ]
 
-FORMAT_VERSION = 2  # bump when the on-disk layout or the tokenisation changes (2: meta.json with fingerprints)
+FORMAT_VERSION = 3  # bump when the on-disk layout or the tokenisation changes (2: meta.json with fingerprints;
+# 3: a literal <|endoftext|> in the text is text, not the separator)
 
 META = "meta.json"
 TOKENIZER = "tokenizer.json"

@@ -17,7 +17,14 @@ from lightning_gpuopt.data.prepare import prepare_token_cache
 from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
-from lightning_gpuopt.data.tokenizer import EOT_TOKEN, carried_tokenizer, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+from lightning_gpuopt.data.tokenizer import (
+    EOT_TOKEN,
+    carried_tokenizer,
+    check_same_tokenizer,
+    load_tokenizer,
+    plain_text,
+    tokenizer_fingerprint,
+)
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 from lightning_gpuopt.perf.device import cuda_device_count
@@ -292,7 +299,7 @@ class TextDataModule(pl.LightningDataModule):
                     "and let the nodes that share it read the same corpus files."
                 )
             self._meta = meta
-            self.tokenizer = Tokenizer.from_file(str(self.data_dir / "tokenizer.json"))
+            self.tokenizer = plain_text(Tokenizer.from_file(str(self.data_dir / "tokenizer.json")))
             if self._encode_with is None and self.vocab_size != self._meta["vocab_size"]:  # a BPE trained here
                 note = vocab_shortfall(self.vocab_size, self._meta["vocab_size"])
                 if note:

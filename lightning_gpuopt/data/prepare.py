@@ -12,7 +12,9 @@ batch: independent of the size of the corpus and of its files.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
@@ -24,6 +26,8 @@ from lightning_gpuopt.data.cache import TOKENIZER, cache_lock, check_cache, chec
 from lightning_gpuopt.data.sources import AnswerText, Corpus
 from lightning_gpuopt.data.tokenizer import EOT_TOKEN, train_bpe_tokenizer
 from lightning_gpuopt.data.tokens import token_dtype, write_tokens
+from lightning_gpuopt.option_checks import option
+from lightning_gpuopt.perf.units import GB
 
 __all__ = ["encode_batch_size", "encode_documents", "prepare_token_cache", "prepare_tokens"]
 
@@ -212,5 +216,25 @@ def prepare_token_cache(
             warn(f"Rebuilding the token cache {out}: {reason}.")
             remove_leftovers(out)
             (out / "meta.json").unlink(missing_ok=True)  # a kill from here on leaves an incomplete folder
-        meta = prepare_tokens(corpus, out, tokenizer, vocab_size, val_fraction, info)
-        write_meta(out, {**expected, "source": source, **meta})
+        try:
+            meta = prepare_tokens(corpus, out, tokenizer, vocab_size, val_fraction, info)
+            write_meta(out, {**expected, "source": source, **meta})
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise _disk_full(out, err) from err
+
+
+def _disk_full(out: Path, err: OSError) -> OSError:
+    """The error for a token cache that ran out of space: the folder (removed: it was incomplete), what is free,
+    and the two settings that move the cache."""
+    shutil.rmtree(out, ignore_errors=True)  # no meta.json: nothing could use it, and it holds the space
+    try:
+        left = shutil.disk_usage(out.parent).free
+        free = f" ({left / GB:.2f} GB free there now)" if left >= GB else f" ({left / 1e6:.2f} MB free there now)"
+    except OSError:
+        free = ""
+    return OSError(err.errno, (
+        f"{err.strerror or 'No space left on device'} while writing the token cache {out}{free}; the partial folder was "
+        f"removed. Free space there, or put the cache on a larger disk: {option('TextDataModule', 'cache_dir')} or "
+        "the GPUOPT_CACHE_DIR environment variable."))

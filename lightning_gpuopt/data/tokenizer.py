@@ -16,12 +16,30 @@ __all__ = [
     "carried_tokenizer",
     "check_same_tokenizer",
     "load_tokenizer",
+    "plain_text",
     "tokenizer_fingerprint",
     "train_bpe_tokenizer",
 ]
 
 EOT_TOKEN = "<|endoftext|>"  # separates documents in the token stream, as in GPT-2
 MIN_VOCAB_SIZE = 257  # the 256 byte tokens and <|endoftext|>
+
+
+def plain_text(tokenizer: Tokenizer) -> Tokenizer:
+    """``tokenizer``, set to encode every text as text: a literal ``<|endoftext|>`` (or any special token) written
+    in a corpus or a prompt gets the ids of its characters, never the special token's id. Returns it.
+
+    The document separator is written by the code that joins documents (:mod:`~lightning_gpuopt.data.prepare`),
+    so a corpus that quotes the token (a tokenizer's documentation, a dump of GPT-2 data) keeps its documents
+    as they are. ``tokenizers`` does not save this setting, so every tokenizer the package builds or reads
+    passes through here.
+
+    Example::
+
+        plain_text(tok).encode("a <|endoftext|> b").ids  # no id of <|endoftext|> among them
+    """
+    tokenizer.encode_special_tokens = True
+    return tokenizer
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -43,7 +61,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         raise ValueError(
             f"data.vocab_size must be at least {MIN_VOCAB_SIZE} (256 bytes + <|endoftext|>), got {vocab_size}."
         )
-    tokenizer = Tokenizer(models.BPE())
+    tokenizer = plain_text(Tokenizer(models.BPE()))  # merges learnt from a quoted <|endoftext|> as from any text
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -78,7 +96,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             f"data.tokenizer={str(path)!r} has no {EOT_TOKEN!r} token, which separates documents: add it as a "
             "special token, or leave data.tokenizer unset to train one on the corpus."
         )
-    return tokenizer
+    return plain_text(tokenizer)
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
@@ -121,7 +139,7 @@ def carried_tokenizer(saved: dict) -> Optional[Tokenizer]:
     if saved.get("tokenizer_sha256") and tokenizer_fingerprint(tokenizer) != saved["tokenizer_sha256"]:
         raise ValueError("The checkpoint's tokenizer (tokenizer_json) does not match its tokenizer_sha256: the "
                          "checkpoint is damaged. Use an earlier checkpoint of the run.")
-    return tokenizer
+    return plain_text(tokenizer)
 
 
 def check_same_tokenizer(saved: dict, tokenizer: Tokenizer, where: str, fix: Optional[str] = None) -> None:

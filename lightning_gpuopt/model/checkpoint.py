@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Union
 
 import torch
 
+from lightning_gpuopt.option_checks import from_command_line
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 
@@ -74,10 +76,7 @@ def read_checkpoint(
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "Weights only load failed" in str(err):
-            raise CheckpointError(
-                f"Checkpoint {str(path)!r} holds objects other than tensors and primitive types, so it was not loaded "
-                f"with weights_only=True. If you trust the file, load it with weights_only=False. ({str(err).splitlines()[0]})"
-            ) from err
+            raise CheckpointError(_not_weights_only(path, str(err))) from err
         raise CheckpointError(
             f"{str(path)!r} is not a PyTorch checkpoint (cannot unpickle it: {err}): give a .ckpt file written by "
             "Lightning / lightning_gpuopt."
@@ -87,6 +86,25 @@ def read_checkpoint(
             f"Checkpoint {str(path)!r} is truncated or corrupt ({type(err).__name__}: {str(err).splitlines()[0]}): the "
             "write was probably interrupted. Use an earlier checkpoint; save with AtomicCheckpointIO to prevent this."
         ) from err
+
+
+def _not_weights_only(path: Path, error: str) -> str:
+    """The message for a checkpoint that holds pickled objects, with the fix the caller can apply.
+
+    ``gpuopt`` reads every checkpoint with ``weights_only=True``, whatever its ``--weights_only`` option says
+    (unpickling an object runs whatever code the file put in it), so there the fix is a file that holds
+    only tensors; in Python, ``weights_only=False`` for a file one trusts.
+    """
+    found = re.search(r"GLOBAL (\S+)", error)
+    what = f" (the first: {found.group(1)})" if found else ""
+    text = (f"Checkpoint {str(path)!r} holds objects other than tensors and primitive types{what}, so it was not "
+            "loaded: loading them would run whatever code the file holds. ")
+    if from_command_line():
+        return text + ("gpuopt reads checkpoints with weights_only=True only, whatever --weights_only says. If you "
+                       "trust the file, save what you need of it again in Python (torch.load(path, weights_only=False), "
+                       "then torch.save of its tensors and numbers) and pass that file; or use a checkpoint written by "
+                       "gpuopt or Lightning.")
+    return text + "If you trust the file, load it with weights_only=False."
 
 
 def _check_stored_checksums(path: Path) -> None:

@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.model.loss import LOSS_IMPLS, LossImpl
 from lightning_gpuopt.perf.device import DeviceFacts
 
@@ -185,7 +186,7 @@ class GPTConfig:
             # Checked here, when the config is built, not when the model is (after data preparation).
             raise ImportError(
                 "GPTConfig(attention='flash-attn') needs the flash-attn package: "
-                'pip install "lightning-gpuopt[flash]" (CUDA only), or use attention="sdpa".'
+                f'pip install "lightning-gpuopt[flash]" (CUDA only), or use {option("GPTModule", "attention", "sdpa")}.'
             )
         if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(
@@ -195,7 +196,7 @@ class GPTConfig:
         if self.loss_impl == "liger" and importlib.util.find_spec("liger_kernel") is None:
             raise ImportError(
                 "GPTConfig(loss_impl='liger') needs Liger-Kernel: pip install \"lightning-gpuopt[liger]\" "
-                "(CUDA only), or use loss_impl='chunked'."
+                f"(CUDA only), or use {option('GPTModule', 'loss_impl', 'chunked')}."
             )
         self.head_size = self.n_embd // self.n_head
         self.padded_vocab_size = _round_up(self.vocab_size, self.padding_multiple)
@@ -325,19 +326,19 @@ def check_attention_runs(config: GPTConfig, facts: DeviceFacts, dtype: Optional[
     if not facts.flash_attention:
         raise ValueError(
             f"GPTConfig(attention='flash-attn') needs a CUDA GPU of compute capability 8.0 or newer (A100, L4, "
-            f"H100), and this run's device is {facts.describe()}: use attention='sdpa', which picks a kernel "
-            "this device has."
+            f"H100), and this run's device is {facts.describe()}: use {option('GPTModule', 'attention', 'sdpa')}, which "
+            "picks a kernel this device has."
         )
     if dtype is None:
         warnings.warn(
             "GPTConfig(attention='flash-attn') runs in fp16 or bf16 only, and the precision plugin does not say "
             "its compute dtype: if it computes in float32 the first step fails. Use bf16 precision "
-            "(precision='bf16-mixed' or BF16Precision()), or attention='sdpa'.",
+            f"({option('Trainer', 'precision', 'bf16-mixed')} or BF16Precision), or {option('GPTModule', 'attention', 'sdpa')}.",
             stacklevel=2,
         )
     elif dtype not in _FLASH_ATTN_DTYPES:
         raise ValueError(
             f"GPTConfig(attention='flash-attn') runs in fp16 or bf16 only, and this run computes in {dtype} "
-            "(the precision plugin's compute dtype): use bf16 precision (precision='bf16-mixed' or "
-            "BF16Precision()), or attention='sdpa'."
+            f"(the precision plugin's compute dtype): use bf16 precision ({option('Trainer', 'precision', 'bf16-mixed')} "
+            f"or BF16Precision), or {option('GPTModule', 'attention', 'sdpa')}."
         )

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.perf.device import DeviceFacts
 from lightning_gpuopt.perf.peaks import peak_flops as table_peak_flops
 from lightning_gpuopt.perf.units import GiB
@@ -182,7 +183,7 @@ def _plural(count: int, noun: str) -> str:
     return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
-def _advice(peak_pct: Optional[float], wait_pct: float, dtype: str, on_cuda: bool, compiled: bool) -> list[str]:
+def _advice(peak_pct: Optional[float], wait_pct: float, dtype: str, on_cuda: bool, compiled: bool, workers: str) -> list[str]:
     advice = []
     if peak_pct is not None and peak_pct < 50:
         advice.append(
@@ -191,12 +192,12 @@ def _advice(peak_pct: Optional[float], wait_pct: float, dtype: str, on_cuda: boo
         )
     if wait_pct > 5:
         advice.append(
-            f"The model waits for data {wait_pct:.0f}% of the time: raise the DataLoader's "
-            "num_workers (TextDataModule(num_workers=...)) or pin_memory."
+            f"The model waits for data {wait_pct:.0f}% of the time: raise {workers} (or pin the loader's memory)."
         )
     if dtype == "fp32" and on_cuda:
         advice.append(
-            "Matmuls run in fp32 without TF32: add CUDASettings(tf32=True) or train with precision='bf16-mixed'."
+            f"Matmuls run in fp32 without TF32: add CUDASettings ({option('CUDASettings', 'tf32', True)}) or train "
+            f"with {option('Trainer', 'precision', 'bf16-mixed')}."
         )
     if dtype == "fp8" and not compiled:
         advice.append("FP8 without torch.compile leaves most of its speed-up unused: compile the model.")
@@ -221,6 +222,7 @@ def summarise_windows(
     on_cuda: bool = False,
     compiled: bool = False,
     tensor_parallel: int = 1,
+    workers: str = "the training DataLoader's num_workers",
 ) -> dict[str, Any]:
     """The end-of-fit report: ``{"text", "advice", "metrics"}`` over this fit's measured windows, with advice that names the fix.
 
@@ -252,6 +254,7 @@ def summarise_windows(
         on_cuda: Whether the run is on a CUDA device (the fp32 advice applies there only).
         compiled: Whether the module runs under ``torch.compile`` (the fp8 advice).
         tensor_parallel: Devices that split each layer (see :func:`window_metrics`).
+        workers: The setting that raises the training loader's worker processes (the data-wait advice names it).
     """
     if not windows:
         text = (
@@ -294,6 +297,6 @@ def summarise_windows(
         lines.append(f"  {fit_tokens:,} tokens {per} in this fit ({fit_flops / 1e12:.3g} model TFLOP)")
     if run_tokens is not None:
         lines.append(f"  the run so far, resumed: {run_tokens:,} tokens {per} ({(run_flops or 0.0) / 1e12:.3g} model TFLOP)")
-    advice = _advice(peak_memory_pct, metrics["perf/dataloader_wait_pct"], dtype, on_cuda, compiled)
+    advice = _advice(peak_memory_pct, metrics["perf/dataloader_wait_pct"], dtype, on_cuda, compiled, workers)
     lines += [f"  advice: {a}" for a in advice]
     return {"text": "\n".join(lines), "advice": advice, "metrics": metrics}

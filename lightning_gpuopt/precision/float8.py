@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts
 from lightning_gpuopt.precision.base import DevicePrecision
@@ -53,15 +54,15 @@ def check_float8_device(facts: DeviceFacts, emulate: bool) -> None:
     if not facts.is_cuda:
         rank_zero_warn(
             f"Float8Precision on {facts.describe()}: no float8 tensor cores, so the float8 layers compute in "
-            "high precision (emulated: the float8 numerics, slowly, no speed-up). Pass Float8Precision(emulate=True) "
-            "to say so, or use BF16Precision() for speed."
+            f"high precision (emulated: the float8 numerics, slowly, no speed-up). Set {option('Float8Precision', 'emulate', True)} "
+            "to say so, or use BF16Precision for speed."
         )
         return
     major, minor = facts.capability or (0, 0)
     raise RuntimeError(
         f"Float8Precision needs a GPU with compute capability >= 8.9 (L4, L40, H100, ...) for float8 "
-        f"matmuls, but {facts.describe()} has {major}.{minor}. Use Float8Precision(emulate=True) to "
-        "test the float8 numerics (slowly) on this GPU, or BF16Precision() to train fast on it."
+        f"matmuls, but {facts.describe()} has {major}.{minor}. Set {option('Float8Precision', 'emulate', True)} to "
+        "test the float8 numerics (slowly) on this GPU, or use BF16Precision to train fast on it."
     )
 
 
@@ -209,7 +210,7 @@ class Float8Precision(DevicePrecision):
             self._warned_not_compiled = True
             rank_zero_warn(
                 "Float8Precision: the model is not compiled, and float8 without torch.compile is several times "
-                "slower than bf16. Compile it: GPTModule(compile=True), `self.model.compile()` in configure_model, "
+                f"slower than bf16. Compile it: {option('GPTModule', 'compile', True)}, `self.model.compile()` in configure_model, "
                 "or trainer.fit(torch.compile(module))."
             )
         return module

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 import torch
 from torch import nn
 
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.perf.compiled import is_compiled
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def nothing_converted_message(
     if any(r and r.startswith("too small") for _, _, r in report):
         fix.append(
             "layers below torchao's size thresholds are skipped by module_filter='auto' because float8 would be "
-            "slower there: pass module_filter=['lm_head'] (or []) to convert them anyway"
+            f"slower there: set {option('Float8Precision', 'module_filter', ['lm_head'])} (or []) to convert them anyway"
         )
     fix.append("or use BF16Precision")
     return (
@@ -130,25 +131,34 @@ OUTPUT_LAYER_NAMES = frozenset({"lm_head", "output", "head", "classifier", "scor
 
 
 # torchao logs one line per compiled kernel library (``_C*.so``) that does not load with this torch build
-# (MX and CUTLASS kernels); the float8 training recipes here do not use them.
-_TORCHAO_KERNEL_LINE = re.compile(r"Failed to load \S*_C\S*\.so: ")
+# (MX and CUTLASS kernels); the float8 training recipes here do not use them. Under torch >= 2.13 its import
+# also makes torch log that registering its KernelPreference enum is deprecated: torchao's to change, not a user's.
+_IMPORT_LINES = {
+    "torchao": re.compile(r"Failed to load \S*_C\S*\.so: "),
+    "torch.utils._pytree": re.compile(r"<enum 'KernelPreference'> is an Enum subclass"),
+}
 
 
-class _DropKernelLines(logging.Filter):
+class _DropLines(logging.Filter):
+    def __init__(self, line: re.Pattern) -> None:
+        super().__init__()
+        self.line = line
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not _TORCHAO_KERNEL_LINE.match(record.getMessage())
+        return not self.line.match(record.getMessage())
 
 
 @contextlib.contextmanager
 def _quiet_torchao_kernel_lines() -> Iterator[None]:
-    """Leave out torchao's "Failed to load ..._C*.so" lines while the block runs; its other log lines stay."""
-    logger = logging.getLogger("torchao")
-    kernel_lines = _DropKernelLines()
-    logger.addFilter(kernel_lines)
+    """Leave out the lines of :data:`_IMPORT_LINES` while the block runs; other log lines stay."""
+    filters = [(logging.getLogger(name), _DropLines(line)) for name, line in _IMPORT_LINES.items()]
+    for logger, drop in filters:
+        logger.addFilter(drop)
     try:
         yield
     finally:
-        logger.removeFilter(kernel_lines)
+        for logger, drop in filters:
+            logger.removeFilter(drop)
 
 
 def require_torchao() -> None:

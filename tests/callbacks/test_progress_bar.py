@@ -83,3 +83,48 @@ def test_rich_bar_names_no_epoch_total_for_a_step_bounded_run_and_shows_the_vers
         trainer.fit(module, datamodule=data)
         assert {d.strip() for d in descriptions} == {described}  # Lightning's own: "Epoch 0/-2" for the first
     assert versions and all(v == "0" for v in versions[:2])  # the CSV log's version_0, not "0.000"
+
+
+def test_a_line_logged_during_training_is_on_its_own_line_above_the_bar(monkeypatch, tmp_path):
+    """NonFiniteGuard says at the first step which mode it checks in: the line used to follow the bar's text."""
+    import io
+    import logging
+    import re
+    import sys
+
+    import lightning.pytorch as pl
+
+    from lightning_gpuopt.callbacks import NonFiniteGuard
+    from tests.callbacks.test_nonfinite_guard import _loader, _model
+
+    screen = io.StringIO()  # the terminal: the bars (stdout) and the log lines (stderr) on one screen
+    monkeypatch.setattr(sys, "stdout", screen)
+    logger, console = logging.getLogger("lightning.pytorch"), logging.StreamHandler(screen)
+    monkeypatch.setattr(logger, "handlers", [console])  # as Lightning sets it up outside pytest (which has its own)
+    monkeypatch.setattr(logger, "propagate", False)
+    bar = ResumedTQDMProgressBar()
+    trainer = pl.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         limit_val_batches=0, default_root_dir=tmp_path, callbacks=[bar, NonFiniteGuard(mode="step")])
+    trainer.fit(_model(), _loader())
+    pieces = re.split(r"[\r\n]", screen.getvalue())  # what a terminal shows at the start of a line
+    said = [p for p in pieces if "NonFiniteGuard: checking" in p]
+    assert said == ["NonFiniteGuard: checking every optimizer step (one host sync per step)."]
+    assert any(p.startswith("Epoch 0: 100%") for p in pieces)  # the bar, drawn again after the line
+    assert logger.handlers == [console]  # put back at the end
+    # A fit that ends in an error (Lightning calls no teardown then): the handler is put back and the bar ends its
+    # line, so what is written next (gpuopt's one-line error) starts a line of its own.
+    failing = _model(bad_steps={2}, mode="nan")
+    with pytest.raises(Exception, match="NonFiniteGuard stopped the run"):
+        pl.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+                   default_root_dir=tmp_path, callbacks=[ResumedTQDMProgressBar(), NonFiniteGuard(policy="stop")]).fit(
+            failing, _loader())
+    assert logger.handlers == [console] and screen.getvalue().endswith("\n")
+
+
+def test_whole_numbers_show_as_whole_numbers():
+    from lightning_gpuopt.callbacks.progress_bar import whole_numbers_as_text
+
+    shown = whole_numbers_as_text({"v_num": 0, "tok/s": 643, "train/loss": 7.57, "flag": True})
+    assert shown == {"v_num": "0", "tok/s": "643", "train/loss": 7.57, "flag": True}
+    # Rich formats what is not text with `.3f`: this is why the bar read "tok/s: 643.000".
+    assert [f"{v:.3f}" if not isinstance(v, str) else v for v in shown.values()][:2] == ["0", "643"]

@@ -30,8 +30,11 @@ def test_a_diverged_run_never_replaces_the_good_checkpoints(tmp_path, cache_dir,
         plugins=[AtomicCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)],
     )
     # AdamW's exp_avg_sq overflows before the weights do: the optimizer state is checked too.
-    with pytest.raises(NonFiniteCheckpointError, match=r"tensors hold NaN/Inf .*the run has diverged"):
+    with pytest.raises(NonFiniteCheckpointError, match=r"tensors hold NaN/Inf .*the run has diverged") as refused:
         trainer.fit(model, datamodule=data)
+    # The file kept is finite, which does not make it good: the message does not say it is, and names the guard.
+    assert "finite, but not necessarily good" in str(refused.value) and "last good" not in str(refused.value)
+    assert "Add lightning_gpuopt.callbacks.NonFiniteGuard" in str(refused.value)
     assert 1 <= trainer.global_step < 20
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert "last.ckpt" in files and len(files) == 2  # last.ckpt and the top-1 file of the same (last good) step
@@ -41,19 +44,28 @@ def test_a_diverged_run_never_replaces_the_good_checkpoints(tmp_path, cache_dir,
         assert all(bool(torch.isfinite(t).all()) for t in ckpt["state_dict"].values() if t.is_floating_point())
         moments = [t for s in ckpt["optimizer_states"][0]["state"].values() for t in s.values()]
         assert moments and all(bool(torch.isfinite(t).all()) for t in moments)
-    load_gpt(tmp_path / "ckpt" / "last.ckpt")  # loads: the good model
-    # The advice of the message, followed: resuming from last.ckpt with a lower learning rate trains on, finite.
+    load_gpt(tmp_path / "ckpt" / "last.ckpt")  # loads
+    # Why it is not called good: resumed at a 10^6 times lower learning rate, its next save is refused again.
     stopped_at = trainer.global_step - 1
-    model = GPTModule(preset="tiny", vocab_size=300, block_size=32, warmup_steps=0, learning_rate=1e-3)
-    trainer = pl.Trainer(
-        max_steps=stopped_at + 2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, plugins=[AtomicCheckpointIO()], enable_checkpointing=False,
-        callbacks=[ResumedOptimizerSettings()],  # applies the new learning rate, as `gpuopt fit --ckpt_path` does
-    )
-    trainer.fit(model, datamodule=data, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
-    assert trainer.optimizers[0].param_groups[0]["initial_lr"] == 1e-3
+
+    def resume(learning_rate, ckpt_path):
+        model = GPTModule(preset="tiny", vocab_size=300, block_size=32, warmup_steps=0, learning_rate=learning_rate)
+        trainer = pl.Trainer(
+            max_steps=stopped_at + 2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0, plugins=[AtomicCheckpointIO()], default_root_dir=tmp_path / str(learning_rate),
+            callbacks=[ResumedOptimizerSettings(),  # applies the new learning rate, as `gpuopt fit --ckpt_path` does
+                       ModelCheckpoint(dirpath=tmp_path / str(learning_rate), save_last=True, every_n_train_steps=1)],
+        )
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        return trainer, model
+
+    with pytest.raises(NonFiniteCheckpointError):
+        resume(1e-3, tmp_path / "ckpt" / "last.ckpt")
+    # The other way out it names, followed: a new run with a lower learning rate saves finite checkpoints.
+    trainer, model = resume(1e-3, None)
     assert trainer.global_step == stopped_at + 2
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert read_checkpoint(tmp_path / "0.001" / "last.ckpt")["global_step"] == stopped_at + 2
 
 
 def test_nonfinite_weights_can_be_written_when_asked(tmp_path):

@@ -171,3 +171,18 @@ def test_doctor_on_a_gpu_applies_the_settings_and_measures_mfu_and_memory():
     for batch in (8, 16):
         detail = checks[f"train_steps.micro_batch_{batch}"].detail
         assert "peak memory" in detail and ("TFLOP/s, MFU" in detail or "no datasheet peak" in detail), detail
+
+
+@pytest.mark.parametrize("where", ["folder", "unwritable"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_checks(where, tmp_path, monkeypatch, capsys):
+    """The checks take minutes on a CPU; the file is written at the end, so it is checked first."""
+    import lightning_gpuopt.cli.doctor as doctor
+
+    monkeypatch.setattr(doctor, "run_checks", lambda **kw: pytest.fail("the checks ran before the refusal"))
+    path = tmp_path if where == "folder" else "/proc/self/doctor.json"  # root writes any folder it may, not these
+    with pytest.raises(SystemExit) as info:
+        main(["doctor", "--json", str(path)])
+    assert info.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith(f"gpuopt doctor: error: --json='{path}' ")
+    assert said.endswith("the checks are written there at the end. Give a file in a folder you can write, --json PATH.")

@@ -80,3 +80,30 @@ def test_checkpointing_off_leaves_out_the_default_model_checkpoint(tmp_path, tex
               "--trainer.enable_checkpointing", "false"])
     assert "the ModelCheckpoint callback is left out" in caplog.text
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize(("callback", "argument", "value", "says"), [
+    ("MFUMonitor", "log_every_n_steps", "0", "MFUMonitor.log_every_n_steps must be an integer >= 1 or None, got 0"),
+    ("AutoBatchSize", "memory_margin", "2", "AutoBatchSize.memory_margin must be in [0, 1), got 2.0"),
+    ("NonFiniteGuard", "max_consecutive_skips", "0", "NonFiniteGuard.max_consecutive_skips must be an integer >= 1, got 0"),
+    ("CUDASettings", "matmul_precision", "fast", "CUDASettings.matmul_precision must be one of"),
+])
+def test_a_callback_argument_out_of_range_is_one_line_with_the_fix(callback, argument, value, says, tmp_path, capsys):
+    """The parser reported these as a 15-line union dump with the constructor's line among three."""
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path),
+              f"--trainer.callbacks+={callback}", f"--trainer.callbacks.{argument}", value])
+    assert info.value.code == 2
+    first, *rest = capsys.readouterr().err.strip().splitlines()
+    assert first.startswith(f"gpuopt: error: trainer.callbacks: {says}")
+    assert first.endswith(f"Fix init_args.{argument} of {callback} in trainer.callbacks (the --config file, or "
+                          f"--trainer.callbacks.{argument} right after --trainer.callbacks+={callback}).")
+    assert rest == ["(set GPUOPT_TRACEBACK=1 to see the traceback)"]
+
+
+def test_an_infinite_gradient_clip_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--trainer.max_steps", "1", "--trainer.gradient_clip_val", "inf"])
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "gpuopt: error: trainer.gradient_clip_val must be a finite number, got inf: give a finite value for "
+        "--trainer.gradient_clip_val (or trainer.gradient_clip_val in the --config file).")

@@ -175,3 +175,14 @@ def test_hf_llama_recipe_trains_through_gpuopt(tmp_path, text_dir, cache_dir, mo
     mfu = next(c for c in cli.trainer.callbacks if isinstance(c, MFUMonitor))
     assert mfu.total_tokens == 2 * 2 * 32 and mfu.total_flops > 0
     assert 3.0 < float(cli.trainer.callback_metrics["train/loss"]) < 8.0  # about ln(300) = 5.7 at the start
+
+
+def test_fit_help_says_near_the_top_that_the_model_can_be_a_class_of_ones_own(capsys):
+    """The help is some 800 lines of options; what --model takes was nowhere in it."""
+    from lightning_gpuopt.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    top = " ".join(capsys.readouterr().out.splitlines()[:10])
+    assert top.startswith("usage: gpuopt fit [--config FILE] [--model CLASS] [--data CLASS]")
+    assert "--model my_pkg.MyModule trains any LightningModule" in top and "--data my_pkg.MyData" in top

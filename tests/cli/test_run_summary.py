@@ -82,6 +82,10 @@ def test_parameter_counts_read_as_people_write_them():
     frozen.net[0].requires_grad_(False)
     assert model_line(frozen) == "Regressor: 289 parameters (17 trainable, 272 frozen)"
     assert model_line(LazyRegressor()).startswith("LazyRegressor: parameters built in configure_model")
+    # GPTModule builds its GPT in configure_model too: counted from its config (the README's table: 141,056).
+    from lightning_gpuopt import GPTModule
+
+    assert model_line(GPTModule(preset="tiny")) == "GPTModule: 141K parameters (2 layers, width 64, 4 heads, context 128, vocabulary 512)"
 
 
 def test_the_train_on_command_goes_past_where_the_run_ended(tmp_path, monkeypatch):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,3 +182,21 @@ def test_ddp_preparation_longer_than_the_process_group_timeout(tmp_path, text_di
     assert [r["prepared"] for r in ranks] == [1, 0]  # only local rank 0 ran prepare_data
     assert [r["global_step"] for r in ranks] == [2, 2]
     assert ranks[0]["data_dir"] == ranks[1]["data_dir"] and ranks[0]["splits"] == ranks[1]["splits"]
+
+
+def test_a_full_disk_names_the_cache_folder_and_the_settings_that_move_it(tmp_path, text_dir):
+    """A real full disk: a 48 KB tmpfs in a private mount namespace, as the cache folder."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a small tmpfs in a private mount namespace")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    out = subprocess.run(["unshare", "-rm", sys.executable, str(SCRIPTS / "disk_full_prepare.py"), str(mount), str(text_dir)],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and "mount" in out.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip().splitlines()[-1]}")
+    assert out.returncode == 0, out.stderr
+    assert re.search(rf"ERROR OSError errno=28: \[Errno 28\] No space left on device while writing the token cache "
+                     rf"{re.escape(str(mount))}/[0-9a-f]{{16}} \([\d.]+ MB free there now\); the partial folder was removed\. "
+                     r"Free space there, or put the cache on a larger disk: TextDataModule\(cache_dir=\.\.\.\) or the "
+                     r"GPUOPT_CACHE_DIR environment variable\.", out.stdout), out.stdout
+    assert "LEFT []" in out.stdout  # nothing half-written holds the space

@@ -24,7 +24,7 @@ from lightning_gpuopt.callbacks.auto_batch.trial import batch_len, trial_steps
 from lightning_gpuopt.internals import drop_train_loader, is_last_batch, require_internals
 from lightning_gpuopt.callbacks.auto_batch import search
 from lightning_gpuopt.callbacks.auto_batch.search import SEARCH_MODES, SearchMode, Trial
-from lightning_gpuopt.option_checks import check_choice, check_int, check_number
+from lightning_gpuopt.option_checks import check_choice, check_int, check_number, option
 from lightning_gpuopt.perf.parallel import data_parallel_size
 from lightning_gpuopt.perf.oom import is_oom_error
 from lightning_gpuopt.protocols import TakesMicroBatch
@@ -191,7 +191,7 @@ def check_can_set_micro_batch(
     if trainer.strategy.root_device.type == "cpu" and max_micro is None:
         raise ValueError(
             "AutoBatchSize on CPU needs max_micro_batch_size: running out of host memory kills the process "
-            "instead of raising an error, so the search must be bounded. Set AutoBatchSize(max_micro_batch_size=...)."
+            f"instead of raising an error, so the search must be bounded. Set {option('AutoBatchSize', 'max_micro_batch_size')}."
         )
     if not pl_module.automatic_optimization:
         raise ValueError(
@@ -205,7 +205,7 @@ def check_can_set_micro_batch(
         raise ValueError(
             f"AutoBatchSize sets the micro-batch through a `{attr}` attribute of the datamodule or the module, and "
             f"neither {type(pl_module).__name__} nor the datamodule has one: add it (and use it in train_dataloader()), "
-            "or name yours with AutoBatchSize(batch_size_attr=...)."
+            f"or name yours with {option('AutoBatchSize', 'batch_size_attr')}."
         )
     data_name = type(data).__name__ if data is not None else "the training data (no datamodule)"
     rank_zero_info(

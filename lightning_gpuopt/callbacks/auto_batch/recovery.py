@@ -23,6 +23,7 @@ from lightning_gpuopt.internals import (
     rebuild_train_loader,
     wrap_epoch_advance,
 )
+from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.perf.oom import free_memory, is_oom_error
 from lightning_gpuopt.protocols import ResumableData, saving_alone
 from lightning_gpuopt.resume import rollback_fit_loop_state, step_boundary
@@ -124,12 +125,12 @@ def is_sharded(trainer: pl.Trainer) -> bool:
 def stop_message(trainer: pl.Trainer, micro: int, smaller: Optional[int], path: Optional[str]) -> str:
     """What to change after running out of memory at micro-batch ``micro`` (``smaller``: the next size to try)."""
     where = f"Saved the last completed step (global step {trainer.global_step}) to {path}. " if path else ""
-    resume = f", resuming with ckpt_path={path!r}" if path else ""
+    resume = f", resuming with {option('Trainer.fit', 'ckpt_path', path)}" if path else ""
     if smaller is None:
         fix = (
-            "Even micro-batch 1 does not fit: make the model smaller in memory (GPTModule(activation_checkpointing=True), "
+            f"Even micro-batch 1 does not fit: make the model smaller in memory ({option('GPTModule', 'activation_checkpointing', True)}, "
             f"a shorter block_size, or FSDP2 across more GPUs){resume}"
         )
     else:
-        fix = f"Run again with AutoBatchSize(max_micro_batch_size={smaller}){resume}"
+        fix = f"Run again with {option('AutoBatchSize', 'max_micro_batch_size', smaller)}{resume}"
     return f"AutoBatchSize: out of memory during training with micro-batch {micro}. {where}{fix}."

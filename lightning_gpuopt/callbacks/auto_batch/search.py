@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional, get_args
 
-from lightning_gpuopt.option_checks import check_choice
+from lightning_gpuopt.option_checks import check_choice, option
 from lightning_gpuopt.perf.units import GiB
 
 __all__ = ["SEARCH_MODES", "SearchMode", "Trial", "describe_search", "divisors", "nothing_fits_error", "search_metrics",
@@ -214,6 +214,6 @@ def nothing_fits_error(memory_margin: float) -> RuntimeError:
     return RuntimeError(
         "AutoBatchSize: even a micro-batch of 1 runs out of memory"
         + (f" (or leaves less than memory_margin={memory_margin} free)" if memory_margin else "")
-        + ". Make the model fit first: GPTModule(activation_checkpointing=True), a shorter block_size, "
+        + f". Make the model fit first: {option('GPTModule', 'activation_checkpointing', True)}, a shorter block_size, "
         "FSDP2 (ModelParallelStrategy) across more GPUs, or a lower memory_margin."
     )
