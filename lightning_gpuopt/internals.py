@@ -63,6 +63,7 @@ __all__ = [
     "show_in_progress_bar",
     "tensor_base",
     "throwaway_results",
+    "torch_dispatch_mode",
     "transfer_hooks",
     "uncompiled",
     "warning_filters_changed",
@@ -119,6 +120,7 @@ TOUCHED = (
     "import:torch._C.DisableTorchFunction",  # (disable_torch_function)
     "import:torch.distributed.tensor.DTensor._local_tensor",  # a shard's own storage (local_tensor)
     "import:torch.nn.utils.stateless._reparametrize_module",  # tied weights kept (reparametrize_module)
+    "import:torch.utils._python_dispatch.TorchDispatchMode",  # sees every operator below autograd (torch_dispatch_mode)
     "scaler._per_optimizer_states",  # GradScaler's unscale stage per optimizer (scaler_stage, forget_scaler_steps)
     "scheduler._schedulers",  # SequentialLR's parts (sequential_parts)
     "scheduler._milestones",
@@ -415,6 +417,13 @@ def sdpa_ops() -> tuple[list[Any], list[Any]]:
     (torch's CPU flash kernel), and the backward ones of every kernel."""
     ops = [getattr(torch.ops.aten, f"_scaled_dot_product_{name}") for name in _SDPA_OPS]
     return ops[:1], ops[1:]
+
+
+def torch_dispatch_mode() -> type:
+    """torch's base class of a mode that sees every operator below autograd (``TorchDispatchMode``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
 
 
 def reparametrize_module(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
