@@ -49,6 +49,7 @@ __all__ = [
     "move_batch_position",
     "no_version_counter",
     "parser_options",
+    "parse_whole_lists",
     "rebuild_train_loader",
     "reparametrize_module",
     "require_internals",
@@ -125,7 +126,8 @@ TOUCHED = (
     "scheduler._schedulers",  # SequentialLR's parts (sequential_parts)
     "scheduler._milestones",
     # jsonargparse
-    "parser._actions",  # the options a parser knows (parser_options)
+    "parser._actions",  # the options a parser knows (parser_options, parse_whole_lists)
+    "import:jsonargparse._common.Action._check_type_",  # parses one option's value (parse_whole_lists)
     # the standard library
     "import:warnings._filters_mutated",  # refresh after removing one filter (warning_filters_changed)
 )
@@ -508,6 +510,28 @@ def parser_options(parser: Any) -> list[str]:
 
 
 # the standard library
+
+
+def parse_whole_lists(parser: Any, dest: str, is_default: Callable[[Any], bool]) -> None:
+    """A whole list given for ``dest`` (by a config file, a flag or the environment) over the value ``is_default``
+    accepts is parsed as if that value were not there, as a parser without that default parses it.
+
+    jsonargparse parses a list over an earlier list of the same length item by item, each on the earlier item: a
+    class path of one with the ``init_args`` of the other that it accepts. ``+=`` still appends to the default, and
+    ``--dest.option`` still sets an option of its last item.
+    """
+    action = next(a for a in parser._actions if a.dest == dest)
+    check = action._check_type_
+
+    def check_whole(value: Any, **kwargs: Any) -> Any:
+        cfg = kwargs.get("cfg")
+        if isinstance(value, (list, str)) and not kwargs.get("append") and cfg is not None and is_default(cfg.get(dest)):
+            cfg = cfg.clone()
+            cfg[dest] = None
+            kwargs["cfg"] = cfg
+        return check(value, **kwargs)
+
+    action._check_type_ = check_whole
 
 
 def warning_filters_changed() -> None:

@@ -38,6 +38,7 @@ from lightning_gpuopt.cli.defaults import (
     dropped_stack_note,
     fill_checkpoint_dirs,
     float32_note,
+    is_stack_callbacks,
     precision_for_estimate,
     replace_precision_plugins,
     stack_device,
@@ -54,7 +55,7 @@ from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_e
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
-from lightning_gpuopt.internals import parser_options
+from lightning_gpuopt.internals import parse_whole_lists, parser_options
 from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
@@ -176,6 +177,7 @@ class GPTCLI(LightningCLI):
         parser.add_lightning_class_args(SigtermCheckpoint, "sigterm_checkpoint")
         self.stack_device = stack_device()
         parser.set_defaults(default_stack(self.stack_device))
+        parse_whole_lists(parser, "trainer.callbacks", is_stack_callbacks)  # a list of one's own replaces the stack's whole
         if not self.reads_text:  # a loader of your own resumes exactly when ExactResume may rebuild it
             parser.set_defaults({"exact_resume.rebuild_loaders": True})
         parser.add_argument("--generate.prompts_file", type=Optional[str], default=None,

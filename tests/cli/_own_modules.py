@@ -125,3 +125,10 @@ class PaddedHFLlama(pl.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(_VariableRows(32, VOCAB), batch_size=4, shuffle=True, collate_fn=pad_to_longest)
+
+
+class EveryNSteps(pl.Callback):
+    """A callback of one's own, with an option named like one of ``ModelCheckpoint``'s."""
+
+    def __init__(self, every_n_train_steps: int = 10, message: str = "step"):
+        self.every_n_train_steps, self.message = every_n_train_steps, message
