@@ -132,3 +132,15 @@ class EveryNSteps(pl.Callback):
 
     def __init__(self, every_n_train_steps: int = 10, message: str = "step"):
         self.every_n_train_steps, self.message = every_n_train_steps, message
+
+
+class WaitAtStart(pl.Callback):
+    """Writes ``<default_root_dir>/started`` (its pid) when training starts, then waits up to 60 s for a signal:
+    a run that holds its folder while a test starts another."""
+
+    def on_train_start(self, trainer, pl_module):
+        import time
+        from pathlib import Path
+
+        (Path(trainer.default_root_dir) / "started").write_text(str(os.getpid()))
+        time.sleep(60)
