@@ -258,11 +258,14 @@ def _run_folders_written(trainer_config: Any) -> list[Path]:
     return [root, *(d for d in checkpoint_dirs(trainer_config) if root not in d.parents and d != root)]
 
 
-def _lock(folder: Path) -> IO[str]:
+def _lock(folder: Path) -> Optional[IO[str]]:
     import fcntl
 
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = open(folder / LOCK_FILE, "a+")  # created if missing, never truncated before the lock is ours
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / LOCK_FILE, "a+")  # created if missing, never truncated before the lock is ours
+    except OSError:  # a file, or a folder this process cannot write: the checks of the options name it, next
+        return None
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -304,7 +307,9 @@ def hold_run_folders(trainer_config: Any, env: Mapping[str, str] = os.environ) -
         return
     try:
         for folder in _run_folders_written(trainer_config):
-            _held.append(_lock(folder))
+            handle = _lock(folder)
+            if handle is not None:
+                _held.append(handle)
     except BaseException:
         release_run_folders()
         raise
