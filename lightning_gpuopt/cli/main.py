@@ -69,7 +69,7 @@ from lightning_gpuopt.cli.resume_checks import (
     resolve_run_folder,
 )
 from lightning_gpuopt.cli.quiet import quiet_lightning
-from lightning_gpuopt.cli.run_folder import hold_run_folders, release_run_folders
+from lightning_gpuopt.cli.run_folder import hold_run_folder, release_run_folder
 from lightning_gpuopt.cli.run_summary import has_predict_data, model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy, end_distributed
 
@@ -153,7 +153,17 @@ class GPTCLI(LightningCLI):
     ``TextDataModule`` only: a module of your own is built as configured and ``--ckpt_path`` restores
     its weights and training state, after :class:`~lightning_gpuopt.cli.resume_checks.OwnCheckpoint` has
     compared the weight shapes, the step and epoch limits and the hyper-parameters with the checkpoint's.
+
+    A ``fit`` holds its run folder from its start until it ends
+    (:func:`~lightning_gpuopt.cli.run_folder.hold_run_folder`): a second ``fit`` on it, in another process,
+    stops at its start.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().__init__(*args, **kwargs)
+        finally:  # a fit holds its run folder from its start (_parse_ckpt_path) to here, however it ended
+            release_run_folder()
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         if self.parser_class is LightningArgumentParser:
@@ -222,7 +232,7 @@ class GPTCLI(LightningCLI):
         # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built. A
         # module of your own is built as configured; its checkpoint is read here and compared once it is built.
         if self.config.get("subcommand") == "fit":  # one writer per run folder, until make_cli returns
-            hold_run_folders(self.config.fit.get("trainer"))
+            hold_run_folder(self.config.fit.get("trainer"))
         resolve_run_folder(self.config)
         if self.trains_gpt:
             self.config, self.checkpoint_settings = merge_checkpoint_settings(
@@ -431,8 +441,7 @@ def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
     ``GPTModule`` and ``TextDataModule`` unless the arguments name a module or data module of your own
     (:func:`~lightning_gpuopt.cli.named_classes.named_classes`): then that class, parsed as
     LightningCLI parses any class; with a module of your own and no ``data`` class, the module's
-    own loaders. A ``fit`` holds its run folder (:func:`~lightning_gpuopt.cli.run_folder.hold_run_folders`)
-    from its start until this returns: a second ``fit`` on it stops at its start.
+    own loaders.
 
     Example::
 
@@ -453,14 +462,11 @@ def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
                        "description": _DESCRIPTION},
         args=args,  # None: LightningCLI reads sys.argv itself (and does not warn about `args`)
     )
-    try:
-        return GPTCLI(
-            None if named.model else GPTModule,  # None: any LightningModule, given by its class path
-            None if named.model or named.data else TextDataModule,  # None: any data module, or the module's own loaders
-            **{**options, **kwargs},
-        )
-    finally:
-        release_run_folders()  # the fit (if one ran) is over, however it ended
+    return GPTCLI(
+        None if named.model else GPTModule,  # None: any LightningModule, given by its class path
+        None if named.model or named.data else TextDataModule,  # None: any data module, or the module's own loaders
+        **{**options, **kwargs},
+    )
 
 
 def main(args: Optional[list[str]] = None) -> None:

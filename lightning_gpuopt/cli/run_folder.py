@@ -17,7 +17,7 @@ step 1 of a new run. :func:`existing_run_problem` stops such a run (exit 2) with
 choose from, rather than continuing it: a re-run of a command is as often a new experiment with
 changed options (which a resume refuses or applies), and only the user knows which was meant.
 
-A run folder has one writer: :func:`hold_run_folders` takes an exclusive ``flock`` on a file in it
+A run folder has one writer: :func:`hold_run_folder` takes an exclusive ``flock`` on a file in it
 (``.gpuopt-fit.lock``, holding the holder's pid) for the life of the ``fit``, so a second ``gpuopt fit`` on
 it stops at its start, naming the first. The kernel drops the lock when its process ends, however it
 ends (``kill -9`` included): no stale lock to remove. Under DDP only the launching process (rank 0) holds it;
@@ -42,10 +42,10 @@ __all__ = [
     "LOCK_FILE",
     "checkpoint_dirs",
     "existing_run_problem",
-    "hold_run_folders",
+    "hold_run_folder",
     "holds_run_folder",
     "last_checkpoints",
-    "release_run_folders",
+    "release_run_folder",
     "resolve_ckpt_path",
     "run_checkpoints",
 ]
@@ -57,7 +57,7 @@ LOCK_FILE = ".gpuopt-fit.lock"
 # with any of them above 0 is one a launch started, not the one that holds the run folder.
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK",
                    "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-_held: list[IO[str]] = []  # the lock files this process holds (one fit at a time)
+_held: list[IO[str]] = []  # the lock file this process holds (one fit at a time)
 
 _LAST = re.compile(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-(\d+))?$")
 _HPC = re.compile(r"^hpc_ckpt_(\d+)$")
@@ -252,12 +252,6 @@ def holds_run_folder(env: Mapping[str, str]) -> bool:
     return all(env.get(name, "0").strip() in ("", "0") for name in _RANK_VARIABLES)
 
 
-def _run_folders_written(trainer_config: Any) -> list[Path]:
-    """``default_root_dir`` and each checkpoint folder outside it: what two runs must not share."""
-    root = Path(os.path.realpath(_get(trainer_config, "default_root_dir", os.getcwd())))
-    return [root, *(d for d in checkpoint_dirs(trainer_config) if root not in d.parents and d != root)]
-
-
 def _lock(folder: Path) -> Optional[IO[str]]:
     import fcntl
 
@@ -283,20 +277,20 @@ def _lock(folder: Path) -> Optional[IO[str]]:
     return handle
 
 
-def hold_run_folders(trainer_config: Any, env: Mapping[str, str] = os.environ) -> None:
-    """Hold the run folders of a ``fit`` (``default_root_dir`` and any checkpoint folder outside it) until
-    :func:`release_run_folders`, or the end of the process; a folder another ``fit`` holds stops this one.
+def hold_run_folder(trainer_config: Any, env: Mapping[str, str] = os.environ) -> None:
+    """Hold the run folder of a ``fit`` (``default_root_dir``, the working folder when unset) until
+    :func:`release_run_folder`, or the end of the process; a folder another ``fit`` holds stops this one.
 
     Example::
 
-        hold_run_folders(config.fit.trainer)   # ValueError: runs/x is in use by another gpuopt fit (pid 4242 ...)
+        hold_run_folder(config.fit.trainer)   # ValueError: runs/x is in use by another gpuopt fit (pid 4242 ...)
 
     Args:
         trainer_config: The parsed ``trainer`` group.
         env: The process's environment: a rank a launch started holds nothing (:func:`holds_run_folder`).
 
     Raises:
-        ValueError: A folder is held by another process, named with its pid, host and start time.
+        ValueError: The folder is held by another process, named with its pid, host and start time.
     """
     if not holds_run_folder(env):
         return
@@ -305,17 +299,12 @@ def hold_run_folders(trainer_config: Any, env: Mapping[str, str] = os.environ) -
     except ImportError:  # not on POSIX: said once
         rank_zero_info("gpuopt fit: no file locks on this platform, so a second fit on the same folder is not refused.")
         return
-    try:
-        for folder in _run_folders_written(trainer_config):
-            handle = _lock(folder)
-            if handle is not None:
-                _held.append(handle)
-    except BaseException:
-        release_run_folders()
-        raise
+    handle = _lock(Path(os.path.realpath(_get(trainer_config, "default_root_dir", os.getcwd()))))
+    if handle is not None:
+        _held.append(handle)
 
 
-def release_run_folders() -> None:
-    """Let go of the folders :func:`hold_run_folders` holds (at the end of a ``fit``; the process's end does it too)."""
+def release_run_folder() -> None:
+    """Let go of the folder :func:`hold_run_folder` holds (at the end of a ``fit``; the process's end does it too)."""
     while _held:
         _held.pop().close()
