@@ -306,7 +306,7 @@ def test_callbacks_that_drop_checkpointing_or_the_guard_say_so_once(text_dir, ca
     assert notes() == []
     # No checkpoint asked for: only the guard is named.
     said = notes("--trainer.callbacks", monitor, "--trainer.enable_checkpointing", "false")
-    assert len(said) == 1 and "ModelCheckpoint" not in said[0] and "no NonFiniteGuard" in said[0]
+    assert len(said) == 1 and "ModelCheckpoint" not in said[0] and "NonFiniteGuard (NaN/Inf steps are trained on)" in said[0]
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
