@@ -32,7 +32,7 @@ from lightning_gpuopt import GPTModule, TextDataModule
 from lightning_gpuopt.callbacks import CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard, SigtermCheckpoint
 from lightning_gpuopt.callbacks.progress_bar import default_progress_bar
 from lightning_gpuopt.checkpoint import AtomicCheckpointIO
-from lightning_gpuopt.cli.defaults import stack_device, stack_precision_plugins
+from lightning_gpuopt.cli.defaults import stack_device_type, stack_precision_plugins
 from lightning_gpuopt.cli.quiet import quiet_lightning
 from lightning_gpuopt.cli.run_summary import model_line
 from lightning_gpuopt.precision import BF16Precision, Float8Precision
@@ -46,7 +46,7 @@ CPU_COMMAND = ("python examples/train_wikitext.py --data_dir stdlib --max_steps 
 def auto_precision() -> str:
     """What ``--mixed_precision auto`` trains in: the ``gpuopt`` stack's choice for this device (bf16 on a GPU,
     no autocast on a CPU), said in one line."""
-    if stack_precision_plugins(stack_device()):
+    if stack_precision_plugins(stack_device_type()):
         return "bf16"
     print("train_wikitext.py: float32 on the CPU (bf16 autocast is 5-10x slower there); --mixed_precision bf16 uses it anyway.")
     return "no"

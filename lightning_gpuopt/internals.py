@@ -51,6 +51,7 @@ __all__ = [
     "move_batch_position",
     "no_version_counter",
     "parser_options",
+    "parse_whole_lists",
     "rebuild_train_loader",
     "reparametrize_module",
     "require_internals",
@@ -67,6 +68,7 @@ __all__ = [
     "sigterm_notice_logger",
     "tensor_base",
     "throwaway_results",
+    "torch_dispatch_mode",
     "transfer_hooks",
     "uncompiled",
     "unscales_in_step",
@@ -129,12 +131,14 @@ TOUCHED = (
     "import:torch.distributed.tensor.DTensor._local_tensor",  # a shard's own storage (local_tensor)
     "import:torch.nn.utils.stateless._reparametrize_module",  # tied weights kept (reparametrize_module)
     "optimizer._step_supports_amp_scaling",  # a fused optimizer's step() unscales (unscales_in_step)
+    "import:torch.utils._python_dispatch.TorchDispatchMode",  # sees every operator below autograd (torch_dispatch_mode)
     "scaler._per_optimizer_states",  # GradScaler's unscale stage per optimizer (scaler_stage, forget_scaler_steps)
     "scheduler._schedulers",  # SequentialLR's parts (sequential_parts)
     "scheduler._milestones",
     # jsonargparse
-    "parser._actions",  # the options a parser knows (parser_options)
+    "parser._actions",  # the options a parser knows (parser_options, parse_whole_lists)
     "import:jsonargparse.ArgumentParser._add_signature_parameter",  # overridden: int before float (cli/main.py)
+    "import:jsonargparse._common.Action._check_type_",  # parses one option's value (parse_whole_lists)
     # the standard library
     "import:warnings._filters_mutated",  # refresh after removing one filter (warning_filters_changed)
 )
@@ -459,6 +463,13 @@ def sdpa_ops() -> tuple[list[Any], list[Any]]:
     return ops[:1], ops[1:]
 
 
+def torch_dispatch_mode() -> type:
+    """torch's base class of a mode that sees every operator below autograd (``TorchDispatchMode``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
 def reparametrize_module(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
     """Within it, ``model`` uses ``params`` instead of its own, tied weights kept tied."""
     return torch.nn.utils.stateless._reparametrize_module(model, params, tie_weights=True)
@@ -546,6 +557,28 @@ def parser_options(parser: Any) -> list[str]:
 
 
 # the standard library
+
+
+def parse_whole_lists(parser: Any, dest: str, is_default: Callable[[Any], bool]) -> None:
+    """A whole list given for ``dest`` (by a config file, a flag or the environment) over the value ``is_default``
+    accepts is parsed as if that value were not there, as a parser without that default parses it.
+
+    jsonargparse parses a list over an earlier list of the same length item by item, each on the earlier item: a
+    class path of one with the ``init_args`` of the other that it accepts. ``+=`` still appends to the default, and
+    ``--dest.option`` still sets an option of its last item.
+    """
+    action = next(a for a in parser._actions if a.dest == dest)
+    check = action._check_type_
+
+    def check_whole(value: Any, **kwargs: Any) -> Any:
+        cfg = kwargs.get("cfg")
+        if isinstance(value, (list, str)) and not kwargs.get("append") and cfg is not None and is_default(cfg.get(dest)):
+            cfg = cfg.clone()
+            cfg[dest] = None
+            kwargs["cfg"] = cfg
+        return check(value, **kwargs)
+
+    action._check_type_ = check_whole
 
 
 def warning_filters_changed() -> None:

@@ -219,6 +219,22 @@ def _as_last(ctx: Ctx) -> str:
     return "last"
 
 
+def _in_use(ctx: Ctx) -> None:
+    """:func:`_cli_before_data` while the run folder is held as a running fit holds it (another open file: flock
+    refuses this process as it refuses another)."""
+    import fcntl
+
+    from lightning_gpuopt.cli.run_folder import LOCK_FILE
+
+    folder = ctx.tmp / "run"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_FILE, "w") as held:
+        held.write("pid 4242 on gpu-node-7, since 2026-01-01 12:00:00\n")
+        held.flush()
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        _cli_before_data(ctx, [])
+
+
 _OWN = "tests.cli._own_modules"
 
 
@@ -584,6 +600,9 @@ CASES = [
          SystemExit, r"loading the checkpoint .*last.ckpt.*model.n_layer=3 but the checkpoint has n_layer=2\. Drop those options"),
     Case("fit-over-existing-run", lambda c: (_as_last(c), _cli_before_data(c, [])), SystemExit,
          r"last.ckpt holds a run this fit would overwrite .*To continue it: .*--ckpt_path last.*--trainer.default_root_dir NEW_FOLDER"),
+    Case("fit-folder-in-use", _in_use, SystemExit,
+         r"run is in use by another gpuopt fit \(pid 4242 on gpu-node-7, since .*\): two runs in one folder write over each "
+         r"other's checkpoints\. Wait for it to end \(or stop it\), or give this run another --trainer.default_root_dir"),
     Case("resume-no-steps-left", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c)]), SystemExit,
          r"run.ckpt' is at step 4 and trainer.max_steps=1, so this fit would train nothing .*raise trainer.max_steps above 4"),
     Case("resume-no-epochs-left", lambda c: _own(c, "fit", "Regressor", "--trainer.max_epochs", "1", "--ckpt_path", _own_ckpt(c)),

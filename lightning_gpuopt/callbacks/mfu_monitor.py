@@ -15,7 +15,16 @@ from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts, training_device
 from lightning_gpuopt.perf.flops import StepFlopCounter, model_flops_per_token
-from lightning_gpuopt.perf.mfu import MFU_DTYPES, WindowTotals, input_ids_of, mfu_peaks, summarise_windows, window_metrics
+from lightning_gpuopt.perf.mfu import (
+    MFU_DTYPES,
+    TokenTally,
+    WindowTotals,
+    input_ids_of,
+    mfu_peaks,
+    real_tokens_of,
+    summarise_windows,
+    window_metrics,
+)
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number, option
 from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
@@ -41,7 +50,10 @@ class MFUMonitor(Callback):
     """Logs throughput, TFLOP/s per device, MFU and memory every few optimizer steps, and a report at the end of ``fit``.
 
     Tokens per micro-batch are the element count of the input ids (``batch[0]`` for tuples,
-    ``batch["input_ids"]`` for dicts, when they hold integers) or ``tokens_fn(batch)``. Training FLOPs per token come from
+    ``batch["input_ids"]`` for dicts, when they hold integers) or ``tokens_fn(batch)``; a dict batch with an
+    ``attention_mask`` (else ``labels``) of the input ids' shape has its padding left out (the mask's zeros, the
+    labels' ``-100``), said once: tokens/s and MFU are those of the real tokens, ``perf/tokens_per_sec_padded``
+    the rate with padding. The count stays on the device until a window ends. Training FLOPs per token come from
     ``flops_per_token=``, else the module's ``flops_per_token(seq_len)`` (``GPTModule`` has one), else
     they are counted over the first real training step at each sequence length: its forward, loss,
     backward(s) and optimizer step(s), whatever the batch holds or the step reads
@@ -59,9 +71,10 @@ class MFUMonitor(Callback):
     ============================== ==========================================================================
     Key                            Meaning
     ============================== ==========================================================================
-    ``perf/tokens_per_sec``        Tokens per second, all devices (a data-parallel rank's rate times data-parallel size)
+    ``perf/tokens_per_sec``        Tokens per second, all devices (a data-parallel rank's rate times data-parallel size); padding left out
     ``perf/tokens_per_sec_per_device`` Tokens per second on one device (under tensor parallelism: its group's over its size)
-    ``perf/tflops_per_device``     Achieved model TFLOP/s per device (FLOPs per token x tokens/s, over the tensor-parallel size)
+    ``perf/tokens_per_sec_padded`` With an ``attention_mask`` (or ``labels``): the rate of all positions, padding included
+    ``perf/tflops_per_device``     Achieved model TFLOP/s per device (FLOPs per token x real tokens/s, over the tensor-parallel size)
     ``perf/mfu``                   ``tflops_per_device / peak``: the device's dense bf16 peak, whatever the dtype
     ``perf/mfu_fp8``               Under FP8 only: against the fp8 peak
     ``perf/mfu_measured``          With ``measure_peak=True``: against a timed bf16 matmul
@@ -139,10 +152,11 @@ class MFUMonitor(Callback):
         self.windows: list[WindowTotals] = []  # what each window of this fit measured: the report adds these up
         self.flops_source: Optional[str] = None  # how the FLOPs per token were found
         self.summary: dict[str, Any] = {}
-        self.total_tokens = 0  # tokens trained on in the run (per data-parallel rank), the steps before a resume included
-        self.total_flops = 0.0  # model FLOPs of those tokens (per data-parallel rank: the whole model's)
-        self._at_step = (0, 0.0)  # (total_tokens, total_flops) at the last optimizer step
+        self._run_base = (0, 0.0)  # tokens and model FLOPs (per data-parallel rank) of the run before this fit, from a checkpoint
+        self._run = TokenTally()  # those of this fit
+        self._at_step = TokenTally()  # this fit's at the last optimizer step (what a checkpoint saves)
         self._at_fit_start = (0, 0.0)  # (total_tokens, total_flops) restored from a checkpoint
+        self._counted_at_step: dict[Optional[int], float] = {}  # FLOPs per token counted up to the last optimizer step
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -151,6 +165,7 @@ class MFUMonitor(Callback):
         self._dtype: Optional[str] = None
         self._peak, self._peak_fp8, self._measured_peak = None, None, None  # FLOP/s: bf16, fp8, timed
         self._flops_cache: dict[Optional[int], Optional[float]] = {}
+        self._counted_fpt: dict[Optional[int], float] = {}  # the entries of _flops_cache counted over a real step
         if getattr(self, "_counter", None) is not None:
             self._abandon_count()
         self._counter, self._counting = StepFlopCounter(), None  # the step being counted, by sequence length
@@ -158,7 +173,9 @@ class MFUMonitor(Callback):
         self._steps = 0  # optimizer steps seen in this fit
         self._window_start: Optional[float] = None
         self._last_batch_end: Optional[float] = None
-        self._tokens, self._flops, self._wait, self._flops_known = 0, 0.0, 0.0, True  # the current window
+        self._tally, self._wait = TokenTally(), 0.0  # the current window's tokens and FLOPs, its data-loader wait
+        self._padding_seen = False  # a batch said which positions are padding (real_tokens_of)
+        self._said_compiled = False
         self._paused = 0.0  # seconds of the current window spent in validation or checkpoint saves
         self._pause_start: Optional[float] = None
         self._gap_paused = 0.0  # of those, the seconds since the last training batch
@@ -171,7 +188,8 @@ class MFUMonitor(Callback):
             return
         self._reset_run()
         self.history, self.windows, self.summary = [], [], {}
-        self.total_tokens, self.total_flops, self._at_step, self._at_fit_start = 0, 0.0, (0, 0.0), (0, 0.0)
+        self._run_base, self._run, self._at_step, self._at_fit_start = (0, 0.0), TokenTally(), TokenTally(), (0, 0.0)
+        self._counted_at_step = {}
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
         self._device, self._facts = trainer.strategy.root_device, training_device(trainer)  # binds the plugin too
         plugin = trainer.precision_plugin
@@ -197,7 +215,7 @@ class MFUMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_global_step = trainer.global_step  # > 0 when resuming from a checkpoint
-        self._at_fit_start = (self.total_tokens, self.total_flops)  # restored by load_state_dict when resuming
+        self._at_fit_start = self._run_base  # restored by load_state_dict when resuming
         if self.measure_peak:
             if self._facts.is_cuda:
                 self._measured_peak = measure_peak_flops(self._device, torch.bfloat16)
@@ -214,7 +232,9 @@ class MFUMonitor(Callback):
             return self.flops_per_token
         seq_len = _seq_len(batch)
         if self._counter.running:  # this step was counted (started at on_train_batch_start)
-            self._flops_cache[self._counting] = self._counted(pl_module, self._counter.stop(), tokens)
+            counted = self._flops_cache[self._counting] = self._counted(pl_module, self._counter.stop(), tokens)
+            if counted is not None:
+                self._counted_fpt[self._counting] = counted
         if seq_len not in self._flops_cache:
             self._flops_cache[seq_len] = model_flops_per_token(pl_module, seq_len)
             if self._flops_cache[seq_len] is not None:
@@ -243,6 +263,13 @@ class MFUMonitor(Callback):
             return
         seq_len = _seq_len(batch)
         if seq_len not in self._flops_cache:
+            if not self._said_compiled and is_compiled(pl_module):
+                self._said_compiled = True
+                rank_zero_info(
+                    f"MFUMonitor: {type(pl_module).__name__} is compiled, so the step counted at each new sequence length "
+                    "runs eagerly and its numbers differ from a compiled step's in the last bits; define "
+                    "`flops_per_token(seq_len)` on it or pass MFUMonitor(flops_per_token=...) to keep every step compiled."
+                )
             self._counting = seq_len
             self._counter.start()
 
@@ -301,17 +328,14 @@ class MFUMonitor(Callback):
                 f"are not measured: set {option('MFUMonitor', 'tokens_fn')} or give the batch an integer input-ids tensor "
                 "(batch[0] or batch['input_ids']; float features are not counted as tokens)."
             )
-        flops = self._flops_for(pl_module, batch, batch_idx, tokens)
-        self._tokens += tokens
-        self.total_tokens += tokens
-        if flops is None:
-            self._flops_known = False
-        else:
-            self._flops += tokens * flops
-            self.total_flops += tokens * flops
+        flops = self._flops_for(pl_module, batch, batch_idx, tokens)  # per token position, padding included
+        real = self._real_tokens(batch) if self.tokens_fn is None else None
+        real = tokens if real is None else real
+        self._tally.add(tokens, real, flops)
+        self._run.add(tokens, real, flops)
         if trainer.global_step != self._last_global_step:  # an optimizer step finished with this batch
             self._last_global_step = trainer.global_step
-            self._at_step = (self.total_tokens, self.total_flops)
+            self._at_step, self._counted_at_step = self._run.copy(), dict(self._counted_fpt)
             self._steps += 1
             if self._steps == self.warmup_steps:
                 self._start_window()
@@ -319,20 +343,37 @@ class MFUMonitor(Callback):
                 self._end_window(trainer, pl_module)
         self._last_batch_end = self._clock()
 
+    def _real_tokens(self, batch: Any) -> Optional[Any]:
+        """The batch's tokens that are not padding (a device count, not read), said once; ``None`` without a mask."""
+        found = real_tokens_of(batch)
+        if found is None:
+            return None
+        count, key = found
+        if not self._padding_seen:
+            which = "its non-zero entries" if key == "attention_mask" else "the positions not -100"
+            rank_zero_info(
+                f"MFUMonitor: tokens are counted from the batch's {key} ({which}), padding left out: perf/tokens_per_sec "
+                "and the MFU are those of the real tokens, perf/tokens_per_sec_padded the rate with padding."
+            )
+        self._padding_seen = True
+        return count
+
     def _start_window(self) -> None:
         _synchronize(self._device)
         self._window_start = self._clock()
-        self._tokens, self._flops, self._wait, self._flops_known, self._paused = 0, 0.0, 0.0, True, 0.0
+        self._tally, self._wait, self._paused = TokenTally(), 0.0, 0.0
 
     def _end_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _synchronize(self._device)
         now = self._clock()
+        tokens, flops, known = self._tally.read()  # after the synchronisation: no wait of its own
         totals = WindowTotals(
-            tokens=self._tokens,
-            flops=self._flops if self._flops_known else None,
+            tokens=tokens,
+            flops=flops if known else None,
             seconds=now - self._window_start - self._paused,
             steps=self._window,
             wait=self._wait,
+            padded=self._tally.positions if self._padding_seen else None,
         )
         self.windows.append(totals)
         metrics = window_metrics(
@@ -346,6 +387,7 @@ class MFUMonitor(Callback):
             peak_fp8=self._peak_fp8,
             measured_peak=self._measured_peak,
             tensor_parallel=tensor_parallel_size(trainer),
+            padded_tokens=totals.padded,
         )
         metrics.update(mfu.memory_stats(self._facts))
         self.history.append(metrics)
@@ -355,24 +397,47 @@ class MFUMonitor(Callback):
             if self.prog_bar:
                 self._show_in_progress_bar(trainer, metrics)
         self._window_start = self._clock()
-        self._tokens, self._flops, self._wait, self._flops_known, self._paused = 0, 0.0, 0.0, True, 0.0
+        self._tally, self._wait, self._paused = TokenTally(), 0.0, 0.0
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens trained on in the run (per device; padding left out when the batches mark it), the steps before a
+        resume included. Reading it waits for the device."""
+        return self._run_base[0] + self._run.read()[0]
+
+    @property
+    def total_flops(self) -> float:
+        """Model FLOPs of :attr:`total_tokens` (per device). Reading it waits for the device."""
+        return self._run_base[1] + self._run.read()[1]
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The logged windows and the token/FLOP totals at the last optimizer step, for resuming.
+        """The logged windows, the token/FLOP totals and the FLOPs per token counted, at the last optimizer step.
 
         Plain floats and ints only (loads with ``weights_only=True``). Timing windows are not
-        saved: a resumed run warms up again (``warmup_steps``) before it measures.
+        saved: a resumed run warms up again (``warmup_steps``) before it measures. The counts are, so a
+        resumed run counts a step at the same sequence lengths as the run that was not stopped.
         """
-        tokens, flops = self._at_step
-        return {"history": [dict(m) for m in self.history], "total_tokens": tokens, "total_flops": flops}
+        tokens, flops, _ = self._at_step.read()
+        return {
+            "history": [dict(m) for m in self.history],
+            "total_tokens": self._run_base[0] + tokens,
+            "total_flops": self._run_base[1] + flops,
+            "counted_flops_per_token": [[seq_len, fpt] for seq_len, fpt in self._counted_at_step.items()],
+            "flops_source": self.flops_source,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [dict(m) for m in state_dict.get("history", [])]
-        self.total_tokens = int(state_dict.get("total_tokens", 0))
-        self.total_flops = float(state_dict.get("total_flops", 0.0))
-        self._at_step = (self.total_tokens, self.total_flops)
+        self._run_base = (int(state_dict.get("total_tokens", 0)), float(state_dict.get("total_flops", 0.0)))
+        self._run, self._at_step = TokenTally(), TokenTally()
+        counted = {seq_len: float(fpt) for seq_len, fpt in state_dict.get("counted_flops_per_token", [])}
+        self._flops_cache.update(counted)
+        self._counted_fpt.update(counted)
+        self._counted_at_step = dict(self._counted_fpt)
+        if counted:
+            self.flops_source = state_dict.get("flops_source") or self.flops_source
 
     @staticmethod
     def _show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
@@ -403,6 +468,7 @@ class MFUMonitor(Callback):
 
     def _summarise(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         start_tokens, start_flops = self._at_fit_start
+        fit_tokens, fit_flops, _ = self._run.read()
         resumed = start_tokens > 0
         peak_pcts = [m["mem/peak_pct"] for m in self.history[len(self.history) - len(self.windows):] if "mem/peak_pct" in m]
         return summarise_windows(
@@ -410,15 +476,15 @@ class MFUMonitor(Callback):
             window=self._window,
             warmup_steps=self.warmup_steps,
             dtype=self._dtype,
-            fit_tokens=self.total_tokens - start_tokens,
-            fit_flops=self.total_flops - start_flops,
+            fit_tokens=fit_tokens,
+            fit_flops=fit_flops,
             replicas=data_parallel_size(trainer),
             peak=self._peak,
             peak_fp8=self._peak_fp8,
             measured_peak=self._measured_peak,
             peak_memory_pct=max(peak_pcts) if peak_pcts else None,
-            run_tokens=self.total_tokens if resumed else None,
-            run_flops=self.total_flops if resumed else None,
+            run_tokens=start_tokens + fit_tokens if resumed else None,
+            run_flops=start_flops + fit_flops if resumed else None,
             on_cuda=self._facts.is_cuda,
             compiled=is_compiled(pl_module),
             tensor_parallel=tensor_parallel_size(trainer),

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_gpuopt.callbacks import NonFiniteGuard
+from lightning_gpuopt.callbacks import CUDASettings, MFUMonitor, NonFiniteGuard
 from lightning_gpuopt.perf.device import cuda_device_count
 
 __all__ = [
@@ -42,8 +42,10 @@ __all__ = [
     "dropped_stack_note",
     "fill_checkpoint_dirs",
     "float32_note",
+    "is_stack_callbacks",
     "precision_for_estimate",
     "replace_precision_plugins",
+    "stack_callbacks",
     "stack_device_type",
     "stack_precision_plugins",
 ]
@@ -96,21 +98,58 @@ def default_stack(device_type: Optional[str] = None) -> dict[str, Any]:
     return {
         "trainer.plugins": stack_precision_plugins(stack_device_type() if device_type is None else device_type),
         "trainer.enable_model_summary": False,  # one line on the model instead (cli/run_summary.py)
-        "trainer.callbacks": [
-            {"class_path": "lightning_gpuopt.callbacks.CUDASettings"},
-            {"class_path": "lightning_gpuopt.callbacks.MFUMonitor"},
-            {"class_path": "lightning_gpuopt.callbacks.NonFiniteGuard"},
-            {
-                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                "init_args": {
-                    "save_last": True,
-                    "save_top_k": 0,  # only last.ckpt: one file per run, rewritten atomically
-                    "every_n_train_steps": CHECKPOINT_EVERY_N_STEPS,
-                    "enable_version_counter": False,  # always last.ckpt, so --ckpt_path last finds it
-                },
-            },
-        ],
+        "trainer.callbacks": stack_callbacks(),
     }
+
+
+def stack_callbacks() -> list[dict[str, Any]]:
+    """The stack's callbacks, as ``class_path`` dictionaries (the default of ``trainer.callbacks``)."""
+    return [
+        {"class_path": "lightning_gpuopt.callbacks.CUDASettings"},
+        {"class_path": "lightning_gpuopt.callbacks.MFUMonitor"},
+        {"class_path": "lightning_gpuopt.callbacks.NonFiniteGuard"},
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {
+                "save_last": True,
+                "save_top_k": 0,  # only last.ckpt: one file per run, rewritten atomically
+                "every_n_train_steps": CHECKPOINT_EVERY_N_STEPS,
+                "enable_version_counter": False,  # always last.ckpt, so --ckpt_path last finds it
+            },
+        },
+    ]
+
+
+def _as_dict(value: Any) -> Any:
+    return value.as_dict() if hasattr(value, "as_dict") else value
+
+
+def is_stack_callbacks(value: Any) -> bool:
+    """Whether a parsed ``trainer.callbacks`` value is the stack's own list (:func:`stack_callbacks`), as the parser
+    holds it before a config or flag gives another.
+
+    A list given over it replaces it whole (:func:`~lightning_gpuopt.internals.parse_whole_lists`), never item by
+    item: jsonargparse would parse each item of a list as long as the stack's on the stack's item at its position
+    (a user's ``ModelCheckpoint`` with the stack's ``save_last`` and ``every_n_train_steps``, or
+    ``NonFiniteGuard``'s ``mode`` on a ``ModelCheckpoint``).
+
+    Example::
+
+        is_stack_callbacks(stack_callbacks())  # True
+
+    Args:
+        value: The parsed ``trainer.callbacks`` value (class-path dictionaries or namespaces).
+    """
+    stack = stack_callbacks()
+    if not isinstance(value, list) or len(value) != len(stack):
+        return False
+    for item, ours in zip(map(_as_dict, value), stack):
+        if not isinstance(item, dict) or item.get("class_path") != ours["class_path"]:
+            return False
+        given = _as_dict(item.get("init_args")) or {}
+        if any(given.get(k) != v for k, v in ours.get("init_args", {}).items()):
+            return False
+    return True
 
 
 def float32_note(precision: Optional[str], plugins: Any, device_type: str) -> Optional[str]:
@@ -134,33 +173,47 @@ def float32_note(precision: Optional[str], plugins: Any, device_type: str) -> Op
     )
 
 
-def dropped_stack_note(callbacks: list[Any], enable_checkpointing: Any = True) -> Optional[str]:
-    """The line said at the start of ``fit`` when ``trainer.callbacks`` lacks the stack's ``ModelCheckpoint`` or
-    ``NonFiniteGuard``, else ``None``.
+def _left_out_checkpoint(callbacks: list[Any]) -> Optional[str]:
+    checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    if not checkpoints:
+        return ("the ModelCheckpoint keeping last.ckpt (Lightning's default one saves at the end of each epoch only; "
+                "--ckpt_path last resumes from the newest checkpoint it wrote)")
+    if not any(c.save_last for c in checkpoints):
+        return ("a ModelCheckpoint keeping last.ckpt (save_last is not set: --ckpt_path last resumes from the newest "
+                "checkpoint the run wrote)")
+    return None
 
-    A ``--trainer.callbacks X`` flag, or a config's own list, replaces the stack's list, so both were
-    dropped without a word: no ``last.ckpt`` (a later ``--ckpt_path last`` starts from step 0) and
-    NaN/Inf steps trained on. ``trainer.enable_checkpointing: false`` asks for no checkpoint, so then
-    only a missing guard is named.
+
+def dropped_stack_note(callbacks: list[Any], enable_checkpointing: Any = True) -> Optional[str]:
+    """The line said at the start of ``fit`` naming the stack's callbacks that ``trainer.callbacks`` leaves out, else ``None``.
+
+    A ``--trainer.callbacks X`` flag, or a config's own list, replaces the stack's list whole (each of its
+    pieces is there as listed or not at all): without this line the left-out pieces went without a word: no
+    ``last.ckpt``, NaN/Inf steps trained on, no MFU. ``trainer.enable_checkpointing: false`` asks for no
+    checkpoint, so then no ``ModelCheckpoint`` is named.
 
     Example::
 
-        dropped_stack_note([LearningRateMonitor()])  # "gpuopt: trainer.callbacks replaces the stack's and has no ..."
+        dropped_stack_note([LearningRateMonitor()])  # "gpuopt: trainer.callbacks replaces the stack's list and leaves out ..."
 
     Args:
         callbacks: The callbacks the Trainer is about to get (the stack's, a config's or a flag's).
         enable_checkpointing: The ``trainer.enable_checkpointing`` value.
     """
-    missing = []
-    if enable_checkpointing is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        missing.append("no ModelCheckpoint (no last.ckpt: a later --ckpt_path last starts from step 0)")
-    if not any(isinstance(c, NonFiniteGuard) for c in callbacks):
-        missing.append("no NonFiniteGuard (NaN/Inf steps are trained on)")
+    pieces = (
+        (CUDASettings, "CUDASettings (no TF32, SDPA order or allocator settings on a GPU)"),
+        (MFUMonitor, "MFUMonitor (no tokens/s or MFU)"),
+        (NonFiniteGuard, "NonFiniteGuard (NaN/Inf steps are trained on)"),
+    )
+    missing = [said for cls, said in pieces if not any(isinstance(c, cls) for c in callbacks)]
+    checkpoint = _left_out_checkpoint(callbacks) if enable_checkpointing is not False else None
+    missing += [checkpoint] if checkpoint else []
     if not missing:
         return None
+    listed = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
     return (
-        f"gpuopt: trainer.callbacks replaces the stack's and has {' and '.join(missing)}. To keep them, add "
-        "callbacks with --trainer.callbacks+=X instead, or list them too in the config."
+        f"gpuopt: trainer.callbacks replaces the stack's list and leaves out {listed}. To keep them, add callbacks "
+        "with --trainer.callbacks+=X instead, or list them too in the config."
     )
 
 

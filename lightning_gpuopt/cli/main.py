@@ -39,6 +39,7 @@ from lightning_gpuopt.cli.defaults import (
     dropped_stack_note,
     fill_checkpoint_dirs,
     float32_note,
+    is_stack_callbacks,
     replace_precision_plugins,
     stack_device_type,
 )
@@ -55,7 +56,7 @@ from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.perf.parallel import tensor_parallel_size
-from lightning_gpuopt.internals import parser_options
+from lightning_gpuopt.internals import parse_whole_lists, parser_options
 from lightning_gpuopt.option_checks import command_line_options
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
@@ -71,6 +72,7 @@ from lightning_gpuopt.cli.resume_checks import (
 )
 from lightning_gpuopt.cli.quiet import quiet_lightning
 from lightning_gpuopt.cli.typehints import int_before_float
+from lightning_gpuopt.cli.run_folder import hold_run_folder, release_run_folder
 from lightning_gpuopt.cli.run_summary import has_predict_data, model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, end_distributed
 
@@ -162,7 +164,17 @@ class GPTCLI(LightningCLI):
     ``TextDataModule`` only: a module of your own is built as configured and ``--ckpt_path`` restores
     its weights and training state, after :class:`~lightning_gpuopt.cli.resume_checks.OwnCheckpoint` has
     compared the weight shapes, the step and epoch limits and the hyper-parameters with the checkpoint's.
+
+    A ``fit`` holds its run folder from its start until it ends
+    (:func:`~lightning_gpuopt.cli.run_folder.hold_run_folder`): a second ``fit`` on it, in another process,
+    stops at its start.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().__init__(*args, **kwargs)
+        finally:  # a fit holds its run folder from its start (_parse_ckpt_path) to here, however it ended
+            release_run_folder()
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         if self.parser_class is LightningArgumentParser:
@@ -187,6 +199,7 @@ class GPTCLI(LightningCLI):
         parser.add_lightning_class_args(SigtermCheckpoint, "sigterm_checkpoint")
         self.stack_device_type = stack_device_type()
         parser.set_defaults(default_stack(self.stack_device_type))
+        parse_whole_lists(parser, "trainer.callbacks", is_stack_callbacks)  # a list of one's own replaces the stack's whole
         if not self.reads_text:  # a loader of your own resumes exactly when ExactResume may rebuild it
             parser.set_defaults({"exact_resume.rebuild_loaders": True})
         add_generate_arguments(parser)
@@ -222,6 +235,8 @@ class GPTCLI(LightningCLI):
         # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
         # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built. A
         # module of your own is built as configured; its checkpoint is read here and compared once it is built.
+        if self.config.get("subcommand") == "fit":  # one writer per run folder, until make_cli returns
+            hold_run_folder(self.config.fit.get("trainer"))
         resolve_run_folder(self.config)
         if self.trains_gpt:
             data_class = TextDataModule if self.reads_text else None

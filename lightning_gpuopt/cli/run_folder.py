@@ -9,10 +9,19 @@ checkpoint folders, the highest ``hpc_ckpt_N.ckpt`` in ``default_root_dir``), an
 path in the configuration, so every ``--ckpt_path`` goes through the same checks and the Trainer
 loads the file that was checked.
 
-A ``fit`` without ``--ckpt_path`` into a folder that holds a ``last.ckpt`` would replace it with
+Without a ``last*.ckpt`` (a ``ModelCheckpoint`` of one's own without ``save_last``, or Lightning's default
+one), ``last`` names the run's newest checkpoint and says so, rather than starting from step 0 next to it.
+
+A ``fit`` without ``--ckpt_path`` into a folder that holds a checkpoint would replace it with
 step 1 of a new run. :func:`existing_run_problem` stops such a run (exit 2) with the two commands to
 choose from, rather than continuing it: a re-run of a command is as often a new experiment with
 changed options (which a resume refuses or applies), and only the user knows which was meant.
+
+A run folder has one writer: :func:`hold_run_folder` takes an exclusive ``flock`` on a file in it
+(``.gpuopt-fit.lock``, holding the holder's pid) for the life of the ``fit``, so a second ``gpuopt fit`` on
+it stops at its start, naming the first. The kernel drops the lock when its process ends, however it
+ends (``kill -9`` included): no stale lock to remove. Under DDP only the launching process (rank 0) holds it;
+the ranks it starts run the same command and must not take it (:func:`holds_run_folder`).
 """
 
 from __future__ import annotations
@@ -20,13 +29,35 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import socket
+import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
-__all__ = ["checkpoint_dirs", "existing_run_problem", "last_checkpoints", "resolve_ckpt_path"]
+__all__ = [
+    "LOCK_FILE",
+    "checkpoint_dirs",
+    "existing_run_problem",
+    "hold_run_folder",
+    "holds_run_folder",
+    "last_checkpoints",
+    "release_run_folder",
+    "resolve_ckpt_path",
+    "run_checkpoints",
+]
+
+LOCK_FILE = ".gpuopt-fit.lock"
+"""The file in a run folder whose ``flock`` a running ``gpuopt fit`` holds."""
+
+# Environment variables that give a process's rank (torchrun, Lightning's launcher, Slurm, LSF, MPI): a process
+# with any of them above 0 is one a launch started, not the one that holds the run folder.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK",
+                   "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_held: list[IO[str]] = []  # the lock file this process holds (one fit at a time)
 
 _LAST = re.compile(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-(\d+))?$")
 _HPC = re.compile(r"^hpc_ckpt_(\d+)$")
@@ -59,7 +90,8 @@ def checkpoint_dirs(trainer_config: Any) -> list[Path]:
     """The folders the ``ModelCheckpoint`` callbacks of a parsed ``trainer`` group write into.
 
     A callback without ``dirpath`` writes into ``<default_root_dir>/checkpoints``
-    (:func:`~lightning_gpuopt.cli.defaults.fill_checkpoint_dirs`); ``enable_checkpointing: false`` writes none.
+    (:func:`~lightning_gpuopt.cli.defaults.fill_checkpoint_dirs`), and so does the ``ModelCheckpoint`` Lightning adds
+    when the list has none; ``enable_checkpointing: false`` writes none.
 
     Example::
 
@@ -74,9 +106,7 @@ def checkpoint_dirs(trainer_config: Any) -> list[Path]:
     callbacks = _get(trainer_config, "callbacks", [])
     callbacks = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
     dirs = []
-    for callback in callbacks:
-        if not _is_model_checkpoint(callback):
-            continue
+    for callback in [c for c in callbacks if _is_model_checkpoint(c)] or [None]:  # None: Lightning's own
         dirpath = getattr(callback, "dirpath", None) if isinstance(callback, ModelCheckpoint) else None
         dirpath = dirpath or _get(_get(callback, "init_args"), "dirpath")
         folder = Path(os.path.realpath(dirpath or root / "checkpoints"))
@@ -85,20 +115,41 @@ def checkpoint_dirs(trainer_config: Any) -> list[Path]:
     return dirs
 
 
+def _run_folders(trainer_config: Any) -> list[Path]:
+    """Where a run's checkpoints may be: :func:`checkpoint_dirs`, and ``<default_root_dir>/checkpoints`` even when
+    this configuration writes none (an earlier run of the same folder did)."""
+    root = Path(os.path.realpath(_get(trainer_config, "default_root_dir", os.getcwd())))
+    dirs = checkpoint_dirs(trainer_config)
+    return dirs if root / "checkpoints" in dirs else [*dirs, root / "checkpoints"]
+
+
 def last_checkpoints(dirs: list[Path]) -> list[Path]:
     """The ``last*.ckpt`` files in ``dirs``, newest first (the order Lightning's ``ckpt_path="last"`` picks in)."""
+    return [p for p in run_checkpoints(dirs) if _LAST.match(p.stem)]
+
+
+def run_checkpoints(dirs: list[Path]) -> list[Path]:
+    """Every checkpoint in ``dirs`` (``*.ckpt``, a file or a distributed checkpoint's folder; hidden partial saves
+    left out), newest first.
+
+    Example::
+
+        run_checkpoints([Path("runs/x/checkpoints")])  # [.../epoch=0-step=10.ckpt, .../epoch=0-step=5.ckpt]
+    """
     found = []
     for folder in dirs:
         if folder.is_dir():
-            found += [p for p in folder.iterdir() if p.suffix == ".ckpt" and _LAST.match(p.stem) and p.exists()]
+            found += [p for p in folder.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".") and p.exists()]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def resolve_ckpt_path(ckpt_path: Any, subcommand: str, trainer_config: Any) -> Any:
     """The checkpoint file a special ``--ckpt_path`` names, found as Lightning would; other values unchanged.
 
-    ``last``: the newest ``last*.ckpt`` in :func:`checkpoint_dirs`; none there starts a ``fit`` from
-    step 0 (said once) and is an error for the other subcommands. ``hpc``: the highest
+    ``last``: the newest ``last*.ckpt`` in :func:`checkpoint_dirs` (and ``<default_root_dir>/checkpoints``);
+    without one, the run's newest checkpoint there (a ``ModelCheckpoint`` without ``save_last`` writes no
+    ``last.ckpt``), named in one line; with no checkpoint at all, a ``fit`` starts from step 0 (said once) and
+    the other subcommands stop with an error. ``hpc``: the highest
     ``hpc_ckpt_N.ckpt`` in ``default_root_dir``. ``registry``: refused (download the checkpoint and
     pass its path), so that it too is checked before anything is built.
 
@@ -112,24 +163,12 @@ def resolve_ckpt_path(ckpt_path: Any, subcommand: str, trainer_config: Any) -> A
         trainer_config: The parsed ``trainer`` group.
 
     Raises:
-        ValueError: No file for ``hpc`` (or for ``last`` outside ``fit``), or a registry checkpoint.
+        ValueError: No file for ``hpc`` (or no checkpoint for ``last`` outside ``fit``), or a registry checkpoint.
     """
     if not isinstance(ckpt_path, str):
         return ckpt_path
     if ckpt_path == "last":
-        dirs = checkpoint_dirs(trainer_config)
-        found = last_checkpoints(dirs)
-        if found:
-            rank_zero_info(f"{subcommand} --ckpt_path last: {found[0]}")
-            return str(found[0])
-        where = ", ".join(map(str, dirs)) or "(no ModelCheckpoint callback in trainer.callbacks)"
-        if subcommand != "fit":
-            raise ValueError(
-                f"--ckpt_path last: no last.ckpt in {where}. Pass the checkpoint's path, or the "
-                "trainer.default_root_dir of the run that wrote it."
-            )
-        rank_zero_info(f"fit --ckpt_path last: no last.ckpt in {where} yet, so this run starts from step 0.")
-        return None
+        return _last(subcommand, trainer_config)
     if ckpt_path == "hpc":
         root = Path(_get(trainer_config, "default_root_dir", os.getcwd()))
         numbered = [(int(m[1]), p) for p in (root.iterdir() if root.is_dir() else []) if p.suffix == ".ckpt"
@@ -148,8 +187,31 @@ def resolve_ckpt_path(ckpt_path: Any, subcommand: str, trainer_config: Any) -> A
     return ckpt_path
 
 
+def _last(subcommand: str, trainer_config: Any) -> Optional[str]:
+    """The file ``--ckpt_path last`` names: the newest ``last*.ckpt``, else the run's newest checkpoint, said once."""
+    dirs = _run_folders(trainer_config)
+    where = ", ".join(map(str, dirs))
+    found = last_checkpoints(dirs)
+    if found:
+        rank_zero_info(f"{subcommand} --ckpt_path last: {found[0]}")
+        return str(found[0])
+    found = run_checkpoints(dirs)
+    if found:  # a ModelCheckpoint without save_last (a list of one's own, Lightning's default one)
+        others = f"; the others: {', '.join(p.name for p in found[1:4])}{' ...' if len(found) > 4 else ''}" if found[1:] else ""
+        rank_zero_info(f"{subcommand} --ckpt_path last: no last.ckpt in {where}, so the run's newest checkpoint, "
+                       f"{found[0]}{others}. Pass --ckpt_path PATH to resume from another.")
+        return str(found[0])
+    if subcommand != "fit":
+        raise ValueError(
+            f"--ckpt_path last: no checkpoint in {where}. Pass the checkpoint's path, or the "
+            "trainer.default_root_dir of the run that wrote it."
+        )
+    rank_zero_info(f"fit --ckpt_path last: no checkpoint in {where} yet, so this run starts from step 0.")
+    return None
+
+
 def existing_run_problem(ckpt_path: Any, trainer_config: Any, command: str = "gpuopt fit ...") -> Optional[str]:
-    """The error for a ``fit`` without ``--ckpt_path`` whose checkpoint folder already holds a ``last.ckpt``, else ``None``.
+    """The error for a ``fit`` without ``--ckpt_path`` whose checkpoint folders already hold a checkpoint, else ``None``.
 
     Example::
 
@@ -162,7 +224,8 @@ def existing_run_problem(ckpt_path: Any, trainer_config: Any, command: str = "gp
     """
     if ckpt_path or _get(trainer_config, "fast_dev_run", False):
         return None
-    found = last_checkpoints(checkpoint_dirs(trainer_config))
+    dirs = checkpoint_dirs(trainer_config)
+    found = last_checkpoints(dirs) or run_checkpoints(dirs)
     if not found:
         return None
     return (
@@ -170,3 +233,78 @@ def existing_run_problem(ckpt_path: Any, trainer_config: Any, command: str = "gp
         f"`{command} --ckpt_path last`; to start a new run: `{command} --trainer.default_root_dir NEW_FOLDER` "
         f"(or move {found[0].parent} away first)."
     )
+
+
+def holds_run_folder(env: Mapping[str, str]) -> bool:
+    """Whether this process is the one to hold the run folder: every rank variable in ``env`` is 0 or unset.
+
+    Lightning's DDP launcher starts ranks 1..N-1 as new processes running the same command, with
+    ``LOCAL_RANK`` set; ``torchrun`` and Slurm set ``RANK`` / ``SLURM_PROCID`` for every rank. Only the one process
+    that is rank 0 in all of them holds the lock, so the run has one holder however it was launched.
+
+    Example::
+
+        holds_run_folder({"LOCAL_RANK": "1"})  # False: a rank Lightning's launcher started
+
+    Args:
+        env: The process's environment (``os.environ``).
+    """
+    return all(env.get(name, "0").strip() in ("", "0") for name in _RANK_VARIABLES)
+
+
+def _lock(folder: Path) -> Optional[IO[str]]:
+    import fcntl
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / LOCK_FILE, "a+")  # created if missing, never truncated before the lock is ours
+    except OSError:  # a file, or a folder this process cannot write: the checks of the options name it, next
+        return None
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ValueError(
+            f"{folder} is in use by another gpuopt fit ({holder}): two runs in one folder write over each other's "
+            "checkpoints. Wait for it to end (or stop it), or give this run another --trainer.default_root_dir."
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    return handle
+
+
+def hold_run_folder(trainer_config: Any, env: Mapping[str, str] = os.environ) -> None:
+    """Hold the run folder of a ``fit`` (``default_root_dir``, the working folder when unset) until
+    :func:`release_run_folder`, or the end of the process; a folder another ``fit`` holds stops this one.
+
+    Example::
+
+        hold_run_folder(config.fit.trainer)   # ValueError: runs/x is in use by another gpuopt fit (pid 4242 ...)
+
+    Args:
+        trainer_config: The parsed ``trainer`` group.
+        env: The process's environment: a rank a launch started holds nothing (:func:`holds_run_folder`).
+
+    Raises:
+        ValueError: The folder is held by another process, named with its pid, host and start time.
+    """
+    if not holds_run_folder(env):
+        return
+    try:
+        import fcntl  # noqa: F401
+    except ImportError:  # not on POSIX: said once
+        rank_zero_info("gpuopt fit: no file locks on this platform, so a second fit on the same folder is not refused.")
+        return
+    handle = _lock(Path(os.path.realpath(_get(trainer_config, "default_root_dir", os.getcwd()))))
+    if handle is not None:
+        _held.append(handle)
+
+
+def release_run_folder() -> None:
+    """Let go of the folder :func:`hold_run_folder` holds (at the end of a ``fit``; the process's end does it too)."""
+    while _held:
+        _held.pop().close()

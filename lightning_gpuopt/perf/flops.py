@@ -4,13 +4,23 @@ Design note: the FLOPs MFU needs are those of what training runs, the loss inclu
 ``training_step`` and the backward of its loss, whatever its batch holds (masks, labels), whatever it
 reads on the host (``loss.item()``, Hugging Face's SDPA mask check) and however many optimizers it
 steps. :class:`StepFlopCounter` counts exactly that, over one real step of the run (the first at each
-sequence length), under ``torch.utils.flop_counter.FlopCounterMode``: no replay, no extra memory.
+sequence length): no replay, no extra memory. It watches the step through a dispatch mode that runs
+every operator exactly as it would run unwatched and adds up torch's FLOP formulas
+(``torch.utils.flop_counter.flop_registry``) for the matmuls, convolutions and attention it sees. It
+is not ``FlopCounterMode``: that mode replaces an operator it has no formula for by its composite
+decomposition where torch has one (``silu_backward`` becomes ``x * sigmoid(x) * ...``), so the
+counted step computed other bits than an uncounted one (a training run with the counter diverged from
+one without from the first counted SiLU backward, and a resumed run counted at other steps). Counting
+touches no kernel, no random stream and no value of an eager step (tested bit for bit).
+
 Attention is counted as the math kernel computes it, whatever kernel runs: ``Q K^T`` and ``P V``
 forward, four matmuls backward, the full ``T x T`` (PaLM's 12·L·d·T); the fused kernels'
 recomputation of the scores in their backward is not model FLOPs, and torch's CPU flash kernel,
-which ``FlopCounterMode`` does not know, is counted the same way. The counted step runs eagerly (a
-compiled module is run uncompiled for that step) and a few times slower than usual, the dispatch
-mode looking at every operator: its cost is that one step.
+which torch's table does not know, is counted the same way. A compiled module's operators are seen
+only eagerly, so its counted step runs eagerly (``set_stance("force_eager")``): those steps differ
+from compiled ones in the last bits, which ``MFUMonitor`` says once (a module with
+``flops_per_token(seq_len)`` is never counted). The counted step runs a few times slower than usual,
+Python looking at every operator: its cost is that one step.
 
 :func:`measure_training_flops` counts a forward and backward of ``model(*args)`` on meta tensors,
 without allocating anything: exact for a model whose forward reads no values, for the plans made
@@ -27,9 +37,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count, shape_wrapper
 
-from lightning_gpuopt.internals import reparametrize_module, sdpa_ops, uncompiled
+from lightning_gpuopt.internals import reparametrize_module, sdpa_ops, torch_dispatch_mode, uncompiled
 
 __all__ = ["StepFlopCounter", "count_step_flops", "measure_training_flops", "model_flops_per_token"]
 
@@ -145,10 +155,27 @@ def _sdpa_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, out_
     return 2 * sdpa_flop_count(query, key, value)  # the math kernel's four matmuls; no recomputed scores
 
 
-def _attention_as_math() -> dict[Any, Callable[..., int]]:
-    """``FlopCounterMode(custom_mapping=...)``: every SDPA kernel counted as the math kernel computes it."""
-    forward, backward = sdpa_ops()  # torch's CPU flash kernel is not in FlopCounterMode's table: 0 there
-    return {**{op: _sdpa_forward for op in forward}, **{op: _sdpa_backward for op in backward}}
+def _formulas() -> dict[Any, Callable[..., int]]:
+    """torch's FLOP formulas by operator, with every SDPA kernel counted as the math kernel computes it."""
+    forward, backward = sdpa_ops()  # torch's CPU flash kernel is not in torch's table: 0 there
+    attention = {**{op: _sdpa_forward for op in forward}, **{op: _sdpa_backward for op in backward}}
+    return {**flop_registry, **{op: shape_wrapper(count) for op, count in attention.items()}}
+
+
+class _CountingMode(torch_dispatch_mode()):
+    """Runs every operator exactly as it was dispatched (no decomposition) and adds up the FLOPs of those with a formula."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.formulas, self.flops = _formulas(), 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
 
 
 class StepFlopCounter:
@@ -156,6 +183,7 @@ class StepFlopCounter:
 
     Matmuls, convolutions and attention are counted (element-wise operations are not, as in MFU);
     attention as the math kernel computes it whatever kernel runs (see the module's design note).
+    Every operator runs as it would uncounted: an eager step computes the same bits counted or not.
     Between ``start`` and ``stop`` ``torch.compile`` is set to run eagerly (``set_stance("force_eager")``),
     so a compiled module's operators are seen; it compiles at the next step.
 
@@ -175,7 +203,7 @@ class StepFlopCounter:
 
     def __init__(self) -> None:
         self._stack: Optional[contextlib.ExitStack] = None
-        self._counter: Optional[FlopCounterMode] = None
+        self._counter: Optional[_CountingMode] = None
 
     @property
     def running(self) -> bool:
@@ -184,7 +212,7 @@ class StepFlopCounter:
     def start(self) -> None:
         if self._stack is not None:
             raise RuntimeError("StepFlopCounter.start() called twice without stop()")
-        self._counter = FlopCounterMode(display=False, custom_mapping=_attention_as_math())
+        self._counter = _CountingMode()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(self._counter)
@@ -196,7 +224,7 @@ class StepFlopCounter:
             raise RuntimeError("StepFlopCounter.stop() called before start()")
         stack, self._stack = self._stack, None
         stack.close()
-        return int(self._counter.get_total_flops())
+        return self._counter.flops
 
 
 def count_step_flops(step: Callable[[], Any]) -> tuple[Any, int]:

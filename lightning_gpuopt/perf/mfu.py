@@ -4,6 +4,12 @@ Plain functions, no Trainer: :class:`~lightning_gpuopt.callbacks.MFUMonitor` tim
 counts tokens and FLOPs, and calls these. MFU is against the device's dense **bf16** peak whatever
 the run computes in (the usual convention, so fp32, bf16 and fp8 runs compare on one scale); fp8
 runs also get ``perf/mfu_fp8`` against the fp8 peak.
+
+Tokens are real tokens: where a batch marks its padding (:func:`real_tokens_of`), tokens/s and the model
+FLOPs behind TFLOP/s and MFU count the real tokens only. The GPU computes on the padding too, but that is
+work the model did not need, as activation recomputation is not (PaLM's MFU leaves both out), so padding
+shows as lower MFU, the speed packing or length-bucketing would win back; the rate of all positions is
+logged beside it (``perf/tokens_per_sec_padded``).
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from lightning_gpuopt.perf.units import GiB
 
 __all__ = [
     "MFU_DTYPES",
+    "TokenTally",
     "WindowTotals",
     "input_ids_of",
     "memory_stats",
     "mfu_peaks",
+    "real_tokens_of",
     "summarise_windows",
     "window_metrics",
 ]
@@ -56,6 +64,71 @@ def input_ids_of(batch: Any) -> Optional[Tensor]:
     if isinstance(batch, Tensor) and not (batch.is_floating_point() or batch.is_complex() or batch.dtype == torch.bool):
         return batch
     return None
+
+
+def real_tokens_of(batch: Any) -> Optional[tuple[Tensor, str]]:
+    """The tokens of a batch that are not padding, and the key they were read from: ``attention_mask`` (its non-zero
+    entries), else ``labels`` (those not ``-100``), when the batch is a mapping holding one of ``input_ids``' shape;
+    ``None`` otherwise (every position is a token).
+
+    The count is a 0-dim tensor on the batch's device, not read: reading it on the host would wait for the GPU
+    at every micro-batch. :class:`TokenTally` adds such counts up and reads them once.
+
+    Example::
+
+        >>> ids = torch.ones(2, 4, dtype=torch.long)
+        >>> count, key = real_tokens_of({"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])})
+        >>> int(count), key
+        (6, 'attention_mask')
+
+    Args:
+        batch: A training batch.
+    """
+    input_ids = input_ids_of(batch)
+    if input_ids is None or not isinstance(batch, Mapping):
+        return None
+    for key, padding in (("attention_mask", 0), ("labels", -100)):
+        value = batch.get(key)
+        if isinstance(value, Tensor) and value.shape == input_ids.shape:
+            return (value != padding).sum(), key
+    return None
+
+
+class TokenTally:
+    """Tokens and their model FLOPs over a span of micro-batches (a window, a run), read when asked for.
+
+    Each micro-batch adds its token positions (padding included, known on the host from the shapes), its real
+    tokens (an ``int``, or a device tensor from :func:`real_tokens_of`) and the model FLOPs per token of its
+    sequence length (``None`` when unknown). Real tokens are kept apart by FLOPs per token, so the model FLOPs of
+    the real tokens are exact over micro-batches of different lengths; device counts are summed on the device
+    and read once, by :meth:`read`.
+
+    Example::
+
+        tally = TokenTally()
+        tally.add(positions=64, real=torch.tensor(48), flops_per_token=1e6)
+        tally.read()  # (48, 4.8e7, True): real tokens, their model FLOPs, all counts known
+    """
+
+    def __init__(self) -> None:
+        self.positions = 0
+        self._real: dict[Optional[float], Any] = {}  # FLOPs per token (None: unknown) -> real tokens, int or tensor
+
+    def add(self, positions: int, real: Any, flops_per_token: Optional[float]) -> None:
+        self.positions += positions
+        self._real[flops_per_token] = self._real.get(flops_per_token, 0) + real
+
+    def copy(self) -> "TokenTally":
+        copied = TokenTally()
+        copied.positions, copied._real = self.positions, dict(self._real)  # sums make new tensors: the copy stays
+        return copied
+
+    def read(self) -> tuple[int, float, bool]:
+        """``(real tokens, model FLOPs of those whose FLOPs per token is known, whether all are known)``.
+        Waits for the device when a count is a device tensor."""
+        counts = {fpt: int(tokens) for fpt, tokens in self._real.items()}
+        flops = float(sum(fpt * tokens for fpt, tokens in counts.items() if fpt is not None))
+        return sum(counts.values()), flops, None not in counts
 
 
 def memory_stats(facts: DeviceFacts) -> dict[str, float]:
@@ -120,6 +193,7 @@ def window_metrics(
     peak_fp8: Optional[float] = None,
     measured_peak: Optional[float] = None,
     tensor_parallel: int = 1,
+    padded_tokens: Optional[int] = None,
 ) -> dict[str, float]:
     """The ``perf/*`` metrics of one window of ``steps`` optimizer steps (see ``MFUMonitor``'s key table).
 
@@ -143,6 +217,8 @@ def window_metrics(
         measured_peak: A timed bf16 matmul's FLOP/s, for ``perf/mfu_measured``.
         tensor_parallel: Devices that split each layer (:func:`~lightning_gpuopt.perf.parallel.tensor_parallel_size`):
             the tokens and FLOPs of a data-parallel rank are divided over them, per device.
+        padded_tokens: Token positions of the window, padding included, when the batches say which are padding
+            (``tokens`` are then the real ones): ``perf/tokens_per_sec_padded``.
     """
     elapsed = max(elapsed, 1e-12)
     metrics = {"perf/step_time_ms": 1000 * elapsed / steps, "perf/dataloader_wait_pct": 100 * wait / elapsed}
@@ -151,6 +227,8 @@ def window_metrics(
     per_rank = tokens / elapsed  # a data-parallel rank: one device, or a tensor-parallel group of them
     metrics["perf/tokens_per_sec"] = per_rank * replicas
     metrics["perf/tokens_per_sec_per_device"] = per_rank / tensor_parallel
+    if padded_tokens is not None:
+        metrics["perf/tokens_per_sec_padded"] = padded_tokens / elapsed * replicas
     if flops is not None:
         achieved = flops / elapsed / tensor_parallel
         metrics["perf/tflops_per_device"] = achieved / 1e12
@@ -165,11 +243,12 @@ class WindowTotals:
     """What one timing window measured, as counts: reports add these up rather than average rates.
 
     Args:
-        tokens: Tokens this device trained on in the window.
+        tokens: Tokens this device trained on in the window (padding left out when the batches mark it).
         flops: Model FLOPs of those tokens; ``None`` when some micro-batch's count is unknown.
         seconds: Training seconds of the window (validation and saves left out).
         steps: Optimizer steps in the window.
         wait: Seconds of ``seconds`` spent waiting for batches.
+        padded: Token positions of the window, padding included, when the batches mark padding; else ``None``.
     """
 
     tokens: int
@@ -177,6 +256,7 @@ class WindowTotals:
     seconds: float
     steps: int
     wait: float
+    padded: Optional[int] = None
 
 
 def _plural(count: int, noun: str) -> str:
@@ -263,6 +343,7 @@ def summarise_windows(
         )
         return {"text": text, "advice": []}
     flops = [w.flops for w in windows]
+    padded = [w.padded for w in windows]
     steps = sum(w.steps for w in windows)
     metrics = window_metrics(
         tokens=sum(w.tokens for w in windows),
@@ -275,6 +356,7 @@ def summarise_windows(
         peak_fp8=peak_fp8,
         measured_peak=measured_peak,
         tensor_parallel=tensor_parallel,
+        padded_tokens=None if None in padded else sum(padded),
     )
     per = "per device" if tensor_parallel == 1 else f"per data-parallel rank ({tensor_parallel} tensor-parallel devices)"
     lines = [
@@ -287,7 +369,9 @@ def summarise_windows(
     if "perf/tflops_per_device" in metrics:
         lines.append(f"  {metrics['perf/tflops_per_device']:.3g} TFLOP/s per device")
     if "perf/tokens_per_sec" in metrics:
-        lines.append(f"  {metrics['perf/tokens_per_sec']:,.0f} tokens/s ({metrics['perf/step_time_ms']:.1f} ms/step)")
+        with_padding = metrics.get("perf/tokens_per_sec_padded")
+        padding = f", {with_padding:,.0f} with padding" if with_padding is not None else ""
+        lines.append(f"  {metrics['perf/tokens_per_sec']:,.0f} tokens/s{padding} ({metrics['perf/step_time_ms']:.1f} ms/step)")
     else:
         lines.append(f"  {metrics['perf/step_time_ms']:.1f} ms/step (no tokens found in the batches: no tokens/s or MFU)")
     if peak_memory_pct is not None:

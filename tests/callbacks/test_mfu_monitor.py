@@ -402,3 +402,67 @@ def test_monitor_counts_a_hugging_face_llama_with_attention_masks(tmp_path):
     per_token = monitor.history[-1]["perf/tflops_per_device"] * 1e12 / monitor.history[-1]["perf/tokens_per_sec_per_device"]
     assert per_token == pytest.approx(6 * sum(weights.values()) + 12 * 2 * 64 * 32, rel=0.03)
     assert monitor.flops_source == "HFLlama.training_step, counted over a real step"
+
+
+class _MaskedLM(pl.LightningModule):
+    """A tiny LM on Hugging Face-style dict batches; each step takes ``step_s`` on the clock; FLOPs per token given."""
+
+    def __init__(self, clock: FakeClock, step_s: float) -> None:
+        super().__init__()
+        self.clock, self.step_s = clock, step_s
+        self.emb, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return 1e6
+
+    def training_step(self, batch, batch_idx):
+        self.clock.advance(self.step_s)
+        logits = self.head(self.emb(batch["input_ids"]))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch["input_ids"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("key", ["attention_mask", "labels"])
+def test_padding_is_not_counted_as_tokens_and_the_padded_rate_is_beside(tmp_path, caplog, key):
+    clock, step_s, peak = FakeClock(), 0.5, 1e9
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, -8:] = 0  # the second row ends in 8 padding positions: 56 real tokens of 64
+    batch = {"input_ids": ids * mask, key: mask if key == "attention_mask" else ids.masked_fill(mask == 0, -100)}
+    monitor = MFUMonitor(log_every_n_steps=3, warmup_steps=1, peak_flops=peak, clock=clock)
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [monitor], max_steps=4).fit(_MaskedLM(clock, step_s), loader([batch] * 4))
+    (metrics,) = monitor.history
+    real, positions = B * T - 8, B * T
+    assert metrics["perf/tokens_per_sec"] == pytest.approx(real / step_s)  # was 64 / step_s: padding as tokens
+    assert metrics["perf/tokens_per_sec_padded"] == pytest.approx(positions / step_s)
+    assert metrics["perf/tflops_per_device"] == pytest.approx(1e6 * real / step_s / 1e12)
+    assert metrics["perf/mfu"] == pytest.approx(1e6 * real / step_s / peak)  # the model FLOPs of the real tokens
+    assert monitor.total_tokens == 4 * real and monitor.total_flops == pytest.approx(4 * real * 1e6)
+    said = [r.getMessage() for r in caplog.records if "padding left out" in r.getMessage()]
+    assert len(said) == 1 and f"from the batch's {key}" in said[0]  # once, naming where it read them
+    assert f"{real / step_s:,.0f} tokens/s, {positions / step_s:,.0f} with padding" in monitor.summary["text"]
+
+
+def test_a_resumed_run_keeps_the_counts_and_counts_no_length_again(tmp_path, caplog):
+    """The FLOPs per token counted before a checkpoint come back with it: a resumed run counts a step at the same
+    sequence lengths as the run that was not stopped (a compiled module's counted step runs eagerly)."""
+    from tests._module_shapes import HFLlamaModule, shape_loader
+
+    torch.manual_seed(0)
+    monitor = MFUMonitor(warmup_steps=0, prog_bar=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _trainer(tmp_path, [monitor, ckpt], max_steps=2, enable_checkpointing=True).fit(HFLlamaModule(), shape_loader("hf-llama-mask", B))
+    saved = torch.load(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", weights_only=True)["callbacks"]
+    (state,) = [v for k, v in saved.items() if k.startswith("MFUMonitor")]
+    assert [seq_len for seq_len, _ in state["counted_flops_per_token"]] == [T]
+    resumed = MFUMonitor(warmup_steps=0, prog_bar=False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [resumed], max_steps=4).fit(HFLlamaModule(), shape_loader("hf-llama-mask", B),
+                                                         ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert not [r for r in caplog.records if "counted over a real training step" in r.getMessage()]  # not counted again
+    assert resumed.flops_source == monitor.flops_source == "HFLlamaModule.training_step, counted over a real step"
+    assert resumed.total_flops / resumed.total_tokens == pytest.approx(monitor.total_flops / monitor.total_tokens)

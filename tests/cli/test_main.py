@@ -298,14 +298,16 @@ def test_callbacks_that_drop_checkpointing_or_the_guard_say_so_once(text_dir, ca
 
     monitor = "lightning.pytorch.callbacks.LearningRateMonitor"
     assert notes("--trainer.callbacks", monitor) == [
-        "gpuopt: trainer.callbacks replaces the stack's and has no ModelCheckpoint (no last.ckpt: a later --ckpt_path "
-        "last starts from step 0) and no NonFiniteGuard (NaN/Inf steps are trained on). To keep them, add callbacks "
-        "with --trainer.callbacks+=X instead, or list them too in the config."]
+        "gpuopt: trainer.callbacks replaces the stack's list and leaves out CUDASettings (no TF32, SDPA order or "
+        "allocator settings on a GPU), MFUMonitor (no tokens/s or MFU), NonFiniteGuard (NaN/Inf steps are trained on) "
+        "and the ModelCheckpoint keeping last.ckpt (Lightning's default one saves at the end of each epoch only; "
+        "--ckpt_path last resumes from the newest checkpoint it wrote). To keep them, add callbacks with "
+        "--trainer.callbacks+=X instead, or list them too in the config."]
     assert notes(f"--trainer.callbacks+={monitor}") == []  # appended: the config's list is kept
     assert notes() == []
     # No checkpoint asked for: only the guard is named.
     said = notes("--trainer.callbacks", monitor, "--trainer.enable_checkpointing", "false")
-    assert len(said) == 1 and "ModelCheckpoint" not in said[0] and "no NonFiniteGuard" in said[0]
+    assert len(said) == 1 and "ModelCheckpoint" not in said[0] and "NonFiniteGuard (NaN/Inf steps are trained on)" in said[0]
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

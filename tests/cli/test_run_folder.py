@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +15,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpuopt.cli.main import main
-from lightning_gpuopt.cli.run_folder import checkpoint_dirs, resolve_ckpt_path
+from lightning_gpuopt.cli.run_folder import checkpoint_dirs, holds_run_folder, resolve_ckpt_path
 from lightning_gpuopt.model.checkpoint import read_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _args(text_dir: Path, root: Path, *extra: str) -> list[str]:
@@ -98,7 +104,7 @@ def test_hpc_names_the_highest_numbered_file_and_registry_is_refused(tmp_path):
         resolve_ckpt_path("hpc", "fit", {"default_root_dir": str(tmp_path / "empty")})
     with pytest.raises(ValueError, match="Download it from the model registry"):
         resolve_ckpt_path("registry:my-model", "predict", trainer)
-    with pytest.raises(ValueError, match="no last.ckpt in"):
+    with pytest.raises(ValueError, match="no checkpoint in"):
         resolve_ckpt_path("last", "predict", trainer)
     assert resolve_ckpt_path("last", "fit", trainer) is None  # a first run: starts from step 0, said once
 
@@ -111,3 +117,101 @@ def test_checkpoint_dirs_follow_dirpath_and_the_default_root(tmp_path):
     ]}
     assert checkpoint_dirs(trainer) == [tmp_path / "a", tmp_path / "r" / "checkpoints"]
     assert checkpoint_dirs({**trainer, "enable_checkpointing": False}) == []
+
+
+def _own(root: Path, *extra: str) -> list[str]:
+    """A fit of a module of one's own whose `--trainer.callbacks` replaced the stack: no ModelCheckpoint listed, so
+    Lightning's own writes `checkpoints/epoch=E-step=S.ckpt` at the end of each epoch, and no last.ckpt."""
+    return ["fit", "--model", "tests.cli._own_modules.Regressor", "--trainer.default_root_dir", str(root),
+            "--trainer.callbacks", "tests.cli._own_modules.EveryNSteps", "--trainer.accelerator", "cpu",
+            "--trainer.devices", "1", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", *extra]
+
+
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:MFUMonitor found no tokens:UserWarning")
+def test_last_without_a_last_ckpt_resumes_from_the_runs_newest_checkpoint(tmp_path, monkeypatch, caplog, capsys):
+    import logging
+
+    from lightning_gpuopt.cli.main import make_cli
+
+    monkeypatch.chdir(tmp_path)
+    main(_own(tmp_path, "--trainer.max_steps", "4"))  # one epoch of 4 steps
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt"]
+    with caplog.at_level(logging.INFO):
+        cli = make_cli([*_own(tmp_path, "--trainer.max_steps", "6"), "--ckpt_path", "last"])
+    assert cli.trainer.ckpt_path == str(folder / "epoch=0-step=4.ckpt")  # not from step 0
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fit --ckpt_path last")]
+    assert said == [f"fit --ckpt_path last: no last.ckpt in {folder}, so the run's newest checkpoint, "
+                    f"{folder / 'epoch=0-step=4.ckpt'}. Pass --ckpt_path PATH to resume from another."]
+    assert read_checkpoint(folder / "epoch=1-step=6.ckpt")["global_step"] == 6
+    assert not [p for p in folder.iterdir() if "-v1" in p.name]
+    # A new fit into the same folder would mix its checkpoints with the run's: refused with both commands.
+    assert _exit_code(_own(tmp_path, "--trainer.max_steps", "2")) == 2
+    err = capsys.readouterr().err
+    assert "epoch=1-step=6.ckpt holds a run this fit would overwrite" in err and "--ckpt_path last" in err
+
+
+def test_last_with_no_checkpoint_says_where_it_looked(tmp_path):
+    trainer = {"default_root_dir": str(tmp_path), "callbacks": [{"class_path": "tests.cli._own_modules.EveryNSteps"}]}
+    with pytest.raises(ValueError, match=rf"no checkpoint in {tmp_path / 'checkpoints'}\. Pass the checkpoint's path"):
+        resolve_ckpt_path("last", "predict", trainer)
+    assert checkpoint_dirs(trainer) == [tmp_path / "checkpoints"]  # Lightning's own ModelCheckpoint writes there
+    (tmp_path / "checkpoints").mkdir()
+    torch.save({}, tmp_path / "checkpoints" / ".gpuopt-partial-0123456789abcdef.ckpt")  # a killed save's leftover
+    assert resolve_ckpt_path("last", "fit", {**trainer, "enable_checkpointing": False}) is None
+    torch.save({}, tmp_path / "checkpoints" / "epoch=0-step=3.ckpt")
+    assert resolve_ckpt_path("last", "fit", {**trainer, "enable_checkpointing": False}).endswith("epoch=0-step=3.ckpt")
+
+
+def test_one_holder_per_launch_whatever_launched_it():
+    assert holds_run_folder({}) and holds_run_folder({"RANK": "0", "LOCAL_RANK": "0", "SLURM_PROCID": "0"})
+    assert not holds_run_folder({"LOCAL_RANK": "1"})  # a rank Lightning's DDP launcher started
+    assert not holds_run_folder({"RANK": "3", "LOCAL_RANK": "1"})  # torchrun
+    assert not holds_run_folder({"NODE_RANK": "1", "LOCAL_RANK": "0"})  # rank 0 of the second node
+    assert not holds_run_folder({"SLURM_PROCID": "2"})
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:MFUMonitor found no tokens:UserWarning")
+def test_a_second_fit_on_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_lock(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "run"
+    args = ["fit", "--model", "tests.cli._own_modules.Regressor", "--trainer.default_root_dir", str(root),
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen([sys.executable, "-m", "lightning_gpuopt", *args, "--trainer.callbacks+=tests.cli._own_modules.WaitAtStart"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (root / "started").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-4000:]
+            time.sleep(0.1)
+        assert _exit_code(args) == 2  # this process: refused at its start, the first run untouched
+        err = capsys.readouterr().err
+        assert f"{root} is in use by another gpuopt fit (pid {first.pid} on " in err
+        assert "another --trainer.default_root_dir" in err and "Traceback" not in err
+    finally:
+        first.kill()  # kill -9: the kernel drops its lock
+        first.communicate(timeout=60)
+    main(args)  # the folder is free again: nothing left to clean up
+    assert read_checkpoint(root / "checkpoints" / "last.ckpt")["global_step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
+def test_a_ddp_fit_holds_its_folder_once(tmp_path):
+    """Lightning's launcher starts rank 1 running the same command: it must not take the lock rank 0 holds."""
+    root = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_gpuopt", "fit", "--model", "tests.cli._own_modules.Regressor",
+         "--trainer.default_root_dir", str(root), "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+         "--trainer.strategy", "ddp", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+         "--trainer.max_steps", "2"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert read_checkpoint(root / "checkpoints" / "last.ckpt")["global_step"] == 2
+    assert (root / ".gpuopt-fit.lock").read_text().startswith(f"pid {proc.pid} on ")  # rank 0, the launching process

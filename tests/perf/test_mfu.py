@@ -122,3 +122,24 @@ def test_a_window_without_tokens_reports_no_rate():
                                fit_tokens=0, fit_flops=0.0)
     assert "500.0 ms/step (no tokens found in the batches: no tokens/s or MFU)" in report["text"]
     assert "tokens/s (" not in report["text"] and "tokens per device" not in report["text"]
+
+
+def test_real_tokens_read_the_mask_or_the_labels_without_reading_the_device():
+    from lightning_gpuopt.perf.mfu import TokenTally, real_tokens_of
+
+    ids = torch.ones(2, 4, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    count, key = real_tokens_of({"input_ids": ids, "attention_mask": mask, "labels": torch.full((2, 4), -100)})
+    assert isinstance(count, torch.Tensor) and int(count) == 6 and key == "attention_mask"  # the mask comes first
+    count, key = real_tokens_of({"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100)})
+    assert int(count) == 6 and key == "labels"
+    assert real_tokens_of((ids, ids)) is None and real_tokens_of({"input_ids": ids}) is None
+    assert real_tokens_of({"input_ids": ids, "attention_mask": torch.ones(2, 5)}) is None  # not the ids' shape
+    tally = TokenTally()
+    tally.add(8, torch.tensor(6), 10.0)
+    snapshot = tally.copy()
+    tally.add(8, 8, 20.0)
+    assert tally.read() == (14, 6 * 10.0 + 8 * 20.0, True) and tally.positions == 16
+    assert snapshot.read() == (6, 60.0, True) and snapshot.positions == 8
+    tally.add(4, 4, None)  # FLOPs per token unknown for one micro-batch
+    assert tally.read() == (18, 220.0, False)
