@@ -68,6 +68,7 @@ PARTS: tuple[Part, ...] = (
 GPU_TEST_FILES: tuple[str, ...] = (
     "tests/precision/test_gpu.py",
     "tests/model/test_gpt.py",
+    "tests/model/test_llama.py",
     "tests/callbacks/test_cuda_settings.py",
     "tests/callbacks/test_mfu_monitor.py",
     "tests/callbacks/auto_batch/test_gpu.py",
@@ -93,7 +94,8 @@ _H100: dict[str, float] = {
     "124m/gpuopt-fp8-compile/rowwise": 80, "124m/gpuopt-bf16-compile-auto": 110,
     "774m/gpuopt-bf16-compile": 70, "774m/gpuopt-fp8-compile": 80,
     "pytest": 15,
-    "tests/precision/test_gpu.py": 50, "tests/model/test_gpt.py": 10, "tests/callbacks/test_cuda_settings.py": 15,
+    "tests/precision/test_gpu.py": 50, "tests/model/test_gpt.py": 10, "tests/model/test_llama.py": 10,
+    "tests/callbacks/test_cuda_settings.py": 15,
     "tests/callbacks/test_mfu_monitor.py": 20, "tests/callbacks/auto_batch/test_gpu.py": 40,
     "tests/callbacks/test_exact_resume.py": 60, "tests/cli/test_doctor.py": 45,
     "tests/benchmarks/test_throughput.py": 30,

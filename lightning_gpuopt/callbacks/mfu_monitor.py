@@ -15,16 +15,8 @@ from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts, training_device
 from lightning_gpuopt.perf.flops import StepFlopCounter, model_flops_per_token
-from lightning_gpuopt.perf.mfu import (
-    MFU_DTYPES,
-    TokenTally,
-    WindowTotals,
-    input_ids_of,
-    mfu_peaks,
-    real_tokens_of,
-    summarise_windows,
-    window_metrics,
-)
+from lightning_gpuopt.perf.mfu import (MFU_DTYPES, TokenTally, WindowTotals, input_ids_of, mfu_peaks, real_tokens_of,
+                                       summarise_windows, window_metrics)
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number, option
 from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops

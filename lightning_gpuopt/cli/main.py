@@ -235,8 +235,9 @@ class GPTCLI(LightningCLI):
         # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
         # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built. A
         # module of your own is built as configured; its checkpoint is read here and compared once it is built.
-        if self.config.get("subcommand") == "fit":  # one writer per run folder, until make_cli returns
-            hold_run_folder(self.config.fit.get("trainer"))
+        fit = self.config.get("fit") if self.config.get("subcommand") == "fit" else None
+        if fit is not None and not (fit.get("auto_strategy") or {}).get("print_plan"):  # one writer per run folder
+            hold_run_folder(fit.get("trainer"))  # until make_cli returns
         resolve_run_folder(self.config)
         if self.trains_gpt:
             data_class = TextDataModule if self.reads_text else None

@@ -179,9 +179,10 @@ def parallelize_gpt(model: GPT, mesh: Any, float8_collectives: Optional[bool] = 
         attn, mlp = block.attn, block.mlp
         parallelize_module(block, mesh, {
             "ln_1": SequenceParallel(),
-            # attention's inputs are (x, cache, rope): x is gathered from its sequence shards, the others pass as they are
+            # attention's inputs are (x, cache, rope, mask, key_padding_mask): x is gathered from its sequence shards,
+            # the others pass as they are
             "attn": _gather_input(
-                [attn.q_proj, attn.k_proj, attn.v_proj], float8, (Shard(1), None, None), (Replicate(), None, None)
+                [attn.q_proj, attn.k_proj, attn.v_proj], float8, (Shard(1), *[None] * 4), (Replicate(), *[None] * 4)
             ),
             "attn.q_proj": _colwise(attn.q_proj, float8),
             "attn.k_proj": _colwise(attn.k_proj, float8),

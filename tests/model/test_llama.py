@@ -261,3 +261,25 @@ def test_flash_attn_matches_sdpa_on_gpu():
     x = torch.randint(0, 100, (2, 32), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         torch.testing.assert_close(fa(x).float(), sdpa(x).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_heads_given_to_sdpa_as_they_are_match_repeated_heads_on_gpu():
+    """In bf16 without a mask the model hands SDPA the grouped key/value heads (enable_gqa); the result must be
+    what the repeated heads give (the path a mask or float32 takes)."""
+    from lightning_gpuopt.model.gpt import grouped_heads_run_fused
+
+    assert grouped_heads_run_fused(torch.bfloat16, masked=False) and not grouped_heads_run_fused(torch.float32, masked=False)
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 64, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), is_causal=True)
+    torch.testing.assert_close(fused.float(), repeated.float(), atol=2e-2, rtol=2e-2)
+    model = GPT(llama(n_embd=128, n_head=4, n_kv_head=2)).cuda()
+    x = torch.randint(0, 100, (2, 32), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        bf16 = model(x).float()
+    torch.testing.assert_close(bf16, model(x).float(), atol=5e-2, rtol=5e-2)  # bf16 fused path vs float32 repeated path

@@ -122,7 +122,7 @@ def test_flash_attn_on_a_device_without_it_stops_in_setup_before_the_model_is_bu
     data = TextDataModule(source=str(text_dir), block_size=32, batch_size=4, vocab_size=300, num_workers=0, cache_dir=str(cache_dir))
     trainer = pl.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ValueError, match=r"compute capability 8.0 or newer .*this run's device is cpu: use attention='sdpa'"):
+    with pytest.raises(ValueError, match=r"compute capability 8.0 or newer .*this run's device is cpu: use GPTModule\(attention='sdpa'\)"):
         trainer.fit(module, datamodule=data)
     assert module.model is None and trainer.global_step == 0
 class _GatheredWeights(pl.Callback):
