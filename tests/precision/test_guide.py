@@ -19,6 +19,12 @@ from tests.precision._helpers import TINY, LossRecorder, ProbeGPT, plugin_traine
 _mx = pytest.importorskip("torchao.prototype.moe_training.config", reason="torchao without MXFP8 training")
 if not hasattr(_mx, "MXFP8TrainingOpConfig"):
     pytest.skip("torchao without MXFP8TrainingOpConfig (0.18 has it)", allow_module_level=True)
+# torchao 0.18's MXFP8 training asserts two DTensor internals that torch 2.11 lacks ("install the latest torch nightly")
+from torch.distributed.tensor import _dispatch, _ops  # noqa: E402
+
+if not (hasattr(_ops, "scaled_mm_single_dim_strategy") and hasattr(_dispatch, "is_pinned_handler")):
+    pytest.skip(f"torchao's MXFP8 training needs a newer torch than {torch.__version__} (2.13 has what it asks for)",
+                allow_module_level=True)
 
 
 def _guide_module(tmp_path, monkeypatch):
