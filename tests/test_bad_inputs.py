@@ -390,7 +390,7 @@ CASES = [
          "set model.vocab_size >= 300"),
     Case("batch-larger-than-split", lambda c: c.fit(GPTModule(vocab_size=300, block_size=32), c.data(batch_size=2048)), ValueError,
          r"data.batch_size=2048 is larger than the training split of .*no training step\. Set data.batch_size <= \d+"),
-    Case("vocab-too-small", lambda c: c.data(vocab_size=100), ValueError, r"vocab_size must be at least 257"),
+    Case("vocab-too-small", lambda c: c.data(vocab_size=100), ValueError, r"TextDataModule.vocab_size must be an integer >= 257, got 100"),
     Case("val-fraction-out-of-range", lambda c: c.data(val_fraction=0.6), ValueError, r"val_fraction must be in \(0, 0.5\)"),
     Case("batch-size-zero", lambda c: c.data(batch_size=0), ValueError, "batch_size must be an integer >= 1"),
     Case("empty-prompt", lambda c: c.data(prompts=[""]).predict_dataloader(), ValueError, "give each prompt some text"),
