@@ -1,8 +1,7 @@
 """The token cache folder: what makes it complete and current, and how it is written safely.
 
 Its name hashes the corpus, the tokenizer and the split, so a changed corpus is a new folder; ``meta.json``,
-written last, holds fingerprints of every file and its own checksum; writers hold an ``flock``. ``docs/data.md``.
-"""
+written last, holds fingerprints of every file and its own checksum; writers hold an ``flock``. ``docs/data.md``."""
 
 from __future__ import annotations
 
@@ -100,12 +99,7 @@ def write_meta(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
 
 def check_cache(folder: Path, expected: dict[str, Any]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     """``(meta, None)`` when ``folder`` is complete and its ``meta.json`` holds the ``expected`` entries, else
-    ``(None, reason)``.
-
-    Example::
-
-        meta, reason = check_cache(folder, {"format_version": 2, "inputs": corpus.fingerprint})
-    """
+    ``(None, reason)``."""
     if not (folder / META).is_file():
         return None, "it is incomplete (no meta.json: never finished, or interrupted)"
     try:
@@ -148,13 +142,7 @@ def check_writable(cache_dir: Path) -> None:
 @contextlib.contextmanager
 def cache_lock(lock_file: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_file`` (never deleted, so waiting processes stay safe); without
-    ``fcntl`` (Windows) no lock, with a warning.
-
-    Example::
-
-        with cache_lock(cache_dir / f"{folder.name}.lock"):
-            ...  # check, clean and (re)write the folder
-    """
+    ``fcntl`` (Windows) no lock, with a warning."""
     try:
         import fcntl
     except ImportError:
@@ -170,7 +158,7 @@ def cache_lock(lock_file: Path) -> Iterator[None]:
 
 
 def remove_leftovers(folder: Path) -> list[str]:
-    """Delete the ``*.tmp<pid>`` files of interrupted runs in ``folder`` (under :func:`cache_lock`); return their names."""
+    """Delete the ``*.tmp<pid>`` files of killed runs in ``folder`` (under :func:`cache_lock`); return their names."""
     removed = []
     if folder.is_dir():
         for path in sorted(folder.iterdir()):
@@ -184,12 +172,7 @@ def token_cache_dir(
     cache_dir: Path, corpus: Corpus, tokenizer_json: Optional[str], vocab_size: int, val_fraction: float
 ) -> Path:
     """The folder of one data configuration in ``cache_dir``: its name changes when the text (its identity and
-    fingerprint), the tokenizer (``tokenizer_json``, or ``None``: a BPE of ``vocab_size``) or the split does.
-
-    Example::
-
-        token_cache_dir(default_cache_dir(), resolve_source("stdlib"), None, 4096, 0.05)  # .../<16 hex>
-    """
+    fingerprint), the tokenizer (``tokenizer_json``, or ``None``: a BPE of ``vocab_size``) or the split does."""
     tok = hashlib.sha256(tokenizer_json.encode()).hexdigest() if tokenizer_json is not None else f"bpe-{vocab_size}"
     key = json.dumps([FORMAT_VERSION, corpus.identity, corpus.fingerprint, tok, val_fraction])
     return cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -40,12 +40,7 @@ _VOCAB_FILLED = 0.9
 
 def vocab_shortfall(requested: int, trained: int) -> Optional[str]:
     """A warning when a BPE trained for ``requested`` tokens got far fewer (``None`` when it is close): the model,
-    built for ``data.vocab_size`` before, has rows no token reads.
-
-    Example::
-
-        vocab_shortfall(70000, 369)  # "data.vocab_size=70000, but the corpus ... set data.vocab_size 369 ..."
-    """
+    built for ``data.vocab_size`` before, has rows no token reads."""
     if trained >= _VOCAB_FILLED * requested:
         return None
     return (
@@ -57,12 +52,7 @@ def vocab_shortfall(requested: int, trained: int) -> Optional[str]:
 
 def check_train_batches(windows: int, batch_size: int, replicas: int, block_size: int, description: str) -> None:
     """Raise if the training split cannot fill one batch per data-parallel rank: the loader drops an incomplete
-    batch, so ``fit`` would end without a step or a checkpoint.
-
-    Example::
-
-        check_train_batches(windows=40, batch_size=512, replicas=1, block_size=32, description="texts/")  # ValueError
-    """
+    batch, so ``fit`` would end without a step or a checkpoint."""
     per_rank = windows // replicas
     if per_rank >= batch_size:
         return
@@ -159,7 +149,8 @@ class TextDataModule(pl.LightningDataModule):
         self._checkpoint_note: Optional[str] = None  # said when prepare_data uses a checkpoint's tokenizer
         self.vocab_size = self.tokenizer.get_vocab_size() if self.tokenizer else vocab_size
         if self.tokenizer is None:
-            check_int("TextDataModule", "vocab_size", vocab_size, minimum=_MIN_VOCAB, hint=" (256 bytes + <|endoftext|>)")
+            check_int("TextDataModule", "vocab_size", vocab_size, minimum=_MIN_VOCAB,
+                      hint=" (256 bytes + <|endoftext|>)")
         self._corpus: Corpus = resolve_source(source)
         check_choice("TextDataModule", "loss_on", loss_on, ("all", "completion"))
         if loss_on == "completion" and not self._corpus.answers:

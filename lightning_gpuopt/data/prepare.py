@@ -2,8 +2,7 @@
 
 Nothing holds a document whole: the BPE trains on its pieces (``streaming.py``), encoding runs on batches of
 pieces on every core, and an EOT follows each document's last piece, so the token files are those of
-whole-document encoding (``docs/data.md``).
-"""
+whole-document encoding (``docs/data.md``)."""
 
 from __future__ import annotations
 
@@ -48,10 +47,6 @@ def encode_documents(
 ) -> Iterator[np.ndarray]:
     """Token ids of every document (an iterator of text pieces), an ``eot`` after each, encoded in batches of pieces
     on every core.
-
-    Example::
-
-        ids = np.concatenate(list(encode_documents(tok, (text_pieces(t) for t in texts), eot)))
 
     Args:
         stats: If given, ``stats["documents"]`` counts the documents read.
@@ -99,12 +94,8 @@ def prepare_tokens(
     val_fraction: float,
     log: Any = print,
 ) -> dict[str, Any]:
-    """Write ``tokenizer.json`` and one token file per split of ``corpus`` into ``out``; return the metadata (``meta.json``
-    is :func:`~lightning_gpuopt.data.cache.write_meta`'s, last).
-
-    Example::
-
-        meta = prepare_tokens(resolve_source("stdlib"), Path("/tmp/tok"), None, 4096, 0.05)
+    """Write ``tokenizer.json`` and one token file per split of ``corpus`` into ``out``; return the metadata
+    (``meta.json`` is :func:`~lightning_gpuopt.data.cache.write_meta`'s, last).
 
     Args:
         out: The cache folder; created once the tokenizer is trained (after a first read of the text).
@@ -170,11 +161,6 @@ def prepare_token_cache(
 ) -> None:
     """Tokenise ``corpus`` into the cache folder ``out`` unless it holds a complete, current copy: one process prepares
     under a file lock beside ``out``, the others wait; a stale or damaged folder is rebuilt with a warning.
-
-    Example::
-
-        prepare_token_cache(corpus, token_cache_dir(...), {"format_version": 2, "inputs": corpus.fingerprint},
-                            None, 4096, 0.05, source="stdlib")
 
     Args:
         expected: What ``meta.json`` must record for the copy to be current (format, input fingerprint); also

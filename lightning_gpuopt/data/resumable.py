@@ -2,8 +2,7 @@
 
 ``TextDataModule``'s loaders (``ResumableSampler``) resume exactly; a plain DataLoader is rebuilt around an
 :class:`EpochSampler` (``ExactResume(rebuild_loaders=True)``); anything else is reported with what differs
-(``docs/reliability.md``).
-"""
+(``docs/reliability.md``)."""
 
 from __future__ import annotations
 
@@ -83,12 +82,7 @@ _KEEP = ("num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "wor
 
 def generator_seed(loader: Any) -> Optional[int]:
     """The seed the user gave a DataLoader's shuffled order (its ``RandomSampler``'s generator's, else its own
-    ``generator``'s); ``None`` when it has neither (the order then comes from the global RNG).
-
-    Example::
-
-        generator_seed(DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(42)))  # 42
-    """
+    ``generator``'s); ``None`` when it has neither (the order then comes from the global RNG)."""
     for generator in (getattr(getattr(loader, "sampler", None), "generator", None), getattr(loader, "generator", None)):
         if isinstance(generator, torch.Generator):
             return generator.initial_seed() % 2**31  # the range of the seeds ExactResume saves
@@ -134,13 +128,7 @@ def _samplers(loader: DataLoader) -> list[Any]:
 
 def not_exact_reason(loader: Any) -> Optional[str]:
     """Why a resume mid-epoch does not continue ``loader`` (whatever a ``train_dataloader`` returns) exactly; ``None``
-    when it does.
-
-    Example::
-
-        not_exact_reason(DataLoader(dataset, batch_size=8, shuffle=True))
-        # 'DataLoader(RandomSampler) restarts at the first sample of the epoch ...'
-    """
+    when it does."""
     if not isinstance(loader, DataLoader):
         return f"{type(loader).__name__} is not a torch DataLoader: its position is not saved"
     if any(isinstance(s, (ResumableSampler, EpochSampler)) for s in _samplers(loader)):

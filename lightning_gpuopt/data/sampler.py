@@ -1,8 +1,7 @@
 """`ResumableSampler`: the training order as a pure function of (epoch, position), resumable mid-epoch.
 
 It reads a numbered stream (``RandomWindows`` draws window ``i`` from ``(seed, i)``), never the global RNG, so the
-order survives a restart, another number of workers and another batch size (``docs/data.md``).
-"""
+order survives a restart, another number of workers and another batch size (``docs/data.md``)."""
 
 from __future__ import annotations
 
@@ -47,9 +46,10 @@ class ResumableSampler(DistributedSampler):
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, epoch: int = 0, start: int = 0) -> None:
-        check_int("ResumableSampler", "num_replicas", num_replicas, minimum=1)
-        check_number("ResumableSampler", "rank", rank, low=0, high=num_replicas, high_open=True, hint=f" (num_replicas={num_replicas})")
-        check_int("ResumableSampler", "start", start, minimum=0, hint=" (a position in the epoch)")
+        own = "ResumableSampler"
+        check_int(own, "num_replicas", num_replicas, minimum=1)
+        check_number(own, "rank", rank, low=0, high=num_replicas, high_open=True, hint=f" (num_replicas={num_replicas})")
+        check_int(own, "start", start, minimum=0, hint=" (a position in the epoch)")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=True)
         self.epoch = epoch
         self.start = start

@@ -2,8 +2,7 @@
 
 ``tokenizers`` holds a whole input sequence with per-character offsets while it pre-tokenises it (~200 bytes of
 memory per byte of text), so documents go to it in pieces of about ``_PIECE_CHARS`` characters, cut only where
-GPT-2's pre-tokenizer splits the whole text too: the same tokens as the uncut document (``docs/data.md``).
-"""
+GPT-2's pre-tokenizer splits the whole text too: the same tokens as the uncut document (``docs/data.md``)."""
 
 from __future__ import annotations
 

@@ -31,12 +31,7 @@ def plain_text(tokenizer: Tokenizer) -> Tokenizer:
     """``tokenizer`` (returned), set to encode a literal ``<|endoftext|>`` (or any special token) in a text as its
     characters: only the code that joins documents writes the separator's id (``data/prepare.py``).
 
-    ``tokenizers`` does not save this setting, so every tokenizer the package builds or reads passes through here.
-
-    Example::
-
-        plain_text(tok).encode("a <|endoftext|> b").ids  # no id of <|endoftext|> among them
-    """
+    ``tokenizers`` does not save this setting, so every tokenizer the package builds or reads passes through here."""
     tokenizer.encode_special_tokens = True
     return tokenizer
 
@@ -96,12 +91,7 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 
 
 def carried_tokenizer(saved: dict) -> Optional[Tokenizer]:
-    """The tokenizer a checkpoint's data state carries (``tokenizer_json``), or ``None`` for one without it.
-
-    Example::
-
-        carried_tokenizer(checkpoint["TextDataModule"])  # Tokenizer, decodes the run's token ids
-    """
+    """The tokenizer a checkpoint's data state carries (``tokenizer_json``), or ``None`` for one without it."""
     text = saved.get("tokenizer_json")
     if not text:
         return None
@@ -118,12 +108,7 @@ def carried_tokenizer(saved: dict) -> Optional[Tokenizer]:
 
 def check_same_tokenizer(saved: dict, tokenizer: Tokenizer, where: str, fix: Optional[str] = None) -> None:
     """Raise a ``ValueError`` if ``tokenizer`` is not the one a checkpoint's data state records (no check without
-    its ``tokenizer_sha256``); ``where`` (what the data is now) and ``fix`` are named in the message.
-
-    Example::
-
-        check_same_tokenizer(checkpoint["TextDataModule"], data.tokenizer, "data.source='texts/'")
-    """
+    its ``tokenizer_sha256``); ``where`` (what the data is now) and ``fix`` are named in the message."""
     expected = saved.get("tokenizer_sha256")
     if not expected:
         return

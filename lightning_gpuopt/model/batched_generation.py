@@ -3,8 +3,7 @@ row's place takes the next waiting prompt, so the batch stays full until the que
 
 A ``GPT``-like model (``forward(idx, caches, ..., key_padding_mask)``) runs with a KV cache; a module taking an
 ``attention_mask`` (Hugging Face style) runs each row's whole left-padded context every step. How, and the
-limits: ``docs/generation.md``.
-"""
+limits: ``docs/generation.md``."""
 
 from __future__ import annotations
 
@@ -81,12 +80,7 @@ class GenerationJob:
 
 def fit_to_context(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
     """How many of a prompt's last tokens generation keeps so that ``max_new_tokens`` (below ``block_size``) fit
-    after them.
-
-    Example::
-
-        fit_to_context(300, 64, 256)  # 192: the prompt's last 192 tokens, then 64 new ones
-    """
+    after them."""
     if max_new_tokens >= block_size:
         raise ValueError(
             f"max_new_tokens={max_new_tokens} does not fit in the model's context of block_size={block_size} tokens, prompt "

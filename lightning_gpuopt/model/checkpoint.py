@@ -37,11 +37,6 @@ def read_checkpoint(
 ) -> Any:
     """``torch.load`` a checkpoint file, turning the ways it can be broken into a :class:`CheckpointError`.
 
-    Example::
-
-        ckpt = read_checkpoint("runs/x/checkpoints/last.ckpt")
-        ckpt["global_step"], ckpt["hyper_parameters"]["preset"]
-
     Args:
         path: The checkpoint file.
         map_location: ``torch.load``'s ``map_location``.
@@ -122,7 +117,7 @@ def _check_stored_checksums(path: Path) -> None:
 
 
 def gpt_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The plain ``GPT``'s state dict inside a loaded ``GPTModule`` checkpoint (``model.`` and ``_orig_mod.`` removed)."""
+    """The plain ``GPT``'s state dict in a loaded ``GPTModule`` checkpoint (``model.`` and ``_orig_mod.`` removed)."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise CheckpointError(
@@ -192,13 +187,7 @@ def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", *
 
 def load_gpt_weights(model: GPT, path: Union[str, os.PathLike]) -> None:
     """Copy only the weights of a ``GPTModule`` checkpoint into ``model``, a GPT of the same architecture whose
-    parameters are on a device (``GPTModule(init_from=...)``: fine-tuning from them).
-
-    Example::
-
-        model = GPT(GPTConfig.from_name("tiny", vocab_size=4096, block_size=256))
-        load_gpt_weights(model, "runs/base/checkpoints/last.ckpt")
-    """
+    parameters are on a device (``GPTModule(init_from=...)``: fine-tuning from them)."""
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(
             f"model.init_from={str(path)!r}: the GPT was built on the meta device (sharded or empty-initialised), so the "

@@ -2,8 +2,7 @@
 
 Under FSDP2 a whole-model graph breaks at every sharded block (FSDP2's hooks are excluded from Dynamo;
 with activation checkpointing nothing compiles at all), so ``"model"`` runs as ``"block"``; and CUDA-graph
-modes run without CUDA graphs, since FSDP2 allocates its buffers anew each step. Both say so once.
-"""
+modes run without CUDA graphs, since FSDP2 allocates its buffers anew each step. Both say so once."""
 
 from __future__ import annotations
 
@@ -24,12 +23,7 @@ WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotu
 
 
 def compile_settings(scope: CompileScope, mode: Optional[str], fsdp2: bool) -> tuple[CompileScope, Optional[str], list[str]]:
-    """The scope and mode to compile with, and one message per asked setting changed to work under FSDP2.
-
-    Example::
-
-        compile_settings("model", None, fsdp2=True)  # ("block", None, ["GPTModule.compile_scope='model' ..."])
-    """
+    """The scope and mode to compile with, and one message per asked setting changed to work under FSDP2."""
     notes = []
     if fsdp2 and scope == "model":
         notes.append(
@@ -60,10 +54,6 @@ def compile_gpt(
 ) -> tuple[CompileScope, Optional[str]]:
     """Compile ``model`` in place (state-dict keys stay those of the plain model), after any sharding; under FSDP2
     with :func:`compile_settings`' scope and mode, one warning per change.
-
-    Example::
-
-        compile_gpt(model, "block", mode="max-autotune-no-cudagraphs")
 
     Args:
         scope: ``"block"``: each block on its own, plus the loss kernel; ``"model"``: one whole-model graph.

@@ -215,13 +215,7 @@ class GPTConfig:
 
 def check_data_fits(config: GPTConfig, data_vocab_size: Any = None, data_block_size: Any = None) -> None:
     """Raise ``ValueError`` naming the settings to change when the data's tokens or sequences (``None``: not known)
-    do not fit the model.
-
-    Example::
-
-        check_data_fits(GPTConfig.from_name("tiny", vocab_size=300), data_vocab_size=260)   # fine
-        check_data_fits(GPTConfig.from_name("tiny", vocab_size=260), data_vocab_size=300)   # ValueError
-    """
+    do not fit the model."""
     if data_vocab_size is not None and data_vocab_size > config.vocab_size:
         raise ValueError(
             f"The data's tokenizer has {data_vocab_size} tokens but the model's vocab_size is "
@@ -242,11 +236,6 @@ _FLASH_ATTN_DTYPES = ("bf16", "fp16", "fp8")
 def check_attention_runs(config: GPTConfig, facts: DeviceFacts, dtype: Optional[str]) -> None:
     """Raise ``ValueError`` naming the fix when ``attention="flash-attn"`` cannot run on this device and precision
     (compute capability >= 8.0, fp16 or bf16), before its first call would fail.
-
-    Example::
-
-        check_attention_runs(config, REFERENCE_DEVICES["A100"], "bf16")   # fine
-        check_attention_runs(config, REFERENCE_DEVICES["A100"], "fp32")   # ValueError: use bf16 precision
 
     Args:
         config: The model's configuration (only ``attention="flash-attn"`` is checked).

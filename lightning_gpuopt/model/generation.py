@@ -1,7 +1,6 @@
 """Batched autoregressive sampling with a KV cache, for prompts of equal length (``GPT.generate``).
 
-It asks of the model only ``model(idx, caches)`` and ``model.config``, so it does not import ``GPT``.
-"""
+It asks of the model only ``model(idx, caches)`` and ``model.config``, so it does not import ``GPT``."""
 
 from __future__ import annotations
 

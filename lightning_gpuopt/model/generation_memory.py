@@ -1,8 +1,7 @@
 """How many rows a generation batch can hold on a device: the KV cache and activations against its memory.
 
 From :class:`~lightning_gpuopt.perf.device.DeviceFacts`, so a CPU test computes the batch an H100 would
-get; a CPU has no device memory to size from and gets :data:`CPU_ROWS`. The arithmetic: ``docs/generation.md``.
-"""
+get; a CPU has no device memory to size from and gets :data:`CPU_ROWS`. The arithmetic: ``docs/generation.md``."""
 
 from __future__ import annotations
 
@@ -39,12 +38,6 @@ def generation_batch_size(
     most_rows: Optional[int] = None,
 ) -> GenerationMemory:
     """The largest batch the KV cache and activations allow on ``facts``'s device, with a margin.
-
-    Example::
-
-        mem = generation_batch_size(GPTConfig.from_name("124m"), REFERENCE_DEVICES["H100 SXM"],
-                                    weight_bytes=124_000_000 * 2, dtype_bytes=2)
-        mem.rows, mem.reason
 
     Args:
         config: The model's architecture.

@@ -1,8 +1,7 @@
 """The GPT model, GPT-2 or Llama style: a plain ``nn.Module``, read top to bottom.
 
 ``CausalSelfAttention -> MLP -> SwiGLU -> Block -> GPT``. Float8 training, sharding and compilation are applied
-from outside, so it stays plain PyTorch. The two architectures share module names (``docs/model.md``).
-"""
+from outside, so it stays plain PyTorch. The two architectures share module names (``docs/model.md``)."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def grouped_heads_run_fused(dtype: torch.dtype, masked: bool) -> bool:
     """Whether SDPA takes the grouped key/value heads as they are (``enable_gqa=True``), else repeated per query head.
 
     Only the Flash kernel takes grouped heads, and it runs fp16/bf16 without a mask; elsewhere ``enable_gqa`` would
-    fall to the math kernel and its (T, T) scores (``docs/model.md``).
-    """
+    fall to the math kernel and its (T, T) scores (``docs/model.md``)."""
     return not masked and dtype in (torch.float16, torch.bfloat16)
 
 
@@ -209,7 +207,7 @@ class GPT(nn.Module):
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation (both styles): N(0, 0.02) weights, zero biases, norm gains 1, and the residual
-        projections ``c_proj`` scaled by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth."""
+        projections ``c_proj`` scaled by 1/sqrt(2 * n_layer), so the residual stream's variance stays flat in depth."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -239,8 +237,7 @@ class GPT(nn.Module):
 
         PaLM's ``6 N + 12 L H Q T`` (Chowdhery et al., 2022, arXiv:2204.02311, Appendix B): 2 FLOPs per matmul
         weight forward and 4 backward, plus the attention score and value matmuls of the query heads; causal
-        masking is not discounted. MFU is computed from it.
-        """
+        masking is not discounted. MFU is computed from it."""
         cfg = self.config
         T = cfg.block_size if seq_len is None else seq_len
         if cfg.arch == "gpt2":
@@ -262,7 +259,7 @@ class GPT(nn.Module):
             idx: Token ids.
             caches: One ``KVCache`` per block, for incremental decoding.
             targets: Token ids (B, T) to predict; -1 marks a position without a target.
-            input_pos: Position of each token, (B, T) or (T,); ``None``: counted from the cache (or 0), skipping padding.
+            input_pos: Position of each token, (B, T) or (T,); ``None``: counted from the cache (or 0), past padding.
             key_padding_mask: (B, T) bool, ``False`` on (left) padding, which no token attends to.
         """
         B, T = idx.shape

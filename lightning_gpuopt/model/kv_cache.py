@@ -2,8 +2,7 @@
 
 Rows may be at different lengths (continuous batching refills a finished row while the others go on);
 while every row holds the same columns, all real, no mask is built. How: ``docs/generation.md``. Its own
-module because ``gpt.py`` fills it and ``generation.py`` / ``batched_generation.py`` create it.
-"""
+module because ``gpt.py`` fills it and ``generation.py`` / ``batched_generation.py`` create it."""
 
 from __future__ import annotations
 
@@ -18,10 +17,6 @@ __all__ = ["KVCache", "padded_causal_mask"]
 def padded_causal_mask(valid: Tensor, columns: Tensor) -> Tensor:
     """Boolean attention mask (B, 1, T, S): the query at column ``columns[b, i]`` sees the valid columns up to its
     own, and always its own (a pad query, whose output is never used, would otherwise see nothing and give NaN).
-
-    Example::
-
-        mask = padded_causal_mask(attention_mask.bool(), torch.arange(T).expand(B, T))  # left padding, no cache
 
     Args:
         valid: (B, S) bool, ``True`` where a column holds a real token.
@@ -55,7 +50,7 @@ class KVCache:
         self.valid: Optional[Tensor] = None  # (B, max_len) bool: column holds a real token
         self.lengths: Optional[Tensor] = None  # (B,) long: columns filled per row
         self.seen: Optional[Tensor] = None  # (B,) long: real tokens per row (the next position)
-        self._lengths: list[int] = []  # host copy of `lengths`: slicing to the filled columns never waits for the device
+        self._lengths: list[int] = []  # host copy of `lengths`: slicing to filled columns never waits for the device
         self.dense = True  # every row holds the same columns, all valid: no mask needed
 
     @property

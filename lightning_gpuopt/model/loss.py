@@ -4,8 +4,7 @@ The head matmul and the cross-entropy run together per chunk, so at most one chu
 and the result is ``F.cross_entropy``'s mean token loss. Under tensor parallelism the same loop runs on
 the head's vocabulary shards (Megatron's vocabulary-parallel cross-entropy, chunked). The design, and
 why torch's ``F.linear_cross_entropy`` is not used: ``docs/model.md`` ("The loss"); memory and time:
-``benchmarks/README.md``.
-"""
+``benchmarks/README.md``."""
 
 from __future__ import annotations
 
@@ -245,11 +244,6 @@ def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, c
 
 def resolve_loss_impl(impl: str, device: torch.device) -> str:
     """The implementation ``impl`` stands for on ``device``: ``"auto"`` is ``"chunked"`` (no extra package, any device).
-
-    Example::
-
-        >>> resolve_loss_impl("auto", torch.device("cpu"))
-        'chunked'
     """
     check_choice("linear_cross_entropy", "impl", impl, LOSS_IMPLS)
     if impl == "liger" and device.type != "cuda":
@@ -290,8 +284,9 @@ def linear_cross_entropy(
         compile_chunk: Compile the per-chunk loss and gradient (``"chunked"`` only).
         chunk_bytes: Bytes for one chunk's logits and their float32 arithmetic when ``chunk_size`` is ``None``.
     """
-    check_int("linear_cross_entropy", "chunk_size", chunk_size, minimum=1, optional=True, hint=" (None: from chunk_bytes)")
-    check_int("linear_cross_entropy", "chunk_bytes", chunk_bytes, minimum=1)
+    own = "linear_cross_entropy"
+    check_int(own, "chunk_size", chunk_size, minimum=1, optional=True, hint=" (None: from chunk_bytes)")
+    check_int(own, "chunk_bytes", chunk_bytes, minimum=1)
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(
             f"linear_cross_entropy: targets of shape {tuple(targets.shape)} do not match hidden states of "

@@ -1,8 +1,7 @@
 """Rotary position embeddings (RoPE; Su et al. 2021, arXiv:2104.09864), as the Llama-style GPT uses them.
 
 Pairs entry ``i`` with ``i + head_size / 2`` ("rotate half", as Hugging Face and litgpt); cos and sin are
-computed from the positions at each forward in float32, so nothing is stored (``docs/model.md``).
-"""
+computed from the positions at each forward in float32, so nothing is stored (``docs/model.md``)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Per block, so the peak holds one block's gathered weights; an untied token embedding on its own, as
 torchtitan does (it is used first and its gradient comes last). The plan lives with the model so
-``GPTModule.configure_model`` applies it without importing the strategies. ``torch.compile`` comes after.
-"""
+``GPTModule.configure_model`` applies it without importing the strategies. ``torch.compile`` comes after."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Megatron-LM's split with sequence parallelism, as torchtitan's ``parallelize_llama``, from the parallel styles of
 ``torch.distributed.tensor.parallel`` (torchao's float8 ones where the collectives can move float8). The plan,
-and why GPT-2's fused ``c_attn`` is refused: ``docs/parallel.md`` ("The tensor-parallel plan").
-"""
+and why GPT-2's fused ``c_attn`` is refused: ``docs/parallel.md`` ("The tensor-parallel plan")."""
 
 from __future__ import annotations
 
