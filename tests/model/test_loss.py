@@ -363,7 +363,7 @@ def test_liger_loss_matches_cross_entropy_under_tritons_interpreter():
 
 @pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch's own linear_cross_entropy needs torch >= 2.13")
 def test_the_reasons_torchs_own_linear_cross_entropy_is_not_used_still_hold():
-    """model/loss.py's design note keeps the chunked loss because torch's own is not exact in bf16 and fp16.
+    """docs/model.md ("The loss") keeps the chunked loss because torch's own is not exact in bf16 and fp16.
 
     If this test fails, torch has fixed what the note names: measure again and reconsider."""
     g = torch.Generator().manual_seed(0)
