@@ -159,7 +159,8 @@ def _last(subcommand: str, trainer_config: Any) -> Optional[str]:
 
 def existing_run_problem(ckpt_path: Any, trainer_config: Any, command: str = "gpuopt fit ...") -> Optional[str]:
     """The error for a ``fit`` without ``--ckpt_path`` (nor ``fast_dev_run``) whose checkpoint folders already hold a
-    checkpoint, naming the two ``command`` lines to choose from; else ``None``."""
+    checkpoint, naming the two ``command`` lines to choose from (a re-run is as often a new experiment as a
+    continuation: only the user knows which); else ``None``."""
     if ckpt_path or _get(trainer_config, "fast_dev_run", False):
         return None
     dirs = checkpoint_dirs(trainer_config)
