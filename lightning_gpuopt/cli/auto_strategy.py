@@ -1,10 +1,7 @@
 """``trainer.strategy: gpuopt-auto`` in the ``gpuopt`` command: its options, their checks, and the strategy it picks.
 
-The choice itself is :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP, FSDP2, or FSDP2 with tensor
-parallelism within a node); this module reads what it needs from the parsed configuration: the devices per
-node and the nodes, the precision, the data module's micro-batch and sequence length, and the
-``--auto_strategy.*`` options (the memory or the GPU to plan for, and ``print_plan``).
-"""
+The choice is :func:`~lightning_gpuopt.strategies.choose_strategy`'s; this reads what it needs from the parsed
+configuration (devices, nodes, precision, the data's micro-batch and sequence length, ``--auto_strategy.*``)."""
 
 from __future__ import annotations
 
@@ -55,14 +52,8 @@ def check_auto_strategy_options(config: Any, error: Callable[[str], Any]) -> Non
 
 
 def auto_strategy(model: Any, datamodule: Any, config: Any, trainer_cfg: dict) -> tuple[Any, str]:
-    """``(strategy, reason)`` that ``choose_strategy`` gives for the configured run.
-
-    Args:
-        model: The built LightningModule.
-        datamodule: The built data module (its ``batch_size`` is the micro-batch planned for).
-        config: The subcommand's configuration (its ``auto_strategy`` group).
-        trainer_cfg: The Trainer's configuration (``devices``, ``num_nodes``, ``precision``, ``plugins``).
-    """
+    """``(strategy, reason)`` that ``choose_strategy`` gives for the configured run (the data module's ``batch_size``
+    is the micro-batch planned for; ``config``: the subcommand's; ``trainer_cfg``: the Trainer's)."""
     devices = trainer_cfg.get("devices", "auto")
     if devices in ("auto", -1, "-1"):
         devices = max(1, cuda_device_count())

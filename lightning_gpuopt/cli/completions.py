@@ -1,16 +1,9 @@
 """Completions written as they finish: a JSONL of every completion and, with a scorer, a JSONL of the accepted ones,
 which ``TextDataModule`` reads as a fine-tuning corpus (``gpuopt predict --generate.prompts_file``).
 
-Design note: each finished row is decoded, cut at its first stop sequence, scored, and appended to
-``<output>.partial`` as one line (one write and a flush each), so a SIGTERM, a scorer that raises
-half-way or a ``kill -9`` loses no finished completion. When the run ends, or stops early, the lines
-are sorted into prompt order and written to ``output`` (and the accepted ones to ``kept_output``)
-through a temporary file and a rename, and the partial files are removed. After a ``kill -9`` the
-partial files hold every line finished before it.
-
-Stop sequences are matched on token ids while generating (fast, and the row stops there); a stop string
-that the model produced inside a longer token is still cut from the text here.
-"""
+Each finished row is decoded, cut at its first stop string (one the model produced inside a longer token, too),
+scored and appended to ``<output>.partial`` with a flush, so a stop loses no finished completion; at the end the
+lines are sorted into prompt order and written whole (``docs/generation.md``)."""
 
 from __future__ import annotations
 
@@ -30,12 +23,7 @@ _REASONS = {"eot": "at end-of-text", "stop": "at a stop sequence", "length": "at
 
 
 def write_jsonl(records: Sequence[dict], path: Union[str, Path]) -> Path:
-    """Write ``records`` as JSONL to ``path`` (through a temporary file and a rename), return the path.
-
-    Example::
-
-        write_jsonl([{"prompt": "a", "completion": " b", "tokens": [7]}], "out.jsonl")
-    """
+    """Write ``records`` as JSONL to ``path`` (through a temporary file and a rename), return the path."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise ValueError(f"generate.output={str(path)!r} is a folder: give a file path, e.g. {str(path / 'generations.jsonl')!r}.")
@@ -58,7 +46,7 @@ def kept_path(output: Union[str, Path]) -> Path:
 
 
 class CompletionWriter:
-    """Decodes, scores and writes each finished row as it comes (see the module's note).
+    """Decodes, scores and writes each finished row as it comes.
 
     Example::
 
@@ -70,12 +58,9 @@ class CompletionWriter:
 
     Args:
         records: The prompts' records, by prompt index (the keys of the finished rows are ``(prompt, sample)``).
-        decode: Token ids to text.
         output: The JSONL of every completion.
-        kept_output: The JSONL of the accepted ones (``None``: beside ``output``, see :func:`kept_path`); written only
-            with a ``scorer``.
+        kept_output: The JSONL of the accepted ones, with a ``scorer`` only (``None``: :func:`kept_path`).
         scorer: ``scorer(record, completion) -> number`` (``None``: nothing is scored or kept).
-        scorer_spec: How the scorer was named (for messages).
         keep_min_score: The least score a kept completion has.
         stop_strings: Text that ends a completion (cut at its first occurrence).
     """

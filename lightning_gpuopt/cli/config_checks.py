@@ -1,14 +1,7 @@
 """Checks of a parsed ``gpuopt`` configuration, before the model, data or Trainer is built.
 
-Each check raises ``ValueError`` with one short message that names the option and the fix (``gpuopt``
-prints it and exits with 2), for mistakes that would otherwise end in a traceback from deep inside
-Lightning, a division by zero in its loops or a file error after the work was done.
-
-Example::
-
-    check_trainer_options({"accumulate_grad_batches": 0})
-    # ValueError: trainer.accumulate_grad_batches must be an integer >= 1, got 0: ...
-"""
+Each raises ``ValueError`` naming the option and the fix (``gpuopt`` prints it and exits with 2), for mistakes
+that would otherwise end in a traceback from deep inside Lightning or a file error after the work was done."""
 
 from __future__ import annotations
 
@@ -38,15 +31,7 @@ __all__ = [
 
 
 def check_trainer_options(trainer: Mapping[str, Any]) -> None:
-    """Raise for ``trainer`` options Lightning would accept and then fail on (or silently misuse).
-
-    Example::
-
-        check_trainer_options({"val_check_interval": 0})  # ValueError: ... must be > 0 ...
-
-    Args:
-        trainer: The parsed ``trainer`` group.
-    """
+    """Raise for ``trainer`` options (the parsed group) Lightning would accept and then fail on, or silently misuse."""
     check_number("trainer", "gradient_clip_val", trainer.get("gradient_clip_val"), low=0, optional=True,
                  hint=": a negative value turns clipping off without a word. Use e.g. 1.0, or leave it unset")
     check_int("trainer", "accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), minimum=1,
@@ -74,23 +59,17 @@ def check_trainer_options(trainer: Mapping[str, Any]) -> None:
 
 
 def check_writable(option: str, path: Union[str, Path], is_file: bool = False, fix: str = "") -> None:
-    """Raise, naming ``option``, unless this process can write ``path`` (a folder, or with ``is_file`` a file).
+    """Raise, naming ``option`` and ``fix`` (default: another ``--<option>``), unless this process can write ``path``
+    (a folder, or with ``is_file`` a file in a writable folder).
 
-    Written for real, not asked of ``os.access``: a probe file is created in ``path`` (or a probe folder in
-    its nearest existing parent) and removed at once, so a read-only mount, a pseudo-filesystem such as
-    ``/sys``, a full quota or a folder of another user are all caught, also for root, who passes
-    permission bits. Nothing is left behind.
+    Written for real, not asked of ``os.access``: a probe file (or folder, in the nearest existing parent) is
+    created and removed at once, so a read-only mount, ``/sys``, a full quota or another user's folder are caught,
+    also for root.
 
     Example::
 
         check_writable("trainer.default_root_dir", "/mnt/ro/run")
         # ValueError: trainer.default_root_dir='/mnt/ro/run' cannot be written (Read-only file system at /mnt/ro): ...
-
-    Args:
-        option: The option that names the path (in the message).
-        path: The folder (or file) the command will write.
-        is_file: ``path`` is a file: it must not be a folder, and its folder must be writable.
-        fix: What to do, in the message; default: give another path with ``--<option>``.
     """
     path = Path(path).expanduser()
     fix = fix or f"give a path you can write, --{option} PATH (or {option} in the --config file)"
@@ -115,18 +94,8 @@ def check_writable(option: str, path: Union[str, Path], is_file: bool = False, f
 
 
 def check_run_folder_writable(subcommand: Optional[str], trainer: Mapping[str, Any]) -> None:
-    """Raise if ``trainer.default_root_dir`` (the working folder when unset) cannot be written by a subcommand that
-    writes there: ``fit``, and ``validate``/``test`` with a logger. Lightning failed with an 18-frame traceback when
-    it first wrote there, after the data was prepared.
-
-    Example::
-
-        check_run_folder_writable("fit", {"default_root_dir": "/mnt/ro/run"})  # ValueError: ... cannot be written ...
-
-    Args:
-        subcommand: The ``gpuopt`` subcommand.
-        trainer: The parsed ``trainer`` group.
-    """
+    """Raise if ``trainer.default_root_dir`` (unset: the working folder) cannot be written by a subcommand that writes
+    there (``fit``; ``validate``/``test`` with a logger), before the data is prepared."""
     if subcommand == "fit" or (subcommand in ("validate", "test") and trainer.get("logger") is not False):
         check_writable("trainer.default_root_dir", trainer.get("default_root_dir") or os.getcwd(), fix=(
             "the run's checkpoints and logs go there. Give a folder you can write, --trainer.default_root_dir "
@@ -134,18 +103,8 @@ def check_run_folder_writable(subcommand: Optional[str], trainer: Mapping[str, A
 
 
 def check_callbacks_once(callbacks: Sequence[Callback]) -> None:
-    """Raise if two callbacks would save their state under one key (the same callback listed twice).
-
-    Lightning refuses these when the Trainer is built, with a traceback; this names the class and
-    where the second copy comes from.
-
-    Example::
-
-        check_callbacks_once([MFUMonitor(), MFUMonitor()])  # ValueError: MFUMonitor is listed twice ...
-
-    Args:
-        callbacks: The callbacks the Trainer is about to get.
-    """
+    """Raise if two callbacks would save their state under one key (the same callback listed twice), naming the class
+    and where the second copy comes from (Lightning refuses it with a traceback)."""
     seen: set[Any] = set()
     for callback in callbacks:
         if not is_overridden("state_dict", instance=callback, parent=Callback):
@@ -166,21 +125,14 @@ def check_callbacks_once(callbacks: Sequence[Callback]) -> None:
 
 
 def check_monitored_metrics(callbacks: Sequence[Callback], logged: Sequence[str], module: str) -> None:
-    """Raise if a callback monitors a metric one typo away from one the module logs (``val_loss`` for ``val/loss``).
-
-    Lightning finds out only when the callback first reads it (``EarlyStopping`` at the first validation,
-    ``ModelCheckpoint`` at its first save), with a traceback, after training up to there. A name close to
-    none of the module's is left alone: another callback or logger may log it.
+    """Raise if a callback monitors a metric one typo away from one the ``module`` logs (``val_loss`` for
+    ``val/loss``), which Lightning finds out only when the callback first reads it; a name close to none is left
+    alone (another callback or logger may log it).
 
     Example::
 
         check_monitored_metrics([EarlyStopping(monitor="val_loss")], ["val/loss"], "GPTModule")
         # ValueError: EarlyStopping(monitor='val_loss'): GPTModule logs no 'val_loss' ... did you mean 'val/loss'?
-
-    Args:
-        callbacks: The callbacks the Trainer is about to get.
-        logged: The metric names the module logs.
-        module: The module's name, for the message.
     """
     for callback in callbacks:
         monitor = getattr(callback, "monitor", None)
@@ -199,15 +151,7 @@ def check_output_file(option: str, path: Union[str, Path], overwrite: bool = Fal
     """Raise if ``path``, a file the command will write, is an existing folder, an existing file not to overwrite, or
     in a folder this process cannot write (or create), before any work is done.
 
-    Example::
-
-        check_output_file("generate.output", "runs/")  # ValueError: generate.output='runs/' is a folder ...
-        check_output_file("generate.output", "gen.jsonl", overwrite_option="generate.overwrite")  # ValueError if it exists
-
     Args:
-        option: The option that names the file (in the message).
-        path: The file the command will write (the option's value, or its default).
-        overwrite: Replace an existing file.
         overwrite_option: The option that sets ``overwrite`` (named in the message); ``""``: existing files are replaced.
     """
     path = Path(path).expanduser()
@@ -222,19 +166,8 @@ def check_output_file(option: str, path: Union[str, Path], overwrite: bool = Fal
 
 
 def check_config_files(argv: Sequence[str]) -> None:
-    """Raise, naming the file, line and column, if a ``--config`` file of ``argv`` is not valid YAML.
-
-    The parser's own message names neither the file nor, for the most common case (a tab used to
-    indent), the fix.
-
-    Example::
-
-        check_config_files(["fit", "--config", "run.yaml"])
-        # ValueError: --config run.yaml is not valid YAML: line 2, column 1: a tab indents the line; ...
-
-    Args:
-        argv: The command's arguments.
-    """
+    """Raise, naming the file, line, column and fix (the parser names none: a tab used to indent, most often), if a
+    ``--config`` file of ``argv`` is not valid YAML."""
     for path in _config_paths(argv):
         text = path.read_text(encoding="utf-8", errors="replace")
         try:
@@ -268,11 +201,8 @@ class _DuplicateKey(yaml.YAMLError):
 
 
 class _NoDuplicateKeysLoader(yaml.SafeLoader):
-    """``yaml.safe_load``, except that a key given twice in one mapping is an error (YAML keeps the last silently).
-
-    Merge keys (``<<: *anchor``) are read as ``yaml.safe_load`` reads them: the mapping's own keys override the
-    merged ones, as YAML means, so only a key written twice in the mapping itself is refused.
-    """
+    """``yaml.safe_load``, except that a key written twice in one mapping is an error (YAML keeps the last silently);
+    merge keys (``<<: *anchor``) stay overridable, as YAML means."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -307,21 +237,8 @@ _LOADER = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "tes
 
 
 def check_stage_data(subcommand: str, model: Any, datamodule: Any) -> None:
-    """Raise before ``fit`` / ``validate`` / ``test`` / ``predict`` when neither the data module nor the module has
-    the loader it runs on (``train_dataloader`` for ``fit``, ...).
-
-    Lightning would build the Trainer and stop in its data connector with a ``MisconfigurationException``
-    traceback; this names the two ways to give the batches.
-
-    Example::
-
-        check_stage_data("fit", Regressor(), None)  # ValueError: gpuopt fit has no data: ... --data my_pkg.MyData ...
-
-    Args:
-        subcommand: The ``gpuopt`` subcommand.
-        model: The built LightningModule.
-        datamodule: The built data module, ``None`` when no ``--data`` is given.
-    """
+    """Raise before a subcommand when neither ``datamodule`` (``None``: no ``--data``) nor ``model`` has the loader it
+    runs on (``train_dataloader`` for ``fit``, ...), naming the two ways to give the batches."""
     loader = _LOADER.get(subcommand)
     if loader is None or is_overridden(loader, model) or (datamodule is not None and is_overridden(loader, datamodule)):
         return

@@ -1,26 +1,9 @@
 """The ``gpuopt`` command's default stack: what ``gpuopt fit`` runs with when a config says nothing.
 
-Design note: the stack is a set of *parser defaults* (jsonargparse ``set_defaults`` on
-``trainer.plugins`` and ``trainer.callbacks``), not callbacks forced on every run. So
-``--print_config`` shows it, a YAML file's own ``trainer.callbacks`` / ``trainer.plugins`` list
-replaces it, ``--trainer.callbacks+=X`` adds to it, ``--trainer.plugins null`` removes the plugin,
-and ``--trainer.plugins Float8Precision`` swaps bf16 for float8 in one flag. Only ``ExactResume``,
-``SigtermCheckpoint`` and atomic checkpoint writes are always on (the CLI adds them itself).
-
-The default stack:
-
-========================  ======================================================================
-``BF16Precision``         bf16 autocast (fp16 + ``GradScaler`` on GPUs without bf16), on a GPU;
-                          on a CPU no precision plugin: float32, about twice as fast there
-                          (:func:`stack_precision_plugins`)
-``CUDASettings``          TF32, cuDNN benchmark, SDPA backends, expandable segments
-``MFUMonitor``            tokens/s and MFU in the progress bar, end-of-fit report
-``NonFiniteGuard``        skip a step with a NaN/Inf loss or gradient (stop after 5 in a row)
-``ModelCheckpoint``       ``<default_root_dir>/checkpoints/last.ckpt`` every
-                          :data:`CHECKPOINT_EVERY_N_STEPS` optimizer steps and at the end of fit,
-                          not at every validation
-========================  ======================================================================
-"""
+``BF16Precision`` on a GPU (float32 on a CPU, where bf16 autocast is 5-10x slower: :func:`stack_precision_plugins`),
+``CUDASettings``, ``MFUMonitor``, ``NonFiniteGuard`` and a ``ModelCheckpoint`` keeping ``last.ckpt``. They are
+parser defaults, not forced callbacks, so ``--print_config`` shows them and a config's own list replaces them
+(README, "The gpuopt command"); only ``ExactResume``, ``SigtermCheckpoint`` and atomic writes are always on."""
 
 from __future__ import annotations
 
@@ -50,51 +33,28 @@ __all__ = [
     "stack_precision_plugins",
 ]
 
-CHECKPOINT_EVERY_N_STEPS = 1000
-"""Optimizer steps between two saves of ``last.ckpt`` in the default stack."""
+CHECKPOINT_EVERY_N_STEPS = 1000  # optimizer steps between two saves of last.ckpt in the default stack
 
 
 def stack_device_type() -> str:
-    """``"cuda"`` when a GPU is visible (a Trainer with ``accelerator="auto"`` trains on it), else ``"cpu"``.
-
-    The stack needs the kind of device only, counted without initialising CUDA (``CUDASettings`` sets
-    the allocator before that); on a GPU, ``BF16Precision`` decides bf16 or fp16 from the GPU's real
-    facts when the run binds it.
-    """
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``: counted without initialising CUDA (``CUDASettings`` sets the
+    allocator before that); ``BF16Precision`` reads the GPU's real facts when the run binds it."""
     return "cuda" if cuda_device_count() > 0 else "cpu"
 
 
 def stack_precision_plugins(device_type: str) -> Optional[list[dict[str, Any]]]:
-    """The stack's precision plugin for ``device``: ``BF16Precision`` on a GPU, none (float32) on a CPU.
+    """The stack's precision plugin for ``device_type``: ``BF16Precision`` on a GPU, none (float32) on a CPU.
 
-    On a CPU bf16 autocast is the slower choice: the quickstart takes 412 ms per step under it
-    against 205 ms in float32 (measured side by side). ``BF16Precision`` itself still trains in bf16
-    on a CPU when asked for.
-
-    Example::
-
-        stack_precision_plugins("cuda")  # [{"class_path": "...BF16Precision"}]
-        stack_precision_plugins("cpu")   # None
-
-    Args:
-        device_type: ``"cuda"`` or ``"cpu"`` (:func:`stack_device_type`).
-    """
+    On a CPU without bf16 units bf16 autocast is 5-10x slower than float32: a training step takes 62 s against
+    5.9 s with the plain loss, 9.5 s against 2.0 s with the chunked one (``benchmarks/README.md``, "Training-step
+    memory and time": ``benchmarks/results/cpu/step-memory.json``). ``BF16Precision`` still trains in bf16 on a CPU
+    when asked for."""
     return [{"class_path": "lightning_gpuopt.precision.BF16Precision"}] if device_type == "cuda" else None
 
 
 def default_stack(device_type: Optional[str] = None) -> dict[str, Any]:
-    """Parser defaults for ``trainer.plugins`` and ``trainer.callbacks`` (see the module docstring).
-
-    Example::
-
-        parser.set_defaults(default_stack())   # in LightningCLI.add_arguments_to_parser
-
-    Args:
-        device_type: ``"cuda"`` or ``"cpu"``; ``None``: :func:`stack_device_type`.
-
-    Returns:
-        ``{"trainer.plugins": [...] or None, "trainer.callbacks": [...]}`` as ``class_path`` dictionaries.
-    """
+    """Parser defaults for ``trainer.plugins`` and ``trainer.callbacks`` (``class_path`` dictionaries) on
+    ``device_type`` (``None``: :func:`stack_device_type`)."""
     return {
         "trainer.plugins": stack_precision_plugins(stack_device_type() if device_type is None else device_type),
         "trainer.enable_model_summary": False,  # one line on the model instead (cli/run_summary.py)
@@ -125,21 +85,9 @@ def _as_dict(value: Any) -> Any:
 
 
 def is_stack_callbacks(value: Any) -> bool:
-    """Whether a parsed ``trainer.callbacks`` value is the stack's own list (:func:`stack_callbacks`), as the parser
-    holds it before a config or flag gives another.
-
-    A list given over it replaces it whole (:func:`~lightning_gpuopt.internals.parse_whole_lists`), never item by
-    item: jsonargparse would parse each item of a list as long as the stack's on the stack's item at its position
-    (a user's ``ModelCheckpoint`` with the stack's ``save_last`` and ``every_n_train_steps``, or
-    ``NonFiniteGuard``'s ``mode`` on a ``ModelCheckpoint``).
-
-    Example::
-
-        is_stack_callbacks(stack_callbacks())  # True
-
-    Args:
-        value: The parsed ``trainer.callbacks`` value (class-path dictionaries or namespaces).
-    """
+    """Whether a parsed ``trainer.callbacks`` value (class-path dictionaries or namespaces) is the stack's own list,
+    as the parser holds it before a config or flag gives another, which then replaces it whole
+    (:func:`~lightning_gpuopt.internals.parse_whole_lists`: jsonargparse would parse it item by item on the stack's)."""
     stack = stack_callbacks()
     if not isinstance(value, list) or len(value) != len(stack):
         return False
@@ -153,17 +101,8 @@ def is_stack_callbacks(value: Any) -> bool:
 
 
 def float32_note(precision: Optional[str], plugins: Any, device_type: str) -> Optional[str]:
-    """The line said at start when the run is in float32 on a CPU because no precision was asked for, else ``None``.
-
-    Example::
-
-        float32_note(None, None, "cpu")  # "gpuopt: running in float32 on the CPU ..."
-
-    Args:
-        precision: The ``trainer.precision`` value (``None`` when not set).
-        plugins: The plugins given to the Trainer.
-        device_type: The kind of device the stack was chosen for (:func:`stack_device_type`).
-    """
+    """The line said at start when the run is in float32 on a CPU because no ``trainer.precision`` or precision plugin
+    was asked for, else ``None``."""
     listed = plugins if isinstance(plugins, (list, tuple)) else [plugins]
     if device_type == "cuda" or precision is not None or any(isinstance(p, Precision) for p in listed):
         return None
@@ -185,21 +124,8 @@ def _left_out_checkpoint(callbacks: list[Any]) -> Optional[str]:
 
 
 def dropped_stack_note(callbacks: list[Any], enable_checkpointing: Any = True) -> Optional[str]:
-    """The line said at the start of ``fit`` naming the stack's callbacks that ``trainer.callbacks`` leaves out, else ``None``.
-
-    A ``--trainer.callbacks X`` flag, or a config's own list, replaces the stack's list whole (each of its
-    pieces is there as listed or not at all): without this line the left-out pieces went without a word: no
-    ``last.ckpt``, NaN/Inf steps trained on, no MFU. ``trainer.enable_checkpointing: false`` asks for no
-    checkpoint, so then no ``ModelCheckpoint`` is named.
-
-    Example::
-
-        dropped_stack_note([LearningRateMonitor()])  # "gpuopt: trainer.callbacks replaces the stack's list and leaves out ..."
-
-    Args:
-        callbacks: The callbacks the Trainer is about to get (the stack's, a config's or a flag's).
-        enable_checkpointing: The ``trainer.enable_checkpointing`` value.
-    """
+    """The line said at the start of ``fit`` naming the stack's callbacks that ``callbacks`` (the Trainer's) leaves out
+    and what is lost, else ``None``; with ``enable_checkpointing`` false no ``ModelCheckpoint`` is named."""
     pieces = (
         (CUDASettings, "CUDASettings (no TF32, SDPA order or allocator settings on a GPU)"),
         (MFUMonitor, "MFUMonitor (no tokens/s or MFU)"),
@@ -218,23 +144,13 @@ def dropped_stack_note(callbacks: list[Any], enable_checkpointing: Any = True) -
 
 
 def replace_precision_plugins(precision: Optional[str], plugins: Any) -> Any:
-    """``plugins`` without its precision plugins when ``trainer.precision`` is given.
-
-    Lightning refuses ``Trainer(precision=..., plugins=[<a Precision>])``. A ``trainer.precision``
-    the user sets is the more specific choice, so it replaces the stack's (or a recipe's)
-    precision plugin; one line says so.
+    """The ``trainer.plugins`` to give the Trainer: without its precision plugins when ``trainer.precision`` is given
+    (Lightning refuses both; the user's ``trainer.precision`` is the more specific choice), said in one line.
 
     Example::
 
         replace_precision_plugins("32-true", [BF16Precision()])  # -> []
         replace_precision_plugins(None, [BF16Precision()])       # -> [BF16Precision()]
-
-    Args:
-        precision: The ``trainer.precision`` value (``None`` when not set).
-        plugins: The ``trainer.plugins`` value: ``None``, one plugin or a list.
-
-    Returns:
-        The plugins to give the Trainer.
     """
     if precision is None or plugins is None:
         return plugins
@@ -248,19 +164,8 @@ def replace_precision_plugins(precision: Optional[str], plugins: Any) -> Any:
 
 
 def precision_for_estimate(precision: Optional[str], plugins: Any) -> str:
-    """The precision string ``choose_strategy``'s memory estimate needs, from ``trainer.precision`` or the plugins.
-
-    A mixed-precision plugin (``BF16Precision``, ``Float8Precision``) keeps activations in 16 bits,
-    like ``"bf16-mixed"``; without one or a ``trainer.precision`` the run is ``"32-true"``.
-
-    Example::
-
-        precision_for_estimate(None, [BF16Precision()])  # "bf16-mixed"
-
-    Args:
-        precision: The ``trainer.precision`` value (``None`` when not set).
-        plugins: The ``trainer.plugins`` value: ``None``, one plugin or a list.
-    """
+    """The precision string ``choose_strategy``'s memory estimate needs, from ``trainer.precision`` or the plugins (a
+    mixed-precision plugin keeps activations in 16 bits, like ``"bf16-mixed"``; none: ``"32-true"``)."""
     if precision is not None:
         return str(precision)
     listed = plugins if isinstance(plugins, (list, tuple)) else [plugins]
@@ -268,19 +173,8 @@ def precision_for_estimate(precision: Optional[str], plugins: Any) -> str:
 
 
 def fill_checkpoint_dirs(trainer: Trainer) -> None:
-    """Give every ``ModelCheckpoint`` without a ``dirpath`` the folder ``<default_root_dir>/checkpoints``.
-
-    Lightning's own default puts checkpoints under the logger's new ``version_N`` folder, which a
-    new process does not know, so ``fit(ckpt_path="last")`` found nothing and trained from step 0.
-    A fixed folder is where the next ``gpuopt fit ... --ckpt_path last`` looks.
-
-    Example::
-
-        fill_checkpoint_dirs(trainer)   # runs/quickstart/checkpoints for default_root_dir=runs/quickstart
-
-    Args:
-        trainer: The Trainer, before ``fit``.
-    """
+    """Give every ``ModelCheckpoint`` without a ``dirpath`` the folder ``<default_root_dir>/checkpoints``, where the
+    next ``--ckpt_path last`` looks (Lightning's default, the logger's new ``version_N``, a new process cannot know)."""
     folder = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
@@ -288,19 +182,9 @@ def fill_checkpoint_dirs(trainer: Trainer) -> None:
 
 
 def check_run_length(trainer_config: Any) -> Optional[str]:
-    """The error message for a ``fit`` without a run length, or with one of zero, else ``None``.
-
-    Without ``max_steps``, ``max_epochs``, ``max_time`` or ``fast_dev_run`` Lightning trains for
-    1000 epochs, and the LR schedule has no end to decay towards. ``max_steps`` or ``max_epochs`` of 0
-    (or below -1) trains nothing and exits 0.
-
-    Example::
-
-        check_run_length({"max_steps": -1, "max_epochs": None})  # -> "gpuopt fit needs a run length: ..."
-
-    Args:
-        trainer_config: The parsed ``trainer`` group (a mapping).
-    """
+    """The error message for a ``fit`` (``trainer_config``: the parsed ``trainer`` group) without a run length
+    (Lightning would train 1000 epochs, and the LR schedule has no end), or with one of 0 or below -1 (nothing
+    trains), else ``None``."""
     get = trainer_config.get
     for name in ("max_steps", "max_epochs"):
         value = get(name)

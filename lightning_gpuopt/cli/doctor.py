@@ -1,16 +1,7 @@
 """``gpuopt doctor``: what this package will do on this machine, checked in about a minute (``docs/doctor.md``).
 
-Example::
-
-    gpuopt doctor                      # a table on stdout; exit status 1 when a check failed
-    gpuopt doctor --json doctor.json   # the same checks as JSON: {"exit_code": 0, "checks": [...]}
-    gpuopt doctor --steps 20 --preset 355m
-
-Every check is a :class:`Check` (``name``, ``status``, ``detail``, ``fix``) with status ``pass``,
-``fail`` (its ``fix`` says what to do) or ``info`` (a fact; a ``fix`` there is a hint). Each group
-of checks is a plain function of the device's :class:`~lightning_gpuopt.perf.device.DeviceFacts`,
-so a test gives it the facts of another device. The checks are listed in ``docs/doctor.md``.
-"""
+Each group of checks is a plain function of the device's :class:`~lightning_gpuopt.perf.device.DeviceFacts`, so a
+test gives it another device's facts; every check is a :class:`Check` that passes, fails (with its fix) or informs."""
 
 from __future__ import annotations
 
@@ -34,7 +25,7 @@ from lightning_gpuopt.cli.config_checks import check_writable
 from lightning_gpuopt.callbacks.cuda_settings import CUDASettings, plan_settings
 from lightning_gpuopt.cli.errors import TRACEBACK_ENV
 from lightning_gpuopt.model.config import PRESETS, GPTConfig
-from lightning_gpuopt.option_checks import option
+from lightning_gpuopt.option_checks import check_choice, option
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES, DeviceFacts, read_device
@@ -90,8 +81,7 @@ class Check:
     fix: str = ""
 
     def __post_init__(self) -> None:
-        if self.status not in ("pass", "fail", "info"):
-            raise ValueError(f"Check.status must be 'pass', 'fail' or 'info', got {self.status!r}.")
+        check_choice("Check", "status", self.status, ("pass", "fail", "info"))
 
 
 def _yes(flag: bool) -> str:
@@ -159,8 +149,7 @@ def apply_cuda_settings() -> tuple[list[tuple[str, str, str]], Callable[[], None
     """Apply the default stack's ``CUDASettings`` as a fit does; return its table rows and what undoes them.
 
     Call it before anything starts CUDA, as a fit constructs it: the allocator option must come first.
-    ``sdpa_backends="auto"`` is applied for a device later (``auto_sdpa_order``), as at ``setup``.
-    """
+    ``sdpa_backends="auto"`` is applied for a device later (``auto_sdpa_order``), as at ``setup``."""
     settings = CUDASettings()
     return list(settings.report), lambda: settings.teardown(None, None, "fit")  # type: ignore[arg-type]  # reads neither
 
@@ -292,8 +281,7 @@ def train_step_checks(facts: DeviceFacts, config: GPTConfig, micro_batches: Sequ
 
     A plain loop doing what the default stack does: on a GPU ``BF16Precision``'s autocast (float16 with a
     ``GradScaler`` without bf16), on a CPU float32; AdamW (fused where ``facts.fused_adamw``), the model's chunked loss.
-    FLOPs per token are the model's own count (:func:`~lightning_gpuopt.perf.flops.model_flops_per_token`).
-    """
+    FLOPs per token are the model's own count (:func:`~lightning_gpuopt.perf.flops.model_flops_per_token`)."""
     device, dtype = _torch_device(facts), _compute_dtype(facts)
     with torch.random.fork_rng(devices=[device] if facts.is_cuda else [], device_type=facts.type):
         torch.manual_seed(0)

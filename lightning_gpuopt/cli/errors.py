@@ -1,12 +1,8 @@
 """How the ``gpuopt`` command ends on an error: one clear message and an exit status, the traceback on request.
 
-* A configuration or data error (``ValueError``, which includes ``CheckpointError``, an
-  ``ImportError`` naming a missing extra, or a Lightning error :func:`explain_lightning_error` knows to be one)
-  prints ``gpuopt: error: <message>`` and exits with 2, the status of the parser's own errors.
-* A run stopped because training diverged (``NonFiniteError``, ``NonFiniteCheckpointError``, or a
-  ``fit`` that ended with non-finite weights) or a full disk prints its message and exits with 1.
-* ``GPUOPT_TRACEBACK=1`` re-raises instead, with the full traceback. Any other error keeps its traceback.
-"""
+A configuration or data error (``ValueError``, an ``ImportError`` naming an extra, a Lightning error
+:func:`explain_lightning_error` knows) exits with 2; a diverged run or a full disk with 1; ``GPUOPT_TRACEBACK=1``
+re-raises. ``docs/reliability.md`` ("How gpuopt ends on an error")."""
 
 from __future__ import annotations
 
@@ -62,22 +58,9 @@ T = TypeVar("T")
 
 
 def explain_parser_error(message: str) -> str:
-    """A clear message for some of jsonargparse's: a ``--config`` file that is empty or not a mapping ("Unexpected
-    config: ..."), a value given for an option linked from another ("argument data.block_size -->
-    model.block_size: ..."), ``inf``/``nan`` for a float option, plain text for a list option (the bracketed
-    form), a class that does not exist (the closest name), an option a class of one's own does not take (the
-    closest of its ``__init__`` arguments), an option of ``GPTModule`` or ``TextDataModule`` given
-    flat before a class of one's own is named (where it goes instead), and a bad argument of a class in a list such as
-    ``trainer.callbacks`` (the one line that matters out of a page of "Does not validate against any of the
-    Union subtypes").
-
-    Example::
-
-        explain_parser_error("Unexpected config: ")  # "The --config file is empty ..."
-
-    Args:
-        message: jsonargparse's message.
-    """
+    """A clear message with the fix for some of jsonargparse's (an empty config, a linked option given, ``inf``/``nan``
+    for a float, text for a list, an unknown class or option, ours given flat before a class of one's own, a bad
+    argument of a class in a list); others unchanged."""
     link = _LINK.search(message)
     if link:
         source, target = link.groups()
@@ -135,12 +118,9 @@ def explain_parser_error(message: str) -> str:
 
 
 def explain_instantiation_error(err: BaseException) -> Optional[str]:
-    """One line for a class in ``trainer.callbacks`` or ``trainer.plugins`` whose constructor refused an argument,
-    else ``None``.
-
-    The parser builds those lists when the classes are instantiated, and reports a constructor's error as a page
-    of "Does not validate against any of the Union subtypes" with the real line one among three; this gives
-    that line, the list it came from and where to fix the value, as the ``gpuopt`` command takes it.
+    """One line (out of the parser's page of "Does not validate against any of the Union subtypes") for a class in
+    ``trainer.callbacks`` or ``trainer.plugins`` whose constructor refused an argument, naming where to fix it; else
+    ``None``.
 
     Example::
 
@@ -148,9 +128,6 @@ def explain_instantiation_error(err: BaseException) -> Optional[str]:
         # "trainer.callbacks: MFUMonitor.log_every_n_steps must be an integer >= 1 or None, got 0. Fix
         #  init_args.log_every_n_steps of MFUMonitor in trainer.callbacks (the --config file, or
         #  --trainer.callbacks.log_every_n_steps right after --trainer.callbacks+=MFUMonitor)."
-
-    Args:
-        err: The error the CLI raised while building the classes.
     """
     cause = err.__cause__
     if not isinstance(err, ValueError) or not str(err).startswith(_UNION) or cause is None:
@@ -229,19 +206,8 @@ def _unknown_short_name(group: str, name: str) -> str:
 
 
 def check_fit_ended_finite(trainer: Any, module: Any) -> None:
-    """Raise :class:`NonFiniteError` if a finished ``fit`` left weights that hold NaN/Inf (this rank's shards).
-
-    The weights are checked, not the last loss: a step ``NonFiniteGuard`` skipped logs a NaN loss
-    but leaves the weights as they were.
-
-    Example::
-
-        trainer.fit(model, datamodule=data)
-        check_fit_ended_finite(trainer, model)
-
-    Args:
-        trainer: The Trainer after ``fit``.
-        module: The trained LightningModule.
+    """Raise :class:`NonFiniteError` if a finished ``fit`` left weights that hold NaN/Inf (this rank's shards); the
+    weights, not the last loss: a step ``NonFiniteGuard`` skipped logs a NaN loss and leaves the weights as they were.
     """
     params = dict(module.named_parameters())
     bad = nonfinite_weights(params)
@@ -260,17 +226,8 @@ def check_fit_ended_finite(trainer: Any, module: Any) -> None:
 
 
 def explain_lightning_error(err: BaseException) -> Optional[str]:
-    """One line with the fix for a Lightning error that is a configuration error, else ``None``.
-
-    So far: a fractional ``trainer.limit_<stage>_batches`` that leaves less than one batch of a loader (Lightning
-    says "0.1 * 5 < 1" from inside its data connector, 17 frames down, when the loader is first built).
-
-    Example::
-
-        explain_lightning_error(MisconfigurationException("You requested to check 0.1 of the `val_dataloader` but "
-                                                          "0.1 * 5 < 1. ..."))
-        # "trainer.limit_val_batches=0.1 keeps less than one of the 5 val batches (0.1 x 5 < 1): ..."
-    """
+    """One line with the fix for a Lightning error that is a configuration error, else ``None``; so far a fractional
+    ``trainer.limit_<stage>_batches`` that leaves less than one batch ("0.1 * 5 < 1", deep in the data connector)."""
     under_one = _LIMIT_UNDER_ONE.search(str(err))
     if under_one is None:
         return None
@@ -294,15 +251,7 @@ def _exit_status(err: BaseException) -> Optional[int]:
 
 
 def run_reporting_errors(run: Callable[[], T]) -> T:
-    """Call ``run``; end the process with a short message and an exit status for the errors of the module docstring.
-
-    Example::
-
-        run_reporting_errors(lambda: GPTCLI(GPTModule, TextDataModule))
-
-    Args:
-        run: What the command does.
-    """
+    """Call ``run``; end the process with a short message and an exit status for the errors of the module docstring."""
     try:
         return run()
     except Exception as err:

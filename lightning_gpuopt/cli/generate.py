@@ -1,11 +1,7 @@
 """``gpuopt predict --generate.prompts_file``: its options, their checks before anything is built, and the run.
 
-The run is one :class:`~lightning_gpuopt.model.batched_generation.GenerationJob` through ``trainer.predict``
-(so the Trainer's device, precision plugin and checkpoint loading apply): ``GPTModule.predict_step``
-generates every row with continuous batching and hands each finished one to a
-:class:`~lightning_gpuopt.cli.completions.CompletionWriter`, which writes it at once; a bar counts them.
-What finished is kept when the run stops early (SIGTERM, a scorer that raises).
-"""
+The run is one ``GenerationJob`` through ``trainer.predict`` (so the Trainer's device, precision and checkpoint
+loading apply), each finished row written at once by a ``CompletionWriter``, so a stop keeps what finished."""
 
 from __future__ import annotations
 
@@ -61,17 +57,9 @@ def completions_path(config: Any) -> Path:
 
 
 def check_generate_options(config: Any, generate: Any, error: Callable[[str], NoReturn]) -> Optional[Scorer]:
-    """Check everything about ``generate.*`` that can be checked before the model is built; return the scorer.
-
-    Sizes, stop strings, the prompts file (read whole), the output files (not a folder, not an existing file
-    unless ``overwrite``, in a writable folder), and the scorer: imported, then called once with the first
-    prompt's record and an empty completion.
-
-    Args:
-        config: The subcommand's parsed configuration.
-        generate: Its ``generate`` group.
-        error: Reports an option error (the parser's ``error``).
-    """
+    """Check everything about ``generate.*`` that can be checked before the model is built (sizes, stop strings, the
+    prompts file, the output files, the scorer called once), reporting through the parser's ``error``; return the
+    scorer."""
     for name in ("batch_size", "samples_per_prompt"):
         if generate.get(name) is not None and generate.get(name) < 1:
             error(f"generate.{name} must be >= 1, got {generate.get(name)}.")
@@ -97,20 +85,8 @@ def generate_from_file(
     trainer: Trainer, model: LightningModule, data: LightningDataModule, options: Any, output: Path,
     scorer: Optional[Scorer], **predict_kwargs: Any,
 ) -> None:
-    """Generate every row of the prompts file through ``trainer.predict``, each completion written as it finishes.
-
-    Args:
-        trainer: The predict Trainer (one device).
-        model: The ``GPTModule``.
-        data: The ``TextDataModule`` (its tokenizer encodes the prompts and decodes the completions).
-        options: The ``generate`` group.
-        output: The completions file.
-        scorer: From :func:`check_generate_options`.
-        predict_kwargs: More arguments of ``trainer.predict`` (``ckpt_path``).
-
-    Raises:
-        ValueError: Several devices, a stop string without tokens, a prompt without tokens.
-    """
+    """Generate every row of the prompts file (``options``: the ``generate`` group) through ``trainer.predict`` on one
+    device, each completion written to ``output`` as it finishes; ``predict_kwargs`` go to ``trainer.predict``."""
     if trainer.world_size > 1:
         raise ValueError("generate.prompts_file generates on one device (each process would repeat every prompt): set "
                          "--trainer.devices 1.")

@@ -1,9 +1,7 @@
 """The bar of ``gpuopt predict --generate.prompts_file``: completions done, tokens/s and the time left.
 
-Lightning's predict bar counts batches, and continuous generation is one batch; this bar counts
-completions. On a terminal it redraws one line (at most ten times a second); in a log file it writes a
-line every ``log_every`` seconds instead of filling the log with redraws.
-"""
+Lightning's predict bar counts batches, and continuous generation is one batch. On a terminal it redraws one line
+(at most ten times a second); in a log file it writes a line every ``log_every`` seconds."""
 
 from __future__ import annotations
 
@@ -34,9 +32,8 @@ class GenerationProgress:
 
     Args:
         total: Completions to generate.
-        stream: Where the bar goes (standard error).
+        stream: Where the bar goes (``None``: standard error).
         log_every: Seconds between lines when ``stream`` is not a terminal.
-        clock: Seconds since some origin (``time.perf_counter``).
     """
 
     def __init__(

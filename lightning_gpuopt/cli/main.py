@@ -1,15 +1,4 @@
-"""The ``gpuopt`` command: LightningCLI over ``GPTModule`` and ``TextDataModule``, or any module and data module.
-
-Example::
-
-    gpuopt fit --config examples/configs/quickstart.yaml
-    gpuopt fit --model.preset 124m --data.source data/wikitext-103-raw --trainer.max_steps 3000
-    GPUOPT_FIT__TRAINER__MAX_STEPS=100 gpuopt fit   # a --config file or a flag takes precedence over the environment
-    gpuopt fit --config examples/configs/quickstart.yaml --ckpt_path last   # continue the last run
-    gpuopt predict --config examples/configs/quickstart.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt \
-        --generate.prompts_file prompts.txt --generate.batch_size 64   # JSONL completions
-    gpuopt fit --model my_pkg.NanoGPT --data my_pkg.Shakespeare --trainer.max_steps 5000   # your own classes, same stack
-"""
+"""The ``gpuopt`` command: LightningCLI over ``GPTModule`` and ``TextDataModule``, or any module and data module."""
 
 from __future__ import annotations
 
@@ -133,42 +122,14 @@ class _SuggestingParser(LightningArgumentParser):
 
 
 class GPTCLI(LightningCLI):
-    """LightningCLI with the model's sequence length and vocabulary linked to the data's.
+    """LightningCLI with the model's sequence length and vocabulary linked to the data's, and the package's stack.
 
-    ``data.block_size`` sets ``model.block_size``, and the data's tokenizer vocabulary size sets
-    ``model.vocab_size``, so the two can never disagree. After ``predict`` the generated samples
-    are decoded and printed. Checkpoints are written with
-    :class:`~lightning_gpuopt.checkpoint.AtomicCheckpointIO` (atomic writes, ``weights_only=True``
-    reads) unless the config names another CheckpointIO plugin or the strategy brings its own.
-
-    With ``--ckpt_path``, the checkpoint's hyper-parameters are merged with what the command line
-    and config ask for by :mod:`lightning_gpuopt.cli.resume_checks` (architecture changes refused,
-    other settings applied and reported).
-
-    Without a config the Trainer runs the default stack of :mod:`lightning_gpuopt.cli.defaults`
-    (``BF16Precision`` on a GPU, float32 on a CPU, ``CUDASettings``, ``MFUMonitor``, ``NonFiniteGuard``, a
-    ``ModelCheckpoint`` keeping ``last.ckpt``); a ``trainer.precision`` replaces the precision plugin. ``ExactResume``
-    and ``SigtermCheckpoint`` are always added (a resumed ``fit --ckpt_path last`` continues
-    exactly, also after a SIGTERM, which ends ``gpuopt`` with status 143). With
-    ``trainer.strategy: gpuopt-auto`` the strategy is chosen for the model by
-    :func:`~lightning_gpuopt.strategies.choose_strategy` (DDP, FSDP2, or FSDP2 with tensor parallelism within a
-    node, ``trainer.num_nodes`` nodes of ``trainer.devices`` each), and the reason is logged;
-    ``--auto_strategy.device_memory_gb`` overrides the memory read from GPU 0, ``--auto_strategy.device "H100 SXM"``
-    plans for another GPU, and ``--auto_strategy.print_plan true`` prints the plan and stops.
-
-    A LightningModule or LightningDataModule of your own (``--model my_pkg.NanoGPT``,
-    ``--data.class_path ...``, see :func:`make_cli`) gets the same stack, ``ExactResume`` (with
-    ``rebuild_loaders`` on by default, so that a plain DataLoader of its own resumes mid-epoch exactly)
-    and ``SigtermCheckpoint``. The links between the data and the model, the resume checks of
-    ``GPTModule``'s architecture and the decoding of ``predict`` apply to ``GPTModule`` with
-    ``TextDataModule`` only: a module of your own is built as configured and ``--ckpt_path`` restores
-    its weights and training state, after :class:`~lightning_gpuopt.cli.resume_checks.OwnCheckpoint` has
-    compared the weight shapes, the step and epoch limits and the hyper-parameters with the checkpoint's.
-
-    A ``fit`` holds its run folder from its start until it ends
-    (:func:`~lightning_gpuopt.cli.run_folder.hold_run_folder`): a second ``fit`` on it, in another process,
-    stops at its start.
-    """
+    The default stack (:mod:`~lightning_gpuopt.cli.defaults`), always ``ExactResume`` and ``SigtermCheckpoint`` (a
+    SIGTERM ends ``gpuopt`` with 143) and ``AtomicCheckpointIO`` unless another CheckpointIO is named; the resume
+    checks of ``--ckpt_path`` (:mod:`~lightning_gpuopt.cli.resume_checks`); ``trainer.strategy: gpuopt-auto``
+    (:mod:`~lightning_gpuopt.cli.auto_strategy`); one writer per run folder. A module or data module of your own
+    (:func:`make_cli`) gets the same stack; the data-model links, the architecture checks and the decoding of
+    ``predict`` are ``GPTModule`` with ``TextDataModule``'s."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         try:
@@ -372,13 +333,8 @@ class GPTCLI(LightningCLI):
 
 
 class _StopPredictOnSigterm(Callback):
-    """Ends ``predict`` at once on SIGTERM (a scheduler's kill), in the middle of a batch's generation.
-
-    Lightning's handler only sets ``trainer.received_sigterm``, which its fit and validation loops read
-    and its predict loop does not, so a SIGTERM was ignored until every prompt was done. Completions of a
-    prompts file are written as they finish, so this handler stops at once and the finished ones are kept
-    (:mod:`lightning_gpuopt.cli.completions`).
-    """
+    """Ends ``predict`` at once on SIGTERM, mid-generation (Lightning's predict loop never reads its flag); the
+    completions written as they finished are kept."""
 
     def __init__(self) -> None:
         self._previous: Any = None
@@ -400,8 +356,8 @@ class _StopPredictOnSigterm(Callback):
 
 
 def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:
-    """``trainer.enable_checkpointing: false`` leaves out the ``ModelCheckpoint`` of the default stack (or
-    a recipe), which Lightning would otherwise refuse next to that flag; says so in one line."""
+    """``trainer.enable_checkpointing: false`` leaves out the stack's (or a recipe's) ``ModelCheckpoint``, which
+    Lightning would refuse beside it; said in one line."""
     trainer = config.get("trainer") or {}
     callbacks = trainer.get("callbacks") or []
     if trainer.get("enable_checkpointing") is not False or not isinstance(callbacks, list):
@@ -413,23 +369,13 @@ def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:
 
 
 def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
-    """The ``gpuopt`` CLI for ``args`` (``None``: ``sys.argv``), run unless ``run=False`` is passed.
-
-    ``GPTModule`` and ``TextDataModule`` unless the arguments name a module or data module of your own
-    (:func:`~lightning_gpuopt.cli.named_classes.named_classes`): then that class, parsed as
-    LightningCLI parses any class; with a module of your own and no ``data`` class, the module's
-    own loaders.
+    """The ``gpuopt`` CLI for ``args`` (without the program name; ``None``: ``sys.argv``), run unless ``run=False``:
+    over ``GPTModule`` and ``TextDataModule``, or the classes of your own the arguments name (a module of your own
+    without a ``data`` class trains on its own loaders).
 
     Example::
 
         cli = make_cli(["fit", "--model", "my_pkg.NanoGPT", "--data", "my_pkg.Shakespeare", "--trainer.max_steps", "100"])
-
-    Args:
-        args: The command's arguments, without the program name.
-        kwargs: More arguments for :class:`GPTCLI` (``run=False`` ...).
-
-    Raises:
-        ValueError: ``GPTModule`` or ``TextDataModule`` named as a class where it is the default.
     """
     named = named_classes(sys.argv[1:] if args is None else args, os.environ)
     options = dict(
@@ -447,15 +393,9 @@ def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Run the ``gpuopt`` CLI. Every option can also come from an environment variable,
-    ``GPUOPT_<SUBCOMMAND>__<GROUP>__<OPTION>`` (e.g. ``GPUOPT_FIT__TRAINER__MAX_STEPS=100``); a value in a
-    ``--config`` file or a command-line flag takes precedence over it.
-
-    A SIGTERM during ``fit`` saves ``last.ckpt`` (``SigtermCheckpoint``) and ends the process with
-    status 143 (128 + SIGTERM), so a scheduler sees an interrupted job and can requeue it.
-
-    ``gpuopt doctor`` is handled before LightningCLI parses anything (:mod:`lightning_gpuopt.cli.doctor`).
-    Messages name their fixes as this command's options (:func:`~lightning_gpuopt.option_checks.option`)."""
+    """Run the ``gpuopt`` CLI (``gpuopt doctor`` before LightningCLI parses anything). Every option can also come from
+    ``GPUOPT_<SUBCOMMAND>__<GROUP>__<OPTION>``, under a ``--config`` file or a flag; messages name fixes as this
+    command's options (:func:`~lightning_gpuopt.option_checks.option`)."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["doctor"]:
         with command_line_options():

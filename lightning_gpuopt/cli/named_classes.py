@@ -1,22 +1,9 @@
 """Which LightningModule and LightningDataModule a ``gpuopt`` command trains: ours unless it names its own.
 
-Design note: ``GPTModule`` and ``TextDataModule`` are parsed flat (``--model.preset``,
-``--data.source``) so the recipes, ``--print_config`` and the resume checks stay as they are. A
-module or data module of your own is parsed the way LightningCLI parses any class (``class_path``
-and ``init_args``), so ``gpuopt`` has to know which of the two forms a command uses before the
-parser is built. :func:`named_classes` reads that from where a class can be named:
-
-* the command line: ``--model my_pkg.NanoGPT``, ``--model=...``, ``--model.class_path ...``
-  (likewise ``--data``);
-* a ``--config`` file (before or after the subcommand) whose ``model:`` or ``data:`` is a class
-  path or holds a ``class_path``;
-* the environment: ``GPUOPT_<SUBCOMMAND>__MODEL`` or ``GPUOPT_<SUBCOMMAND>__MODEL__CLASS_PATH``.
-
-Example::
-
-    named_classes(["fit", "--model", "my_pkg.NanoGPT"], {})        # NamedClasses(model="my_pkg.NanoGPT", data=None)
-    named_classes(["fit", "--config", "quickstart.yaml"], {})      # NamedClasses(model=None, data=None): ours
-"""
+``GPTModule`` and ``TextDataModule`` are parsed flat (``--model.preset``); a class of one's own as LightningCLI
+parses any (``class_path``, ``init_args``), so the form must be known before the parser is built. A class is named
+on the command line (``--model X``, ``--model=X``, ``--model.class_path X``), in a ``--config`` file (``model:`` a
+class path or a ``class_path``), or in the environment (``GPUOPT_<SUBCOMMAND>__MODEL[__CLASS_PATH]``); likewise data."""
 
 from __future__ import annotations
 
@@ -80,19 +67,16 @@ def _from_configs(argv: Sequence[str], subcommand: Optional[str], group: str) ->
 
 
 def named_classes(argv: Sequence[str], environ: Mapping[str, str]) -> NamedClasses:
-    """The model and data classes ``argv`` (and the environment) name, read as the module docstring lists.
+    """The model and data classes ``argv`` (without the program name) and ``environ`` name; a later ``--config`` or
+    flag wins, and the command line over the environment, as for the parser.
 
-    A later ``--config`` or flag wins over an earlier one, and the command line over the environment,
-    as for the parser itself.
+    ``GPTModule``, or ``TextDataModule`` with it, named as a class is refused: they take their options flat (with a
+    module of one's own, ``--data TextDataModule`` is how to train it on ``TextDataModule``).
 
-    Args:
-        argv: The command's arguments, without the program name.
-        environ: The environment (``os.environ``).
+    Example::
 
-    Raises:
-        ValueError: ``GPTModule`` named as a class, or ``TextDataModule`` with ``GPTModule``: they are the
-            default and take their options flat. (With a module of your own, ``--data TextDataModule``
-            is how to train it on ``TextDataModule``: without a ``data`` class the module's own loaders are used.)
+        named_classes(["fit", "--model", "my_pkg.NanoGPT"], {})   # NamedClasses(model="my_pkg.NanoGPT", data=None)
+        named_classes(["fit", "--config", "quickstart.yaml"], {}) # NamedClasses(model=None, data=None): ours
     """
     subcommand = next((a for a in argv if a in _SUBCOMMANDS), None)
     named = {}

@@ -1,13 +1,8 @@
 """Prompts file -> generation requests, and the scorer that judges completions (``gpuopt predict --generate.prompts_file``).
 
-Design note: every row of a prompts file (each of ``samples_per_prompt`` samples of each prompt) is a
-:class:`~lightning_gpuopt.model.batched_generation.Request` of its own, whatever its token length:
-``GPTModule.predict_step`` generates them with continuous batching (prompts of any lengths share a
-batch, left-padded, each row getting the tokens its prompt alone would). A prompt too long for the
-context left by ``max_new_tokens`` keeps its last tokens, said once. The records a JSONL file gives
-(a ``"prompt"`` and any other fields, e.g. a reference ``"answer"``) go to the scorer with each
-completion (:mod:`lightning_gpuopt.cli.completions` writes them).
-"""
+Every sample of every prompt is a :class:`~lightning_gpuopt.model.batched_generation.Request` of its own, whatever
+its length (continuous batching takes them all); a JSONL record's other fields go to the scorer with each
+completion (``docs/generation.md``)."""
 
 from __future__ import annotations
 
@@ -20,31 +15,23 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 from lightning_gpuopt.model.batched_generation import Request, fit_to_context
+from lightning_gpuopt.option_checks import check_int
 
 __all__ = ["Scorer", "check_scorer", "load_scorer", "plan_requests", "read_prompts", "score_of"]
 
+# scorer(record, completion) -> number: the prompt's record (its "prompt" and other JSONL fields) and the
+# completion's text; a bool counts as 0 or 1.
 Scorer = Callable[[dict, str], Any]
-"""``scorer(record, completion) -> number``: the prompt's record (its ``"prompt"`` and other JSONL fields) and the
-completion's text; a bool counts as 0 or 1."""
 
 
 def read_prompts(path: Union[str, Path]) -> list[dict]:
-    """The records of ``path``: a ``.jsonl`` file of objects with a ``"prompt"`` string (other fields are kept),
-    else one prompt per line (``{"prompt": line}``).
-
-    In a text file ``\\n`` inside a line stands for a newline. Empty lines are skipped.
+    """The records of ``path``: a ``.jsonl`` file of objects with a ``"prompt"`` string (other fields kept), else one
+    prompt per non-empty line, ``\\n`` in it standing for a newline.
 
     Example::
 
         read_prompts("prompts.txt")    # [{"prompt": "def main("}, {"prompt": "class Foo:\\n    def"}]
         read_prompts("qa.jsonl")       # [{"prompt": "2+3=", "answer": "5"}, ...]
-
-    Args:
-        path: The prompts file.
-
-    Raises:
-        ValueError: The file does not exist, is not UTF-8, holds no prompt, or has a JSONL line that is not
-            JSON or has no ``"prompt"`` string (the message names the file's line).
     """
     path = Path(path).expanduser()
     option = f"generate.prompts_file={str(path)!r}"
@@ -90,20 +77,9 @@ def plan_requests(
     records: Sequence[dict], encode: Callable[[str], list[int]], samples_per_prompt: int, max_new_tokens: int,
     block_size: int,
 ) -> tuple[list[Request], int]:
-    """One request per sample of each prompt, keyed ``(prompt index, sample index)``, and how many prompts were cut.
-
-    A prompt longer than the ``block_size - max_new_tokens`` tokens the context leaves it keeps its last ones.
-
-    Example::
-
-        requests, cut = plan_requests(read_prompts("p.txt"), data.encode, 4, 128, 1024)
-
-    Raises:
-        ValueError: A prompt has no tokens, ``samples_per_prompt`` is below 1, or ``max_new_tokens`` does not fit in
-            the context.
-    """
-    if samples_per_prompt < 1:
-        raise ValueError(f"generate.samples_per_prompt must be >= 1, got {samples_per_prompt}.")
+    """One request per sample of each prompt, keyed ``(prompt index, sample index)``, and how many prompts were cut
+    to their last tokens to leave ``max_new_tokens`` room in the context."""
+    check_int("generate", "samples_per_prompt", samples_per_prompt, minimum=1)
     requests, cut = [], 0
     for p, record in enumerate(records):
         ids = encode(record["prompt"])
@@ -116,15 +92,7 @@ def plan_requests(
 
 
 def load_scorer(spec: str) -> Scorer:
-    """The function ``spec`` names, as ``module:function`` (the module importable from ``sys.path``).
-
-    Example::
-
-        score = load_scorer("examples.rft.checker:score")
-
-    Raises:
-        ValueError: ``spec`` is not ``module:function``, the module cannot be imported, or has no such callable.
-    """
+    """The function ``spec`` names, as ``module:function`` (the module importable from ``sys.path``)."""
     option = f"generate.scorer={spec!r}"
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
@@ -144,11 +112,7 @@ def load_scorer(spec: str) -> Scorer:
 
 
 def score_of(scorer: Scorer, spec: str, record: dict, completion: str) -> float:
-    """``scorer(record, completion)`` as a finite float; a clear error when it raises or returns something else.
-
-    Raises:
-        ValueError: The scorer raised, or returned no finite number.
-    """
+    """``scorer(record, completion)`` as a finite float; a clear error when it raises or returns something else."""
     try:
         value = scorer(record, completion)
     except Exception as err:
@@ -166,9 +130,5 @@ def score_of(scorer: Scorer, spec: str, record: dict, completion: str) -> float:
 
 def check_scorer(scorer: Scorer, spec: str, record: dict) -> None:
     """Call ``scorer`` once with ``record`` and an empty completion, before any generation: a scorer that raises or
-    returns no number fails now, not after the completions were generated.
-
-    Raises:
-        ValueError: See :func:`score_of`.
-    """
+    returns no number fails now, not after the completions were generated."""
     score_of(scorer, spec, record, "")

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 __all__ = ["QUIETED", "quiet_lightning"]
 
+# What is left out: warnings by message (regular expressions), info lines by their start.
 QUIETED = {
     # logger=True with CSVLogger is what gpuopt means; tensorboard is not needed.
     "warning": (r"Starting from v1\.9\.0, `tensorboardX` has been removed",
@@ -18,7 +19,6 @@ QUIETED = {
     # Lightning adds its own ModelCheckpoint, the callbacks listing none ("... cloud uploads and versioning").
     "info": ("💡 Tip: For seamless cloud logging", "💡 Tip: For seamless cloud uploads"),
 }
-"""What is left out: warnings by message (regular expressions), info lines by their start."""
 
 
 class _DropTips(logging.Filter):
@@ -28,13 +28,7 @@ class _DropTips(logging.Filter):
 
 @contextmanager
 def quiet_lightning() -> Iterator[None]:
-    """Leave out :data:`QUIETED` while the block runs; warnings filters and the logger are restored after.
-
-    Example::
-
-        with quiet_lightning():
-            GPTCLI(GPTModule, TextDataModule)
-    """
+    """Leave out :data:`QUIETED` while the block runs (``with quiet_lightning(): GPTCLI(...)``); restored after."""
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     tips = _DropTips()
     logger.addFilter(tips)

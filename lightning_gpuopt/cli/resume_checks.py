@@ -1,38 +1,11 @@
 """What a ``gpuopt fit/predict --ckpt_path`` run takes from the checkpoint, and what from the command line.
 
-Design note: LightningCLI parses the checkpoint's hyper-parameters over the configuration, so a
-``--model.n_layer 3`` or ``--model.temperature 0`` given with ``--ckpt_path`` was dropped without a
-word. Here the settings the user asked for (the ``model`` options whose value is not
-``GPTModule``'s default, from a flag, a ``--config`` file or the environment) are compared with the
-checkpoint's before anything is built:
-
-* architecture (``preset``, ``n_layer``, ``n_head``, ``n_embd``, ``n_kv_head``, and the ``block_size`` and
-  ``vocab_size`` the data sets) cannot change: the run is refused, naming both values and the fix;
-* everything else (learning rate and schedule, sampling settings, ``max_new_tokens``, compile,
-  dropout, ...) is applied over the checkpoint's value and reported; a resumed ``fit`` also gets
-  :class:`~lightning_gpuopt.callbacks.resumed_optimizer.ResumedOptimizerSettings`, which applies the
-  optimizer settings over the restored optimizer state;
-* a ``fit`` from a checkpoint already at ``trainer.max_steps`` (or ``trainer.max_epochs``) would train
-  nothing and exit 0: it is refused, naming the option that trains on (:func:`check_steps_left`).
-
-A module of your own is built as configured (there is no architecture to compare by name), and
-:class:`OwnCheckpoint` checks it against the checkpoint after it is built: weights whose shapes differ
-are refused in one message (not Lightning's page of ``size mismatch``), the step and epoch limits as
-above, and a resumed ``fit`` says once which hyper-parameters differ from the checkpoint's, since the
-checkpoint's optimizer and scheduler state (learning rates included) is restored as saved whatever
-the module's options say.
-
-Lightning internals used (``tests/cli/test_resume_checks.py`` fails if an upgrade renames them): the CLI
-replaces ``LightningCLI._parse_ckpt_path`` with :func:`merge_checkpoint_settings`, and
-:func:`prepare_resumed_fit` turns off ``ModelCheckpoint``'s version counter
-(``lightning_internals.no_version_counter``, no public setter).
-
-The data's settings (``data.batch_size`` ...) are never taken from the checkpoint, but its tokenizer
-is: the data module's saved state (:attr:`CheckpointSettings.data_state`) goes to
-``TextDataModule.use_checkpoint_tokenizer`` before data preparation, so a corpus changed since the
-run is tokenised with the run's tokenizer, and ``predict`` decodes with it whatever the token cache
-holds. ``TextDataModule.load_state_dict`` compares the tokenizers of older checkpoints, which carry none.
-"""
+LightningCLI parses the checkpoint's hyper-parameters over the configuration, dropping options given with
+``--ckpt_path`` without a word. Here, before anything is built, an asked architecture change is refused, other
+asked settings are applied and reported, a fit with nothing left to train is refused, and the data gets the
+run's tokenizer; a module of one's own is checked after it is built (:class:`OwnCheckpoint`). The rules:
+``docs/reliability.md``. The CLI replaces ``LightningCLI._parse_ckpt_path`` with :func:`merge_checkpoint_settings`
+(``tests/cli/test_resume_checks.py`` fails if an upgrade renames it)."""
 
 from __future__ import annotations
 
@@ -73,17 +46,8 @@ def _norm(value: Any) -> Any:
 
 
 def asked_settings(model_config: dict[str, Any], model_class: type, linked: bool = True) -> dict[str, Any]:
-    """The ``model`` options in ``model_config`` whose value is not ``model_class``'s default.
-
-    Example::
-
-        asked_settings({"preset": "tiny", "learning_rate": 0.02, "top_k": 50}, GPTModule)  # {"learning_rate": 0.02}
-
-    Args:
-        model_config: The parsed ``model`` group.
-        model_class: The module class whose ``__init__`` defaults are the unasked values.
-        linked: Leave out ``block_size`` and ``vocab_size`` (a model's, set from the data's).
-    """
+    """The options of a parsed ``model`` group whose value is not ``model_class``'s default (``linked``: leaving out
+    ``block_size`` and ``vocab_size``, which the data sets)."""
     defaults = {
         name: p.default
         for name, p in inspect.signature(model_class.__init__).parameters.items()
@@ -98,33 +62,18 @@ def asked_settings(model_config: dict[str, Any], model_class: type, linked: bool
 
 @dataclass
 class CheckpointSettings:
-    """The outcome of comparing a run's configuration with its checkpoint's hyper-parameters.
-
-    Attributes:
-        path: The checkpoint.
-        subcommand: ``fit``, ``predict``, ...
-        saved: The checkpoint's ``GPTModule`` hyper-parameters.
-        applied: Settings asked for that differ from the checkpoint's: ``{name: (checkpoint's, asked)}``.
-        kept: Settings not asked for, whose configured default differs from the checkpoint's value,
-            which is used: ``{name: (checkpoint's, configured)}``.
-        data: ``data`` options that differ from the training run's (used as given):
-            ``{name: (checkpoint's, configured)}``.
-        data_state: The data module's saved state (``None``: the checkpoint holds none for that class).
-        global_step: The checkpoint's optimizer step.
-        epochs_done: The training epochs the checkpoint has processed (see :func:`epochs_done`).
-    """
+    """The outcome of comparing a run's configuration with its checkpoint's hyper-parameters."""
 
     path: str
     subcommand: str
-    saved: dict[str, Any]
-    applied: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    kept: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    data: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    data_state: Optional[dict[str, Any]] = None
+    saved: dict[str, Any]  # the checkpoint's GPTModule hyper-parameters
+    applied: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # asked, unlike the checkpoint's: (its, asked)
+    kept: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # not asked; the checkpoint's used: (its, default)
+    data: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # data options unlike the run's, used as given
+    data_state: Optional[dict[str, Any]] = None  # the data module's saved state (its tokenizer)
     global_step: Optional[int] = None
-    epochs_done: Optional[int] = None
-    option: str = "--ckpt_path"
-    """How the checkpoint was named: ``--ckpt_path``, or ``--model.init_from`` for weights alone."""
+    epochs_done: Optional[int] = None  # training epochs processed (epochs_done)
+    option: str = "--ckpt_path"  # how the checkpoint was named: --ckpt_path, or --model.init_from for weights alone
 
     def check_model(self, model: Any) -> None:
         """Refuse a built model whose data-linked shape (``block_size``, ``vocab_size``) is not the checkpoint's."""
@@ -178,22 +127,8 @@ def _local_file(ckpt_path: Any) -> bool:
 
 
 def resolve_run_folder(config: Any) -> None:
-    """Put the file ``--ckpt_path last`` / ``hpc`` names into ``config``; refuse a ``fit`` that would overwrite a run.
-
-    Called before :func:`merge_checkpoint_settings`, so a special path gets the checks an explicit one gets
-    (:mod:`lightning_gpuopt.cli.run_folder`).
-
-    Example::
-
-        resolve_run_folder(cli.config)  # config.fit.ckpt_path: "last" -> "/abs/runs/x/checkpoints/last.ckpt"
-
-    Args:
-        config: The parsed configuration (with a subcommand).
-
-    Raises:
-        ValueError: A ``fit`` without ``--ckpt_path`` into a folder holding a ``last.ckpt``; a special path
-            with no file (see :func:`~lightning_gpuopt.cli.run_folder.resolve_ckpt_path`).
-    """
+    """Put the file ``--ckpt_path last`` / ``hpc`` names into ``config``, before :func:`merge_checkpoint_settings` (so
+    it is checked as an explicit path is); refuse a ``fit`` that would overwrite a run."""
     subcommand = config.get("subcommand")
     if not subcommand:
         return
@@ -214,33 +149,16 @@ def _config_hint(group: Any) -> str:
 
 
 def epochs_done(checkpoint: dict[str, Any]) -> Optional[int]:
-    """The training epochs a Lightning checkpoint has processed, as the fit loop counts them to stop at ``max_epochs``.
-
-    The fit loop's ``epoch_progress.current.processed`` (counted before ``on_train_epoch_end``, where
-    checkpoints are usually saved), else the checkpoint's ``epoch``; ``None`` when it records neither.
-    """
+    """The training epochs a Lightning checkpoint has processed, as the fit loop counts them to stop at ``max_epochs``
+    (``epoch_progress.current.processed``, else ``epoch``; ``None``: neither)."""
     progress = (((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("epoch_progress") or {}).get("current") or {}
     done = progress.get("processed", checkpoint.get("epoch"))
     return done if isinstance(done, int) else None
 
 
 def check_steps_left(step: Optional[int], path: str, trainer: Any, epochs: Optional[int] = None) -> None:
-    """Refuse a resumed ``fit`` whose ``trainer.max_steps`` or ``trainer.max_epochs`` the checkpoint has already reached.
-
-    Lightning would restore the checkpoint, train nothing, save nothing and exit 0, so a finished run
-    "continued" with ``--ckpt_path last`` looks like a run that trained on.
-
-    Example::
-
-        check_steps_left(300, "runs/q/checkpoints/last.ckpt", {"max_steps": 300})  # ValueError
-        check_steps_left(32, "runs/q/checkpoints/last.ckpt", {"max_steps": -1, "max_epochs": 1}, epochs=1)  # ValueError
-
-    Args:
-        step: The checkpoint's ``global_step``.
-        path: Its path, for the message.
-        trainer: The parsed ``trainer`` group.
-        epochs: The epochs the checkpoint has processed (:func:`epochs_done`); ``None``: not checked.
-    """
+    """Refuse a resumed ``fit`` whose ``trainer.max_steps`` or ``max_epochs`` the checkpoint (at ``step``, with
+    ``epochs`` processed; ``None``: not checked) has reached: Lightning would train nothing and exit 0."""
     trainer = trainer or {}
     reached = (("max_steps", step, f"is at step {step}"),
                ("max_epochs", epochs, f"has trained {epochs} epoch{'' if epochs == 1 else 's'}"))
@@ -257,25 +175,8 @@ def check_steps_left(step: Optional[int], path: str, trainer: Any, epochs: Optio
 def merge_checkpoint_settings(
     parser: Any, config: Any, model_class: type, data_class: Optional[type] = None
 ) -> tuple[Any, Optional[CheckpointSettings]]:
-    """Merge a ``--ckpt_path`` checkpoint's hyper-parameters into ``config`` under the rules of the module docstring.
-
-    Example::
-
-        config, settings = merge_checkpoint_settings(cli.parser, cli.config, GPTModule, TextDataModule)
-
-    Args:
-        parser: The CLI's parser (``parse_object`` merges values into a config).
-        config: The parsed configuration (with a subcommand).
-        model_class: The module class (its defaults tell asked settings from unasked ones).
-        data_class: The data module class, whose saved state goes into ``settings.data_state``.
-
-    Returns:
-        The merged configuration, and the comparison (``None`` when no local checkpoint file is given).
-
-    Raises:
-        CheckpointError: The file is missing, broken, or not a ``GPTModule``'s Lightning checkpoint.
-        ValueError: The configuration asks for another architecture than the checkpoint's.
-    """
+    """Merge a ``--ckpt_path`` checkpoint's hyper-parameters into ``config``; return it and the comparison (``None``
+    without a local checkpoint file). ``model_class``'s defaults tell asked settings from unasked ones."""
     subcommand = config.get("subcommand")
     if not subcommand:
         return config, None
@@ -336,14 +237,6 @@ def merge_init_weights(
     checkpoint into ``config``, refusing an asked architecture that differs, as with ``--ckpt_path``; every other
     setting is the configuration's (a new run: fresh optimizer and schedule). The data gets the checkpoint's
     tokenizer (``data_state``). With ``--ckpt_path`` that file holds the weights: ``init_from`` is dropped, said once.
-
-    Example::
-
-        config, settings = merge_init_weights(cli.parser, cli.config, GPTModule, TextDataModule)
-
-    Raises:
-        CheckpointError: The file is missing, broken, or not a ``GPTModule`` checkpoint.
-        ValueError: The configuration asks for another architecture than the file's.
     """
     subcommand = config.get("subcommand")
     if not subcommand:
@@ -376,31 +269,18 @@ def merge_init_weights(
 
 @dataclass
 class OwnCheckpoint:
-    """What a ``--ckpt_path`` checkpoint of a module of your own says, checked against the module as built.
-
-    Attributes:
-        path: The checkpoint.
-        subcommand: ``fit``, ``predict``, ...
-        hparams: The checkpoint's ``hyper_parameters`` (empty when the module saved none).
-        shapes: The shape of each tensor of its ``state_dict``.
-        global_step: The checkpoint's optimizer step.
-        epochs_done: The training epochs it has processed (:func:`epochs_done`).
-    """
+    """What a ``--ckpt_path`` checkpoint of a module of your own says, checked against the module as built."""
 
     path: str
     subcommand: str
-    hparams: dict[str, Any]
-    shapes: dict[str, tuple[int, ...]]
+    hparams: dict[str, Any]  # its hyper_parameters (empty when the module saved none)
+    shapes: dict[str, tuple[int, ...]]  # of each tensor of its state_dict
     global_step: Optional[int] = None
     epochs_done: Optional[int] = None
 
     @classmethod
     def read(cls, config: Any) -> Optional["OwnCheckpoint"]:
-        """The checkpoint a parsed configuration's ``ckpt_path`` names (``None``: no local file is given).
-
-        Raises:
-            CheckpointError: The file is missing or broken, or not a Lightning checkpoint.
-        """
+        """The checkpoint a parsed configuration's ``ckpt_path`` names (``None``: no local file is given)."""
         subcommand = config.get("subcommand")
         ckpt_path = config[subcommand].get("ckpt_path") if subcommand else None
         if not _local_file(ckpt_path):
@@ -428,11 +308,8 @@ class OwnCheckpoint:
         return {k: pair for k, pair in pairs.items() if not _same(*pair)}
 
     def check_weights(self, model: Any) -> None:
-        """Refuse a model whose weights have other shapes than the checkpoint's (before Lightning's ``load_state_dict``).
-
-        Only tensors both hold are compared: a module that builds its layers in ``configure_model`` has
-        none yet, and missing or extra names are left to ``load_state_dict`` and the module's ``strict_loading``.
-        """
+        """Refuse a model whose weights have other shapes than the checkpoint's, before Lightning's ``load_state_dict``
+        (only tensors both hold: missing or extra names are ``strict_loading``'s)."""
         built = {k: tuple(v.shape) for k, v in model.state_dict().items() if hasattr(v, "shape")}
         wrong = [(k, self.shapes[k], built[k]) for k in self.shapes if k in built and built[k] != self.shapes[k]]
         if not wrong:
@@ -476,21 +353,9 @@ def _text(value: Any) -> str:
 
 
 def prepare_resumed_fit(trainer: Any) -> None:
-    """On a resumed ``fit``, make each ``ModelCheckpoint`` replace a file of the same name instead of adding ``-vN``.
-
-    A file of the same name in the checkpoint folder was written by the run being resumed (after the
-    checkpoint it resumes from, before it was stopped); Lightning's version counter would keep it and
-    write ``name-v1.ckpt`` beside it, never rotated out. The resumed run replaces it (atomically with
-    ``AtomicCheckpointIO``), and :class:`~lightning_gpuopt.callbacks.resumed_optimizer.ResumedOptimizerSettings`
-    is added so that optimizer settings asked for on the command line are applied over the restored ones.
-
-    Example::
-
-        prepare_resumed_fit(trainer)  # before trainer.fit(..., ckpt_path=...)
-
-    Args:
-        trainer: The Trainer of the resumed ``fit``.
-    """
+    """On a resumed ``fit``, make each ``ModelCheckpoint`` replace a file of the same name (the stopped run's) instead
+    of adding ``-vN`` beside it (``internals.no_version_counter``: no public setter), and add
+    ``ResumedOptimizerSettings``, which applies asked optimizer settings over the restored ones."""
     from lightning_gpuopt.callbacks.resumed_optimizer import ResumedOptimizerSettings
 
     for callback in trainer.checkpoint_callbacks:

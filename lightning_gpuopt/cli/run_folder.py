@@ -1,28 +1,8 @@
-"""A run's folder: which file ``--ckpt_path last`` / ``hpc`` names, and a ``fit`` that would overwrite a run.
+"""A run's folder: which file ``--ckpt_path last`` / ``hpc`` names, a ``fit`` that would overwrite a run, one writer.
 
-Design note: Lightning turns ``last`` and ``hpc`` into a file only inside ``trainer.fit``, after the
-model and the data are built, so the checks of :mod:`lightning_gpuopt.cli.resume_checks` (run
-before anything is built) saw the word, not the file, and let an architecture change, a foreign
-checkpoint or another vocabulary through to a traceback. :func:`resolve_ckpt_path` finds the file
-from the parsed configuration the same way Lightning does (the newest ``last*.ckpt`` in the
-checkpoint folders, the highest ``hpc_ckpt_N.ckpt`` in ``default_root_dir``), and the CLI puts that
-path in the configuration, so every ``--ckpt_path`` goes through the same checks and the Trainer
-loads the file that was checked.
-
-Without a ``last*.ckpt`` (a ``ModelCheckpoint`` of one's own without ``save_last``, or Lightning's default
-one), ``last`` names the run's newest checkpoint and says so, rather than starting from step 0 next to it.
-
-A ``fit`` without ``--ckpt_path`` into a folder that holds a checkpoint would replace it with
-step 1 of a new run. :func:`existing_run_problem` stops such a run (exit 2) with the two commands to
-choose from, rather than continuing it: a re-run of a command is as often a new experiment with
-changed options (which a resume refuses or applies), and only the user knows which was meant.
-
-A run folder has one writer: :func:`hold_run_folder` takes an exclusive ``flock`` on a file in it
-(``.gpuopt-fit.lock``, holding the holder's pid) for the life of the ``fit``, so a second ``gpuopt fit`` on
-it stops at its start, naming the first. The kernel drops the lock when its process ends, however it
-ends (``kill -9`` included): no stale lock to remove. Under DDP only the launching process (rank 0) holds it;
-the ranks it starts run the same command and must not take it (:func:`holds_run_folder`).
-"""
+Lightning turns ``last`` and ``hpc`` into a file only inside ``trainer.fit``, after everything is built; resolved
+here as Lightning would, from the parsed configuration, the file goes through the resume checks and is the one
+the Trainer loads. The behaviour: ``docs/reliability.md`` ("Where last.ckpt is", "One writer per run folder")."""
 
 from __future__ import annotations
 
@@ -50,8 +30,7 @@ __all__ = [
     "run_checkpoints",
 ]
 
-LOCK_FILE = ".gpuopt-fit.lock"
-"""The file in a run folder whose ``flock`` a running ``gpuopt fit`` holds."""
+LOCK_FILE = ".gpuopt-fit.lock"  # the file in a run folder whose flock a running gpuopt fit holds
 
 # Environment variables that give a process's rank (torchrun, Lightning's launcher, Slurm, LSF, MPI): a process
 # with any of them above 0 is one a launch started, not the one that holds the run folder.
@@ -87,19 +66,8 @@ def _is_model_checkpoint(callback: Any) -> bool:
 
 
 def checkpoint_dirs(trainer_config: Any) -> list[Path]:
-    """The folders the ``ModelCheckpoint`` callbacks of a parsed ``trainer`` group write into.
-
-    A callback without ``dirpath`` writes into ``<default_root_dir>/checkpoints``
-    (:func:`~lightning_gpuopt.cli.defaults.fill_checkpoint_dirs`), and so does the ``ModelCheckpoint`` Lightning adds
-    when the list has none; ``enable_checkpointing: false`` writes none.
-
-    Example::
-
-        checkpoint_dirs(config.fit.trainer)  # [Path("/abs/runs/quickstart/checkpoints")]
-
-    Args:
-        trainer_config: The parsed ``trainer`` group.
-    """
+    """The folders the ``ModelCheckpoint`` callbacks of a parsed ``trainer`` group write into (without ``dirpath``, and
+    Lightning's own: ``<default_root_dir>/checkpoints``; none with ``enable_checkpointing: false``)."""
     if _get(trainer_config, "enable_checkpointing", True) is False:
         return []
     root = Path(_get(trainer_config, "default_root_dir", os.getcwd()))
@@ -130,12 +98,7 @@ def last_checkpoints(dirs: list[Path]) -> list[Path]:
 
 def run_checkpoints(dirs: list[Path]) -> list[Path]:
     """Every checkpoint in ``dirs`` (``*.ckpt``, a file or a distributed checkpoint's folder; hidden partial saves
-    left out), newest first.
-
-    Example::
-
-        run_checkpoints([Path("runs/x/checkpoints")])  # [.../epoch=0-step=10.ckpt, .../epoch=0-step=5.ckpt]
-    """
+    left out), newest first."""
     found = []
     for folder in dirs:
         if folder.is_dir():
@@ -146,25 +109,9 @@ def run_checkpoints(dirs: list[Path]) -> list[Path]:
 def resolve_ckpt_path(ckpt_path: Any, subcommand: str, trainer_config: Any) -> Any:
     """The checkpoint file a special ``--ckpt_path`` names, found as Lightning would; other values unchanged.
 
-    ``last``: the newest ``last*.ckpt`` in :func:`checkpoint_dirs` (and ``<default_root_dir>/checkpoints``);
-    without one, the run's newest checkpoint there (a ``ModelCheckpoint`` without ``save_last`` writes no
-    ``last.ckpt``), named in one line; with no checkpoint at all, a ``fit`` starts from step 0 (said once) and
-    the other subcommands stop with an error. ``hpc``: the highest
-    ``hpc_ckpt_N.ckpt`` in ``default_root_dir``. ``registry``: refused (download the checkpoint and
-    pass its path), so that it too is checked before anything is built.
-
-    Example::
-
-        resolve_ckpt_path("last", "fit", config.fit.trainer)  # "/abs/runs/quickstart/checkpoints/last.ckpt"
-
-    Args:
-        ckpt_path: The ``--ckpt_path`` value.
-        subcommand: ``fit``, ``validate``, ``predict``, ...
-        trainer_config: The parsed ``trainer`` group.
-
-    Raises:
-        ValueError: No file for ``hpc`` (or no checkpoint for ``last`` outside ``fit``), or a registry checkpoint.
-    """
+    ``last``: the newest ``last*.ckpt`` in the run's checkpoint folders, else its newest checkpoint (said); none: a
+    ``fit`` starts from step 0 (said), other subcommands stop. ``hpc``: the highest ``hpc_ckpt_N.ckpt`` in
+    ``default_root_dir``. ``registry``: refused (a local file can be checked before anything is built)."""
     if not isinstance(ckpt_path, str):
         return ckpt_path
     if ckpt_path == "last":
@@ -211,17 +158,9 @@ def _last(subcommand: str, trainer_config: Any) -> Optional[str]:
 
 
 def existing_run_problem(ckpt_path: Any, trainer_config: Any, command: str = "gpuopt fit ...") -> Optional[str]:
-    """The error for a ``fit`` without ``--ckpt_path`` whose checkpoint folders already hold a checkpoint, else ``None``.
-
-    Example::
-
-        existing_run_problem(None, config.fit.trainer)  # "runs/quickstart/checkpoints/last.ckpt holds a run ..."
-
-    Args:
-        ckpt_path: The ``--ckpt_path`` value (any value: no problem).
-        trainer_config: The parsed ``trainer`` group (``fast_dev_run`` writes no checkpoint: no problem).
-        command: How to show the user's command in the advice.
-    """
+    """The error for a ``fit`` without ``--ckpt_path`` (nor ``fast_dev_run``) whose checkpoint folders already hold a
+    checkpoint, naming the two ``command`` lines to choose from (a re-run is as often a new experiment as a
+    continuation: only the user knows which); else ``None``."""
     if ckpt_path or _get(trainer_config, "fast_dev_run", False):
         return None
     dirs = checkpoint_dirs(trainer_config)
@@ -236,19 +175,8 @@ def existing_run_problem(ckpt_path: Any, trainer_config: Any, command: str = "gp
 
 
 def holds_run_folder(env: Mapping[str, str]) -> bool:
-    """Whether this process is the one to hold the run folder: every rank variable in ``env`` is 0 or unset.
-
-    Lightning's DDP launcher starts ranks 1..N-1 as new processes running the same command, with
-    ``LOCAL_RANK`` set; ``torchrun`` and Slurm set ``RANK`` / ``SLURM_PROCID`` for every rank. Only the one process
-    that is rank 0 in all of them holds the lock, so the run has one holder however it was launched.
-
-    Example::
-
-        holds_run_folder({"LOCAL_RANK": "1"})  # False: a rank Lightning's launcher started
-
-    Args:
-        env: The process's environment (``os.environ``).
-    """
+    """Whether this process holds the run folder: every rank variable in ``env`` is 0 or unset, so the run has one
+    holder however it was launched (Lightning's DDP launcher, ``torchrun``, Slurm)."""
     return all(env.get(name, "0").strip() in ("", "0") for name in _RANK_VARIABLES)
 
 
@@ -278,20 +206,8 @@ def _lock(folder: Path) -> Optional[IO[str]]:
 
 
 def hold_run_folder(trainer_config: Any, env: Mapping[str, str] = os.environ) -> None:
-    """Hold the run folder of a ``fit`` (``default_root_dir``, the working folder when unset) until
-    :func:`release_run_folder`, or the end of the process; a folder another ``fit`` holds stops this one.
-
-    Example::
-
-        hold_run_folder(config.fit.trainer)   # ValueError: runs/x is in use by another gpuopt fit (pid 4242 ...)
-
-    Args:
-        trainer_config: The parsed ``trainer`` group.
-        env: The process's environment: a rank a launch started holds nothing (:func:`holds_run_folder`).
-
-    Raises:
-        ValueError: The folder is held by another process, named with its pid, host and start time.
-    """
+    """Hold the run folder of a ``fit`` (``default_root_dir``, else the working folder) until
+    :func:`release_run_folder` or the process's end; a folder another ``fit`` holds stops this one, naming it."""
     if not holds_run_folder(env):
         return
     try:

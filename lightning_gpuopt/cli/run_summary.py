@@ -33,9 +33,6 @@ def command_with_checkpoint(
 
     Args:
         argv: The command line the run was started with (without the program name).
-        subcommand: The subcommand of the printed command.
-        ckpt: The checkpoint it reads.
-        extra: Arguments added at the end.
         env: Environment variables the command needs, written before it (``PYTHONPATH`` for classes of one's own).
     """
     replaced = {"--ckpt_path", *(a for a in extra if a.startswith("--"))}  # options the printed command sets itself
@@ -65,13 +62,7 @@ def count_text(n: int) -> str:
 
 
 def model_line(model: pl.LightningModule) -> str:
-    """One line on the model, said before training (Lightning's summary table is off in the default stack).
-
-    Example::
-
-        model_line(GPTModule(preset="tiny"))  # "GPTModule: 203K parameters (2 layers, width 64, 4 heads, ...)"
-        model_line(FrozenBackbone())           # "FrozenBackbone: 577 parameters (33 trainable, 544 frozen)"
-    """
+    """One line on the model, said before training (Lightning's summary table is off in the default stack)."""
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
@@ -119,21 +110,13 @@ def _checkpoint(trainer: pl.Trainer) -> Optional[str]:
 def where_things_went(
     trainer: pl.Trainer, argv: list[str], can_predict: bool = True, env: Optional[Mapping[str, str]] = None
 ) -> list[str]:
-    """The lines ``gpuopt fit`` ends with: the checkpoint to resume from, the logs, the commands to continue and to sample.
-
-    The "train on" command raises ``trainer.max_steps`` (or ``max_epochs``) above where the run ended, so
-    it trains; the "sample" command is printed only when ``gpuopt predict`` has data to run on.
+    """The lines ``gpuopt fit`` ends with: the checkpoint, the logs, a command that trains on (``max_steps`` or
+    ``max_epochs`` raised above where the run ended) and, when ``can_predict``, one that samples.
 
     Example::
 
         where_things_went(cli.trainer, ["fit", "--config", "q.yaml"])
         # ["gpuopt fit: finished at step 300.", "  checkpoint: runs/q/checkpoints/last.ckpt", ...]
-
-    Args:
-        trainer: The Trainer after ``fit``.
-        argv: The command line the run was started with (without the program name).
-        can_predict: Whether ``gpuopt predict`` has batches for the module (see :func:`has_predict_data`).
-        env: Environment variables the printed commands need (see :func:`command_with_checkpoint`).
     """
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
     lines = [f"gpuopt fit: finished at step {trainer.global_step}."]

@@ -1,12 +1,8 @@
 """Union type hints that parse an integer as an integer, whatever Python's typing cache hands out.
 
-``typing`` caches unions and treats ``Union[int, float]`` and ``Union[float, int]`` as equal, so the
-Trainer's ``limit_val_batches: Optional[Union[int, float]]`` can be built as the float-first form
-that another library created earlier (Lightning's own ``Strategy.clip_gradients_norm`` spells one).
-jsonargparse tries a union's members in order, and ``float`` takes ``20``: the run then reads
-``limit_val_batches: 20`` as 20.0, a fraction above 1. ``gpuopt``'s parser passes every type hint
-through :func:`int_before_float` first, so the order is the one the source code means.
-"""
+``typing`` caches ``Union[int, float]`` and ``Union[float, int]`` as one, so the Trainer's ``limit_val_batches`` may
+come float-first (as another library spelt it), and jsonargparse, trying members in order, reads ``20`` as 20.0,
+a fraction above 1. The parser passes every hint through :func:`int_before_float`."""
 
 from __future__ import annotations
 
@@ -26,9 +22,6 @@ def int_before_float(hint: Any) -> Any:
     Example::
 
         int_before_float(Union[float, int, None])  # int | float | None
-
-    Args:
-        hint: A type hint.
     """
     if get_origin(hint) not in _UNIONS:
         return hint

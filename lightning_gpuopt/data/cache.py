@@ -1,27 +1,7 @@
 """The token cache folder: what makes it complete and current, and how it is written safely.
 
-Design note: a cache folder holds ``tokenizer.json``, one ``<split>.bin`` per split the corpus
-has, and ``meta.json``, written last. Its name (:func:`token_cache_dir`) hashes the corpus's
-identity *and* fingerprint with the tokenizer and the split, so a changed corpus is a new folder:
-a folder is never rewritten for other text, and the ``tokenizer.json`` a run trained (which a
-checkpoint names, and carries too) stays as it was. ``meta.json`` records
-
-- the input fingerprint (:attr:`Corpus.fingerprint`) and the format version: a second check that
-  the folder holds this corpus in this on-disk layout;
-- each token file's exact size and a sampled fingerprint (BLAKE2b of the size and of up to
-  ``_SAMPLES`` blocks of ``_BLOCK`` bytes spread evenly over the file, which is the whole file up to
-  16 MiB): reading ~16 MiB per file costs milliseconds at start-up whatever the corpus size, and
-  catches truncation, appending, replacement and any corruption inside the sampled blocks (for
-  small files, any corruption at all); a full checksum of a multi-GB file would cost seconds on
-  every start of every rank;
-- the SHA-256 of ``tokenizer.json``;
-- its own SHA-256 (``checksum``), so a hand-edited or half-written ``meta.json`` is rejected.
-
-:func:`check_cache` returns the first reason the folder cannot be used (``None`` when it can).
-Writers hold :func:`cache_lock` (an ``flock`` on ``<cache_dir>/<folder>.lock``, released by the
-kernel when a process dies), so under the lock any ``*.tmp<pid>`` file is a leftover of a killed
-run and :func:`remove_leftovers` deletes it.
-"""
+Its name hashes the corpus, the tokenizer and the split, so a changed corpus is a new folder; ``meta.json``,
+written last, holds fingerprints of every file and its own checksum; writers hold an ``flock``. ``docs/data.md``."""
 
 from __future__ import annotations
 
@@ -61,12 +41,7 @@ _FIX = "set data.cache_dir (or the GPUOPT_CACHE_DIR environment variable) to a f
 
 
 def default_cache_dir() -> Path:
-    """``$GPUOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_gpuopt``, else ``~/.cache/lightning_gpuopt``.
-
-    Raises:
-        ValueError: ``GPUOPT_CACHE_DIR`` is set but empty, or no home folder is known (e.g. a service
-            user without ``HOME``); the message names ``data.cache_dir`` and ``GPUOPT_CACHE_DIR``.
-    """
+    """``$GPUOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_gpuopt``, else ``~/.cache/lightning_gpuopt``."""
     if "GPUOPT_CACHE_DIR" in os.environ:
         if not os.environ["GPUOPT_CACHE_DIR"].strip():
             raise ValueError("GPUOPT_CACHE_DIR is set but empty: set it (or data.cache_dir) to the token cache folder.")
@@ -84,15 +59,8 @@ def default_cache_dir() -> Path:
 
 
 def file_fingerprint(path: Path) -> str:
-    """BLAKE2b of a file's size and of ``_SAMPLES`` evenly spaced 1 MiB blocks (the whole file up to 16 MiB).
-
-    Example::
-
-        file_fingerprint(Path("cache/3f2a.../train.bin"))  # 'c0ffee...'
-
-    Args:
-        path: The file.
-    """
+    """BLAKE2b of a file's size and of ``_SAMPLES`` evenly spaced 1 MiB blocks (the whole file up to 16 MiB): a few
+    milliseconds at every start whatever the file's size, where a full checksum of GBs would take seconds."""
     size = path.stat().st_size
     digest = hashlib.blake2b(str(size).encode(), digest_size=16)
     with open(path, "rb") as f:
@@ -116,16 +84,8 @@ def _meta_checksum(meta: dict[str, Any]) -> str:
 
 
 def write_meta(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Complete ``meta`` with the token files' and the tokenizer's fingerprints and write ``meta.json`` atomically.
-
-    Example::
-
-        write_meta(folder, {"format_version": 2, "inputs": corpus.fingerprint, "splits": {...}, ...})
-
-    Args:
-        folder: The cache folder, holding ``tokenizer.json`` and every file named in ``meta["splits"]``.
-        meta: The metadata; ``files``, ``tokenizer_sha256`` and ``checksum`` are added.
-    """
+    """Add the token files' and the tokenizer's fingerprints and a checksum to ``meta`` and write ``meta.json`` into
+    ``folder`` atomically."""
     names = sorted({name for span in meta["splits"].values() for name in (span["file"], span.get("answers")) if name})
     meta = dict(meta)
     meta["files"] = {n: {"bytes": (folder / n).stat().st_size, "fingerprint": file_fingerprint(folder / n)} for n in names}
@@ -138,16 +98,8 @@ def write_meta(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_cache(folder: Path, expected: dict[str, Any]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """``(meta, None)`` when ``folder`` is complete and current, else ``(None, reason)``.
-
-    Example::
-
-        meta, reason = check_cache(folder, {"format_version": 2, "inputs": corpus.fingerprint})
-
-    Args:
-        folder: The cache folder.
-        expected: Entries ``meta.json`` must hold with these values (format version, input fingerprint).
-    """
+    """``(meta, None)`` when ``folder`` is complete and its ``meta.json`` holds the ``expected`` entries, else
+    ``(None, reason)``."""
     if not (folder / META).is_file():
         return None, "it is incomplete (no meta.json: never finished, or interrupted)"
     try:
@@ -178,19 +130,7 @@ def check_cache(folder: Path, expected: dict[str, Any]) -> tuple[Optional[dict[s
 
 
 def check_writable(cache_dir: Path) -> None:
-    """Create ``cache_dir`` if needed and check this process can write there, before any work.
-
-    Example::
-
-        check_writable(Path("~/.cache/lightning_gpuopt").expanduser())
-
-    Args:
-        cache_dir: The token cache's root folder (``data.cache_dir``).
-
-    Raises:
-        ValueError: It cannot be created or written; the message names ``data.cache_dir`` and
-            ``GPUOPT_CACHE_DIR``.
-    """
+    """Create the token cache's root ``cache_dir`` if needed and check this process can write there, before any work."""
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -201,19 +141,8 @@ def check_writable(cache_dir: Path) -> None:
 
 @contextlib.contextmanager
 def cache_lock(lock_file: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_file`` (waits while another process holds it).
-
-    Where ``fcntl`` is missing (Windows) there is no lock, and a warning says that concurrent
-    preparations of the same folder must be avoided.
-
-    Example::
-
-        with cache_lock(cache_dir / f"{folder.name}.lock"):
-            ...  # check, clean and (re)write the folder
-
-    Args:
-        lock_file: The lock's file (created if needed; never deleted, so waiting processes stay safe).
-    """
+    """Hold an exclusive ``flock`` on ``lock_file`` (never deleted, so waiting processes stay safe); without
+    ``fcntl`` (Windows) no lock, with a warning."""
     try:
         import fcntl
     except ImportError:
@@ -229,15 +158,7 @@ def cache_lock(lock_file: Path) -> Iterator[None]:
 
 
 def remove_leftovers(folder: Path) -> list[str]:
-    """Delete the ``*.tmp<pid>`` files of interrupted runs in ``folder`` (call under :func:`cache_lock`).
-
-    Example::
-
-        remove_leftovers(folder)  # ['train.bin.tmp4242']
-
-    Args:
-        folder: The cache folder.
-    """
+    """Delete the ``*.tmp<pid>`` files of killed runs in ``folder`` (under :func:`cache_lock`); return their names."""
     removed = []
     if folder.is_dir():
         for path in sorted(folder.iterdir()):
@@ -250,27 +171,8 @@ def remove_leftovers(folder: Path) -> list[str]:
 def token_cache_dir(
     cache_dir: Path, corpus: Corpus, tokenizer_json: Optional[str], vocab_size: int, val_fraction: float
 ) -> Path:
-    """The folder of one data configuration in ``cache_dir``: its name changes when the text, the tokenizer or the split does.
-
-    The corpus enters by its identity (its files' paths) and its fingerprint (their sizes and change
-    times, :attr:`Corpus.fingerprint`, read at no cost beyond a ``stat`` per file): an edited corpus
-    gets a new folder and never overwrites the one an earlier run (and the checkpoints naming its
-    ``tokenizer.json``) used. A folder is rebuilt in place only when it is incomplete or damaged,
-    from the same text. Stale folders stay until removed (``docs/data.md`` says how). A given
-    tokenizer enters by its JSON's hash.
-
-    Example::
-
-        token_cache_dir(default_cache_dir(), resolve_source("stdlib"), None, 4096, 0.05)  # .../<16 hex>
-
-    Args:
-        cache_dir: The cache root.
-        corpus: The text.
-        tokenizer_json: The JSON of the tokenizer to encode with (a ``tokenizer.json``'s text, or
-            ``Tokenizer.to_str()``), or ``None`` for a BPE trained with ``vocab_size``.
-        vocab_size: Vocabulary size to train.
-        val_fraction: Fraction held out for validation (and again for test).
-    """
+    """The folder of one data configuration in ``cache_dir``: its name changes when the text (its identity and
+    fingerprint), the tokenizer (``tokenizer_json``, or ``None``: a BPE of ``vocab_size``) or the split does."""
     tok = hashlib.sha256(tokenizer_json.encode()).hexdigest() if tokenizer_json is not None else f"bpe-{vocab_size}"
     key = json.dumps([FORMAT_VERSION, corpus.identity, corpus.fingerprint, tok, val_fraction])
     return cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -39,15 +39,8 @@ _VOCAB_FILLED = 0.9
 
 
 def vocab_shortfall(requested: int, trained: int) -> Optional[str]:
-    """A warning when a BPE trained for ``requested`` tokens got far fewer (``None`` when it is close).
-
-    The model is built for ``data.vocab_size`` before the tokenizer is trained, so the rows past
-    the trained vocabulary are parameters that no token ever reads.
-
-    Example::
-
-        vocab_shortfall(70000, 369)  # "data.vocab_size=70000, but the corpus ... set data.vocab_size 369 ..."
-    """
+    """A warning when a BPE trained for ``requested`` tokens got far fewer (``None`` when it is close): the model,
+    built for ``data.vocab_size`` before, has rows no token reads."""
     if trained >= _VOCAB_FILLED * requested:
         return None
     return (
@@ -58,15 +51,8 @@ def vocab_shortfall(requested: int, trained: int) -> Optional[str]:
 
 
 def check_train_batches(windows: int, batch_size: int, replicas: int, block_size: int, description: str) -> None:
-    """Raise if the training split cannot fill one batch per data-parallel rank (so no step would run).
-
-    The training loader drops the last incomplete batch, so with fewer windows than
-    ``batch_size`` per rank an epoch has no batch and ``fit`` ends without a step or a checkpoint.
-
-    Example::
-
-        check_train_batches(windows=40, batch_size=512, replicas=1, block_size=32, description="texts/")  # ValueError
-    """
+    """Raise if the training split cannot fill one batch per data-parallel rank: the loader drops an incomplete
+    batch, so ``fit`` would end without a step or a checkpoint."""
     per_rank = windows // replicas
     if per_rank >= batch_size:
         return
@@ -82,26 +68,12 @@ def check_train_batches(windows: int, batch_size: int, replicas: int, block_size
 class TextDataModule(pl.LightningDataModule):
     """Language-model data from raw text, tokenised once and read from memory-mapped files.
 
-    On first use (``prepare_data``, once per node) the text is tokenised with a byte-level BPE
-    (trained on the training split, or ``tokenizer``) into a ``uint16``/``uint32`` token file with a
-    small ``meta.json``, under ``cache_dir/<key>``, streaming with bounded memory on every core
-    (:mod:`~lightning_gpuopt.data.prepare`). The key names the input files and their fingerprint,
-    the tokenizer and the split, so a changed corpus gets a new folder; ``meta.json`` records
-    fingerprints of the text and of the token files, so a damaged folder is rebuilt, with a warning
-    (``docs/data.md``). Training batches are random windows of
-    ``block_size + 1`` tokens; validation and test batches cover their split in order.
-
-    Checkpoints carry the tokenizer (``state_dict``). Before resuming or sampling a checkpoint,
-    :meth:`use_checkpoint_tokenizer` gives the data that tokenizer, so a corpus changed since the
-    run is tokenised with it (``gpuopt ... --ckpt_path`` does this).
-
-    The training order is a pure function of ``(seed, epoch, position)`` (see
-    :class:`~lightning_gpuopt.data.sampler.ResumableSampler`): each epoch draws new windows, no
-    DataLoader touches the global RNG, and under DDP/FSDP each rank reads every ``world_size``-th
-    position. The position reached at the last optimizer step is saved in checkpoints
-    (``state_dict``), so a run resumed mid-epoch reads exactly the samples it would have read: it
-    implements :class:`~lightning_gpuopt.protocols.ResumableData` and
-    :class:`~lightning_gpuopt.protocols.TakesMicroBatch`.
+    ``prepare_data`` tokenises the corpus with a byte-level BPE (trained on it, or ``tokenizer``) into a token
+    cache keyed by the corpus, the tokenizer and the split, rebuilt with a warning when damaged (``docs/data.md``).
+    Training batches are random windows of ``block_size + 1`` tokens in an order that is a pure function of
+    ``(seed, epoch, position)``; validation and test cover their split in order. Checkpoints carry the training
+    position and the tokenizer (:class:`~lightning_gpuopt.protocols.ResumableData`; it also
+    :class:`~lightning_gpuopt.protocols.TakesMicroBatch`).
 
     Example::
 
@@ -109,27 +81,23 @@ class TextDataModule(pl.LightningDataModule):
         trainer.fit(GPTModule(preset="124m", vocab_size=data.vocab_size, block_size=1024), datamodule=data)
 
     Args:
-        source: Where the text comes from (see :func:`~lightning_gpuopt.data.sources.resolve_source`):
-            ``"stdlib"`` (offline default), a folder, a file, a glob, or ``"hf:NAME[:CONFIG]"``.
+        source: ``"stdlib"`` (offline default), a folder, a file, a glob, or ``"hf:NAME[:CONFIG]"``.
         block_size: Tokens per training sequence.
-        batch_size: Micro-batch size per device (a callback such as ``AutoBatchSize`` may change it).
-        vocab_size: Size of the BPE vocabulary to train. Ignored, and set from the file, when
-            ``tokenizer`` is given.
+        batch_size: Micro-batch size per device (``AutoBatchSize`` may change it).
+        vocab_size: Size of the BPE vocabulary to train; set from the file when ``tokenizer`` is given.
         tokenizer: Path of a ``tokenizer.json`` to use instead of training one.
-        val_fraction: For sources without their own splits, the fraction of tokens held out for
-            validation, and again for test (taken from the end of the token stream).
-        samples_per_epoch: Random training windows per epoch; defaults to
-            ``train_tokens // block_size``.
-        cache_dir: Where token files are kept; defaults to :func:`default_cache_dir`.
+        val_fraction: For sources without their own splits, the fraction of tokens held out for validation, and
+            again for test (from the end of the token stream).
+        samples_per_epoch: Random training windows per epoch; ``None``: ``train_tokens // block_size``.
+        cache_dir: Where token files are kept; ``None``: :func:`default_cache_dir`.
         num_workers: DataLoader worker processes.
         pin_memory: Pin host memory for faster copies to the GPU; ``None`` pins when CUDA is available.
         prefetch_factor: Batches each worker loads ahead.
         seed: Seed of the training windows' offsets.
         prompts: Prompts continued by ``predict`` (one batch per prompt).
         samples_per_prompt: Continuations generated per prompt.
-        loss_on: ``"all"`` tokens, or only those of the completions (``"completion"``) of a ``.jsonl`` source of
-            ``"prompt"``/``"completion"`` records, e.g. what ``gpuopt predict --generate.scorer`` kept: the prompts
-            are read as context and not learnt (each completion's end-of-text is).
+        loss_on: ``"all"`` tokens, or only the completions (``"completion"``) of a ``.jsonl`` source of
+            ``"prompt"``/``"completion"`` records (each completion's end-of-text included).
     """
 
     def __init__(
@@ -180,10 +148,9 @@ class TextDataModule(pl.LightningDataModule):
         self._encode_with = self.tokenizer  # what prepare_data tokenises with (None: a BPE trained on the corpus)
         self._checkpoint_note: Optional[str] = None  # said when prepare_data uses a checkpoint's tokenizer
         self.vocab_size = self.tokenizer.get_vocab_size() if self.tokenizer else vocab_size
-        if self.tokenizer is None and (not isinstance(vocab_size, int) or vocab_size < _MIN_VOCAB):
-            raise ValueError(
-                f"TextDataModule.vocab_size must be at least {_MIN_VOCAB} (256 bytes + <|endoftext|>), got {vocab_size!r}."
-            )
+        if self.tokenizer is None:
+            check_int("TextDataModule", "vocab_size", vocab_size, minimum=_MIN_VOCAB,
+                      hint=" (256 bytes + <|endoftext|>)")
         self._corpus: Corpus = resolve_source(source)
         check_choice("TextDataModule", "loss_on", loss_on, ("all", "completion"))
         if loss_on == "completion" and not self._corpus.answers:
@@ -199,8 +166,7 @@ class TextDataModule(pl.LightningDataModule):
         self._origin = (0, 0, 0, batch_size)  # (epoch, start, loop batches, batch size) of the current loader
         self._resume_position: Optional[tuple[int, int]] = None
         given = Path(tokenizer).expanduser().read_text() if tokenizer else None
-        self.data_dir = token_cache_dir(self.cache_dir, self._corpus, given, vocab_size, val_fraction)
-        """The folder holding this configuration's tokenizer, token files and metadata."""
+        self.data_dir = token_cache_dir(self.cache_dir, self._corpus, given, vocab_size, val_fraction)  # the cache
 
     # ------------------------------------------------------------------------------ preparation
     def _expected_meta(self) -> dict[str, Any]:
@@ -211,26 +177,13 @@ class TextDataModule(pl.LightningDataModule):
         return trainer is not None and trainer.state.fn == "predict"
 
     def use_checkpoint_tokenizer(self, state_dict: Optional[dict[str, Any]]) -> None:
-        """Give the data the tokenizer a checkpoint carries, before preparation, so that token ids keep their meaning.
-
-        Call it before ``trainer.fit/validate/test/predict(..., ckpt_path=...)`` (``gpuopt`` does for every
-        ``--ckpt_path``). When the cache holds the checkpoint's tokenizer for this corpus (the usual
-        resume), nothing changes. Otherwise (the corpus changed since the run, or its cache was
-        cleared) the corpus is tokenised with the checkpoint's tokenizer into a folder of its own, and
-        ``prepare_data`` says so in one line; ``predict`` needs no token cache at all. A tokenizer given
-        to this data module must be the checkpoint's. A checkpoint without a tokenizer (written before
-        checkpoints carried one) changes nothing: :meth:`load_state_dict` compares the tokenizers.
+        """Give the data the tokenizer a checkpoint carries (its ``state_dict`` there), before preparation, so that
+        token ids keep their meaning: a corpus changed since the run is tokenised with it (``docs/data.md``).
 
         Example::
 
             data.use_checkpoint_tokenizer(torch.load(path, weights_only=True, mmap=True)["TextDataModule"])
             trainer.fit(model, datamodule=data, ckpt_path=path)
-
-        Args:
-            state_dict: This data module's state in the checkpoint (``None``: the checkpoint holds none).
-
-        Raises:
-            ValueError: ``tokenizer`` was given and is not the checkpoint's, or the checkpoint's tokenizer is damaged.
         """
         carried = carried_tokenizer(state_dict or {})
         if carried is None:
@@ -257,13 +210,8 @@ class TextDataModule(pl.LightningDataModule):
 
     @override
     def prepare_data(self) -> None:
-        """Tokenise the corpus into ``data_dir`` unless it already holds a complete, current copy.
-
-        Safe to call from several processes at once: one prepares (under a file lock), the others
-        wait and reuse its files. A stale or damaged folder (see ``docs/data.md``) is rebuilt with a
-        warning naming it; leftovers of killed runs are removed. ``predict`` with a tokenizer known
-        (given, or a checkpoint's) prepares nothing: it reads no token file.
-        """
+        """Tokenise the corpus into ``data_dir`` unless it holds a complete, current copy (one process prepares under
+        a file lock, the others wait); ``predict`` with a known tokenizer prepares nothing."""
         if self.tokenizer is not None and self._predicting():
             return
         if self._checkpoint_note:
@@ -276,12 +224,8 @@ class TextDataModule(pl.LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        """Open the token files (after ``prepare_data``) and check every split is long enough.
-
-        The cache folder is checked first (sizes, fingerprints, ``meta.json``'s checksum), so a damaged
-        or stale folder fails here, before any step, and not in the middle of ``fit`` or ``test``.
-        ``predict`` with a tokenizer known (given, or a checkpoint's) opens no token file.
-        """
+        """Check the cache folder and open the token files, before any step; ``predict`` with a known tokenizer opens
+        none."""
         if stage == "predict" and self._meta is None and self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
             return
@@ -359,12 +303,8 @@ class TextDataModule(pl.LightningDataModule):
         return step_boundary(trainer)
 
     def train_position(self) -> tuple[int, int]:
-        """``(epoch, position)``: the samples all ranks together have consumed in ``epoch``, counted
-        at the last optimizer-step boundary (micro-batches of an unfinished step do not count).
-
-        A new training loader starts there, whatever its batch size: sample ``k`` of an epoch is
-        the same window for every batch size.
-        """
+        """``(epoch, position)``: the samples all ranks together consumed in ``epoch`` up to the last optimizer step,
+        where a new training loader of any batch size starts."""
         if self._sampler is None:
             return self._resume_position or (0, 0)
         epoch, start, batches0, batch_size = self._origin
@@ -392,8 +332,7 @@ class TextDataModule(pl.LightningDataModule):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a checkpoint's training position (the next training loader starts there); refuse
-        a tokenizer other than the checkpoint's (:meth:`use_checkpoint_tokenizer`, called before, avoids that)."""
+        """Continue from a checkpoint's training position; refuse a tokenizer other than the checkpoint's."""
         if self.tokenizer is not None:
             fix = None
             if state_dict.get("tokenizer_json"):  # the checkpoint carries it: the data can use it

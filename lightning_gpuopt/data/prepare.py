@@ -1,14 +1,8 @@
 """Tokenise a corpus into a cache folder with bounded memory: BPE training, encoding, token files.
 
-Design note: nothing holds a document whole. The BPE is trained with ``train_from_iterator`` on
-the corpus's pieces (:mod:`~lightning_gpuopt.data.streaming`; the library keeps only word
-counts, whose size depends on the vocabulary of the text, not its length). Encoding takes
-``encode_batch_fast`` batches of pieces, which the ``tokenizers`` library spreads over every core
-(its Rayon thread pool; ``RAYON_NUM_THREADS`` limits it), and appends each batch's token ids to the
-split's file as it goes. The EOT token follows the last piece of every document, so the token
-files are those of whole-document encoding. Peak memory is the tokenizer, the word counts and one
-batch: independent of the size of the corpus and of its files.
-"""
+Nothing holds a document whole: the BPE trains on its pieces (``streaming.py``), encoding runs on batches of
+pieces on every core, and an EOT follows each document's last piece, so the token files are those of
+whole-document encoding (``docs/data.md``)."""
 
 from __future__ import annotations
 
@@ -51,19 +45,13 @@ def encode_documents(
     tokenizer: Tokenizer, documents: Iterator[Iterator[str]], eot: int, stats: Optional[dict[str, int]] = None,
     answers_out: Optional[BinaryIO] = None,
 ) -> Iterator[np.ndarray]:
-    """Token ids of every document, an EOT after each, encoded in batches of pieces on every core.
-
-    Example::
-
-        ids = np.concatenate(list(encode_documents(tok, (text_pieces(t) for t in texts), eot)))
+    """Token ids of every document (an iterator of text pieces), an ``eot`` after each, encoded in batches of pieces
+    on every core.
 
     Args:
-        tokenizer: The tokenizer.
-        documents: Each document as an iterator of consecutive text pieces.
-        eot: The id written after every document.
-        stats: If given, ``stats["documents"]`` is increased by the number of documents read.
-        answers_out: If given, one byte per token is written there in step with the ids: 1 for the tokens of
-            :class:`~lightning_gpuopt.data.sources.AnswerText` pieces and every EOT, 0 for the others (prompts).
+        stats: If given, ``stats["documents"]`` counts the documents read.
+        answers_out: If given, one byte per token in step with the ids: 1 for the tokens of ``AnswerText`` pieces
+            and every EOT, 0 for the others (prompts).
     """
     stats = {"documents": 0} if stats is None else stats
     batch: list[str] = []
@@ -106,24 +94,14 @@ def prepare_tokens(
     val_fraction: float,
     log: Any = print,
 ) -> dict[str, Any]:
-    """Write ``tokenizer.json`` and one token file per split of ``corpus`` into ``out``; return the metadata.
-
-    Token files are ``uint16`` (``uint32`` above 65,536 tokens) ids, an EOT after every document.
-    A corpus without its own validation and test splits has them cut from the end of its token
-    stream (``val_fraction`` each, test last). ``meta.json`` is not written here
-    (:func:`~lightning_gpuopt.data.cache.write_meta` does, last).
-
-    Example::
-
-        meta = prepare_tokens(resolve_source("stdlib"), Path("/tmp/tok"), None, 4096, 0.05)
+    """Write ``tokenizer.json`` and one token file per split of ``corpus`` into ``out``; return the metadata
+    (``meta.json`` is :func:`~lightning_gpuopt.data.cache.write_meta`'s, last).
 
     Args:
-        corpus: The text.
         out: The cache folder; created once the tokenizer is trained (after a first read of the text).
         tokenizer: A tokenizer to use, or ``None`` to train a byte-level BPE of ``vocab_size`` tokens.
-        vocab_size: Vocabulary size to train.
-        val_fraction: Fraction of the tokens held out for validation, and again for test.
-        log: Where progress messages go.
+        val_fraction: Fraction of the tokens held out for validation, and again for test, where the corpus has no
+            splits of its own.
     """
     # Before any work or any file: an empty corpus (reads up to the first piece with text).
     if not any(piece.strip() for piece in _pieces(corpus, "train")):
@@ -181,29 +159,13 @@ def prepare_token_cache(
     info: Any = print,
     warn: Any = print,
 ) -> None:
-    """Tokenise ``corpus`` into the cache folder ``out`` unless it already holds a complete, current copy.
-
-    Safe to call from several processes at once: one prepares (under a file lock beside ``out``),
-    the others wait and reuse its files. A stale or damaged folder is rebuilt with a warning naming
-    it; leftovers of killed runs are removed. ``meta.json`` is written last, so a kill leaves a
-    folder that the next call rebuilds.
-
-    Example::
-
-        prepare_token_cache(corpus, token_cache_dir(...), {"format_version": 2, "inputs": corpus.fingerprint},
-                            None, 4096, 0.05, source="stdlib")
+    """Tokenise ``corpus`` into the cache folder ``out`` unless it holds a complete, current copy: one process prepares
+    under a file lock beside ``out``, the others wait; a stale or damaged folder is rebuilt with a warning.
 
     Args:
-        corpus: The text.
-        out: The configuration's folder (:func:`~lightning_gpuopt.data.cache.token_cache_dir`).
-        expected: What ``meta.json`` must record for the copy to be current (format, input fingerprints);
-            also written into it.
-        tokenizer: A tokenizer to use, or ``None`` to train one.
-        vocab_size: Vocabulary size to train.
-        val_fraction: Fraction held out for validation, and again for test.
+        expected: What ``meta.json`` must record for the copy to be current (format, input fingerprint); also
+            written into it.
         source: The source as the user gave it, recorded in ``meta.json``.
-        info: Where progress messages go.
-        warn: Where the rebuild warning goes.
     """
     if check_cache(out, expected)[0] is not None:
         return  # complete and current: also fine in a read-only cache folder
@@ -226,8 +188,7 @@ def prepare_token_cache(
 
 
 def _disk_full(out: Path, err: OSError) -> OSError:
-    """The error for a token cache that ran out of space: the folder (removed: it was incomplete), what is free,
-    and the two settings that move the cache."""
+    """The error for a token cache that ran out of space (the incomplete folder removed), naming what is free."""
     shutil.rmtree(out, ignore_errors=True)  # no meta.json: nothing could use it, and it holds the space
     try:
         left = shutil.disk_usage(out.parent).free

@@ -1,14 +1,8 @@
 """Whether a training DataLoader resumes mid-epoch exactly, and if not, what is not exact.
 
-Design note: Lightning restores a loader's position only for loaders with ``state_dict`` /
-``load_state_dict``; any other loader restarts at the first sample of the epoch when a run resumes
-from a checkpoint saved inside one, and a shuffling ``RandomSampler`` without a generator draws each
-epoch's order (and the workers' base seed) from the global RNG when the loader starts, which a
-resumed run does not replay. ``TextDataModule``'s loaders use a
-:class:`~lightning_gpuopt.data.sampler.ResumableSampler`, whose order is a function of (seed, epoch,
-position) and whose position the datamodule saves: those resume exactly. Everything else is reported
-as not exact, with what differs, so ``ExactResume`` can say so once instead of claiming exactness.
-"""
+``TextDataModule``'s loaders (``ResumableSampler``) resume exactly; a plain DataLoader is rebuilt around an
+:class:`EpochSampler` (``ExactResume(rebuild_loaders=True)``); anything else is reported with what differs
+(``docs/reliability.md``)."""
 
 from __future__ import annotations
 
@@ -34,18 +28,12 @@ __all__ = ["EpochSampler", "generator_seed", "make_resumable", "not_exact_reason
 
 
 class EpochSampler(DistributedSampler):
-    """The order of ``SequentialSampler`` or ``RandomSampler`` as a function of (seed, epoch), for one
-    rank of ``num_replicas``, started at any position.
+    """The order of ``SequentialSampler`` or ``RandomSampler`` as a function of (seed, epoch), for one rank of
+    ``num_replicas``, started at any position.
 
-    Shuffled orders are ``torch.randperm`` under a generator seeded with ``seed + epoch``, not the
-    global RNG; the DataLoader's ``generator`` (its workers' base seed) is reseeded the same way at
-    each epoch. With several ranks, the epoch's order is padded (by repeating its first samples) to
-    a multiple of ``num_replicas`` and rank ``r`` reads every ``num_replicas``-th sample from ``r``,
-    as ``DistributedSampler`` does; it is one, so Lightning does not wrap it in another. ``start``
-    counts this rank's samples. ``len()`` is the whole epoch's for this rank, also when starting
-    mid-epoch, so Lightning's count of batches per epoch does not change on resume. ``set_epoch``
-    (called by Lightning at each epoch start) moves to a new epoch from its beginning; with the
-    current epoch it keeps the position.
+    Shuffled orders are ``torch.randperm`` under a generator seeded with ``seed + epoch``, and the DataLoader's
+    generator (its workers' base seed) is reseeded each epoch. Ranks shard as ``DistributedSampler`` does (it is
+    one, so Lightning does not wrap it); ``len()`` and ``set_epoch`` behave as :class:`ResumableSampler`'s.
 
     Example::
 
@@ -54,13 +42,8 @@ class EpochSampler(DistributedSampler):
 
     Args:
         n: Samples in the dataset.
-        shuffle: Shuffle each epoch (else the dataset's order).
-        seed: Seed of the shuffled orders.
-        epoch: The epoch to start in.
-        start: This rank's samples of that epoch already trained on.
+        start: This rank's samples of ``epoch`` already trained on.
         loader_generator: The DataLoader's generator, reseeded each epoch.
-        num_replicas: Ranks reading different samples.
-        rank: This rank.
     """
 
     def __init__(self, n: int, shuffle: bool, seed: int = 0, epoch: int = 0, start: int = 0,
@@ -98,17 +81,8 @@ _KEEP = ("num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "wor
 
 
 def generator_seed(loader: Any) -> Optional[int]:
-    """The seed the user gave a DataLoader's shuffled order: the initial seed of its ``RandomSampler``'s
-    generator, else of the DataLoader's ``generator``; ``None`` when it has neither (the order then comes
-    from the global RNG).
-
-    Example::
-
-        generator_seed(DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(42)))  # 42
-
-    Args:
-        loader: The training loader.
-    """
+    """The seed the user gave a DataLoader's shuffled order (its ``RandomSampler``'s generator's, else its own
+    ``generator``'s); ``None`` when it has neither (the order then comes from the global RNG)."""
     for generator in (getattr(getattr(loader, "sampler", None), "generator", None), getattr(loader, "generator", None)):
         if isinstance(generator, torch.Generator):
             return generator.initial_seed() % 2**31  # the range of the seeds ExactResume saves
@@ -118,24 +92,16 @@ def generator_seed(loader: Any) -> Optional[int]:
 def make_resumable(
     loader: Any, seed: int, epoch: int = 0, start: int = 0, num_replicas: int = 1, rank: int = 0
 ) -> tuple[Any, Optional[EpochSampler]]:
-    """The same DataLoader with an :class:`EpochSampler` in place of its sequential or random sampler.
-
-    Only a plain ``torch.utils.data.DataLoader`` over a map-style dataset with the default
-    ``BatchSampler`` and a ``SequentialSampler`` or ``RandomSampler`` (without ``num_samples``) is
-    rebuilt; anything else is returned unchanged with ``None``.
+    """The same DataLoader with an :class:`EpochSampler` in place of its sequential or random sampler; anything but a
+    plain ``DataLoader`` over a map-style dataset with those samplers comes back unchanged, with ``None``.
 
     Example::
 
         loader, sampler = make_resumable(DataLoader(dataset, batch_size=8, shuffle=True), seed=0)
 
     Args:
-        loader: The training loader.
-        seed: Seed of the shuffled orders and worker seeds.
-        epoch: The epoch the loader starts in.
-        start: This rank's samples of that epoch already trained on.
-        num_replicas: Ranks reading different samples (the data-parallel size; 1 when each rank
-            reads the whole dataset).
-        rank: This rank among them.
+        start: This rank's samples of ``epoch`` already trained on.
+        num_replicas: Ranks reading different samples (the data-parallel size).
     """
     if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
         return loader, None
@@ -161,16 +127,8 @@ def _samplers(loader: DataLoader) -> list[Any]:
 
 
 def not_exact_reason(loader: Any) -> Optional[str]:
-    """Why a resume mid-epoch does not continue ``loader`` exactly; ``None`` when it does.
-
-    Example::
-
-        not_exact_reason(DataLoader(dataset, batch_size=8, shuffle=True))
-        # 'DataLoader(RandomSampler) restarts at the first sample of the epoch ...'
-
-    Args:
-        loader: A training DataLoader (or anything a ``train_dataloader`` returns).
-    """
+    """Why a resume mid-epoch does not continue ``loader`` (whatever a ``train_dataloader`` returns) exactly; ``None``
+    when it does."""
     if not isinstance(loader, DataLoader):
         return f"{type(loader).__name__} is not a torch DataLoader: its position is not saved"
     if any(isinstance(s, (ResumableSampler, EpochSampler)) for s in _samplers(loader)):

@@ -1,13 +1,7 @@
 """`ResumableSampler`: the training order as a pure function of (epoch, position), resumable mid-epoch.
 
-Design note: the training stream is numbered. Position ``p`` of epoch ``e`` is stream index
-``e * num_samples + p``, and ``RandomWindows`` maps a stream index to a window with a generator
-seeded by ``(seed, index)``. Nothing reads the global RNG, so the order survives a restart, a
-different number of DataLoader workers, and a different batch size: sample ``k`` of an epoch is
-the same window whatever the batch size. Under data parallelism rank ``r`` of ``W`` takes the
-positions ``r, r + W, r + 2W, ...``; a resume at global position ``start`` continues each rank
-exactly where it stopped (with the same ``W``; with another, the ranks split the rest of the epoch).
-"""
+It reads a numbered stream (``RandomWindows`` draws window ``i`` from ``(seed, i)``), never the global RNG, so the
+order survives a restart, another number of workers and another batch size (``docs/data.md``)."""
 
 from __future__ import annotations
 
@@ -16,25 +10,17 @@ from typing import Any
 
 from torch.utils.data import Dataset, DistributedSampler
 
+from lightning_gpuopt.option_checks import check_int, check_number
+
 __all__ = ["ResumableSampler", "stream_indices"]
 
 
 def stream_indices(epoch: int, num_samples: int, start: int = 0, rank: int = 0, world_size: int = 1) -> range:
-    """Stream indices one rank reads in ``epoch``, from global position ``start`` on.
-
-    The tail of fewer than ``world_size`` positions left after ``start`` is dropped so every rank
-    reads as many.
+    """Stream indices one rank reads in ``epoch`` from global position ``start`` on (all ranks read as many).
 
     Example::
 
         list(stream_indices(epoch=1, num_samples=8, start=2, rank=1, world_size=2))  # [11, 13, 15]
-
-    Args:
-        epoch: The epoch (0-based).
-        num_samples: Positions per epoch (the dataset's length).
-        start: First global position to read (samples already consumed by all ranks together).
-        rank: This process's data-parallel rank.
-        world_size: Number of data-parallel ranks.
     """
     end = start + max(0, num_samples - start) // world_size * world_size
     base = epoch * num_samples
@@ -44,12 +30,9 @@ def stream_indices(epoch: int, num_samples: int, start: int = 0, rank: int = 0, 
 class ResumableSampler(DistributedSampler):
     """Sampler over a numbered training stream, that can start an epoch at any global position.
 
-    A ``DistributedSampler`` subclass, so Lightning leaves it in place under DDP/FSDP instead of
-    injecting its own (which would read the shuffle seed from the global RNG); the rank and world
-    size are given explicitly. ``set_epoch`` (called by Lightning at each epoch start) moves to a new
-    epoch from its beginning; calling it with the current epoch keeps the resume position.
-    ``len()`` is the whole epoch's count per rank, also when starting mid-epoch, so Lightning's
-    count of batches per epoch does not change on resume.
+    A ``DistributedSampler``, so Lightning leaves it in place under DDP/FSDP instead of injecting its own. ``len()``
+    is the whole epoch's per rank, also mid-epoch, so Lightning's count of batches per epoch does not change on
+    resume; ``set_epoch`` with the current epoch keeps the resume position.
 
     Example::
 
@@ -57,19 +40,16 @@ class ResumableSampler(DistributedSampler):
         loader = DataLoader(dataset, batch_size=8, sampler=sampler, drop_last=True)
 
     Args:
-        dataset: A dataset whose ``__getitem__`` accepts any stream index (``RandomWindows``);
-            its ``len()`` is the number of positions per epoch.
-        num_replicas: Data-parallel world size.
-        rank: This process's data-parallel rank.
-        epoch: Epoch to read.
+        dataset: A dataset whose ``__getitem__`` accepts any stream index (``RandomWindows``); its ``len()`` is the
+            number of positions per epoch.
         start: Global position in ``epoch`` to start from (all ranks together).
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, epoch: int = 0, start: int = 0) -> None:
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"ResumableSampler needs 0 <= rank < num_replicas, got rank={rank}, num_replicas={num_replicas}.")
-        if start < 0:
-            raise ValueError(f"ResumableSampler.start={start} must be a position in the epoch (0 or more).")
+        own = "ResumableSampler"
+        check_int(own, "num_replicas", num_replicas, minimum=1)
+        check_number(own, "rank", rank, low=0, high=num_replicas, high_open=True, hint=f" (num_replicas={num_replicas})")
+        check_int(own, "start", start, minimum=0, hint=" (a position in the epoch)")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=True)
         self.epoch = epoch
         self.start = start

@@ -37,27 +37,14 @@ class AnswerText(str):
 
 @dataclass
 class Corpus:
-    """A text corpus: a reader of documents per split, its identity, and a fingerprint of its content.
+    """A text corpus: a reader of documents per split, its identity, and a fingerprint of its content."""
 
-    Documents are streamed: each is an iterator of consecutive text pieces of bounded size (see
-    :mod:`~lightning_gpuopt.data.streaming`), so no document is ever held in memory whole.
-
-    Args:
-        description: What the corpus is, for logs and errors.
-        splits: Split name (``train``, and optionally ``val`` and ``test``) to a function yielding
-            that split's documents, each an iterator of text pieces.
-        identity: Names the inputs (the files' resolved paths per split, or the dataset's name):
-            part of the cache folder's name.
-        fingerprint: Changes whenever the text may have changed: for files, their paths, sizes,
-            modification times and inode change times (see ``docs/data.md``, "unchanged corpus").
-        answers: Its documents mark their answers (:class:`AnswerText` pieces): prompt/completion records.
-    """
-
-    description: str
+    description: str  # what the corpus is, for logs and errors
+    # split name (train, and optionally val and test) -> its documents, each an iterator of bounded text pieces
     splits: dict[str, Callable[[], Iterator[Iterator[str]]]]
-    identity: str
-    fingerprint: str
-    answers: bool = False
+    identity: str  # names the inputs (resolved paths per split, or the dataset's name): part of the cache's name
+    fingerprint: str  # changes whenever the text may have changed (docs/data.md, "unchanged corpus")
+    answers: bool = False  # its documents mark their answers (AnswerText pieces): prompt/completion records
 
 
 def stdlib_files() -> list[Path]:
@@ -206,19 +193,10 @@ def resolve_source(source: str) -> Corpus:
         resolve_source("hf:wikitext:wikitext-103-raw-v1")
 
     Args:
-        source: One of
-
-            - ``"stdlib"``: the Python standard library's source files (offline, on every machine);
-            - a folder holding split files (``wiki.train.raw``/``wiki.valid.raw``/``wiki.test.raw``
-              or ``train.txt``/``valid.txt``/``test.txt``): those splits;
-            - any other folder: every ``*.txt``, ``*.md``, ``*.raw`` and ``*.py`` file under it;
-            - a file, or a glob pattern (``**`` allowed): those files; ``.jsonl`` files are records, one a line,
-              of ``"prompt"`` and ``"completion"`` (a fine-tuning corpus, e.g. the completions ``gpuopt predict``
-              kept) or of ``"text"``;
-            - ``"hf:NAME"`` or ``"hf:NAME:CONFIG"``: a Hugging Face dataset with a ``text`` column
-              (needs the ``datasets`` package and network access).
-
-            Sources without their own validation/test split are split by ``TextDataModule``.
+        source: ``"stdlib"`` (offline, on every machine); a folder of split files (``wiki.{train,valid,test}.raw``
+            or ``{train,valid,test}.txt``); any other folder (its ``*.txt``, ``*.md``, ``*.raw``, ``*.py``); a file or
+            a glob (``**`` allowed; ``.jsonl``: prompt/completion or text records); ``"hf:NAME[:CONFIG]"`` (a
+            dataset with a ``text`` column; the ``datasets`` package and network).
     """
     if not isinstance(source, str) or not source.strip():
         raise ValueError("data.source is empty: use 'stdlib', a folder, a file, a glob, or 'hf:NAME'.")

@@ -10,6 +10,8 @@ from typing import Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from lightning_gpuopt.option_checks import check_int
+
 __all__ = [
     "EOT_TOKEN",
     "MIN_VOCAB_SIZE",
@@ -26,41 +28,26 @@ MIN_VOCAB_SIZE = 257  # the 256 byte tokens and <|endoftext|>
 
 
 def plain_text(tokenizer: Tokenizer) -> Tokenizer:
-    """``tokenizer``, set to encode every text as text: a literal ``<|endoftext|>`` (or any special token) written
-    in a corpus or a prompt gets the ids of its characters, never the special token's id. Returns it.
+    """``tokenizer`` (returned), set to encode a literal ``<|endoftext|>`` (or any special token) in a text as its
+    characters: only the code that joins documents writes the separator's id (``data/prepare.py``).
 
-    The document separator is written by the code that joins documents (:mod:`~lightning_gpuopt.data.prepare`),
-    so a corpus that quotes the token (a tokenizer's documentation, a dump of GPT-2 data) keeps its documents
-    as they are. ``tokenizers`` does not save this setting, so every tokenizer the package builds or reads
-    passes through here.
-
-    Example::
-
-        plain_text(tok).encode("a <|endoftext|> b").ids  # no id of <|endoftext|> among them
-    """
+    ``tokenizers`` does not save this setting, so every tokenizer the package builds or reads passes through here."""
     tokenizer.encode_special_tokens = True
     return tokenizer
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Train a GPT-2 style byte-level BPE tokenizer on ``texts``.
+    """Train a GPT-2 style byte-level BPE tokenizer on ``texts`` (every byte in the alphabet: no unknown tokens).
 
-    Every byte is in the initial alphabet, so any text encodes without unknown tokens. A small
-    corpus may stop merging before ``vocab_size`` is reached; ``get_vocab_size()`` gives the real size.
+    ``vocab_size`` counts the 256 byte tokens and ``<|endoftext|>``; a small corpus may stop merging before it
+    (``get_vocab_size()`` is the real size).
 
     Example::
 
         tok = train_bpe_tokenizer(["some text", "more text"], vocab_size=512)
         tok.decode(tok.encode("some text").ids) == "some text"
-
-    Args:
-        texts: The training documents.
-        vocab_size: Target vocabulary size, including the 256 byte tokens and ``<|endoftext|>``.
     """
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
-            f"data.vocab_size must be at least {MIN_VOCAB_SIZE} (256 bytes + <|endoftext|>), got {vocab_size}."
-        )
+    check_int("TextDataModule", "vocab_size", vocab_size, minimum=MIN_VOCAB_SIZE, hint=" (256 bytes + <|endoftext|>)")
     tokenizer = plain_text(Tokenizer(models.BPE()))  # merges learnt from a quoted <|endoftext|> as from any text
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -75,11 +62,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a ``tokenizer.json``; it must define the ``<|endoftext|>`` token.
-
-    Args:
-        path: The file written by ``Tokenizer.save`` (e.g. a Hugging Face model's ``tokenizer.json``).
-    """
+    """Load a ``tokenizer.json`` (``Tokenizer.save``'s, e.g. a Hugging Face model's) that defines ``<|endoftext|>``."""
     path = Path(path).expanduser()
     if path.is_dir():
         inside = path / "tokenizer.json"
@@ -100,15 +83,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
-    """A SHA-256 of the tokenizer's vocabulary and merges: equal exactly when every id means the same text.
-
-    Example::
-
-        tokenizer_fingerprint(Tokenizer.from_file("tokenizer.json"))  # "3f5a..."
-
-    Args:
-        tokenizer: A ``tokenizers`` tokenizer.
-    """
+    """A SHA-256 of the tokenizer's vocabulary and merges: equal exactly when every id means the same text."""
     model = json.loads(tokenizer.to_str()).get("model", {})
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     content = json.dumps([model.get("vocab"), model.get("merges"), vocab], sort_keys=True)
@@ -116,18 +91,7 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 
 
 def carried_tokenizer(saved: dict) -> Optional[Tokenizer]:
-    """The tokenizer a checkpoint's data state carries (``tokenizer_json``), or ``None`` for one without it.
-
-    Example::
-
-        carried_tokenizer(checkpoint["TextDataModule"])  # Tokenizer, decodes the run's token ids
-
-    Args:
-        saved: The data module's saved state.
-
-    Raises:
-        ValueError: The JSON is not a tokenizer, or not the one ``tokenizer_sha256`` names (a damaged checkpoint).
-    """
+    """The tokenizer a checkpoint's data state carries (``tokenizer_json``), or ``None`` for one without it."""
     text = saved.get("tokenizer_json")
     if not text:
         return None
@@ -143,18 +107,8 @@ def carried_tokenizer(saved: dict) -> Optional[Tokenizer]:
 
 
 def check_same_tokenizer(saved: dict, tokenizer: Tokenizer, where: str, fix: Optional[str] = None) -> None:
-    """Raise a ``ValueError`` if ``tokenizer`` is not the one a checkpoint's data state records.
-
-    Example::
-
-        check_same_tokenizer(checkpoint["TextDataModule"], data.tokenizer, "data.source='texts/'")
-
-    Args:
-        saved: The data module's saved state (``tokenizer_sha256`` and ``tokenizer_file``; no check without them).
-        tokenizer: The data's tokenizer now.
-        where: What the data is now (named in the message).
-        fix: What to do, in the message; default: the training run's data settings, or its ``tokenizer_file``.
-    """
+    """Raise a ``ValueError`` if ``tokenizer`` is not the one a checkpoint's data state records (no check without
+    its ``tokenizer_sha256``); ``where`` (what the data is now) and ``fix`` are named in the message."""
     expected = saved.get("tokenizer_sha256")
     if not expected:
         return

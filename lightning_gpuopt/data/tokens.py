@@ -21,11 +21,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def write_tokens(path: str | Path, chunks: Iterable[np.ndarray], dtype: np.dtype) -> int:
-    """Write token-id chunks to a flat binary file, atomically; return the number of tokens.
-
-    The file appears under its name only once complete (written to ``path.tmp``, then renamed),
-    so an interrupted run never leaves a truncated token file behind.
-    """
+    """Write token-id chunks to a flat binary file, whole or not at all (a temporary file renamed); return the count."""
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     count = 0
@@ -44,11 +40,8 @@ def write_tokens(path: str | Path, chunks: Iterable[np.ndarray], dtype: np.dtype
 
 
 class _TokenSpan(Dataset):
-    """Tokens ``[start, end)`` of a memory-mapped file; the map is opened lazily in each worker.
-
-    With ``answers`` (a file of one byte per token, 1 for answer tokens) only answer tokens are targets: the
-    others get -1, which the loss ignores (fine-tuning on completions only).
-    """
+    """Tokens ``[start, end)`` of a memory-mapped file, opened lazily in each worker; with ``answers`` (a byte per
+    token, 1 for answer tokens) the other targets are -1, which the loss ignores."""
 
     def __init__(self, path: str | Path, dtype: str, start: int, end: int, block_size: int,
                  answers: Optional[str | Path] = None) -> None:
@@ -90,23 +83,15 @@ _DRAWS = 100  # windows drawn for one index before a corpus is called too sparse
 
 
 class RandomWindows(_TokenSpan):
-    """Windows of ``block_size + 1`` tokens at random offsets (for training); ``length`` per epoch.
-
-    Window ``i`` starts at an offset drawn from a generator seeded with ``(seed, i)``: the
-    dataset is a pure function of its index, so shuffling, distributed samplers and resuming
-    all see the same windows. Any index ``i >= 0`` is valid: ``ResumableSampler`` reads indices
-    ``epoch * length + position``, so every epoch draws new windows.
+    """Windows of ``block_size + 1`` tokens for training: window ``i >= 0`` at an offset drawn from ``(seed, i)``, a
+    pure function of its index (``docs/data.md``).
 
     Args:
-        path: Token file.
-        dtype: Its dtype (``uint16`` or ``uint32``).
-        start: First token of the span to sample from.
-        end: One past its last token.
+        path: Token file of dtype ``dtype``; the span ``[start, end)`` is sampled.
         block_size: Model context length; each item is ``(x, y)`` of that length.
-        length: Number of windows (an "epoch"); defaults to ``(end - start) // block_size``.
-        seed: Seed of the offsets.
+        length: Windows per epoch; ``None``: ``(end - start) // block_size``.
         answers: The file marking answer tokens, for a loss on them only; a window is then drawn again (from
-            ``(seed, i, attempt)``) until it holds an answer token.
+            ``(seed, i, attempt)``) until it holds one.
     """
 
     def __init__(

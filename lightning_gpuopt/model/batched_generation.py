@@ -1,28 +1,9 @@
 """Continuous batching: prompts of any length share a batch, each row stops at its own end, and a finished
 row's place takes the next waiting prompt, so the batch stays full until the queue is empty.
 
-Design note. The batch is a set of rows, one per cache row (:class:`~lightning_gpuopt.model.kv_cache.KVCache`
-keeps a length and a validity mask per row). New prompts are prefilled together, left-padded to the
-longest of them, into a cache of their own with ``key_padding_mask``, so each row's positions and
-attended keys are those of its prompt alone (greedy decoding gives it exactly the tokens it would get
-alone); their rows are then copied into the rows of finished ones (``KVCache.load_rows``). Samples of
-one prompt admitted together share its prefill (its cache rows are copied once per sample). Every decode
-step feeds each row its last token at its own column. A row ends at the end-of-text token, at a stop
-sequence (matched on token ids), or after its ``max_new_tokens``; when no prompt waits, finished rows
-leave the batch (``KVCache.keep``) so the last rows do not drag idle ones along.
-
-A model is called in one of two ways, read from its ``forward``'s parameters:
-
-* ``GPT``-like (``forward(idx, caches, ..., input_pos, key_padding_mask)``, a ``config`` with ``block_size``,
-  ``vocab_size`` and ``n_layer``): with a KV cache, as above;
-* any module that takes an ``attention_mask`` (Hugging Face style, ``forward(input_ids, attention_mask,
-  position_ids=...)``, logits returned as a tensor, a tuple's first item or ``.logits``): each step runs
-  the whole left-padded context of every row with the mask, and with ``position_ids`` counted over the
-  real tokens when the module takes them. Rows still end and refill one by one.
-
-Sampling draws from one generator for the whole batch, so sampled (``temperature > 0``) rows differ from
-those drawn one prompt at a time; greedy rows do not.
-"""
+A ``GPT``-like model (``forward(idx, caches, ..., key_padding_mask)``) runs with a KV cache; a module taking an
+``attention_mask`` (Hugging Face style) runs each row's whole left-padded context every step. How, and the
+limits: ``docs/generation.md``."""
 
 from __future__ import annotations
 
@@ -36,53 +17,40 @@ from torch import Tensor, nn
 
 from lightning_gpuopt.model.generation import sample_next
 from lightning_gpuopt.model.kv_cache import KVCache
+from lightning_gpuopt.option_checks import check_int, check_number
 
 __all__ = ["Finished", "GenerationJob", "Request", "fit_to_context", "generate_batched"]
 
+# Idle rows are refilled once they are 1/8 of the batch (or all of it, or one would outgrow the context): each refill
+# is a prefill forward, so a few at a time cost fewer forwards than one per finished row.
 REFILL_FRACTION = 8
-"""Idle rows are refilled once they are this fraction of the batch (or the whole batch, or one would outgrow the
-context): each refill is a prefill forward, so a few at a time cost fewer forwards than one per finished row."""
 
-PREFILL_LOGITS_BYTES = 1 << 30
-"""Most bytes of float32 logits one prefill forward may produce: prompts are prefilled in groups of rows that fit."""
+PREFILL_LOGITS_BYTES = 1 << 30  # most bytes of float32 logits one prefill forward may produce
 
 
 @dataclass(frozen=True)
 class Request:
-    """One row to generate.
+    """One row to generate."""
 
-    Attributes:
-        ids: The prompt's token ids (at least one).
-        max_new_tokens: Most tokens to generate for it (``len(ids) + max_new_tokens`` must fit in the context).
-        key: The caller's handle, returned with the result (e.g. ``(prompt index, sample index)``).
-    """
-
-    ids: Sequence[int]
-    max_new_tokens: int
-    key: Any = None
+    ids: Sequence[int]  # the prompt's token ids (at least one)
+    max_new_tokens: int  # len(ids) + max_new_tokens must fit in the context
+    key: Any = None  # the caller's handle, returned with the result, e.g. (prompt index, sample index)
 
 
 @dataclass
 class Finished:
-    """A finished row.
+    """A finished row."""
 
-    Attributes:
-        key: The request's ``key``.
-        tokens: The new token ids, without the end-of-text token or the stop sequence that ended it.
-        reason: ``"eot"`` (end-of-text), ``"stop"`` (a stop sequence) or ``"length"`` (``max_new_tokens``).
-    """
-
-    key: Any
-    tokens: list[int] = field(default_factory=list)
-    reason: str = "length"
+    key: Any  # the request's key
+    tokens: list[int] = field(default_factory=list)  # new token ids, without the end-of-text or stop sequence
+    reason: str = "length"  # "eot", "stop" (a stop sequence) or "length" (max_new_tokens)
 
 
 class GenerationJob:
     """The one batch of a continuous generation run through ``trainer.predict``: ``GPTModule.predict_step`` generates
     every request with :func:`generate_batched` and hands each finished row to ``on_finished``.
 
-    A plain class (not a dataclass or a tuple), so Lightning's transfer of a batch to the device leaves it as it
-    is: the prompts are token-id lists, moved by the generation itself.
+    A plain class, so Lightning's transfer of a batch to the device leaves it as it is.
 
     Example::
 
@@ -92,8 +60,7 @@ class GenerationJob:
     Args:
         requests: The rows to generate.
         on_finished: Called with each :class:`Finished` row, as it finishes.
-        batch_size: Rows at a time; ``None``: the largest the device's memory allows
-            (:func:`~lightning_gpuopt.model.generation_memory.generation_batch_size`).
+        batch_size: Rows at a time; ``None``: the largest the device's memory allows (``generation_batch_size``).
         eot_id: The end-of-text token id (``None``: rows end only at a stop sequence or their length).
         stop_sequences: Token-id sequences that end a row.
         on_step: Called after each forward with the tokens it sampled.
@@ -112,15 +79,8 @@ class GenerationJob:
 
 
 def fit_to_context(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """How many of a prompt's last tokens generation keeps so that ``max_new_tokens`` fit in ``block_size`` after them.
-
-    Example::
-
-        fit_to_context(300, 64, 256)  # 192: the prompt's last 192 tokens, then 64 new ones
-
-    Raises:
-        ValueError: ``max_new_tokens`` leaves no room for a prompt token (it must be below ``block_size``).
-    """
+    """How many of a prompt's last tokens generation keeps so that ``max_new_tokens`` (below ``block_size``) fit
+    after them."""
     if max_new_tokens >= block_size:
         raise ValueError(
             f"max_new_tokens={max_new_tokens} does not fit in the model's context of block_size={block_size} tokens, prompt "
@@ -229,28 +189,20 @@ def generate_batched(
             print(done.key, tokenizer.decode(done.tokens), done.reason)
 
     Args:
-        model: A ``GPT`` (KV cache), or a module taking ``attention_mask`` (see the module's note). Put it in
-            ``eval()`` mode.
-        requests: The rows to generate; read as rows free up.
+        model: A ``GPT`` (KV cache), or a module taking ``attention_mask``, in ``eval()`` mode.
+        requests: The rows to generate; read as rows free up, each checked then.
         batch_size: Most rows at a time.
         temperature: Sampling temperature; ``0`` is greedy.
         top_k: Sample among the ``top_k`` most likely tokens only.
         eot_id: The end-of-text token: a row that samples it ends (``None``: none).
         stop_sequences: Token-id sequences that end a row when its new tokens end with one.
-        generator: Random generator of the samples.
+        generator: Random generator of the samples (one for the whole batch).
         use_cache: Use a KV cache (``None``: when the model takes one).
         on_step: Called after each forward with the number of tokens it sampled (for a progress bar).
-
-    Raises:
-        ValueError: A bad argument, an empty prompt, or a prompt whose ``max_new_tokens`` do not fit in the
-            model's context (checked as each request is read, before it is generated).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}.")
+    check_int("generate_batched", "batch_size", batch_size, minimum=1)
+    check_number("generate_batched", "temperature", temperature, low=0, hint=" (0 is greedy)")
+    check_int("generate_batched", "top_k", top_k, minimum=1, optional=True, hint=" (None: no limit)")
     caller = _Caller(model, use_cache)
     stops = _Stops(eot_id, stop_sequences)
 
@@ -292,8 +244,8 @@ def _take(pending: Iterator[_Row], n: int) -> list[_Row]:
 
 
 def _prefill_group(caller: _Caller, rows: list[_Row]) -> int:
-    """How many of ``rows`` (from the first) to prefill in one forward: left-padded to the longest, every row's
-    prompt and new tokens still fit in the context, and the forward's float32 logits stay under ``PREFILL_LOGITS_BYTES``."""
+    """How many of ``rows`` (from the first) to prefill in one forward: left-padded to the longest, each still fits in
+    the context, and the float32 logits stay under ``PREFILL_LOGITS_BYTES``."""
     vocab = caller.vocab_size or 1
     width = most_new = 0
     for n, row in enumerate(rows):

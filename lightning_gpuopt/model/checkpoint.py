@@ -1,8 +1,5 @@
-"""Reading package checkpoints safely, and loading one into a plain PyTorch ``GPT`` (no Trainer needed).
-
-Checkpoints are read with ``torch.load(weights_only=True)``: tensors and primitive types only, no
-arbitrary code from the pickle. Everything the package writes into a checkpoint is of those types.
-"""
+"""Reading package checkpoints safely (``weights_only=True``: no code from the pickle), and loading one into a plain
+PyTorch ``GPT`` without a Trainer."""
 
 from __future__ import annotations
 
@@ -40,18 +37,11 @@ def read_checkpoint(
 ) -> Any:
     """``torch.load`` a checkpoint file, turning the ways it can be broken into a :class:`CheckpointError`.
 
-    Example::
-
-        ckpt = read_checkpoint("runs/x/checkpoints/last.ckpt")
-        ckpt["global_step"], ckpt["hyper_parameters"]["preset"]
-
     Args:
         path: The checkpoint file.
-        map_location: Where tensors are loaded (``torch.load``'s ``map_location``).
-        weights_only: Allow only tensors and primitive types in the pickle (safe for untrusted files).
-            Pass ``False`` only for a file you trust that holds other objects.
-        mmap: Map the tensors from the file instead of reading them (cheap when only the
-            hyper-parameters are wanted).
+        map_location: ``torch.load``'s ``map_location``.
+        weights_only: Only tensors and primitive types (safe for untrusted files); ``False`` only for a file you trust.
+        mmap: Map the tensors instead of reading them (cheap when only the hyper-parameters are wanted).
     """
     path = Path(path)
     if path.is_dir():
@@ -89,12 +79,8 @@ def read_checkpoint(
 
 
 def _not_weights_only(path: Path, error: str) -> str:
-    """The message for a checkpoint that holds pickled objects, with the fix the caller can apply.
-
-    ``gpuopt`` reads every checkpoint with ``weights_only=True``, whatever its ``--weights_only`` option says
-    (unpickling an object runs whatever code the file put in it), so there the fix is a file that holds
-    only tensors; in Python, ``weights_only=False`` for a file one trusts.
-    """
+    """The message for a checkpoint that holds pickled objects: in ``gpuopt`` (always ``weights_only=True``) a file
+    of tensors only, in Python ``weights_only=False`` for a file one trusts."""
     found = re.search(r"GLOBAL (\S+)", error)
     what = f" (the first: {found.group(1)})" if found else ""
     text = (f"Checkpoint {str(path)!r} holds objects other than tensors and primitive types{what}, so it was not "
@@ -108,13 +94,8 @@ def _not_weights_only(path: Path, error: str) -> str:
 
 
 def _check_stored_checksums(path: Path) -> None:
-    """Raise if a record of the checkpoint's zip archive does not match the CRC-32 ``torch.save`` stored for it.
-
-    ``torch.load`` does not compare them, so bytes changed on disk (a bad sector, a copy cut short in
-    the middle, a stray write) would load as weights. The whole file is read once (``torch.load``
-    then reads it from the page cache). Records stored without a checksum (CRC 0, written with
-    ``torch.serialization.config.save.compute_crc32 = False``) are not checked.
-    """
+    """Raise if a record of the zip archive does not match the CRC-32 ``torch.save`` stored for it (``torch.load``
+    does not compare them, so changed bytes would load as weights); records stored without one (CRC 0) pass."""
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError):
@@ -136,14 +117,7 @@ def _check_stored_checksums(path: Path) -> None:
 
 
 def gpt_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The plain ``GPT``'s state dict inside a ``GPTModule`` checkpoint.
-
-    Keeps the ``model.`` entries with that prefix removed, and drops ``_orig_mod.`` (left by
-    ``torch.compile`` wrappers) wherever it appears.
-
-    Args:
-        checkpoint: A loaded Lightning checkpoint (a dict with ``state_dict``).
-    """
+    """The plain ``GPT``'s state dict in a loaded ``GPTModule`` checkpoint (``model.`` and ``_orig_mod.`` removed)."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise CheckpointError(
@@ -159,16 +133,8 @@ def gpt_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def gptmodule_hparams(checkpoint: Any, path: Union[str, os.PathLike]) -> dict[str, Any]:
-    """The ``GPTModule`` hyper-parameters of a loaded checkpoint, or a :class:`CheckpointError` for another file.
-
-    Example::
-
-        gptmodule_hparams(read_checkpoint("last.ckpt", mmap=True), "last.ckpt")["n_layer"]
-
-    Args:
-        checkpoint: What :func:`read_checkpoint` returned.
-        path: The file it came from (named in the error).
-    """
+    """The ``GPTModule`` hyper-parameters of a checkpoint :func:`read_checkpoint` returned from ``path``, or a
+    :class:`CheckpointError` for another file."""
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
     if not isinstance(hparams, dict) or "preset" not in hparams:
         raise CheckpointError(
@@ -179,10 +145,8 @@ def gptmodule_hparams(checkpoint: Any, path: Union[str, os.PathLike]) -> dict[st
 
 
 def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", **overrides: Any) -> GPT:
-    """Load a ``GPTModule`` checkpoint into a plain PyTorch :class:`GPT` for inference, without Lightning.
-
-    The ``GPTConfig`` is rebuilt from the checkpoint's hyper-parameters (``preset`` plus its overrides);
-    the file is read with ``weights_only=True``. The model is returned in eval mode.
+    """Load a ``GPTModule`` checkpoint into a plain PyTorch :class:`GPT` in eval mode, for inference without Lightning;
+    its ``GPTConfig`` is rebuilt from the saved hyper-parameters.
 
     Example::
 
@@ -193,11 +157,7 @@ def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", *
         path: A ``.ckpt`` file written by a Trainer fitting a ``GPTModule``.
         map_location: Where the weights are loaded (``"cpu"``, ``"cuda"``, ...).
         **overrides: ``GPTConfig`` fields to change for inference, e.g. ``attention="sdpa"`` for a model
-            trained with flash-attn, or ``dropout=0.0``.
-
-    Raises:
-        CheckpointError: The file is missing, truncated, not a torch checkpoint, not a ``GPTModule``
-            checkpoint, or its weights do not match its own hyper-parameters.
+            trained with flash-attn.
     """
     checkpoint = read_checkpoint(path, map_location=map_location)
     hparams = gptmodule_hparams(checkpoint, path)
@@ -226,24 +186,8 @@ def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", *
 
 
 def load_gpt_weights(model: GPT, path: Union[str, os.PathLike]) -> None:
-    """Copy the weights of a ``GPTModule`` checkpoint into ``model``, a GPT of the same architecture (fine-tuning).
-
-    Only the weights: no optimizer state, schedule or step (``GPTModule(init_from=...)`` calls it when it builds
-    its GPT, so a new run starts from them).
-
-    Example::
-
-        model = GPT(GPTConfig.from_name("tiny", vocab_size=4096, block_size=256))
-        load_gpt_weights(model, "runs/base/checkpoints/last.ckpt")
-
-    Args:
-        model: The GPT, with its parameters on a device (not the meta device).
-        path: A ``GPTModule`` checkpoint (``last.ckpt``, or any file :func:`load_gpt` reads).
-
-    Raises:
-        CheckpointError: The file is missing, broken, not a ``GPTModule`` checkpoint, or holds a GPT of another shape.
-        ValueError: The parameters are on the meta device (nothing could be copied into them).
-    """
+    """Copy only the weights of a ``GPTModule`` checkpoint into ``model``, a GPT of the same architecture whose
+    parameters are on a device (``GPTModule(init_from=...)``: fine-tuning from them)."""
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(
             f"model.init_from={str(path)!r}: the GPT was built on the meta device (sharded or empty-initialised), so the "

@@ -1,15 +1,8 @@
 """How ``GPTModule`` compiles the GPT: per block or as one graph, in a ``torch.compile`` mode.
 
-Design note, compile under FSDP2: FSDP2 excludes its hooks from ``torch.compile`` (each is wrapped
-in ``torch._dynamo.disable``), so a graph around a sharded block breaks at the block. A whole-model
-compile of a sharded GPT therefore compiles each block's body at most, never the embeddings, and
-with activation checkpointing nothing at all: Dynamo cannot break a graph inside
-``torch.utils.checkpoint`` and skips the whole forward (0 graphs captured, measured with torch 2.13).
-Compiling each block instead (what torchtitan does) gives the same graphs in every case, so under
-FSDP2 the ``"model"`` scope is run as ``"block"``, with a warning. The modes that record CUDA graphs
-(``reduce-overhead``, ``max-autotune``) are run without them under FSDP2: a CUDA graph replays fixed
-memory addresses, and FSDP2 allocates its all-gather and reduce-scatter buffers anew every step.
-"""
+Under FSDP2 a whole-model graph breaks at every sharded block (FSDP2's hooks are excluded from Dynamo;
+with activation checkpointing nothing compiles at all), so ``"model"`` runs as ``"block"``; and CUDA-graph
+modes run without CUDA graphs, since FSDP2 allocates its buffers anew each step. Both say so once."""
 
 from __future__ import annotations
 
@@ -25,23 +18,12 @@ __all__ = ["WITHOUT_CUDA_GRAPHS", "CompileMode", "CompileScope", "compile_gpt", 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 CompileScope = Literal["block", "model"]
 
+# torch.compile modes that record CUDA graphs -> the same mode without them (reduce-overhead is default + CUDA graphs)
 WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
-"""``torch.compile`` modes that record CUDA graphs -> the same mode without them (``reduce-overhead`` is
-``default`` plus CUDA graphs)."""
 
 
 def compile_settings(scope: CompileScope, mode: Optional[str], fsdp2: bool) -> tuple[CompileScope, Optional[str], list[str]]:
-    """The scope and mode to compile with, and one message per setting changed to work under FSDP2.
-
-    Example::
-
-        compile_settings("model", None, fsdp2=True)  # ("block", None, ["GPTModule.compile_scope='model' ..."])
-
-    Args:
-        scope: The asked ``compile_scope``.
-        mode: The asked ``torch.compile`` mode.
-        fsdp2: Whether the GPT is sharded with FSDP2 (``fully_shard``).
-    """
+    """The scope and mode to compile with, and one message per asked setting changed to work under FSDP2."""
     notes = []
     if fsdp2 and scope == "model":
         notes.append(
@@ -70,19 +52,11 @@ def _is_fsdp2(model: nn.Module) -> bool:
 def compile_gpt(
     model: GPT, scope: CompileScope = "block", mode: Optional[str] = None, backend: Union[str, Callable] = "inductor"
 ) -> tuple[CompileScope, Optional[str]]:
-    """Compile ``model`` in place (state-dict keys stay those of the plain model), after any sharding.
-
-    Under FSDP2 the scope and mode are those of :func:`compile_settings`, with one warning per change.
-
-    Example::
-
-        compile_gpt(model, "block", mode="max-autotune-no-cudagraphs")
+    """Compile ``model`` in place (state-dict keys stay those of the plain model), after any sharding; under FSDP2
+    with :func:`compile_settings`' scope and mode, one warning per change.
 
     Args:
-        model: The GPT (sharded already, if it is to be: the graph must see FSDP2's parameters).
         scope: ``"block"``: each block on its own, plus the loss kernel; ``"model"``: one whole-model graph.
-        mode: ``torch.compile`` mode (``None``: the default).
-        backend: ``torch.compile`` backend.
 
     Returns:
         The scope and the mode compiled with.

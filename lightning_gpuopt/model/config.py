@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-from lightning_gpuopt.option_checks import option
+from lightning_gpuopt.option_checks import check_choice, check_int, check_number, option
 from lightning_gpuopt.model.loss import LOSS_IMPLS, LossImpl
 from lightning_gpuopt.perf.device import DeviceFacts
 
@@ -65,8 +65,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def llama_ffn_size(n_embd: int, ffn_dim_multiplier: Optional[float], multiple_of: int) -> int:
-    """Hidden width of a Llama 3 SwiGLU MLP: two thirds of ``4 * n_embd`` (so its three matrices cost what
-    GPT-2's two do), times ``ffn_dim_multiplier``, rounded up to a multiple of ``multiple_of`` (Meta's rule).
+    """Hidden width of a Llama 3 SwiGLU MLP (Meta's rule): two thirds of ``4 * n_embd`` (three matrices at GPT-2's
+    two's cost), times ``ffn_dim_multiplier``, rounded up to a multiple of ``multiple_of``.
 
     Example::
 
@@ -83,116 +83,65 @@ def llama_ffn_size(n_embd: int, ffn_dim_multiplier: Optional[float], multiple_of
 class GPTConfig:
     """Architecture of a decoder-only transformer: GPT-2 style (the default) or Llama style (``arch="llama"``).
 
+    The fields and the two architectures: ``docs/model.md``. ``padded_vocab_size``, ``head_size`` and
+    ``ffn_size`` are derived, and the Llama options left at ``None`` filled in, in ``__post_init__``.
+
     Example::
 
         config = GPTConfig.from_name("124m", vocab_size=8192, block_size=512)
         tiny = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256)
         llama = GPTConfig.from_name("llama-1b", vocab_size=32768, block_size=2048)
         small_llama = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=256)
-
-    Args:
-        n_layer: Number of transformer blocks.
-        n_head: Attention heads per block; must divide ``n_embd``.
-        n_embd: Model width (``d_model``).
-        block_size: Longest sequence (context length) the model accepts.
-        vocab_size: Tokenizer vocabulary size. The embedding is padded up to
-            ``padded_vocab_size`` (a multiple of ``padding_multiple``) because matmuls whose
-            dimensions are multiples of 64 run on the fastest tensor-core kernels.
-        dropout: Dropout probability for attention and residual paths (0 for pre-training).
-        bias: Whether Linear and LayerNorm layers have biases; ``None``: the architecture's own (GPT-2
-            has them, Llama has none).
-        attention: ``"sdpa"`` uses ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch
-            picks its Flash / cuDNN / memory-efficient kernel); ``"flash-attn"`` calls the
-            ``flash-attn`` package (compute capability 8.0 or newer, fp16/bf16 only: checked at
-            ``GPTModule.setup`` by :func:`check_attention_runs`).
-        activation_checkpointing: Recompute each block's activations in the backward pass,
-            trading about a third more compute for far less activation memory.
-        padding_multiple: The multiple ``vocab_size`` is rounded up to.
-        loss_impl: How the training/evaluation loss is computed from the hidden states:
-            ``"chunked"`` (the head matmul and cross-entropy together, ``loss_chunk_size`` tokens at a
-            time, no full logits; any device), ``"liger"`` (Liger-Kernel's fused linear
-            cross-entropy, CUDA, the ``liger`` extra), ``"plain"`` (full float32 logits, the
-            reference) or ``"auto"`` (``"chunked"``).
-        loss_chunk_size: Tokens per chunk of the chunked loss; ``None`` (default): as many as fit one
-            chunk's logits in 512 MiB (``model.loss.chunk_tokens``: 2656 in float32, 1776 in bf16 at
-            a vocabulary of 50304).
-        arch: ``"gpt2"``: learned position embeddings, LayerNorm, a GELU MLP ``4 * n_embd`` wide, one
-            fused query/key/value projection (``c_attn``). ``"llama"``: rotary position embeddings
-            (``rope_theta``), RMSNorm, a SwiGLU MLP (``ffn_size``), separate ``q_proj``/``k_proj``/``v_proj``
-            with ``n_kv_head`` key/value heads (grouped-query attention), no biases.
-        n_kv_head: Key/value heads (``arch="llama"``); must divide ``n_head``. ``None``: ``n_head`` (no
-            grouping); GPT-2 has as many as query heads.
-        tie_embeddings: The output head shares the token embedding's weight (GPT-2, Llama 3.2 1B/3B);
-            ``False`` gives it its own (Llama 3.1 8B/70B).
-        norm_eps: Epsilon of the LayerNorm / RMSNorm layers.
-        intermediate_size: Hidden width of the SwiGLU MLP (``arch="llama"``); ``None``: Llama 3's rule
-            (:func:`llama_ffn_size`) from ``ffn_dim_multiplier`` and ``multiple_of``.
-        ffn_dim_multiplier: Scales the rule's ``8/3 * n_embd`` (``arch="llama"``; 1.3 in Llama 3 8B/70B).
-        multiple_of: The rule rounds the width up to this multiple (``arch="llama"``; default 256).
-        rope_theta: Base of the rotary embedding's angles (``arch="llama"``; default 10,000, Llama 3 500,000).
-
-    Note:
-        ``padded_vocab_size``, ``head_size`` and ``ffn_size`` (the MLP's hidden width: ``4 * n_embd``
-        for GPT-2) are derived in ``__post_init__``; don't pass them. The ``arch="llama"`` options left
-        at ``None`` are filled in there too.
     """
 
     n_layer: int = 12
-    n_head: int = 12
+    n_head: int = 12  # must divide n_embd
     n_embd: int = 768
-    block_size: int = 1024
-    vocab_size: int = 50257
-    dropout: float = 0.0
-    bias: Optional[bool] = None
+    block_size: int = 1024  # the longest sequence the model takes
+    vocab_size: int = 50257  # the tokenizer's; the embedding is padded up to padded_vocab_size
+    dropout: float = 0.0  # attention and residual paths; 0 for pre-training
+    bias: Optional[bool] = None  # in Linear and LayerNorm layers; None: the arch's own (GPT-2 yes, Llama no)
+    # "sdpa": F.scaled_dot_product_attention picks its Flash / cuDNN / memory-efficient kernel; "flash-attn": the
+    # flash-attn package (compute capability >= 8.0, fp16/bf16: check_attention_runs at GPTModule.setup)
     attention: Attention = "sdpa"
-    activation_checkpointing: bool = False
-    padding_multiple: int = 64
+    activation_checkpointing: bool = False  # recompute each block in the backward: ~1/3 more compute, far less memory
+    padding_multiple: int = 64  # matmuls with dimensions multiples of 64 run on the fastest tensor-core kernels
+    # "chunked": the head matmul and the loss together, no full logits (any device); "liger": Liger-Kernel (CUDA,
+    # the liger extra); "plain": full float32 logits, the reference; "auto": "chunked" (docs/model.md, "The loss")
     loss_impl: LossImpl = "auto"
-    loss_chunk_size: Optional[int] = None
+    loss_chunk_size: Optional[int] = None  # tokens per chunk; None: as many as fit 512 MiB (loss.chunk_tokens)
     # The architecture: GPT-2 or Llama style, and the Llama-style options.
     arch: Arch = "gpt2"
-    n_kv_head: Optional[int] = None
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-5
-    intermediate_size: Optional[int] = None
-    ffn_dim_multiplier: Optional[float] = None
-    multiple_of: Optional[int] = None
-    rope_theta: Optional[float] = None
+    n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention), must divide n_head; None: n_head
+    tie_embeddings: bool = True  # the head shares the token embedding (GPT-2, Llama 3.2 1B/3B; not 3.1 8B/70B)
+    norm_eps: float = 1e-5  # of every LayerNorm / RMSNorm
+    intermediate_size: Optional[int] = None  # the SwiGLU width, given outright; None: llama_ffn_size's rule
+    ffn_dim_multiplier: Optional[float] = None  # scales the rule's 8/3 * n_embd (1.3 in Llama 3 8B/70B)
+    multiple_of: Optional[int] = None  # the rule rounds the width up to this (None: 256)
+    rope_theta: Optional[float] = None  # base of the rotary angles (None: 10,000; Llama 3: 500,000)
     # Derived in __post_init__.
     padded_vocab_size: int = dataclasses.field(init=False)
     head_size: int = dataclasses.field(init=False)
-    ffn_size: int = dataclasses.field(init=False)
+    ffn_size: int = dataclasses.field(init=False)  # the MLP's width: 4 * n_embd for GPT-2
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padding_multiple", "loss_chunk_size"):
-            value = getattr(self, name)
-            if name == "loss_chunk_size" and value is None:  # from the byte budget
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
+            check_int("GPTConfig", name, getattr(self, name), minimum=1, optional=name == "loss_chunk_size")
         if self.n_embd % self.n_head != 0:
             divisors = [h for h in range(1, min(self.n_embd, 64) + 1) if self.n_embd % h == 0]
             raise ValueError(
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                 f"choose n_head from {divisors} or change n_embd to a multiple of {self.n_head}."
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
-        if self.attention not in ("sdpa", "flash-attn"):
-            raise ValueError(
-                f"GPTConfig.attention={self.attention!r} is not supported: use 'sdpa' (default) or 'flash-attn'."
-            )
+        check_number("GPTConfig", "dropout", self.dropout, low=0, high=1, high_open=True)
+        check_choice("GPTConfig", "attention", self.attention, ("sdpa", "flash-attn"))
         if self.attention == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
             # Checked here, when the config is built, not when the model is (after data preparation).
             raise ImportError(
                 "GPTConfig(attention='flash-attn') needs the flash-attn package: "
                 f'pip install "lightning-gpuopt[flash]" (CUDA only), or use {option("GPTModule", "attention", "sdpa")}.'
             )
-        if self.loss_impl not in LOSS_IMPLS:
-            raise ValueError(
-                f"GPTConfig.loss_impl={self.loss_impl!r} is not supported: use 'auto' (default), 'chunked', "
-                "'liger' or 'plain'."
-            )
+        check_choice("GPTConfig", "loss_impl", self.loss_impl, LOSS_IMPLS)
         if self.loss_impl == "liger" and importlib.util.find_spec("liger_kernel") is None:
             raise ImportError(
                 "GPTConfig(loss_impl='liger') needs Liger-Kernel: pip install \"lightning-gpuopt[liger]\" "
@@ -204,16 +153,11 @@ class GPTConfig:
 
     def _check_architecture(self) -> None:
         """Check the ``arch`` and its options; fill in the ones left at ``None`` and derive ``ffn_size``."""
-        if self.arch not in ("gpt2", "llama"):
-            raise ValueError(f"GPTConfig.arch={self.arch!r} is not supported: use 'gpt2' (default) or 'llama'.")
+        check_choice("GPTConfig", "arch", self.arch, ("gpt2", "llama"))
         for name in ("n_kv_head", "intermediate_size", "multiple_of"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"GPTConfig.{name} must be a positive integer or None, got {value!r}.")
+            check_int("GPTConfig", name, getattr(self, name), minimum=1, optional=True)
         for name in ("norm_eps", "ffn_dim_multiplier", "rope_theta"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-                raise ValueError(f"GPTConfig.{name} must be a positive number, got {value!r}.")
+            check_number("GPTConfig", name, getattr(self, name), low=0, low_open=True, optional=True)
         if self.arch == "gpt2":
             given = [name for name in _LLAMA_ONLY if getattr(self, name) is not None]
             if self.n_kv_head not in (None, self.n_head):
@@ -255,16 +199,11 @@ class GPTConfig:
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
-        """Build a config from a preset name (see ``PRESETS``), with optional field overrides.
+        """Build a config from a preset name (one of ``PRESETS``), with any ``GPTConfig`` field overridden.
 
         Example::
 
             GPTConfig.from_name("774m", block_size=2048, activation_checkpointing=True)
-
-        Args:
-            name: One of ``PRESETS``: ``tiny``, ``124m``, ``175m``, ``355m``, ``774m``, ``1.5b`` (GPT-2 style),
-                ``llama-tiny``, ``llama-1b``, ``llama-3b``, ``llama-8b``, ``llama-70b`` (Llama 3 shapes).
-            **overrides: Any ``GPTConfig`` field, replacing the preset's value.
         """
         if name not in PRESETS:
             raise ValueError(f"Unknown GPT preset {name!r}: choose one of {sorted(PRESETS)}.")
@@ -275,18 +214,8 @@ class GPTConfig:
 
 
 def check_data_fits(config: GPTConfig, data_vocab_size: Any = None, data_block_size: Any = None) -> None:
-    """Raise ``ValueError`` naming the settings to change when the data's tokens or sequences do not fit the model.
-
-    Example::
-
-        check_data_fits(GPTConfig.from_name("tiny", vocab_size=300), data_vocab_size=260)   # fine
-        check_data_fits(GPTConfig.from_name("tiny", vocab_size=260), data_vocab_size=300)   # ValueError
-
-    Args:
-        config: The model's configuration.
-        data_vocab_size: The data's tokenizer size (``None``: not known).
-        data_block_size: The data's sequence length (``None``: not known).
-    """
+    """Raise ``ValueError`` naming the settings to change when the data's tokens or sequences (``None``: not known)
+    do not fit the model."""
     if data_vocab_size is not None and data_vocab_size > config.vocab_size:
         raise ValueError(
             f"The data's tokenizer has {data_vocab_size} tokens but the model's vocab_size is "
@@ -305,21 +234,13 @@ _FLASH_ATTN_DTYPES = ("bf16", "fp16", "fp8")
 
 
 def check_attention_runs(config: GPTConfig, facts: DeviceFacts, dtype: Optional[str]) -> None:
-    """Raise ``ValueError`` naming the fix when ``attention="flash-attn"`` cannot run on this device and precision.
-
-    flash-attn runs on CUDA GPUs of compute capability 8.0 or newer, in fp16 or bf16 only; otherwise
-    its first call fails, after data preparation and model setup.
-
-    Example::
-
-        check_attention_runs(config, REFERENCE_DEVICES["A100"], "bf16")   # fine
-        check_attention_runs(config, REFERENCE_DEVICES["A100"], "fp32")   # ValueError: use bf16 precision
+    """Raise ``ValueError`` naming the fix when ``attention="flash-attn"`` cannot run on this device and precision
+    (compute capability >= 8.0, fp16 or bf16), before its first call would fail.
 
     Args:
         config: The model's configuration (only ``attention="flash-attn"`` is checked).
         facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
-        dtype: The precision plugin's compute dtype name
-            (:func:`~lightning_gpuopt.precision.dtype.compute_dtype_name`); ``None`` when unknown.
+        dtype: The precision plugin's compute dtype name (``compute_dtype_name``); ``None`` when unknown.
     """
     if config.attention != "flash-attn":
         return

@@ -1,9 +1,6 @@
-"""Batched autoregressive sampling with a KV cache.
+"""Batched autoregressive sampling with a KV cache, for prompts of equal length (``GPT.generate``).
 
-It asks of the model only ``model(idx, caches)`` (logits of shape (B, T, V)) and
-``model.config`` (``block_size``, ``vocab_size``, ``n_layer``), so it does not import ``GPT``:
-``GPT.generate`` calls it, and the import runs one way.
-"""
+It asks of the model only ``model(idx, caches)`` and ``model.config``, so it does not import ``GPT``."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpuopt.model.kv_cache import KVCache
+from lightning_gpuopt.option_checks import check_int, check_number
 
 __all__ = ["generate", "sample_next"]
 
@@ -20,17 +18,8 @@ __all__ = ["generate", "sample_next"]
 def sample_next(
     logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None, generator: Optional[torch.Generator] = None
 ) -> Tensor:
-    """Pick the next token id for each row of ``logits`` (B, V).
-
-    Args:
-        logits: Scores of the next token.
-        temperature: Divides the logits; ``0`` picks the most likely token (greedy).
-        top_k: Sample only among the ``top_k`` most likely tokens.
-        generator: Random generator, for reproducible samples.
-
-    Returns:
-        Token ids of shape (B, 1).
-    """
+    """The next token id (B, 1) for each row of ``logits`` (B, V): ``temperature`` 0 is greedy, ``top_k`` keeps the
+    most likely tokens only."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
@@ -56,10 +45,8 @@ def generate(
 ) -> Tensor:
     """Continue a batch of equal-length prompts by ``max_new_tokens`` tokens.
 
-    With ``use_cache`` the prompt is processed once and each new token costs one position of
-    attention over cached keys and values, instead of recomputing the whole sequence. When the
-    sequence outgrows ``block_size`` the context is cropped to the last ``block_size`` tokens, as
-    without a cache, so both paths give the same tokens.
+    Past ``block_size`` the context is cropped to the last ``block_size`` tokens, with or without the cache,
+    so both give the same tokens.
 
     Example::
 
@@ -67,26 +54,20 @@ def generate(
         out = generate(model, prompts, max_new_tokens=100, temperature=0.8, top_k=50)
 
     Args:
-        model: The ``GPT`` to sample from (put it in ``eval()`` mode for deterministic outputs).
+        model: The ``GPT`` to sample from, in ``eval()`` mode for deterministic outputs.
         idx: Prompt token ids (B, T), T >= 1.
-        max_new_tokens: Number of tokens to append.
         temperature: Sampling temperature; ``0`` is greedy decoding.
         top_k: Sample among the ``top_k`` most likely tokens only.
         use_cache: Use a KV cache (fast); ``False`` recomputes the full context each step.
-        generator: Random generator, for reproducible samples.
 
     Returns:
-        Token ids (B, T + max_new_tokens): the prompts followed by the new tokens. Ids of the
-        embedding's padding rows (``>= config.vocab_size``) are never produced.
+        Token ids (B, T + max_new_tokens): the prompts, then the new tokens (never a padding row's id).
     """
     if idx.dim() != 2 or idx.size(1) == 0:
         raise ValueError(f"generate() expects prompt ids of shape (batch, length >= 1), got {tuple(idx.shape)}.")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}.")
+    check_int("generate", "max_new_tokens", max_new_tokens, minimum=0)
+    check_number("generate", "temperature", temperature, low=0, hint=" (0 is greedy)")
+    check_int("generate", "top_k", top_k, minimum=1, optional=True, hint=" (None: no limit)")
     block_size = model.config.block_size
     vocab_size = model.config.vocab_size
     caches = [KVCache(block_size) for _ in range(model.config.n_layer)] if use_cache else None

@@ -1,15 +1,7 @@
 """How many rows a generation batch can hold on a device: the KV cache and activations against its memory.
 
-Design note: generation memory is the weights, plus per row the KV cache of its context (keys and
-values of every layer: ``2 · n_layer · context · n_embd`` elements) and the decode step's transient
-tensors (the row's logits in the compute dtype and in float32 for sampling, and a few hidden-sized
-tensors), plus, once, the largest prefill forward (``batched_generation`` keeps a prefill's float32
-logits under ``PREFILL_LOGITS_BYTES``; the probabilities and the logits in the compute dtype come with
-them). A margin (a fraction of the memory, plus the CUDA context and allocator slack) is kept free.
-The arithmetic reads :class:`~lightning_gpuopt.perf.device.DeviceFacts`, so a CPU test computes the
-batch an H100 would get. A CPU has no device memory to size from: the batch is then a fixed number
-of rows, and the caller says so.
-"""
+From :class:`~lightning_gpuopt.perf.device.DeviceFacts`, so a CPU test computes the batch an H100 would
+get; a CPU has no device memory to size from and gets :data:`CPU_ROWS`. The arithmetic: ``docs/generation.md``."""
 
 from __future__ import annotations
 
@@ -23,8 +15,7 @@ from lightning_gpuopt.perf.units import GiB
 
 __all__ = ["CPU_ROWS", "GenerationMemory", "generation_batch_size"]
 
-CPU_ROWS = 64
-"""Rows of a generation batch on a device without known memory (a CPU): enough for batching to pay."""
+CPU_ROWS = 64  # rows of a batch on a device without known memory (a CPU): enough for batching to pay
 
 _MARGIN = 0.10  # of the device's memory, kept free
 _CUDA_CONTEXT = 1 * GiB  # the CUDA context, cuBLAS workspaces and allocator slack
@@ -33,21 +24,13 @@ _HIDDEN_COPIES = 16  # hidden-sized tensors alive in one decode step (qkv, atten
 
 @dataclass(frozen=True)
 class GenerationMemory:
-    """The outcome of :func:`generation_batch_size`.
+    """The outcome of :func:`generation_batch_size`."""
 
-    Attributes:
-        rows: Rows of the batch (``None``: the device's memory is unknown).
-        per_row: Bytes one row takes (its KV cache and decode tensors).
-        kv_per_row: Bytes of one row's KV cache.
-        fixed: Bytes taken whatever the batch: weights, the largest prefill, the margin.
-        reason: One line saying how ``rows`` was chosen.
-    """
-
-    rows: Optional[int]
-    per_row: int
-    kv_per_row: int
-    fixed: int
-    reason: str
+    rows: Optional[int]  # rows of the batch (None: the device's memory is unknown)
+    per_row: int  # bytes one row takes (its KV cache and decode tensors)
+    kv_per_row: int  # bytes of one row's KV cache
+    fixed: int  # bytes taken whatever the batch: weights, the largest prefill
+    reason: str  # one line saying how rows was chosen
 
 
 def generation_batch_size(
@@ -56,12 +39,6 @@ def generation_batch_size(
 ) -> GenerationMemory:
     """The largest batch the KV cache and activations allow on ``facts``'s device, with a margin.
 
-    Example::
-
-        mem = generation_batch_size(GPTConfig.from_name("124m"), REFERENCE_DEVICES["H100 SXM"],
-                                    weight_bytes=124_000_000 * 2, dtype_bytes=2)
-        mem.rows, mem.reason
-
     Args:
         config: The model's architecture.
         facts: The device.
@@ -69,15 +46,15 @@ def generation_batch_size(
         dtype_bytes: Bytes per element of the KV cache and activations (2 under bf16, 4 in float32).
         context: Columns of a row's cache (``None``: ``config.block_size``).
         most_rows: Rows there are to generate: the batch is never larger.
-
-    Raises:
-        ValueError: The weights and one row do not fit in the device's memory.
     """
     context = config.block_size if context is None else context
-    kv = 2 * config.n_layer * context * config.n_embd * dtype_bytes
+    kv = 2 * config.n_layer * context * config.n_embd * dtype_bytes  # keys and values of every layer
+    # the decode step's transient tensors: the row's logits in the compute dtype and in float32 for sampling, and a
+    # few hidden-sized ones
     decode = config.padded_vocab_size * (dtype_bytes + 8) + _HIDDEN_COPIES * config.n_embd * dtype_bytes
     per_row = kv + decode
     prefill_rows = most_rows if most_rows is not None else PREFILL_LOGITS_BYTES  # unknown: as many as a prefill takes
+    # once, the largest prefill: its float32 logits (capped), with their probabilities and the compute-dtype logits
     prefill = 3 * min(PREFILL_LOGITS_BYTES, 4 * context * config.padded_vocab_size * prefill_rows)
     if facts.total_memory is None:
         rows = CPU_ROWS if most_rows is None else min(CPU_ROWS, most_rows)

@@ -1,16 +1,7 @@
-"""The GPT model: a plain ``nn.Module`` (no Lightning), read top to bottom.
+"""The GPT model, GPT-2 or Llama style: a plain ``nn.Module``, read top to bottom.
 
-``CausalSelfAttention -> MLP -> SwiGLU -> Block -> GPT`` (the decoding cache is ``kv_cache.KVCache``, rotary
-embeddings are in ``rope.py``). Features such as float8 training or compilation are applied to this model from
-outside; it stays plain PyTorch.
-
-Two architectures share these classes and their module names (``GPTConfig.arch``). GPT-2: learned position
-embeddings, LayerNorm, one fused ``c_attn`` projection, a GELU ``MLP``. Llama: rotary embeddings, RMSNorm,
-separate ``q_proj``/``k_proj``/``v_proj`` with ``n_kv_head`` key/value heads (grouped-query attention) and a
-``SwiGLU`` MLP. Both keep ``ln_1``, ``attn``, ``ln_2``, ``mlp``, ``transformer.ln_f``, ``lm_head``, and
-``c_proj`` for the two projections back into the residual stream, so the init scaling and name filters
-(float8, a tensor-parallel plan) read both.
-"""
+``CausalSelfAttention -> MLP -> SwiGLU -> Block -> GPT``. Float8 training, sharding and compilation are applied
+from outside, so it stays plain PyTorch. The two architectures share module names (``docs/model.md``)."""
 
 from __future__ import annotations
 
@@ -47,14 +38,10 @@ Rope = tuple[Tensor, Tensor]
 
 
 def grouped_heads_run_fused(dtype: torch.dtype, masked: bool) -> bool:
-    """Whether SDPA is given the grouped key/value heads as they are (``enable_gqa=True``, torch >= 2.5), or
-    the keys and values repeated for each query head of their group.
+    """Whether SDPA takes the grouped key/value heads as they are (``enable_gqa=True``), else repeated per query head.
 
-    Of SDPA's CUDA kernels, Flash takes grouped heads (torch 2.5 to 2.13); it runs fp16/bf16 without a mask.
-    In float32, or with a mask (a prompt continued after cached positions), the memory-efficient and cuDNN
-    kernels need as many key/value heads as query heads, so ``enable_gqa`` would fall to the math kernel,
-    which holds the (T, T) scores: repeating the keys and values is the smaller and faster choice there.
-    """
+    Only the Flash kernel takes grouped heads, and it runs fp16/bf16 without a mask; elsewhere ``enable_gqa`` would
+    fall to the math kernel and its (T, T) scores (``docs/model.md``)."""
     return not masked and dtype in (torch.float16, torch.bfloat16)
 
 
@@ -98,9 +85,8 @@ class CausalSelfAttention(nn.Module):
         self, x: Tensor, cache: Optional[KVCache] = None, rope: Optional[Rope] = None, mask: Optional[Tensor] = None,
         key_padding_mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """``rope``: the rotation of the Llama style's queries and keys; ``mask``: boolean (B, 1, T, S), ``True``
-        where a query may attend (``None``: causal over the cache); ``key_padding_mask``: (B, T) bool, ``False`` on
-        padding among the new tokens, recorded in the cache."""
+        """``mask``: (B, 1, T, S) bool, ``True`` where a query may attend (``None``: causal over the cache);
+        ``key_padding_mask``: (B, T) bool, ``False`` on padding among the new tokens."""
         B, T, C = x.shape
         q, k, v = self._qkv(x, rope)  # (B, T, nh or n_kv_head, hs)
         dropout = self.dropout if self.training else 0.0
@@ -185,12 +171,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 or Llama style language model (``config.arch``).
-
-    Token embeddings (plus learned position embeddings for GPT-2; rotary ones in each attention for
-    Llama), ``n_layer`` pre-norm blocks, a final norm and an output head, tied to the token embedding
-    unless ``config.tie_embeddings=False``. Attention runs through ``F.scaled_dot_product_attention`` so
-    PyTorch's Flash / cuDNN kernels are used on the GPU.
+    """GPT-2 or Llama style language model (``config.arch``): embeddings, ``n_layer`` pre-norm blocks, a final norm
+    and an output head (tied to the token embedding unless ``config.tie_embeddings=False``).
 
     Example::
 
@@ -224,9 +206,8 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02) weights, zero biases, and residual projections scaled
-        by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth. The Llama-style
-        model gets the same (its two residual projections are named ``c_proj`` too); norm gains start at 1."""
+        """GPT-2 initialisation (both styles): N(0, 0.02) weights, zero biases, norm gains 1, and the residual
+        projections ``c_proj`` scaled by 1/sqrt(2 * n_layer), so the residual stream's variance stays flat in depth."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -241,12 +222,8 @@ class GPT(nn.Module):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Number of parameters (tied weights counted once).
-
-        Args:
-            non_embedding: Leave out the token and position embeddings and an untied output head (the
-                vocabulary-sized matrices; the usual "model size").
-        """
+        """Number of parameters (tied weights once); ``non_embedding`` leaves out the vocabulary-sized matrices and the
+        position embedding (the usual "model size")."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             vocab = {id(p): p for p in (self.transformer.wte.weight, self.lm_head.weight)}  # one when tied
@@ -256,26 +233,18 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> int:
-        """Training FLOPs (forward + backward) per token: ``6 N + 12 L H Q T``.
+        """Training FLOPs (forward + backward) per token at sequence length ``seq_len`` (``None``: ``block_size``).
 
-        This is the formula of PaLM (Chowdhery et al., 2022, arXiv:2204.02311, Appendix B): ``N``
-        parameters taking part in matmuls, each costing 2 FLOPs per token forward and 4 backward,
-        plus the attention score and value matmuls, ``12 · n_layer · n_head · head_size · T`` (query
-        heads: grouped keys and values do not change these). For GPT-2, ``N`` is every parameter but
-        the position embedding (a lookup), as nanoGPT counts it: biases and LayerNorm gains included
-        (1.5% of the FLOPs at width 64). For Llama, ``N`` is exactly the matmul weights: every
-        ``nn.Linear`` (the projections and the output head), so an untied token embedding (a lookup) and
-        the RMSNorm gains are left out. Causal masking is not discounted, as in PaLM. MFU is computed
-        from this number.
-
-        Args:
-            seq_len: Sequence length ``T``; defaults to ``config.block_size``.
-        """
+        PaLM's ``6 N + 12 L H Q T`` (Chowdhery et al., 2022, arXiv:2204.02311, Appendix B): 2 FLOPs per matmul
+        weight forward and 4 backward, plus the attention score and value matmuls of the query heads; causal
+        masking is not discounted. MFU is computed from it."""
         cfg = self.config
         T = cfg.block_size if seq_len is None else seq_len
         if cfg.arch == "gpt2":
+            # every parameter but the position embedding (a lookup), as nanoGPT counts it: biases and LayerNorm
+            # gains included (1.5% of the FLOPs at width 64)
             N = self.num_params() - self.transformer.wpe.weight.numel()
-        else:
+        else:  # exactly the matmul weights: an untied token embedding (a lookup) and the RMSNorm gains left out
             N = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * T
 
@@ -283,18 +252,15 @@ class GPT(nn.Module):
         self, idx: Tensor, caches: Optional[list[KVCache]] = None, targets: Optional[Tensor] = None,
         input_pos: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """Logits of shape (B, T, padded_vocab_size) for token ids ``idx`` of shape (B, T), or, given
-        ``targets``, the mean next-token loss (see :meth:`loss_from_hidden`).
+        """Logits (B, T, padded_vocab_size) for token ids ``idx`` (B, T), or given ``targets`` the mean next-token loss
+        without the full logits (:meth:`loss_from_hidden`).
 
         Args:
             idx: Token ids.
-            caches: One ``KVCache`` per block, for incremental decoding (see ``generate``).
-            targets: Token ids of shape (B, T) to predict; -1 marks a position without a target.
-                With targets the full logits are never materialised.
-            input_pos: Position of each token, (B, T) or (T,); ``None``: counted from the cache (or 0), skipping
-                padding.
-            key_padding_mask: (B, T) bool, ``False`` on padding tokens (prompts of different lengths, left-padded),
-                which no token attends to. Each real token then gets what its row alone would.
+            caches: One ``KVCache`` per block, for incremental decoding.
+            targets: Token ids (B, T) to predict; -1 marks a position without a target.
+            input_pos: Position of each token, (B, T) or (T,); ``None``: counted from the cache (or 0), past padding.
+            key_padding_mask: (B, T) bool, ``False`` on (left) padding, which no token attends to.
         """
         B, T = idx.shape
         start = caches[0].pos if caches else 0
@@ -334,19 +300,9 @@ class GPT(nn.Module):
     # follows the token count) around its own compiled kernel, so a new batch size recompiles nothing here.
     @torch.compiler.disable
     def loss_from_hidden(self, hidden: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy from the final (normed) hidden states; targets of -1 are ignored.
-
-        The head matmul and the loss run together, one chunk of tokens at a time
-        (:func:`~lightning_gpuopt.model.loss.linear_cross_entropy`, ``config.loss_impl``,
-        ``config.loss_chunk_size``), so no
-        (B, T, vocab) float32 tensor is ever alive. A head that is no longer a plain ``nn.Linear``
-        (replaced by a user's conversion) is called as it is, on the full logits.
-
-        Args:
-            hidden: (B, T, n_embd), the output of ``transformer.ln_f``.
-            targets: (B, T) token ids.
-        """
-        if type(self.lm_head) is not nn.Linear:
+        """Mean next-token cross-entropy from the final hidden states (B, T, n_embd), one chunk of tokens at a time
+        (:func:`~lightning_gpuopt.model.loss.linear_cross_entropy`); targets of -1 are ignored."""
+        if type(self.lm_head) is not nn.Linear:  # a head a user's conversion replaced: called on the full logits
             return self.loss(self.lm_head(hidden), targets)
         return linear_cross_entropy(
             hidden, self.lm_head.weight, targets, ignore_index=-1, chunk_size=self.config.loss_chunk_size,
@@ -359,29 +315,14 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
 
     def compile_blocks(self, mode: Optional[str] = None, backend: Union[str, Callable] = "inductor") -> None:
-        """Compile each ``Block`` on its own (in place, so state-dict keys stay plain) and the loss's
-        per-chunk kernel: the blocks share one graph, so compile time does not grow with depth.
-
-        Example::
-
-            model = GPT(GPTConfig.from_name("124m"))
-            model.compile_blocks()  # or model.compile() for one whole-model graph
-
-        Args:
-            mode: ``torch.compile`` mode (``None``: the default).
-            backend: ``torch.compile`` backend.
-        """
+        """Compile each ``Block`` in place (state-dict keys stay plain) and the loss's per-chunk kernel: the blocks
+        share one graph, so compile time does not grow with depth."""
         for block in self.transformer.h:
             block.compile(mode=mode, backend=backend)
         self.compile_loss = True
 
     def compile_whole(self, mode: Optional[str] = None, backend: Union[str, Callable] = "inductor") -> None:
-        """Compile the whole model as one graph, in place (the loss chunk is inside it).
-
-        Args:
-            mode: ``torch.compile`` mode (``None``: the default).
-            backend: ``torch.compile`` backend.
-        """
+        """Compile the whole model as one graph, in place, and the loss's per-chunk kernel."""
         self.compile(mode=mode, backend=backend)
         self.compile_loss = True
 

@@ -1,22 +1,8 @@
 """`KVCache`: keys and values of past positions for one attention layer, row by row, for incremental decoding.
 
-Its own module because two others use it and neither should import the other for it: attention in
-``gpt.py`` fills it, and ``generation.py`` / ``batched_generation.py`` create one per block.
-
-Design note: each row ``b`` of the batch fills its own columns ``[0, lengths[b])`` of the storage, and
-``valid[b, j]`` says whether column ``j`` holds a real token (``False``: the left padding of a prompt
-shorter than the others it was prefilled with). Rows may be at different lengths: continuous batching
-prefills a new prompt into the rows of a finished one (:meth:`KVCache.load_rows`) while the other rows
-go on. A row's next token is written at its own column ``lengths[b]``; the query at column ``c`` sees
-the valid columns ``<= c`` (:meth:`KVCache.attention_mask`), and its position (for the position
-embedding, or rotary) is the number of real tokens before it (:meth:`KVCache.next_positions`), which is
-what the prompt alone would have. While every row holds the same number of columns, all valid (the
-plain use: a batch of equal-length prompts), no mask is built at all (``dense``), and attention runs
-causal or unmasked as before.
-
-The host keeps a copy of the lengths (``_lengths``), so slicing to the filled columns never waits for
-the device.
-"""
+Rows may be at different lengths (continuous batching refills a finished row while the others go on);
+while every row holds the same columns, all real, no mask is built. How: ``docs/generation.md``. Its own
+module because ``gpt.py`` fills it and ``generation.py`` / ``batched_generation.py`` create it."""
 
 from __future__ import annotations
 
@@ -29,13 +15,8 @@ __all__ = ["KVCache", "padded_causal_mask"]
 
 
 def padded_causal_mask(valid: Tensor, columns: Tensor) -> Tensor:
-    """Boolean attention mask (B, 1, T, S): query ``i`` of row ``b``, at column ``columns[b, i]``, sees the columns
-    ``j <= columns[b, i]`` where ``valid[b, j]``, and always its own (a pad query, whose output is never used,
-    would otherwise see nothing and give NaN).
-
-    Example::
-
-        mask = padded_causal_mask(attention_mask.bool(), torch.arange(T).expand(B, T))  # left padding, no cache
+    """Boolean attention mask (B, 1, T, S): the query at column ``columns[b, i]`` sees the valid columns up to its
+    own, and always its own (a pad query, whose output is never used, would otherwise see nothing and give NaN).
 
     Args:
         valid: (B, S) bool, ``True`` where a column holds a real token.
@@ -47,10 +28,8 @@ def padded_causal_mask(valid: Tensor, columns: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Keys and values of past positions for one attention layer, row by row, for incremental decoding.
-
-    The storage is allocated on the first ``update`` (or :meth:`load_rows`) with that call's device and
-    dtype (the dtype attention runs in, e.g. bf16 under autocast).
+    """Keys and values of past positions for one attention layer, row by row, allocated on the first ``update`` (or
+    :meth:`load_rows`) in that call's device and dtype.
 
     Args:
         max_len: Most columns a row holds (the model's ``block_size``).
@@ -71,7 +50,7 @@ class KVCache:
         self.valid: Optional[Tensor] = None  # (B, max_len) bool: column holds a real token
         self.lengths: Optional[Tensor] = None  # (B,) long: columns filled per row
         self.seen: Optional[Tensor] = None  # (B,) long: real tokens per row (the next position)
-        self._lengths: list[int] = []  # host copy of `lengths`
+        self._lengths: list[int] = []  # host copy of `lengths`: slicing to filled columns never waits for the device
         self.dense = True  # every row holds the same columns, all valid: no mask needed
 
     @property
@@ -116,11 +95,8 @@ class KVCache:
             raise ValueError(f"KVCache holds {self.max_len} positions; cannot append up to {self.pos + T}.")
 
     def next_positions(self, batch_size: int, T: int, key_padding_mask: Optional[Tensor], device: torch.device) -> Tensor:
-        """Positions of the next ``T`` tokens: (T,) for a dense cache without padding, else (B, T).
-
-        A row's position counts its real tokens only, so a left-padded prompt's tokens get the positions
-        the prompt alone would (pad tokens get the position of the next real one; they are never attended).
-        """
+        """Positions of the next ``T`` tokens, (T,) for a dense cache without padding, else (B, T): a row's real
+        tokens before each, what the prompt alone would have (a pad token gets the next real one's)."""
         fresh = self._fresh(batch_size)
         if key_padding_mask is None and (self.dense or fresh):
             start = 0 if fresh else self.pos
@@ -130,12 +106,8 @@ class KVCache:
         return (seen[:, None] + steps).clamp(min=0)  # (B, T)
 
     def attention_mask(self, batch_size: int, T: int, key_padding_mask: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
-        """Boolean mask (B, 1, T, S) of the keys each of the next ``T`` queries sees, ``S`` the filled columns after
-        them; ``None`` when the cache is dense and ``key_padding_mask`` is ``None`` (causal attention as usual).
-
-        A query sees the valid columns up to its own, and always its own column (a pad query, whose output
-        is never used, would otherwise see nothing and give NaN).
-        """
+        """Boolean mask (B, 1, T, S) of the keys each of the next ``T`` queries sees (:func:`padded_causal_mask`);
+        ``None`` when the cache is dense and there is no padding (causal attention as usual)."""
         fresh = self._fresh(batch_size)
         if key_padding_mask is None and (self.dense or fresh):
             return None
@@ -150,14 +122,8 @@ class KVCache:
         return padded_causal_mask(valid, cols)  # (B, 1, T, S)
 
     def update(self, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """Write ``k``/``v`` of shape (B, nh, T, hs) after each row's filled columns; return the keys and values of
-        the filled columns, (B, nh, S, hs). ``nh`` is the key/value heads (``n_kv_head``: grouped, not repeated).
-
-        Args:
-            k: Keys of the new tokens.
-            v: Their values.
-            key_padding_mask: (B, T) bool, ``False`` for padding among the new tokens; ``None``: all real.
-        """
+        """Write ``k``/``v`` (B, n_kv_head, T, hs) after each row's filled columns and return those of all filled
+        columns, (B, n_kv_head, S, hs); ``key_padding_mask`` (B, T) is ``False`` on padding (``None``: all real)."""
         B, _, T, _ = k.shape
         stale = self.k is None or (self.k.shape[0], self.k.dtype, self.k.device) != (B, k.dtype, k.device)
         if stale and self.pos == 0:
@@ -185,16 +151,8 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def load_rows(self, rows: list[int], other: "KVCache", batch_size: int) -> None:
-        """Put every row of ``other`` (a cache just prefilled with new prompts) into rows ``rows`` of this cache.
-
-        The rows' earlier content is dropped. This cache's storage is allocated for ``batch_size`` rows on
-        first use, with ``other``'s dtype and device.
-
-        Args:
-            rows: Where ``other``'s rows go, one index per row of ``other``.
-            other: The prefilled cache.
-            batch_size: Rows of this cache when it allocates its storage.
-        """
+        """Put every row of ``other`` (a cache just prefilled with new prompts) into rows ``rows`` of this one, whose
+        storage is allocated for ``batch_size`` rows on first use."""
         if len(rows) != other.batch_size:
             raise ValueError(f"load_rows got {len(rows)} row indices for a cache of {other.batch_size} rows.")
         if self.k is None:

@@ -1,47 +1,10 @@
-"""The language-model loss from hidden states, without the full logits in float32.
+"""The language-model loss from hidden states, one chunk of tokens at a time, never the full float32 logits.
 
-Design note. The head of a GPT maps hidden states ``(N, C)`` to logits ``(N, V)``; with
-``V = 50304`` that tensor dwarfs every activation of a block (at N = 32·1024 tokens one float32
-copy is 6.6 GB), and a plain ``cross_entropy(logits.float(), targets)`` keeps about three such
-copies alive at the backward peak. Here the head matmul and the loss run together, one chunk of
-tokens at a time: each chunk's logits are computed, the loss and the gradient of the logits
-(``softmax - one_hot``, in float32 arithmetic) are computed from them at once, the gradients of
-the hidden states and of the weight follow by two matmuls into float32 buffers (the weight's
-accumulated there in place), and the chunk's logits are freed. The gradient is kept unscaled:
-the backward pass multiplies the float32 sums by the incoming gradient (which carries a
-GradScaler's scale) and by 1 / tokens, so no small fp16 entry rounds to zero before the scale
-arrives. A chunk is as many tokens as fit ``chunk_bytes`` (the logits plus their float32 copy),
-so a bf16 chunk weighs what a float32 one does, and a larger vocabulary gets fewer tokens. No more
-than one chunk of logits is ever alive, the head costs no extra matmul, and the result is the mean
-token loss of ``F.cross_entropy`` (targets equal to ``ignore_index`` count for nothing).
-Liger-Kernel's fused linear cross-entropy (``liger_kernel.transformers.functional``) works the same
-way with hand-written Triton kernels; ``impl="liger"`` calls it.
-
-The per-chunk loss-and-gradient function is a handful of elementwise operations and one
-reduction over the vocabulary; ``compile_chunk=True`` compiles it (once, with a dynamic number of
-rows, so any batch size reuses it) into two fused kernels that read each logit twice in bf16.
-Eager, it holds the chunk's logits and one float32 copy: exact, and what CPU runs use.
-
-Under tensor parallelism the head weight is a ``DTensor`` sharded by vocabulary rows over the
-tensor-parallel group (``model/tensor_parallel.py``), and the loss stays chunked and exact: each rank
-computes its ``V / tp`` columns of a chunk's logits from the gathered hidden states, the row maxima
-and the softmax denominators and target logits are summed over the group (two all-reduces of ``n`` and
-``2 n`` floats per chunk), and each rank keeps the gradient of its own rows; the gradients of the hidden
-states are partial sums that the DTensor backward reduce-scatters back to the sequence shards
-(Megatron's vocabulary-parallel cross-entropy, chunked). No rank ever holds more than one chunk of
-``V / tp`` logits, nor the whole head weight.
-
-Why not torch's own ``F.linear_cross_entropy(..., options=nn.LinearCrossEntropyOptions())`` (torch
->= 2.13, chunked too). ``python -m benchmarks.step_memory`` (vocab 50257, T 1024, micro-batch 4, a
-quiet 2-core CPU, ``benchmarks/README.md``): autocast does not reach its custom op, so under bf16 its
-matmuls run in float32; with automatic options it peaks lowest (0.72 against our 1.13 GB) in about
-our time (8.8 s against 9.5 s). Given bf16 inputs and our chunk length it matches our memory (1.05 GB)
-in half our time (4.4 s) on this CPU, where bf16 arithmetic is emulated. It stays out because it is
-not exact where ours is: its loss comes back in the inputs' dtype (in bf16, 1e-3 from the float64
-loss where ours and ``F.cross_entropy``'s are within 1e-6, at N 2048), and in fp16 its gradients are
-formed in fp16, so unscaled 7% of the weight gradient's entries underflow to zero and under a
-GradScaler's first scale (65536) they overflow to Inf. Its GPU time is not measured yet.
-"""
+The head matmul and the cross-entropy run together per chunk, so at most one chunk of logits is alive,
+and the result is ``F.cross_entropy``'s mean token loss. Under tensor parallelism the same loop runs on
+the head's vocabulary shards (Megatron's vocabulary-parallel cross-entropy, chunked). The design, and
+why torch's ``F.linear_cross_entropy`` is not used: ``docs/model.md`` ("The loss"); memory and time:
+``benchmarks/README.md``."""
 
 from __future__ import annotations
 
@@ -51,6 +14,8 @@ from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from lightning_gpuopt.option_checks import check_choice, check_int
 
 __all__ = ["CHUNK_BYTES", "LOSS_IMPLS", "LossImpl", "chunk_tokens", "linear_cross_entropy", "resolve_loss_impl"]
 
@@ -71,28 +36,22 @@ _FP16_LIFT = 2.0**14
 def chunk_tokens(vocab_size: int, compute_dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Tokens per chunk so that one chunk's logits and their float32 arithmetic fit in ``chunk_bytes``.
 
-    A logit costs its bytes plus a float32 copy's when narrower than float32 (bf16: 2 + 4), else its
-    own (float32: 4). Above 16 the count is rounded down to a multiple of 16 (matmul tiles).
-
     Example::
 
         >>> chunk_tokens(50304, torch.float32), chunk_tokens(50304, torch.bfloat16)
         (2656, 1776)
     """
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    per_logit = itemsize + 4 if itemsize < 4 else itemsize
+    per_logit = itemsize + 4 if itemsize < 4 else itemsize  # bf16: the logit and its float32 copy
     tokens = max(1, chunk_bytes // (vocab_size * per_logit))
-    return tokens - tokens % 16 if tokens > 16 else tokens
+    return tokens - tokens % 16 if tokens > 16 else tokens  # a multiple of 16: matmul tiles
 
 
 def _grad_dtype(compute_dtype: torch.dtype, device_type: str) -> torch.dtype:
-    """The dtype of the logits' gradient in the two gradient matmuls.
-
-    CUDA multiplies bf16/fp16 operands into a float32 result (``torch.mm(..., out_dtype=float32)``,
-    tensor cores, float32 accumulation): the gradient goes there in the compute dtype. Other devices
-    have no such kernel (``aten::mm.dtype`` is CUDA-only in torch 2.13): the gradient stays in float32
-    and the matmuls run in float32 on the float32 weight, exact and, without bf16 units, faster.
-    """
+    """The dtype of the logits' gradient in the two gradient matmuls."""
+    # CUDA multiplies bf16/fp16 operands into a float32 result (mm with out_dtype, float32 accumulation).
+    # Elsewhere aten::mm.dtype does not exist (CUDA-only in torch 2.13): float32 there, exact and, without
+    # bf16 units, faster.
     if device_type == "cuda" or compute_dtype == torch.float64:
         return compute_dtype
     return torch.float32
@@ -115,13 +74,9 @@ def _exp_and_loss(logits: Tensor, targets: Tensor, ignore_index: int):
 def _chunk_loss_and_grad(
     h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int, grad_dtype: torch.dtype, lift: float
 ) -> tuple[Tensor, Tensor]:
-    """Sum of token losses of one chunk and ``lift * d(sum)/d logits`` in ``grad_dtype``.
-
-    The gradient is not divided by the token count: that factor, and the loss scale of a GradScaler,
-    arrive in the backward pass and are applied to the float32 results of the matmuls, so a small
-    fp16 gradient never rounds to zero. The logits are made here, so that no frame keeps the
-    compute-dtype logits alive next to their float32 copy longer than the copy takes.
-    """
+    """Sum of token losses of one chunk and ``lift * d(sum)/d logits`` in ``grad_dtype``, not yet divided by the
+    token count (the backward pass applies it, with a GradScaler's scale, to the float32 matmul results)."""
+    # The logits are made in the call, so no frame keeps them alive beside their float32 copy.
     exp, total, loss_sum, valid, safe = _exp_and_loss(h_c @ w.t(), targets, ignore_index)  # (n, V) logits
     grad = exp.div_(total)  # softmax
     grad.scatter_add_(1, safe, torch.full_like(total, -1.0))  # - one_hot(target)
@@ -130,7 +85,7 @@ def _chunk_loss_and_grad(
 
 
 def _chunk_loss(h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
-    """Sum of token losses of one chunk (no gradient: evaluation), in the same memory as training."""
+    """Sum of token losses of one chunk (evaluation), in the same memory as training."""
     return _exp_and_loss(h_c @ w.t(), targets, ignore_index)[2]
 
 
@@ -169,9 +124,8 @@ def _shard_grad(exp: Tensor, total: Tensor, valid: Tensor, owned: Tensor, safe: 
 
 def _shard_chunk(h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int, shard: _VocabShard, compile_chunk: bool,
                  grad_dtype: Optional[torch.dtype] = None, lift: float = 1.0) -> tuple[Tensor, Optional[Tensor]]:
-    """Sum of a chunk's token losses over the whole vocabulary and this rank's columns of the logits' gradient
-    (``None`` without ``grad_dtype``: evaluation); the same arithmetic as ``_chunk_loss_and_grad``, the two row
-    reductions completed over the tensor-parallel group."""
+    """``_chunk_loss_and_grad`` on this rank's columns, its two row reductions completed over the tensor-parallel
+    group (no gradient without ``grad_dtype``: evaluation)."""
     import torch.distributed as dist
 
     logits, exp_sums, grad_of = (
@@ -289,21 +243,9 @@ def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, c
 
 
 def resolve_loss_impl(impl: str, device: torch.device) -> str:
-    """The implementation ``impl`` stands for on ``device`` (``"auto"`` resolved).
-
-    ``"auto"`` is ``"chunked"``: it needs no extra package and runs on every device.
-
-    Args:
-        impl: ``"auto"``, ``"chunked"``, ``"liger"`` or ``"plain"``.
-        device: Where the loss runs.
-
-    Example::
-
-        >>> resolve_loss_impl("auto", torch.device("cpu"))
-        'chunked'
+    """The implementation ``impl`` stands for on ``device``: ``"auto"`` is ``"chunked"`` (no extra package, any device).
     """
-    if impl not in LOSS_IMPLS:
-        raise ValueError(f"loss_impl={impl!r} is not one of {list(LOSS_IMPLS)}.")
+    check_choice("linear_cross_entropy", "impl", impl, LOSS_IMPLS)
     if impl == "liger" and device.type != "cuda":
         raise ValueError(f"loss_impl='liger' runs on CUDA only, not on {device.type}: use loss_impl='chunked'.")
     return "chunked" if impl == "auto" else impl
@@ -321,9 +263,8 @@ def linear_cross_entropy(
 ) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, without the full logits.
 
-    Under autocast the matmuls run in the autocast dtype (bf16) and the loss arithmetic in float32,
-    as ``F.cross_entropy(F.linear(hidden, weight).float(), targets)`` would; gradients flow to
-    ``hidden`` and ``weight`` in their own dtypes.
+    Under autocast the matmuls run in the autocast dtype and the loss arithmetic in float32, as
+    ``F.cross_entropy(F.linear(hidden, weight).float(), targets)`` would.
 
     Example::
 
@@ -337,18 +278,15 @@ def linear_cross_entropy(
         weight: Output head, ``(V, C)`` (the tied token embedding in a GPT).
         targets: Token ids, ``hidden.shape[:-1]``; ``ignore_index`` marks positions without a target.
         ignore_index: Target value that contributes no loss.
-        chunk_size: Tokens per chunk; ``None`` (default) takes as many as fit in ``chunk_bytes``
-            (:func:`chunk_tokens`: 2656 in float32, 1776 in bf16 at a vocabulary of 50304).
-        impl: ``"chunked"`` (this module), ``"liger"`` (Liger-Kernel, CUDA), ``"plain"`` (full
-            logits, the reference), or ``"auto"`` (see :func:`resolve_loss_impl`).
+        chunk_size: Tokens per chunk; ``None``: as many as fit in ``chunk_bytes`` (:func:`chunk_tokens`).
+        impl: ``"chunked"`` (this module), ``"liger"`` (Liger-Kernel, CUDA), ``"plain"`` (full logits, the
+            reference), or ``"auto"`` (:func:`resolve_loss_impl`).
         compile_chunk: Compile the per-chunk loss and gradient (``"chunked"`` only).
-        chunk_bytes: Bytes for one chunk's logits and their float32 arithmetic when ``chunk_size``
-            is ``None`` (:data:`CHUNK_BYTES`, 512 MiB).
+        chunk_bytes: Bytes for one chunk's logits and their float32 arithmetic when ``chunk_size`` is ``None``.
     """
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"linear_cross_entropy chunk_size must be >= 1 (or None: from chunk_bytes), got {chunk_size}.")
-    if chunk_bytes < 1:
-        raise ValueError(f"linear_cross_entropy chunk_bytes must be >= 1, got {chunk_bytes}.")
+    own = "linear_cross_entropy"
+    check_int(own, "chunk_size", chunk_size, minimum=1, optional=True, hint=" (None: from chunk_bytes)")
+    check_int(own, "chunk_bytes", chunk_bytes, minimum=1)
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(
             f"linear_cross_entropy: targets of shape {tuple(targets.shape)} do not match hidden states of "
@@ -386,9 +324,8 @@ def _is_dtensor(tensor: Tensor) -> bool:
 
 
 def _vocab_parallel_operands(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, _VocabShard]:
-    """The local operands of a vocabulary-parallel loss: the hidden states of every position (gathered from their
-    sequence shards; their gradient is a partial sum, reduce-scattered back by DTensor's backward), this rank's
-    rows of the head weight, and where those rows start."""
+    """The hidden states of every position (gathered; their gradient is reduce-scattered back by DTensor's
+    backward), this rank's rows of the head weight, and where those rows start."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     mesh = weight.device_mesh

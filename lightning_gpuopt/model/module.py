@@ -39,17 +39,11 @@ def _tensor_parallel_size(mesh: Any) -> int:
 
 
 class GPTModule(pl.LightningModule):
-    """Trains a :class:`~lightning_gpuopt.model.GPT` language model.
+    """Trains, evaluates and samples a :class:`~lightning_gpuopt.model.GPT` on ``(input_ids, targets)`` batches (B, T).
 
-    Batches are ``(input_ids, targets)`` pairs of shape (B, T), as ``TextDataModule`` yields them.
-    Logs ``{stage}/loss`` and ``{stage}/ppl`` (perplexity) for ``train``, ``val`` and ``test``;
-    ``val``/``test`` perplexity is the exponential of the token-weighted mean loss over the whole
-    split (torchmetrics ``MeanMetric``, synchronised across processes).
-
-    The loss is computed from the final hidden states and the head weight together, in chunks
-    (``loss_impl``), so the (B, T, vocab) logits never exist in float32. Training steps that do not
-    log never wait for the GPU: ``train/loss`` reaches the logger at ``log_every_n_steps`` and the
-    progress bar shows the loss of the last logged step.
+    Logs ``{stage}/loss`` and ``{stage}/ppl`` for ``train``, ``val`` and ``test`` (val/test perplexity: exp of the
+    token-weighted mean loss over the split). Training steps that do not log never wait for the GPU. The GPT is
+    built in ``configure_model``; outside a Trainer, call ``module.configure_model()`` before ``module.model``.
 
     Example::
 
@@ -58,11 +52,10 @@ class GPTModule(pl.LightningModule):
         trainer.fit(module, datamodule=TextDataModule(block_size=1024, vocab_size=8192))
 
     Args:
-        preset: Name of a ``GPTConfig`` preset: ``tiny``, ``124m``, ``175m``, ``355m``, ``774m``, ``1.5b``
-            (GPT-2 style), ``llama-tiny``, ``llama-1b``, ``llama-3b``, ``llama-8b``, ``llama-70b`` (Llama 3 shapes).
-        vocab_size: Tokenizer vocabulary size (the ``gpuopt`` CLI links it from the data).
-            ``None`` keeps the preset's.
-        block_size: Context length; ``None`` keeps the preset's.
+        preset: A ``GPTConfig`` preset: ``tiny``, ``124m`` ... ``1.5b`` (GPT-2 style), ``llama-tiny``, ``llama-1b``
+            ... ``llama-70b`` (Llama 3 shapes).
+        vocab_size: Tokenizer vocabulary size (the ``gpuopt`` CLI links it from the data); ``None``: the preset's.
+        block_size: Context length; ``None``: the preset's.
         n_layer: Override the preset's number of blocks.
         n_head: Override the preset's number of attention heads.
         n_embd: Override the preset's width.
@@ -76,29 +69,20 @@ class GPTModule(pl.LightningModule):
         warmup_steps: Linear warm-up steps; then cosine decay over the rest of training.
         min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
         compile: Compile the model with ``torch.compile`` in ``configure_model``.
-        compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None`` is the default mode. Under
-            FSDP2 the modes that record CUDA graphs run without them, with a warning (``model/compiling.py``).
-        compile_scope: ``"block"`` compiles each transformer block on its own (one graph shared by
-            all blocks: compile time does not grow with depth) and the loss kernel; ``"model"``
-            compiles the whole model as one graph (under FSDP2 each block instead, with a warning:
-            FSDP2's hooks break a whole-model graph at every block; see ``model/compiling.py``).
-        loss_impl: ``"auto"``/``"chunked"``, ``"liger"`` or ``"plain"``; see ``GPTConfig.loss_impl``.
-        loss_chunk_size: Tokens per chunk of the chunked loss; ``None``: from the vocabulary (see ``GPTConfig``).
+        compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None``: the default (under FSDP2 without
+            CUDA graphs, with a warning).
+        compile_scope: ``"block"``: each transformer block (one shared graph, compile time flat in depth) and the
+            loss kernel; ``"model"``: one whole-model graph (under FSDP2 each block instead, with a warning).
+        loss_impl: ``"auto"``/``"chunked"``, ``"liger"`` or ``"plain"`` (``GPTConfig.loss_impl``).
+        loss_chunk_size: Tokens per chunk of the chunked loss; ``None``: from the vocabulary.
         max_new_tokens: Tokens generated per prompt by ``predict_step``.
         temperature: Sampling temperature for ``predict_step`` (0 is greedy).
         top_k: Top-k sampling for ``predict_step``.
-        init_from: A checkpoint (a ``GPTModule``'s ``last.ckpt``, or any file :func:`~lightning_gpuopt.model.load_gpt`
-            reads) whose weights the GPT starts from, for fine-tuning: a new run, with a fresh optimizer and schedule.
-            Its architecture must be this module's (``gpuopt fit --model.init_from`` takes it from the file).
-
-    Note:
-        The ``GPT`` is built in ``configure_model`` (under the Trainer's init context, so precision
-        plugins and sharding strategies can shape it). Outside a Trainer, call
-        ``module.configure_model()`` before using ``module.model``.
+        init_from: A ``GPTModule`` checkpoint whose weights the GPT starts from (fine-tuning: a fresh optimizer and
+            schedule); its architecture must be this module's.
     """
 
-    LOGGED_METRICS = ("train/loss", "train/ppl", "val/loss", "val/ppl", "test/loss", "test/ppl")
-    """The metrics it logs, for a callback's ``monitor``."""
+    LOGGED_METRICS = ("train/loss", "train/ppl", "val/loss", "val/ppl", "test/loss", "test/ppl")  # for a monitor
 
     def __init__(
         self,
@@ -185,9 +169,8 @@ class GPTModule(pl.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Build the GPT; under ``ModelParallelStrategy`` split it over the ``tensor_parallel`` mesh when that has
-        more than one rank (``parallelize_gpt``), then shard it with FSDP2 over ``data_parallel`` (per block, then the
-        root; bf16 parameters when the precision is bf16); then compile it if asked."""
+        """Build the GPT, split it over the ``tensor_parallel`` mesh and shard it over ``data_parallel`` (under
+        ``ModelParallelStrategy``), then compile it if asked."""
         if self.model is not None:  # idempotent: Lightning may call it more than once
             return
         self.model = GPT(self.config)  # float8 layers are converted here, as it is assigned (Float8Precision)
@@ -205,8 +188,7 @@ class GPTModule(pl.LightningModule):
 
 
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
-        """bf16 under a bf16 precision (Lightning's or ``BF16Precision``) and under a float8 one computing the
-        rest in bf16 (``Float8Precision``: its float8 layers gather in float8 or bf16), else keep float32."""
+        """bf16 under a bf16 precision, or a float8 one computing the rest in bf16; else ``None`` (float32)."""
         if attached_trainer(self) is None:
             return None
         plugin = self.trainer.precision_plugin
@@ -300,13 +282,9 @@ class GPTModule(pl.LightningModule):
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        """Continue each prompt in ``batch`` (token ids (B, T), or a tuple whose first item is); or, given a
-        :class:`~lightning_gpuopt.model.batched_generation.GenerationJob`, generate its prompts of any lengths with
-        continuous batching, handing each finished row to the job (returns ``{"completions": n, "tokens": t}``).
-
-        ``max_new_tokens`` must leave the prompt a token of the context; a prompt longer than ``block_size -
-        max_new_tokens`` is generated from its last tokens, with a warning.
-        """
+        """Continue each prompt of ``batch`` (token ids (B, T), or a tuple whose first item is), from its last tokens
+        where it is too long (with a warning); or run a :class:`GenerationJob` with continuous batching, handing each
+        finished row to it (returns ``{"completions": n, "tokens": t}``)."""
         if isinstance(batch, GenerationJob):
             return self._generate_job(batch)
         idx = batch[0] if isinstance(batch, (tuple, list)) else batch

@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim import AdamW, Optimizer
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
+from lightning_gpuopt.option_checks import check_int, check_number
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
 
 __all__ = ["build_adamw", "schedule_length", "warmup_cosine_schedule"]
@@ -24,26 +25,16 @@ def build_adamw(
     fused: bool | None = None,
     device_facts: DeviceFacts | None = None,
 ) -> AdamW:
-    """AdamW with weight decay on matrices and embeddings (params with >= 2 dims) only.
-
-    Biases and LayerNorm gains are not decayed, as in GPT-2/3 training.
+    """AdamW with weight decay on matrices and embeddings only (params with >= 2 dims; as in GPT-2/3 training).
 
     Example::
 
         optimizer = build_adamw(model, lr=6e-4, fused=True)
 
     Args:
-        model: Module whose trainable parameters are optimised.
         lr: Peak learning rate.
-        weight_decay: Decoupled weight decay for params with >= 2 dims.
-        betas: Adam betas.
-        eps: Adam epsilon.
-        fused: Use the fused kernel; ``None`` chooses it where it is the faster one
-            (``DeviceFacts.fused_adamw``: on CUDA) for the device the parameters are on.
-        device_facts: The facts of that device (in a fit, ``training_device(trainer)``); ``None`` reads them.
-
-    Raises:
-        ValueError: No trainable parameters, or float16 ones with an ``eps`` that float16 rounds to zero.
+        fused: Use the fused kernel; ``None``: where it is the faster one (``DeviceFacts.fused_adamw``: on CUDA).
+        device_facts: The facts of the parameters' device (in a fit, ``training_device(trainer)``); ``None`` reads them.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -73,10 +64,8 @@ def build_adamw(
 def warmup_cosine_schedule(
     optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
 ) -> LRScheduler:
-    """Linear warm-up from ~0 to the peak LR over ``warmup_steps``, then cosine decay to
-    ``min_lr_ratio`` × peak at ``total_steps``; built from ``torch.optim.lr_scheduler``.
-
-    Step it once per optimizer step.
+    """Linear warm-up from ~0 to the peak LR over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` × peak at
+    ``total_steps``; step it once per optimizer step.
 
     Example::
 
@@ -84,16 +73,12 @@ def warmup_cosine_schedule(
 
     Args:
         optimizer: Optimizer whose groups' ``lr`` is the peak LR.
-        warmup_steps: Steps of linear warm-up (0 for none); must not exceed ``total_steps``.
-        total_steps: Length of the whole schedule in optimizer steps.
-        min_lr_ratio: Final LR as a fraction of the peak.
+        warmup_steps: Steps of linear warm-up (0 for none), at most ``total_steps``.
     """
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1, got {total_steps}.")
-    if not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}.")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}.")
+    own = "warmup_cosine_schedule"
+    check_int(own, "total_steps", total_steps, minimum=1)
+    check_number(own, "warmup_steps", warmup_steps, low=0, high=total_steps, hint=" (at most total_steps)")
+    check_number(own, "min_lr_ratio", min_lr_ratio, low=0, high=1)
     peak = optimizer.param_groups[0]["lr"]
     cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=peak * min_lr_ratio)
     if warmup_steps == 0:
@@ -104,9 +89,8 @@ def warmup_cosine_schedule(
 
 
 def schedule_length(estimated_steps: float, warmup_steps: int, warn: Any = None) -> tuple[int, int]:
-    """``(warmup, total)`` optimizer steps of the LR schedule, from the Trainer's estimate of the run's length.
-
-    Warm-up longer than the run is cut to the run's length, with a warning naming the fix.
+    """``(warmup, total)`` optimizer steps of the LR schedule, from the Trainer's estimate of the run's length; a
+    warm-up longer than the run is cut to it, with a warning naming the fix.
 
     Example::
 
@@ -114,12 +98,8 @@ def schedule_length(estimated_steps: float, warmup_steps: int, warn: Any = None)
         ((100, 1000), (50, 50))
 
     Args:
-        estimated_steps: ``trainer.estimated_stepping_batches`` (infinite without a run length).
-        warmup_steps: ``GPTModule.warmup_steps``.
+        estimated_steps: ``trainer.estimated_stepping_batches`` (infinite without a run length: an error).
         warn: Called with the warning text when warm-up is cut (``None``: no warning).
-
-    Raises:
-        ValueError: The run has no finite length, naming the Trainer options to set.
     """
     if not math.isfinite(estimated_steps):
         raise ValueError("GPTModule's LR schedule needs a finite run length: set trainer.max_steps (or max_epochs).")

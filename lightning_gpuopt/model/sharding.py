@@ -1,19 +1,8 @@
 """How the GPT is sharded with FSDP2: ``fully_shard`` each transformer block, then the root.
 
-The sharding plan belongs to the model (as torchtitan keeps ``parallelize`` beside each model), so
-``GPTModule.configure_model`` applies it without importing the strategies; ``shard_gpt`` stays
-importable from ``lightning_gpuopt.strategies`` too.
-
-Design note: sharding per block lets FSDP2 all-gather one block's parameters just before it runs
-and free them after (``reshard_after_forward``), so the peak holds one block's full weights, not
-the whole model's. The root wrap holds what is left: the embeddings, the final norm and the
-output head (tied to the token embedding, so one parameter). An untied token embedding (Llama 3.1 8B
-and 70B: 0.5 and 1 billion parameters) is sharded on its own instead, as torchtitan does: it is used
-first in the forward and its gradient comes last, so it is gathered around its own lookup and freed
-after, not held with the root from forward to backward. Activation checkpointing wraps the
-sharded block in ``GPT.forward`` (non-reentrant ``torch.utils.checkpoint``), which FSDP2 supports.
-``torch.compile`` must come after this, so the compiled graph sees the sharded parameters.
-"""
+Per block, so the peak holds one block's gathered weights; an untied token embedding on its own, as
+torchtitan does (it is used first and its gradient comes last). The plan lives with the model so
+``GPTModule.configure_model`` applies it without importing the strategies. ``torch.compile`` comes after."""
 
 from __future__ import annotations
 
@@ -27,7 +16,7 @@ __all__ = ["shard_gpt"]
 
 
 def shard_gpt(model: GPT, mesh, param_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True) -> GPT:
-    """Apply FSDP2 (``torch.distributed.fsdp.fully_shard``) to every block of ``model``, then to the root.
+    """Apply FSDP2 (``fully_shard``) to every block of ``model``, then to the root, over the data-parallel ``mesh``.
 
     Example::
 
@@ -35,13 +24,9 @@ def shard_gpt(model: GPT, mesh, param_dtype: Optional[torch.dtype] = None, resha
         shard_gpt(self.model, self.device_mesh["data_parallel"], param_dtype=torch.bfloat16)
 
     Args:
-        model: The GPT, with real (or meta) parameters on this rank.
-        mesh: The data-parallel ``DeviceMesh`` to shard over.
-        param_dtype: Dtype parameters are all-gathered and computed in (FSDP2's
-            ``MixedPrecisionPolicy``); gradients are reduced in float32 and the sharded master
-            weights stay float32. ``None`` keeps the parameters' dtype.
-        reshard_after_forward: Free the gathered block weights after the forward (less memory,
-            one more all-gather in the backward).
+        param_dtype: Dtype parameters are gathered and computed in (gradients reduced and master weights kept in
+            float32); ``None`` keeps the parameters' dtype.
+        reshard_after_forward: Free the gathered block weights after the forward (less memory, one more all-gather).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

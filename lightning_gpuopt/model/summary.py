@@ -1,7 +1,4 @@
-"""Parameter counts and FLOPs of the presets, as the README's table shows them.
-
-Regenerate the README table with ``python -m lightning_gpuopt.model.summary``.
-"""
+"""Parameter counts and FLOPs of the presets: ``python -m lightning_gpuopt.model.summary`` prints the README's table."""
 
 from __future__ import annotations
 
@@ -14,15 +11,11 @@ __all__ = ["preset_table"]
 
 
 def preset_table(vocab_size: int = 50257, block_size: int = 1024) -> str:
-    """Markdown table of every preset's shape, parameter counts and training FLOPs per token.
-
-    Models are built on the meta device, so nothing is allocated. The GPT-2 presets are counted at
-    ``vocab_size`` and ``block_size``; the Llama presets at their own vocabulary (Llama 3's 128,256) and
-    context (8,192), the ``tiny`` ones at theirs.
+    """Markdown table of every preset's shape, parameter counts and training FLOPs per token (on the meta device).
 
     Args:
-        vocab_size: Vocabulary the GPT-2 counts assume (GPT-2's by default; padded to a multiple of 64).
-        block_size: Context length the GPT-2 counts and FLOPs assume.
+        vocab_size: Vocabulary the GPT-2 presets are counted at; the Llama and tiny presets keep their own.
+        block_size: Context length the GPT-2 presets are counted at.
     """
     rows = [
         "| preset | arch | n_layer | n_head | n_kv_head | n_embd | MLP width | tied head | vocabulary | context "

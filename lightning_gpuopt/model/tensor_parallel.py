@@ -1,36 +1,8 @@
 """How the Llama-style GPT is split by tensor parallelism: ``parallelize_gpt``, applied before FSDP2.
 
-The plan belongs to the model, as the FSDP2 one does (``model/sharding.py``); ``GPTModule.configure_model``
-applies it on the ``tensor_parallel`` mesh of Lightning's ``ModelParallelStrategy``, then FSDP2 on the
-``data_parallel`` mesh. Every piece is a parallel style of ``torch.distributed.tensor.parallel`` (or torchao's
-float8 versions of them); the only collectives the package writes for it are the loss's two row reductions
-(``model/loss.py``).
-
-Design note (Megatron-LM's split, Shoeybi et al. 2019, arXiv:1909.08053, with sequence parallelism from
-Korthikanti et al. 2022, arXiv:2205.05198; torchtitan's ``parallelize_llama`` applies the same to its Llama):
-
-* **Attention**: ``q_proj``, ``k_proj``, ``v_proj`` column-wise (each rank computes ``n_head / tp`` query and
-  ``n_kv_head / tp`` key/value heads: the attention counts its heads from the projections' outputs), ``c_proj``
-  row-wise. **SwiGLU**: ``gate_proj``, ``up_proj`` column-wise, ``c_proj`` row-wise. One all-gather before
-  each half of a block and one reduce-scatter after it, forward and backward.
-* **Sequence parallelism** between them: the residual stream, the dropout and the two RMSNorms of a block
-  hold ``T / tp`` positions per rank, so their activations are split ``tp`` ways too (the row-wise layers
-  reduce-scatter over the sequence instead of all-reducing).
-* **Embedding**: row-wise (by vocabulary), its output reduce-scattered over the sequence. **Output head**:
-  column-wise (by vocabulary): the training loss takes its rows as they are and never forms the logits of
-  the whole vocabulary on a rank (``model.loss``'s vocabulary-parallel chunked loss); a plain forward
-  (``model(idx)``) gathers the logits. A tied head is the embedding's weight: both are split by vocabulary
-  rows, so they stay one parameter.
-* **float8** (``Float8Precision``, tensorwise recipe): the layers it converted get torchao's float8 styles,
-  whose all-gathers move float8 (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
-  ``PrepareFloat8ModuleInput``); with the rowwise recipes they get the plain styles and gather in bf16,
-  as torchtitan does. So do all float8 layers on a backend without float8 collectives (gloo, on the CPU:
-  its all-gather of a float8 tensor fails with "Invalid scalar type"), said once.
-
-Only the Llama-style option set is split. GPT-2's fused ``c_attn`` (``q | k | v`` in one weight) cannot be:
-a column-wise split of it gives rank 0 all the queries and part of the keys, not whole heads of each.
-Generation (``generate``, a KV cache) is not planned for: sample from a checkpoint on one device.
-"""
+Megatron-LM's split with sequence parallelism, as torchtitan's ``parallelize_llama``, from the parallel styles of
+``torch.distributed.tensor.parallel`` (torchao's float8 ones where the collectives can move float8). The plan,
+and why GPT-2's fused ``c_attn`` is refused: ``docs/parallel.md`` ("The tensor-parallel plan")."""
 
 from __future__ import annotations
 
@@ -87,7 +59,7 @@ def check_tensor_parallel(config: GPTConfig, size: int) -> None:
 
 
 def _float8_tensorwise(layer: nn.Module) -> bool:
-    """A torchao ``Float8Linear`` with dynamic tensorwise scales: what torchao's float8 tensor-parallel styles take."""
+    """A torchao ``Float8Linear`` with dynamic tensorwise scales, which torchao's float8 tensor-parallel styles take."""
     if type(layer).__name__ != "Float8Linear":  # torchao is optional: imported only when a layer is its
         return False
     from torchao.float8.config import ScalingGranularity, ScalingType
@@ -120,8 +92,7 @@ def _rowwise(layer: nn.Module, float8: bool, **kwargs: Any) -> Any:
 
 
 def _gather_input(readers: list[nn.Module], float8: bool, layouts: tuple, desired: tuple) -> Any:
-    """Gathers a module's input from its sequence shards: cast to float8 before the all-gather when every layer
-    reading it is a tensorwise ``Float8Linear`` (one float8 all-gather for all of them), else as it is."""
+    """Gathers a module's input from its sequence shards, in float8 when every layer reading it is tensorwise float8."""
     if float8 and all(_float8_tensorwise(layer) for layer in readers):
         from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
 
@@ -143,7 +114,7 @@ def moves_float8(mesh: Any) -> bool:
 
 
 def parallelize_gpt(model: GPT, mesh: Any, float8_collectives: Optional[bool] = None) -> GPT:
-    """Split ``model`` (Llama style) over the tensor-parallel ``mesh``, in place (see the module's design note).
+    """Split ``model`` (Llama style) over the tensor-parallel ``mesh``, in place (``docs/parallel.md``).
 
     Example::
 
@@ -155,8 +126,8 @@ def parallelize_gpt(model: GPT, mesh: Any, float8_collectives: Optional[bool] = 
         model: The GPT, its float8 layers (if any) converted already; real or meta parameters.
         mesh: A one-dimensional ``DeviceMesh`` of the ranks that split each layer.
         float8_collectives: Give tensorwise float8 layers torchao's float8 styles, whose all-gathers move float8;
-            ``None``: where the mesh's backend can (:func:`moves_float8`: NCCL, not gloo). Otherwise the float8
-            layers still compute in float8 and their inputs are gathered in high precision, and this says so once.
+            ``None``: where the mesh's backend can (:func:`moves_float8`: NCCL, not gloo). Otherwise their inputs
+            are gathered in high precision, said once.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module

@@ -146,7 +146,7 @@ def test_bad_tokenizer_files(tmp_path, text_dir, cache_dir):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(vocab_size=100), "vocab_size must be at least 257"),
+        (dict(vocab_size=100), "vocab_size must be an integer >= 257, got 100"),
         (dict(block_size=0), "block_size must be an integer >= 1"),
         (dict(batch_size=2.5), "batch_size must be an integer >= 1"),
         (dict(val_fraction=0.6), r"val_fraction must be in \(0, 0.5\)"),

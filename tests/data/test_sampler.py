@@ -21,7 +21,7 @@ def test_stream_indices_split_ranks_and_resume_mid_epoch():
     ranks = [list(stream_indices(0, 10, start=3, rank=r, world_size=2)) for r in (0, 1)]
     assert ranks == [[3, 5, 7], [4, 6, 8]]
     assert [list(ResumableSampler(range(10), num_replicas=3, rank=r, start=4)) for r in range(3)] == [[4, 7], [5, 8], [6, 9]]
-    with pytest.raises(ValueError, match="start=-1"):
+    with pytest.raises(ValueError, match=r"ResumableSampler.start must be an integer >= 0, got -1"):
         ResumableSampler(range(10), start=-1)
 
 

@@ -164,7 +164,7 @@ def test_fit_to_context():
         ([Request([], 3, key="a")], {}, "Request 'a' has an empty prompt"),
         ([Request([1] * 30, 10, key="b")], {}, r"Request 'b': a prompt of 30 tokens and 10 new tokens do not fit in the model's context of 32"),
         ([Request([1], 3)], {"stop_sequences": [[]]}, "A stop sequence has no tokens"),
-        ([Request([1], 3)], {"batch_size": 0}, "batch_size must be >= 1"),
+        ([Request([1], 3)], {"batch_size": 0}, "generate_batched.batch_size must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_requests(requests, kwargs, match):

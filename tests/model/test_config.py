@@ -53,12 +53,12 @@ def test_presets_are_all_valid():
     "kwargs, match",
     [
         (dict(n_embd=100, n_head=12), "n_embd=100 is not divisible by n_head=12"),
-        (dict(n_layer=0), "n_layer must be a positive integer"),
-        (dict(n_head=-2), "n_head must be a positive integer"),
-        (dict(block_size=1.5), "block_size must be a positive integer"),
-        (dict(vocab_size=True), "vocab_size must be a positive integer"),
+        (dict(n_layer=0), "GPTConfig.n_layer must be an integer >= 1, got 0"),
+        (dict(n_head=-2), "n_head must be an integer >= 1, got -2"),
+        (dict(block_size=1.5), "block_size must be an integer >= 1, got 1.5"),
+        (dict(vocab_size=True), "vocab_size must be an integer >= 1, got True"),
         (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
-        (dict(attention="xformers"), "use 'sdpa'"),
+        (dict(attention="xformers"), "GPTConfig.attention must be 'sdpa' or 'flash-attn', got 'xformers'"),
     ],
 )
 def test_config_validation_names_the_field(kwargs, match):

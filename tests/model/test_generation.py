@@ -61,9 +61,9 @@ def test_top_k_restricts_choices():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_new_tokens=-1), "max_new_tokens must be >= 0"),
-        (dict(max_new_tokens=1, temperature=-0.5), "temperature must be >= 0"),
-        (dict(max_new_tokens=1, top_k=0), "top_k must be >= 1"),
+        (dict(max_new_tokens=-1), "generate.max_new_tokens must be an integer >= 0, got -1"),
+        (dict(max_new_tokens=1, temperature=-0.5), r"generate.temperature must be >= 0, got -0.5 \(0 is greedy\)"),
+        (dict(max_new_tokens=1, top_k=0), "generate.top_k must be an integer >= 1 or None, got 0"),
     ],
 )
 def test_generate_argument_errors(kwargs, match):

@@ -243,9 +243,9 @@ def test_llama_option_checks_name_the_fix():
     """More in tests/test_bad_inputs.py (unknown-arch, llama-option-on-gpt2, n-kv-head-not-dividing, ...)."""
     with pytest.raises(ValueError, match=r"GPTConfig.n_kv_head, rope_theta are options of the Llama-style .*leave them out"):
         GPTConfig(n_kv_head=2, rope_theta=1e4)
-    with pytest.raises(ValueError, match="rope_theta must be a positive number"):
+    with pytest.raises(ValueError, match="rope_theta must be > 0 or None, got 0"):
         llama(rope_theta=0)
-    with pytest.raises(ValueError, match="n_kv_head must be a positive integer or None"):
+    with pytest.raises(ValueError, match="n_kv_head must be an integer >= 1 or None, got 0"):
         llama(n_kv_head=0)
     assert GPTConfig(n_kv_head=12).n_kv_head == 12  # GPT-2's own head count is accepted
 

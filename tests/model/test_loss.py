@@ -255,8 +255,9 @@ def test_compiled_chunk_kernel_matches_eager():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(chunk_size=0), ValueError, "chunk_size must be >= 1"),
-        (dict(impl="fused"), ValueError, "loss_impl='fused' is not one of"),
+        (dict(chunk_size=0), ValueError, "linear_cross_entropy.chunk_size must be an integer >= 1 or None, got 0"),
+        (dict(impl="fused"), ValueError,
+         "linear_cross_entropy.impl must be 'auto', 'chunked', 'liger' or 'plain', got 'fused'"),
         (dict(impl="liger"), ValueError, "CUDA only.*loss_impl='chunked'"),
     ],
 )
@@ -315,9 +316,9 @@ def test_a_replaced_head_is_called_not_bypassed():
 
 
 def test_config_refuses_an_unknown_loss_impl():
-    with pytest.raises(ValueError, match="GPTConfig.loss_impl='fused' is not supported"):
+    with pytest.raises(ValueError, match="GPTConfig.loss_impl must be 'auto', 'chunked', 'liger' or 'plain', got"):
         GPTConfig(loss_impl="fused")
-    with pytest.raises(ValueError, match="GPTConfig.loss_chunk_size must be a positive integer"):
+    with pytest.raises(ValueError, match="GPTConfig.loss_chunk_size must be an integer >= 1 or None"):
         GPTConfig(loss_chunk_size=0)
 
 
@@ -362,7 +363,7 @@ def test_liger_loss_matches_cross_entropy_under_tritons_interpreter():
 
 @pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch's own linear_cross_entropy needs torch >= 2.13")
 def test_the_reasons_torchs_own_linear_cross_entropy_is_not_used_still_hold():
-    """model/loss.py's design note keeps the chunked loss because torch's own is not exact in bf16 and fp16.
+    """docs/model.md ("The loss") keeps the chunked loss because torch's own is not exact in bf16 and fp16.
 
     If this test fails, torch has fixed what the note names: measure again and reconsider."""
     g = torch.Generator().manual_seed(0)

@@ -56,8 +56,8 @@ def test_schedule_without_warmup_starts_at_peak():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(warmup_steps=5, total_steps=0), "total_steps must be >= 1"),
-        (dict(warmup_steps=11, total_steps=10), r"warmup_steps must be in \[0, total_steps=10\]"),
+        (dict(warmup_steps=5, total_steps=0), "total_steps must be an integer >= 1"),
+        (dict(warmup_steps=11, total_steps=10), r"warmup_steps must be in \[0, 10\], got 11 \(at most total_steps\)"),
         (dict(warmup_steps=1, total_steps=10, min_lr_ratio=2.0), r"min_lr_ratio must be in \[0, 1\]"),
     ],
 )
