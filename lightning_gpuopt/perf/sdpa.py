@@ -25,7 +25,9 @@ __all__ = [
 ]
 
 # Our backend names -> torch.nn.attention.SDPBackend members, and -> torch.backends.cuda.enable_<name>_sdp().
-SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+SDPA_BACKENDS = {
+    "cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"
+}
 SDPA_FLAGS = {"cudnn": "cudnn", "flash": "flash", "efficient": "mem_efficient", "math": "math"}
 
 # cuDNN attention first on Hopper and Blackwell (compute capability 9.x, 10.x) with a recent cuDNN; the
