@@ -1,16 +1,8 @@
 """Every private name of another library that this package touches goes through this module.
 
-Lightning has no public API for a few things we need: running a hidden training step, redoing a
-step with a smaller micro-batch, saving from one rank alone. torch keeps the SDPA priority order,
-the kernel choice, the allocator settings and a ``GradScaler``'s per-optimizer state private;
-jsonargparse its parser's options; the standard library the refresh of the warning filters. Each
-function here touches one or two such names, all listed in :data:`TOUCHED`;
-:func:`missing_internals` checks them, and ``AutoBatchSize`` and ``ExactResume(rebuild_loaders=True)``
-call :func:`require_internals` at setup, so an upgrade that renames one fails at the start of
-``fit``, naming it (``tests/test_internals.py`` runs the check, and each function in a real fit).
-Used elsewhere, and tested there: ``GPTCLI`` overrides ``LightningCLI._parse_ckpt_path``, its parser
-jsonargparse's ``_add_signature_parameter``, and ``ResumedRichProgressBar`` ``RichProgressBar._get_train_description``.
-Written against Lightning 2.6 (2.6.0 to 2.6.6 read) and torch 2.11 to 2.13.
+Each function touches one or two such names, all listed in :data:`TOUCHED`; :func:`require_internals`
+checks them at setup, so an upgrade that renames one fails at the start of ``fit``, naming it. Written
+against Lightning 2.6 (2.6.0 to 2.6.6 read) and torch 2.11 to 2.13.
 """
 
 from __future__ import annotations
@@ -174,15 +166,7 @@ def _library_roots() -> dict[str, Any]:
 
 
 def missing_internals(trainer: pl.Trainer) -> list[str]:
-    """The names of :data:`TOUCHED` that this Lightning does not have (``[]`` when all are there).
-
-    Example::
-
-        assert missing_internals(pl.Trainer()) == []
-
-    Args:
-        trainer: Any Trainer (it need not have run).
-    """
+    """The names of :data:`TOUCHED` that this Lightning does not have (``[]`` when all are there)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     roots = {"trainer": trainer, "module": pl.LightningModule(), "checkpoint": ModelCheckpoint(), **_library_roots()}
@@ -197,16 +181,7 @@ def missing_internals(trainer: pl.Trainer) -> list[str]:
 
 
 def require_internals(trainer: pl.Trainer, who: str) -> None:
-    """Raise, naming them, if any of :data:`TOUCHED` is missing in this Lightning.
-
-    Example::
-
-        require_internals(trainer, "AutoBatchSize")
-
-    Args:
-        trainer: The Trainer about to fit.
-        who: The piece that needs them, for the message.
-    """
+    """Raise, naming them, if any of :data:`TOUCHED` is missing; ``who`` is the piece that needs them."""
     missing = missing_internals(trainer)
     if missing:
         raise RuntimeError(
@@ -222,12 +197,7 @@ def _gone(name: str) -> str:
 
 
 def sigterm_notice_logger() -> logging.Logger:
-    """The logger of Lightning's "Received SIGTERM: 15" line: its signal connector's module logger.
-
-    Example::
-
-        sigterm_notice_logger().addFilter(drop)  # SigtermCheckpoint: a Ctrl-C it turned into a SIGTERM says so itself
-    """
+    """The logger of Lightning's "Received SIGTERM: 15" line: its signal connector's module logger."""
     from lightning.pytorch.trainer.connectors import signal_connector
 
     return signal_connector.log
@@ -236,17 +206,8 @@ def sigterm_notice_logger() -> logging.Logger:
 def show_in_progress_bar(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
     """Show plain numbers in the progress bar until they are replaced.
 
-    ``LightningModule.log(..., prog_bar=True)`` stores device tensors that the progress bar
-    converts with ``.item()`` on every refresh: one host-device synchronisation per training batch.
-    Numbers written here are already on the host.
-
-    Example::
-
-        show_in_progress_bar(trainer, {"loss": 2.31, "tok/s": 512000})
-
-    Args:
-        trainer: The running Trainer.
-        metrics: Names and plain ``int``/``float`` values.
+    ``self.log(..., prog_bar=True)`` stores device tensors that the bar reads with ``.item()`` on every
+    refresh, a host-device sync per batch; these are already on the host.
     """
     bar = getattr(getattr(trainer, "_logger_connector", None), "_progress_bar_metrics", None)
     if not isinstance(bar, dict):
@@ -262,15 +223,8 @@ def _data_source(trainer: pl.Trainer) -> Any:
 
 
 def wrap_train_dataloader(trainer: pl.Trainer, wrap: Callable[[Any], Any]) -> Callable[[], None]:
-    """Make the training loaders pass through ``wrap(loaders) -> loaders`` when Lightning builds them.
-
-    Returns a function that undoes it. Lightning builds the loaders in ``fit_loop.setup_data()``,
-    after the ``setup`` hooks and before it starts iterating, so a callback calls this in ``setup``.
-
-    Example::
-
-        undo = wrap_train_dataloader(trainer, lambda loaders: loaders)
-    """
+    """Make the training loaders pass through ``wrap(loaders) -> loaders`` when Lightning builds them (in
+    ``fit_loop.setup_data()``, after the ``setup`` hooks); returns a function that undoes it."""
     source = _data_source(trainer)
     original = source.dataloader
     source.dataloader = lambda: wrap(original())
@@ -310,12 +264,7 @@ def wrap_epoch_advance(
     trainer: pl.Trainer, wrapper: Callable[[Callable[[Any], None], Any], None]
 ) -> Callable[[], None]:
     """Run each training batch as ``wrapper(advance, data_fetcher)``, where ``advance(data_fetcher)``
-    is Lightning's own; returns a function that undoes it.
-
-    Example::
-
-        undo = wrap_epoch_advance(trainer, lambda advance, fetcher: advance(fetcher))
-    """
+    is Lightning's own; returns a function that undoes it."""
     epoch_loop = trainer.fit_loop.epoch_loop
     original = epoch_loop.advance
     epoch_loop.advance = lambda data_fetcher: wrapper(original, data_fetcher)
@@ -386,12 +335,7 @@ def last_batch_ready(trainer: pl.Trainer) -> bool:
 
 def data_parallel_ranks(trainer: pl.Trainer) -> tuple[int, int]:
     """``(num_replicas, rank)`` of the samplers Lightning gives training loaders: ``(1, 0)`` on one
-    device or with ``Trainer(use_distributed_sampler=False)`` (each rank reads the whole dataset).
-
-    Example::
-
-        replicas, rank = data_parallel_ranks(trainer)  # (8, 3) on rank 3 of 8 under DDP
-    """
+    device or with ``Trainer(use_distributed_sampler=False)`` (each rank reads the whole dataset)."""
     if not trainer._accelerator_connector.use_distributed_sampler:
         return 1, 0
     return data_parallel_size(trainer), data_parallel_rank(trainer)
@@ -475,8 +419,7 @@ def reparametrize_module(model: torch.nn.Module, params: dict[str, torch.Tensor]
     return torch.nn.utils.stateless._reparametrize_module(model, params, tie_weights=True)
 
 
-COMPILED_PREFIX = "_orig_mod."
-"""What ``torch.compile``'s wrapper puts before its module's names (state-dict keys, module names)."""
+COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before its module's names (state-dict keys)
 
 
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
@@ -556,17 +499,9 @@ def parser_options(parser: Any) -> list[str]:
     return [a.dest for a in parser._actions if a.dest and a.dest != "help"]
 
 
-# the standard library
-
-
 def parse_whole_lists(parser: Any, dest: str, is_default: Callable[[Any], bool]) -> None:
-    """A whole list given for ``dest`` (by a config file, a flag or the environment) over the value ``is_default``
-    accepts is parsed as if that value were not there, as a parser without that default parses it.
-
-    jsonargparse parses a list over an earlier list of the same length item by item, each on the earlier item: a
-    class path of one with the ``init_args`` of the other that it accepts. ``+=`` still appends to the default, and
-    ``--dest.option`` still sets an option of its last item.
-    """
+    """A whole list given for ``dest`` over the value ``is_default`` accepts is parsed as if that value were
+    not there (jsonargparse would parse it item by item over the earlier list); ``+=`` still appends."""
     action = next(a for a in parser._actions if a.dest == dest)
     check = action._check_type_
 
@@ -579,6 +514,9 @@ def parse_whole_lists(parser: Any, dest: str, is_default: Callable[[Any], bool])
         return check(value, **kwargs)
 
     action._check_type_ = check_whole
+
+
+# the standard library
 
 
 def warning_filters_changed() -> None:

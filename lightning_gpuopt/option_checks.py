@@ -1,26 +1,24 @@
 """Small checks every public class uses on its own options, in its constructor, with one style of message.
 
-Each raises a ``ValueError`` that names the option as ``Owner.name``, the range it must be in, and
-the value it got, before any data is prepared or any step runs::
+Each raises a ``ValueError`` naming the option as ``Owner.name``, what it must be, and what it got,
+before any work::
 
-    check_number("GPTModule", "learning_rate", learning_rate, low=0, low_open=True)
     check_int("AutoBatchSize", "max_micro_batch_size", value, minimum=1, optional=True)
-    check_choice("NonFiniteGuard", "policy", policy, ("skip", "stop"))
 
-A message that names a fix names it in the form the user writes it, through :func:`option`: the Python
-argument (``AutoBatchSize(max_micro_batch_size=64)``), or inside the ``gpuopt`` command (which runs in
-:func:`command_line_options`) its option (``--model.learning_rate``, or the callback's ``init_args`` in
-``trainer.callbacks``).
+A message that names a fix names it as the user writes it (:func:`option`): the Python argument, or
+inside the ``gpuopt`` command (:func:`command_line_options`) its option.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
-__all__ = ["check_choice", "check_int", "check_number", "command_line_options", "from_command_line", "option"]
+__all__ = ["check_bool", "check_choice", "check_file_name", "check_int", "check_names", "check_number",
+           "command_line_options", "from_command_line", "option"]
 
 # Where the gpuopt command takes each class's options: a group of its own, else a list of trainer.*.
 _GROUPS = {"GPTModule": "model", "GPTConfig": "model", "TextDataModule": "data", "Trainer": "trainer",
@@ -41,16 +39,12 @@ def command_line_options() -> Iterator[None]:
 
 
 def from_command_line() -> bool:
-    """Whether this runs inside the ``gpuopt`` command (:func:`command_line_options`): for the few fixes that are not
-    an option there at all."""
+    """Whether this runs inside the ``gpuopt`` command: for the few fixes that are not an option there at all."""
     return _command_line
 
 
 def option(owner: str, name: str, value: Any = ...) -> str:
     """The option ``name`` of the class ``owner`` (set to ``value``), as the user writes it here.
-
-    In Python, the constructor argument; in the ``gpuopt`` command (:func:`command_line_options`), the
-    flag of the class's group, or for a callback or plugin the ``init_args`` of its entry in the list.
 
     Example::
 
@@ -58,11 +52,6 @@ def option(owner: str, name: str, value: Any = ...) -> str:
         # Python:  "AutoBatchSize(max_micro_batch_size=64)"
         # gpuopt:  "init_args: {max_micro_batch_size: 64} of AutoBatchSize in trainer.callbacks"
         option("GPTModule", "learning_rate")  # "GPTModule(learning_rate=...)" / "--model.learning_rate"
-
-    Args:
-        owner: The class, as users write it.
-        name: The option.
-        value: The value to name (left out: the option alone).
     """
     if not _command_line:
         return f"{owner}({name}={'...' if value is ... else repr(value)})"
@@ -116,11 +105,8 @@ def check_number(
         # ValueError: GPTModule.weight_decay must be >= 0, got -1.0: a negative decay makes the weights grow.
 
     Args:
-        owner: The class, as users write it.
-        name: The option.
-        value: What was given.
-        low: Lowest allowed value (``None``: no bound); ``low_open`` leaves ``low`` itself out.
-        high: Highest allowed value (``None``: no bound); ``high_open`` leaves ``high`` itself out.
+        owner, name: The class as users write it, and the option.
+        low, high: Bounds (``None``: none); ``low_open``/``high_open`` leave the bound itself out.
         optional: ``None`` is allowed.
         hint: Appended to the message (the fix, or what the option means).
     """
@@ -137,13 +123,8 @@ def check_number(
 
 
 def check_int(owner: str, name: str, value: Any, *, minimum: int, optional: bool = False, hint: str = "") -> None:
-    """Raise unless ``value`` is an integer >= ``minimum`` (``None`` too when ``optional``).
-
-    Example::
-
-        check_int("GPTModule", "max_new_tokens", 0, minimum=1)
-        # ValueError: GPTModule.max_new_tokens must be an integer >= 1, got 0.
-    """
+    """Raise unless ``value`` is an integer >= ``minimum`` (``None`` too when ``optional``):
+    ``GPTModule.max_new_tokens must be an integer >= 1, got 0.``"""
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -152,15 +133,34 @@ def check_int(owner: str, name: str, value: Any, *, minimum: int, optional: bool
         )
 
 
-def check_choice(owner: str, name: str, value: Any, choices: Sequence[Any], hint: str = "") -> None:
-    """Raise unless ``value`` is one of ``choices``.
+def check_choice(
+    owner: str, name: str, value: Any, choices: Sequence[Any], hint: str = "", optional: bool = False
+) -> None:
+    """Raise unless ``value`` is one of ``choices`` (``None`` too when ``optional``):
+    ``NonFiniteGuard.mode must be 'auto', 'step' or 'deferred', got 'lazy'.``"""
+    if (optional and value is None) or value in choices:
+        return
+    names = [repr(c) for c in choices] + (["None"] if optional else [])
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    raise ValueError(f"{owner}.{name} must be {listed}, got {value!r}{hint}.")
 
-    Example::
 
-        check_choice("NonFiniteGuard", "mode", "lazy", ("auto", "step", "deferred"))
-        # ValueError: NonFiniteGuard.mode must be 'auto', 'step' or 'deferred', got 'lazy'.
-    """
-    if value not in choices:
-        names = [repr(c) for c in choices]
-        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-        raise ValueError(f"{owner}.{name} must be {listed}, got {value!r}{hint}.")
+def check_bool(owner: str, name: str, value: Any) -> None:
+    """Raise unless ``value`` is ``True`` or ``False`` (not ``1``, not ``"yes"``)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be True or False, got {value!r}.")
+
+
+def check_names(owner: str, name: str, value: Any, choices: Sequence[str]) -> None:
+    """Raise unless ``value`` is a non-empty list of distinct names from ``choices``."""
+    names = list(value) if isinstance(value, Iterable) and not isinstance(value, str) else None
+    if not names or any(n not in choices for n in names) or len(set(names)) != len(names):
+        raise ValueError(
+            f"{owner}.{name} must be a non-empty list of distinct names from {list(choices)}, got {value!r}."
+        )
+
+
+def check_file_name(owner: str, name: str, value: Any) -> None:
+    """Raise unless ``value`` is a plain file name: not empty, no folder in it."""
+    if not value or not isinstance(value, str) or os.sep in value:
+        raise ValueError(f"{owner}.{name} must be a plain file name, got {value!r}.")

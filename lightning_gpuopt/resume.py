@@ -1,17 +1,8 @@
 """Plain functions behind exact resume: RNG snapshots, and rolling a checkpoint back to a step boundary.
 
-Design note: a checkpoint holds weights, optimizer and scheduler state as of the last optimizer
-step, but Lightning may write it mid-accumulation (a SIGTERM, an exception, a save in
-``on_train_batch_end``), when some micro-batches of the next step have already run. Their
-gradients are not in the checkpoint, so the only exact resume is to replay that step from its first
-micro-batch: the loop counters, the data position and the RNG states in the checkpoint are rolled
-back to the step boundary. ``ExactResume`` (a callback) applies these functions; they take plain
-values so they can be tested without a Trainer.
-
-A checkpoint written during an in-fit validation (``SigtermCheckpoint`` on a SIGTERM) holds the training
-counters of the step that validation follows, so Lightning resumes after it and never runs the
-validation: :func:`restart_interrupted_validation` marks it unfinished, and Lightning runs it again
-before the next training batch.
+A checkpoint written mid-accumulation lacks the gradients of the step's first micro-batches, so the
+only exact resume replays that step: its loop counters, data position and RNG states go back to the
+step boundary. They take plain values, so they are tested without a Trainer.
 """
 
 from __future__ import annotations
@@ -36,16 +27,8 @@ __all__ = [
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """This process's torch (CPU and every CUDA device), numpy and Python RNG states.
-
-    Only tensors and primitive types, so a checkpoint holding it loads with ``weights_only=True``.
-
-    Example::
-
-        state = capture_rng_state()
-        torch.rand(3)
-        restore_rng_state(state)  # the next torch.rand(3) repeats
-    """
+    """This process's torch (CPU and every CUDA device), numpy and Python RNG states, as tensors and primitive
+    types (a checkpoint holding it loads with ``weights_only=True``)."""
     np_state = np.random.get_state(legacy=False)
     version, mt, gauss = random.getstate()
     state: dict[str, Any] = {
@@ -65,11 +48,7 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Put back the RNG states of :func:`capture_rng_state`.
-
-    Args:
-        state: What ``capture_rng_state`` returned (possibly after a checkpoint round trip).
-    """
+    """Put back the RNG states of :func:`capture_rng_state` (possibly after a checkpoint round trip)."""
     torch.set_rng_state(state["torch"])
     np_state = state["numpy"]
     np.random.set_state({
@@ -87,18 +66,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 def step_boundary(trainer: pl.Trainer) -> int:
     """Training batches of this epoch up to the end of the last optimizer step.
 
-    Counted from Lightning's ``processed`` batches (forward, backward and, when due, the optimizer
-    step finished), so it is right wherever the count is taken: between batches, in
-    ``on_train_batch_end``, or after an exception inside a batch (that batch is not processed).
-    Lightning aligns accumulation windows with the epoch's batch index and always steps on the
-    epoch's last batch.
-
-    Example::
-
-        boundary = step_boundary(trainer)  # 4 after batches 0-4 with accumulate_grad_batches=2
-
-    Args:
-        trainer: A Trainer in (or just after) ``fit``.
+    Counted from Lightning's ``processed`` batches, so it is right between batches, in
+    ``on_train_batch_end`` and after an exception inside a batch; Lightning aligns accumulation windows
+    with the epoch's batch index and always steps on the epoch's last batch.
     """
     progress = batch_counters(trainer)
     done = progress.processed
@@ -110,33 +80,18 @@ def step_boundary(trainer: pl.Trainer) -> int:
 
 
 def microbatches_since_step(trainer: pl.Trainer) -> int:
-    """Micro-batches of this epoch processed since the last optimizer step (0 at a step boundary).
-
-    Args:
-        trainer: A Trainer in (or just after) ``fit``.
-    """
+    """Micro-batches of this epoch processed since the last optimizer step (0 at a step boundary)."""
     return batch_counters(trainer).processed - step_boundary(trainer)
 
 
 def rollback_fit_loop_state(fit_loop_state: dict[str, Any], boundary: int) -> None:
-    """Roll the fit loop's saved progress back to ``boundary`` batches of the epoch (a step boundary).
+    """Roll the fit loop's saved progress (``checkpoint["loops"]["fit_loop"]``) back, in place, to ``boundary``
+    batches of the epoch (:func:`step_boundary`).
 
-    The batch counters (``ready``/``started``/``processed``/``completed``, total and current) all
-    become the boundary's count, a state Lightning resumes from as "restarted after the last
-    batch": the next batch is the first micro-batch of the interrupted step. ``zero_grad`` counters
-    are set to the optimizer-step count they equal at a boundary. Changes ``fit_loop_state`` in
-    place; applying it twice changes nothing more, a contract its callers rely on (``AutoBatchSize``'s
-    emergency save and ``ExactResume.on_save_checkpoint`` may both roll back the same checkpoint). When no batch was processed past the boundary,
-    only the counters of a batch that was started but not processed (an exception inside it) are
-    lowered to the processed count.
-
-    Example::
-
-        rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], step_boundary(trainer))
-
-    Args:
-        fit_loop_state: ``checkpoint["loops"]["fit_loop"]``.
-        boundary: Batches of the current epoch up to the last optimizer step (:func:`step_boundary`).
+    The batch counters all become the boundary's count, which Lightning resumes from as "restarted after
+    the last batch", and ``zero_grad`` the optimizer-step count; with nothing processed past the boundary,
+    only a started but unprocessed batch (an exception inside it) is undone. Applying it twice changes
+    nothing more: ``AutoBatchSize``'s emergency save and ``ExactResume`` may both roll back one checkpoint.
     """
     batches = fit_loop_state["epoch_loop.batch_progress"]
     processed = batches["current"]["processed"]
@@ -163,21 +118,10 @@ def rollback_fit_loop_state(fit_loop_state: dict[str, Any], boundary: int) -> No
 def restart_interrupted_validation(fit_loop_state: dict[str, Any]) -> None:
     """Mark the in-fit validation a checkpoint was written during as unfinished, so a resume runs it again.
 
-    The validation's counters are set back to its start, with one batch fetched and started but not
-    processed: Lightning's "restarted mid-evaluation" state, in which a resumed ``fit`` runs the
-    validation (from its first batch, as the other counters say none was completed) before the next
-    training batch, and logs its metrics at the step it belongs to. Lightning's restart leaves the
-    epoch's total one batch ahead of the completed ones; the resumed run puts it back
-    (:func:`~lightning_gpuopt.internals.settle_validation_counters`) so a later checkpoint of the
-    same epoch does not look interrupted. Changes ``fit_loop_state`` in place; applying it twice
-    changes nothing more.
-
-    Example::
-
-        restart_interrupted_validation(checkpoint["loops"]["fit_loop"])
-
-    Args:
-        fit_loop_state: ``checkpoint["loops"]["fit_loop"]`` of a checkpoint written inside a validation of ``fit``.
+    Its counters go back to its start with one batch fetched but not processed: Lightning's "restarted
+    mid-evaluation" state, in which a resumed ``fit`` runs the validation from its first batch before the
+    next training batch (:func:`~lightning_gpuopt.internals.settle_validation_counters` then puts the
+    epoch's total back). Changes ``fit_loop_state`` in place; applying it twice changes nothing more.
     """
     batches = fit_loop_state["epoch_loop.val_loop.batch_progress"]
     before = batches["total"]["completed"] - batches["current"]["completed"]  # this epoch's earlier validations

@@ -1,4 +1,4 @@
-"""`CUDASettings`: TF32, cuDNN autotuning, SDPA backends and the expandable-segments allocator, set early and undone after."""
+"""`CUDASettings`: TF32, cuDNN autotuning, SDPA kernels, expandable allocator segments; set early, undone after."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_gpuopt.option_checks import option
+from lightning_gpuopt.option_checks import check_choice, check_names, option
 from lightning_gpuopt.precision.dtype import compute_dtype_name
 from lightning_gpuopt.internals import (
     sdp_priority_order,
@@ -37,7 +37,6 @@ def _alloc_conf_var() -> str:
 
 
 def _with_option(conf: str, key: str, value: str) -> str:
-    """``conf`` (``"a:1,b:2"``) with ``key`` set to ``value``, other options kept."""
     options = [o for o in conf.split(",") if o.strip() and o.split(":")[0].strip() != key]
     return ",".join([*options, f"{key}:{value}"])
 
@@ -69,7 +68,7 @@ def _capture() -> dict[str, Any]:
 
 
 def _matmul_precision(tf32: Optional[bool], given: Optional[str]) -> Optional[str]:
-    """The ``torch.set_float32_matmul_precision`` value: as given, else ``high`` with TF32 and ``highest`` without."""
+    """``torch.set_float32_matmul_precision``'s value: as given, else ``high`` with TF32, ``highest`` without."""
     return given or {True: "high", False: "highest"}.get(tf32)
 
 
@@ -82,18 +81,8 @@ def plan_settings(
     expandable_segments: Optional[bool] = True,
     matmul_precision: Optional[str] = None,
 ) -> list[tuple[str, str, str]]:
-    """What :class:`CUDASettings` with these options does on a device: its table, ``(setting, value, status)`` rows.
-
-    Example::
-
-        plan_settings(REFERENCE_DEVICES["V100"], sdpa_backends=["flash", "math"])
-        # [..., ("tf32", "True", "applied, no effect: TF32 tensor cores need compute capability >= 8.0"),
-        #  ..., ("sdpa_backends", "flash,math", "applied; flash needs compute capability >= 8.0, ...")]
-
-    Args:
-        facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
-        tf32: As :class:`CUDASettings`'s, and so are the other options.
-    """
+    """What :class:`CUDASettings` with these options (as its own) does on the training device ``facts``: its
+    ``(setting, value, status)`` rows, e.g. ``("tf32", "True", "applied, no effect: ...")`` on a V100."""
     done = "applied" if facts.is_cuda else "no effect: no CUDA device"
     rows = []
     if expandable_segments is not None:
@@ -126,49 +115,29 @@ def _cpu_line(rows: list[tuple[str, str, str]]) -> str:
 class CUDASettings(Callback):
     """Turns on the fast CUDA defaults for transformer training, early enough to count, and restores them at teardown.
 
-    On a machine with a CUDA device the settings are applied when the callback is constructed (before
-    the ``Trainer`` sets up the device, so the allocator option lands before the first CUDA allocation
-    and Lightning's TF32 hint sees TF32 on), and again at ``setup`` if a previous ``fit`` restored them;
-    what depends on the GPU (the ``"auto"`` attention order) waits for ``setup``, on the training
-    device. What is done on a device is :func:`plan_settings` of its facts. At ``setup`` a table of what
-    was set, and what could not be and why, is logged once (rank zero); training on a CPU, one line
-    (``verbose=True`` for the table). At ``teardown`` the previous global state is restored, so
-    notebooks and test suites are left as they were. Without a CUDA device nothing is set.
+    Settings are applied when the callback is constructed (before the ``Trainer`` touches the device),
+    the GPU-dependent ones at ``setup``; a table of what was set, and what could not be and why, is logged
+    once. Without a CUDA device nothing is set. Details: ``docs/callbacks.md``.
 
     Example::
 
         trainer = Trainer(callbacks=[CUDASettings(sdpa_backends=["cudnn", "flash", "efficient"])])
 
-    .. code-block:: yaml
-
-        trainer:
-          callbacks:
-            - class_path: lightning_gpuopt.callbacks.CUDASettings
-              init_args: {tf32: true, sdpa_backends: [flash, efficient, math], expandable_segments: true}
-
     Args:
-        tf32: Let fp32 matmuls and convolutions use TF32 tensor cores (torch's ``fp32_precision``
-            settings, and the legacy ``allow_tf32`` flags in step); ``None`` leaves them.
-        cudnn_benchmark: Autotune cuDNN convolution algorithms (``torch.backends.cudnn.benchmark``);
+        tf32: Let fp32 matmuls and convolutions use TF32 tensor cores; ``None`` leaves them.
+        cudnn_benchmark: Autotune cuDNN convolution algorithms; ``None`` leaves it.
+        sdpa_backends: Attention kernels allowed, in priority order, from ``cudnn``, ``flash``,
+            ``efficient``, ``math``; the others are disabled. ``"auto"`` puts cuDNN first on H100, H200
+            and B200 with cuDNN >= 9.15 and disables nothing. ``None`` leaves them.
+        expandable_segments: Use the caching allocator's expandable segments (less fragmentation);
             ``None`` leaves it.
-        sdpa_backends: Scaled-dot-product-attention kernels allowed, in priority order, from
-            ``cudnn``, ``flash``, ``efficient``, ``math``; the others are disabled. ``"auto"`` (the
-            default) puts cuDNN attention first on GPUs of compute capability 9.x and 10.x (H100,
-            H200, B200: its forward is ~25% faster than FlashAttention-2 at head dim 64, FA3 paper)
-            with cuDNN 9.15 or newer, and leaves PyTorch's order elsewhere, disabling nothing.
-            ``None`` leaves them.
-        expandable_segments: Use the caching allocator's expandable segments (less fragmentation,
-            fewer out-of-memory errors with varying shapes); ``None`` leaves it.
-        matmul_precision: ``torch.set_float32_matmul_precision`` value (``highest``, ``high``,
-            ``medium``); ``None`` derives it from ``tf32`` (``high`` when on, ``highest`` when off).
-        verbose: Log the whole table also when training on a CPU (where one line says nothing takes effect).
+        matmul_precision: ``torch.set_float32_matmul_precision`` value; ``None`` derives it from ``tf32``.
+        verbose: Log the whole table also when training on a CPU.
 
     Note:
-        With CUDA not yet initialised, the allocator option goes into ``PYTORCH_CUDA_ALLOC_CONF``
-        (or ``PYTORCH_ALLOC_CONF`` if that is set), keeping its other options; afterwards it is set
-        at runtime with the variable's other options, which affects new memory segments.
-        Construct the callback before anything allocates CUDA memory. A ``Trainer(benchmark=...)``
-        given explicitly overrides ``cudnn_benchmark``.
+        Construct the callback before anything allocates CUDA memory: afterwards the allocator option
+        only affects new memory segments. A ``Trainer(benchmark=...)`` given explicitly overrides
+        ``cudnn_benchmark``.
     """
 
     def __init__(
@@ -183,14 +152,8 @@ class CUDASettings(Callback):
         if sdpa_backends is not None and sdpa_backends != "auto":
             if isinstance(sdpa_backends, str):
                 sdpa_backends = [sdpa_backends]
-            unknown = [b for b in sdpa_backends if b not in _SDPA_BACKENDS]
-            if unknown or not sdpa_backends or len(set(sdpa_backends)) != len(sdpa_backends):
-                raise ValueError(
-                    f"CUDASettings.sdpa_backends must be a non-empty list of distinct names from {list(_SDPA_BACKENDS)}, "
-                    f"got {sdpa_backends!r}."
-                )
-        if matmul_precision is not None and matmul_precision not in _MATMUL_PRECISIONS:
-            raise ValueError(f"CUDASettings.matmul_precision must be one of {_MATMUL_PRECISIONS} or None, got {matmul_precision!r}.")
+            check_names("CUDASettings", "sdpa_backends", sdpa_backends, list(_SDPA_BACKENDS))
+        check_choice("CUDASettings", "matmul_precision", matmul_precision, _MATMUL_PRECISIONS, optional=True)
         if matmul_precision == "highest" and tf32:
             raise ValueError("CUDASettings(tf32=True, matmul_precision='highest') contradict each other: drop one.")
         if matmul_precision in ("high", "medium") and tf32 is False:

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpuopt.option_checks import option
+from lightning_gpuopt.option_checks import check_bool, option
 from lightning_gpuopt.data.resumable import EpochSampler, generator_seed, make_resumable, not_exact_reason
 from lightning_gpuopt.internals import (
     batch_counters,
@@ -51,61 +51,30 @@ def _all_gather(obj: Any, rank: int, world_size: int, alone: bool) -> list[Any]:
 
 
 class ExactResume(Callback):
-    """Makes a resumed ``fit`` repeat the uninterrupted run's losses exactly: saves every rank's RNG
-    states, and rolls checkpoints written mid-accumulation back to the last optimizer step.
+    """Makes a resumed ``fit`` repeat the uninterrupted run's losses exactly.
 
-    What Lightning already restores: weights, optimizer, LR schedulers, loop counters, and the
-    state of callbacks and of the datamodule (``TextDataModule`` saves its training position). What
-    this callback adds:
-
-    * **RNG** (dropout): the torch (CPU and CUDA), numpy and Python RNG states of every rank, as of the
-      start of the next optimizer step, put back just before the first resumed training batch
-      (after the sanity check and the DataLoader start-up, which could otherwise draw from them).
-    * **Mid-accumulation saves** (SIGTERM, an exception inside a batch, a save in ``on_train_batch_end``): the
-      partial step's gradients are not in the checkpoint, so the loop counters, and with them the
-      data position, are rolled back to the step boundary and the step is replayed from its first
-      micro-batch, with the RNG states it started with.
+    On top of what Lightning restores, it saves every rank's RNG states (put back before the first resumed
+    batch) and rolls a checkpoint written mid-accumulation back to the last optimizer step, which is then
+    replayed. Details: ``docs/reliability.md``.
 
     Example::
 
         trainer = Trainer(callbacks=[ExactResume(), ModelCheckpoint(every_n_train_steps=100, save_last=True)])
         trainer.fit(module, datamodule=data, ckpt_path="last")
 
-    Note:
-        Exactness assumes nothing else draws from the global RNG between two optimizer steps
-        than the training steps themselves (``TextDataModule``'s DataLoaders use their own
-        generators; Lightning isolates the sanity check's RNG). The checkpoint holds only tensors
-        and primitive types, so it loads with ``torch.load(weights_only=True)``. On a resume with a
-        different number of ranks the RNG states cannot be matched to ranks: they are left as seeded,
-        with a warning.
-
-        The data order resumes exactly with ``TextDataModule`` (its ``ResumableSampler`` and saved
-        position) or any datamodule implementing :class:`~lightning_gpuopt.protocols.ResumableData`,
-        and, with ``rebuild_loaders=True``, with a DataLoader of the module's own, on one device or
-        many: a plain ``DataLoader`` over a map-style dataset with the default sequential or
-        shuffled sampler is rebuilt, when Lightning asks for it, around an
-        :class:`~lightning_gpuopt.data.resumable.EpochSampler` (the same samples in an order that is a
-        function of the seed and the epoch; the seed is that of the sampler's or the DataLoader's own
-        ``generator`` when it has one, else ``torch.initial_seed()``, and a resume keeps the checkpoint's;
-        sharded over the data-parallel ranks as
-        ``DistributedSampler`` shards, started at the saved position) whose DataLoader generator,
-        and so the workers' base seed, is reseeded each epoch; the checkpoint holds the seed, epoch,
-        position and number of ranks. Any other training loader (an iterable dataset, a custom
-        sampler) restarts at the first sample of the epoch on a mid-epoch resume: ``ExactResume``
-        says so once at fit start, naming the loader and the fix, and everything else above still
-        resumes exactly. Where the loaders are exact it silences Lightning's "dataloader is not
-        resumable" warning, which would be wrong there.
-
     Args:
-        rebuild_loaders: Rebuild a DataLoader of the module's own as described above (it changes the
-            shuffled order from the one torch would draw, to one that can be replayed).
+        rebuild_loaders: Rebuild a plain ``DataLoader`` (map-style dataset, default sequential or shuffled
+            sampler) around an :class:`~lightning_gpuopt.data.resumable.EpochSampler`, so its data order
+            resumes too (a replayable shuffle, not the one torch would draw).
 
-        The ``gpuopt`` CLI always adds this callback (``--exact_resume.*``).
+    Note:
+        Exactness assumes nothing but the training steps draws from the global RNG between two optimizer
+        steps. The data order resumes exactly with a :class:`~lightning_gpuopt.protocols.ResumableData`
+        datamodule or a rebuilt loader; any other restarts at the epoch's first sample, said at fit start.
     """
 
     def __init__(self, rebuild_loaders: bool = False) -> None:
-        if not isinstance(rebuild_loaders, bool):
-            raise ValueError(f"ExactResume.rebuild_loaders must be True or False, got {rebuild_loaders!r}.")
+        check_bool("ExactResume", "rebuild_loaders", rebuild_loaders)
         self.rebuild_loaders = rebuild_loaders
         self._snapshot: Optional[dict[str, Any]] = None
         self._snapshot_step: Optional[int] = None
@@ -124,8 +93,8 @@ class ExactResume(Callback):
 
     @contextlib.contextmanager
     def saving_alone(self) -> Iterator[None]:
-        """A save by one rank alone (:class:`~lightning_gpuopt.protocols.SavesAlone`): only this rank's RNG state
-        is gathered, and a resume warns on the ranks whose state is missing."""
+        """A save by one rank alone (:class:`~lightning_gpuopt.protocols.SavesAlone`): only this rank's RNG
+        state is gathered."""
         self._alone = True
         try:
             yield
@@ -149,10 +118,8 @@ class ExactResume(Callback):
     def _resumable(self, loaders: Any) -> Any:
         """A DataLoader of the module's own, rebuilt around an ``EpochSampler`` at the saved position.
 
-        Lightning may build the loader more than once before training starts (``estimated_stepping_batches``,
-        then again after ``AutoBatchSize`` changes the batch size): each build starts at the checkpoint's
-        position, which is kept until ``on_train_start``. A build later in training (an out-of-memory
-        recovery) starts at the epoch's beginning and is fast-forwarded by its caller.
+        Every build before training starts (``estimated_stepping_batches``, ``AutoBatchSize``) starts at the
+        checkpoint's position; a build later (an OOM recovery) at the epoch's start, fast-forwarded by its caller.
         """
         epoch, start = self._saved_position()
         own = generator_seed(loaders)
@@ -205,7 +172,7 @@ class ExactResume(Callback):
             self._filter = warnings.filters[0]
 
     def _not_exact_message(self, name: str, combined: Any, reason: str) -> str:
-        """The one warning for a training loader that does not resume exactly, with the fixes that apply to it."""
+        """The one warning for a training loader that does not resume exactly, with the fixes that apply."""
         exact = ("Weights, optimizer, schedule, loop counters and RNG states resume exactly; a run resumed from a "
                  "checkpoint saved inside an epoch sees other samples than the uninterrupted run. For an exact "
                  "data order: ")

@@ -27,7 +27,7 @@ __all__ = ["MFUMonitor"]
 
 
 def _synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work: only on steps that log and where validation or a save pauses the window."""
+    """Wait for the device's queued work: only where a window ends or validation or a save pauses it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # a measurement: the window's time must include the GPU's queued work
 
@@ -39,74 +39,35 @@ def _seq_len(batch: Any) -> Optional[int]:
 
 
 class MFUMonitor(Callback):
-    """Logs throughput, TFLOP/s per device, MFU and memory every few optimizer steps, and a report at the end of ``fit``.
+    """Logs throughput, TFLOP/s per device, MFU and memory every few optimizer steps, and a report after ``fit``.
 
-    Tokens per micro-batch are the element count of the input ids (``batch[0]`` for tuples,
-    ``batch["input_ids"]`` for dicts, when they hold integers) or ``tokens_fn(batch)``; a dict batch with an
-    ``attention_mask`` (else ``labels``) of the input ids' shape has its padding left out (the mask's zeros, the
-    labels' ``-100``), said once: tokens/s and MFU are those of the real tokens, ``perf/tokens_per_sec_padded``
-    the rate with padding. The count stays on the device until a window ends. Training FLOPs per token come from
-    ``flops_per_token=``, else the module's ``flops_per_token(seq_len)`` (``GPTModule`` has one), else
-    they are counted over the first real training step at each sequence length: its forward, loss,
-    backward(s) and optimizer step(s), whatever the batch holds or the step reads
-    (:class:`~lightning_gpuopt.perf.flops.StepFlopCounter`; attention as the math kernel computes
-    it). That one step runs eagerly and a few times slower; with ``warmup_steps=0`` it is in the first
-    window. ``flops_source`` says which count was used. The peak is the **dense, per-GPU** datasheet number (:mod:`lightning_gpuopt.perf.peaks`).
-
-    The first ``warmup_steps`` optimizer steps (compilation, cuDNN autotuning, allocator growth) are
-    left out; after that, one value per window of ``log_every_n_steps`` optimizer steps is logged.
-    The device is synchronised only at the end of a window (and around a validation or checkpoint
-    save): steps in between queue work freely. Time spent in validation and in saving checkpoints is
-    left out of the window, so it counts neither as training time nor as waiting for data; the
-    first batch fetched after a save is counted with the save (no hook marks the save's end).
-
-    ============================== ==========================================================================
-    Key                            Meaning
-    ============================== ==========================================================================
-    ``perf/tokens_per_sec``        Tokens per second, all devices (a data-parallel rank's rate times data-parallel size); padding left out
-    ``perf/tokens_per_sec_per_device`` Tokens per second on one device (under tensor parallelism: its group's over its size)
-    ``perf/tokens_per_sec_padded`` With an ``attention_mask`` (or ``labels``): the rate of all positions, padding included
-    ``perf/tflops_per_device``     Achieved model TFLOP/s per device (FLOPs per token x real tokens/s, over the tensor-parallel size)
-    ``perf/mfu``                   ``tflops_per_device / peak``: the device's dense bf16 peak, whatever the dtype
-    ``perf/mfu_fp8``               Under FP8 only: against the fp8 peak
-    ``perf/mfu_measured``          With ``measure_peak=True``: against a timed bf16 matmul
-    ``perf/step_time_ms``          Wall time of one optimizer step (all its micro-batches)
-    ``perf/dataloader_wait_pct``   Share of the window spent waiting for the next batch (validation, saves left out)
-    ``mem/allocated_gb``           CUDA memory held by tensors now (GiB)
-    ``mem/reserved_gb``            CUDA memory reserved by the caching allocator (GiB)
-    ``mem/peak_gb``                Peak memory held by tensors since the start (GiB)
-    ``mem/peak_pct``               ``peak_gb`` as a percentage of the device's memory
-    ============================== ==========================================================================
-
-    ``tok/s`` and ``mfu`` are also shown in the progress bar.
+    Tokens are counted from the batch's integer input ids (padding left out where an ``attention_mask``
+    or ``labels`` mark it); FLOPs per token are given, asked from the module, or counted over the first
+    real step at each sequence length. MFU is against the device's dense bf16 datasheet peak. The device
+    is synchronised only at the end of a window. Logs ``perf/*`` and ``mem/*`` keys, shows ``tok/s`` and
+    ``mfu`` in the progress bar; every key and how each is measured: ``docs/callbacks.md``.
 
     Example::
 
-        trainer = Trainer(
-            precision="bf16-mixed",
-            callbacks=[CUDASettings(), MFUMonitor(log_every_n_steps=20)],
-            logger=WandbLogger(project="gpt"),
-        )
+        trainer = Trainer(callbacks=[MFUMonitor(log_every_n_steps=20)], logger=WandbLogger(project="gpt"))
 
     Args:
         log_every_n_steps: Optimizer steps per logging window; ``None`` uses the Trainer's.
-        warmup_steps: Optimizer steps left out at the start of ``fit``.
-        peak_flops: Dense bf16 peak FLOP/s per device, for GPUs not in the table (or to override
-            it). MFU is not logged when this is unknown.
+        warmup_steps: Optimizer steps left out at the start of ``fit`` (compilation, autotuning).
+        peak_flops: Dense bf16 peak FLOP/s per device, for GPUs not in the table (or to override it).
         dtype: The matmul dtype (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``) when the precision
             plugin does not say; ``None`` reads it from the plugin.
-        flops_per_token: Training FLOPs per token; ``None`` asks the module or measures them.
+        flops_per_token: Training FLOPs per token; ``None`` asks the module or counts them.
         tokens_fn: ``tokens_fn(batch) -> int``: tokens in a micro-batch, for batches of another shape.
         measure_peak: Time a large bf16 matmul at fit start and also log ``perf/mfu_measured``.
         prog_bar: Show ``tok/s`` and ``mfu`` in the progress bar.
         report: Log a performance summary with advice at the end of ``fit`` (rank zero).
-        clock: Function returning seconds (default ``time.perf_counter``); tests inject their own.
+        clock: Function returning seconds (default ``time.perf_counter``).
 
     Note:
         Global tokens/s assume data parallelism with equal micro-batches on every rank (DDP, FSDP2);
-        the FLOPs are those of the whole model, so ``perf/mfu`` is per device either way. Under tensor
-        parallelism (``ModelParallelStrategy(tensor_parallel_size=N)``) the ``N`` devices of a group train on the
-        same tokens, counted once (``total_tokens`` is per data-parallel rank), and each does ``1/N`` of their FLOPs.
+        FLOPs are the whole model's, so ``perf/mfu`` is per device. Under tensor parallelism the devices
+        of a group count their tokens once and are credited ``1/N`` of their FLOPs each.
     """
 
     def __init__(
@@ -393,8 +354,7 @@ class MFUMonitor(Callback):
 
     @property
     def total_tokens(self) -> int:
-        """Tokens trained on in the run (per device; padding left out when the batches mark it), the steps before a
-        resume included. Reading it waits for the device."""
+        """Tokens trained on in the run, per device, with those before a resume (waits for the device)."""
         return self._run_base[0] + self._run.read()[0]
 
     @property
@@ -406,9 +366,7 @@ class MFUMonitor(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The logged windows, the token/FLOP totals and the FLOPs per token counted, at the last optimizer step.
 
-        Plain floats and ints only (loads with ``weights_only=True``). Timing windows are not
-        saved: a resumed run warms up again (``warmup_steps``) before it measures. The counts are, so a
-        resumed run counts a step at the same sequence lengths as the run that was not stopped.
+        Plain numbers only (``weights_only=True``). Timing windows are not saved: a resumed run warms up again.
         """
         tokens, flops, _ = self._at_step.read()
         return {

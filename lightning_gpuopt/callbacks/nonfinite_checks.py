@@ -1,16 +1,7 @@
 """What `NonFiniteGuard` does to one optimizer step, as plain functions: find, describe, skip, count.
 
-The callback (``nonfinite_guard.py``) decides when; these do the work on tensors and optimizers:
-:func:`find_nonfinite` (one device-side reduction over every gradient), :func:`bad_gradients` (which
-of them are NaN/Inf, or too large to square), :func:`describe_bad_step` (the warning's text, with the
-first bad parameter), :func:`skip_step` (leave the weights and the optimizer state bit-identical),
-:func:`count_on_device` (deferred mode's counters, never read on the host between checks) and
-:func:`recovery_advice` (what to do after a stop, from the loss the last checkpoint was written at).
-
-A gradient is bad when it holds NaN/Inf, and also when it is finite but larger than
-:data:`SQUARE_LIMIT`: its square overflows float32, so AdamW's ``exp_avg_sq`` (and the gradient norm
-that clipping computes) turns Inf, and every later update of that parameter is NaN or zero, at any
-learning rate. Checking the gradients alone would let such a step through.
+A gradient is bad when it holds NaN/Inf, or is finite but over :data:`SQUARE_LIMIT` (its square
+overflows AdamW's ``exp_avg_sq``): ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -47,18 +38,9 @@ def _local(t: Tensor) -> Tensor:
 def find_nonfinite(optimizer: Optimizer) -> tuple[Tensor, list[tuple[int, Tensor]]]:
     """Max-abs of every gradient the optimizer holds, in one device-side reduction (no host sync).
 
-    Example::
-
-        maxabs, params = find_nonfinite(optimizer)
-        bad = not bool(torch.isfinite(maxabs).all())   # the one host sync
-
-    Args:
-        optimizer: The optimizer about to step.
-
     Returns:
-        ``(maxabs, params)``: a 1-D float32 tensor with ``max |grad|`` of each parameter that has a
-        gradient (NaN or Inf exactly when that gradient holds one; the infinity norm of finite values
-        cannot overflow), and the ``(param_group_index, parameter)`` pair of each entry.
+        ``(maxabs, params)``: a 1-D float32 tensor, NaN/Inf exactly where a gradient holds one (the
+        infinity norm of finite values cannot overflow), and the ``(param_group_index, parameter)`` of each entry.
     """
     params: list[tuple[int, Tensor]] = []
     grads: list[Tensor] = []
@@ -77,14 +59,8 @@ def find_nonfinite(optimizer: Optimizer) -> tuple[Tensor, list[tuple[int, Tensor
 
 
 def bad_gradients(maxabs: Tensor, limit: float = SQUARE_LIMIT) -> Tensor:
-    """Which entries of :func:`find_nonfinite`'s max-abs are bad: NaN/Inf, or over ``limit`` (a bool tensor on the
-    device; no host sync). Under an fp16 ``GradScaler`` the gradients are still scaled, so ``limit=math.inf``.
-
-    Example::
-
-        >>> bad_gradients(torch.tensor([1.0, float("nan"), 3e19])).tolist()
-        [False, True, True]
-    """
+    """Which of :func:`find_nonfinite`'s max-abs are NaN/Inf or over ``limit``, as a device bool tensor.
+    Under an fp16 ``GradScaler`` the gradients are still scaled: ``limit=math.inf``."""
     return ~(maxabs <= limit)  # NaN compares False, so it is bad too
 
 
@@ -100,20 +76,9 @@ def describe_bad_step(
 ) -> str:
     """The warning's account of a bad step: what was non-finite, when, and the first bad parameter by name.
 
-    Example::
-
-        describe_bad_step(trainer, module, optimizer, *find_nonfinite(optimizer), loss_bad=False)
-        # "non-finite gradients at global step 12 (epoch 0); 1 parameter(s) with NaN/Inf gradients in
-        #  param group(s) [0], first 'model.lm_head.weight' (param group 0, weight_decay=0.1)"
-
     Args:
-        trainer: The Trainer (``global_step``, ``current_epoch``).
-        module: The LightningModule, for parameter names.
-        optimizer: The optimizer about to step.
-        maxabs: ``find_nonfinite``'s max-abs of each gradient.
-        params: ``find_nonfinite``'s ``(param_group_index, parameter)`` pairs.
-        loss_bad: Whether the loss was non-finite.
-        checked_gradients: Whether the gradients were checked (to say they were finite).
+        maxabs, params: What :func:`find_nonfinite` returned for ``optimizer``.
+        loss_bad: Whether the loss was non-finite; ``checked_gradients``: whether the gradients were checked.
         limit: The largest good max-abs (:func:`bad_gradients`).
     """
     values = maxabs.tolist() if maxabs.numel() else []
@@ -139,20 +104,8 @@ def describe_bad_step(
 
 
 def skip_step(optimizer: Optimizer, scaler: Any = None) -> None:
-    """Make ``optimizer.step()`` leave every parameter and its optimizer state untouched.
-
-    Gradients are set to ``None`` (``torch.optim`` skips such parameters). Under an fp16
-    ``GradScaler`` that will unscale inside ``step()`` (fused optimizers), which asserts it saw
-    gradients, they are filled with NaN instead, so the scaler's own inf check skips the step.
-
-    Example::
-
-        skip_step(optimizer, trainer.precision_plugin.scaler)
-
-    Args:
-        optimizer: The optimizer about to step.
-        scaler: The precision plugin's ``GradScaler``, or ``None``.
-    """
+    """Make ``optimizer.step()`` leave every parameter and its optimizer state untouched: gradients set to
+    ``None``, or, under an fp16 ``GradScaler`` that unscales inside ``step()``, filled with NaN for it to skip."""
     if scaler is not None:
         if not scaler_unscaled(scaler, optimizer):
             for group in optimizer.param_groups:
@@ -166,20 +119,9 @@ def skip_step(optimizer: Optimizer, scaler: Any = None) -> None:
 
 
 def count_on_device(pending: Optional[Tensor], bad: Tensor, global_step: int, consecutive_skips: int) -> Tensor:
-    """Deferred mode's counters after one more step, updated on the device: ``[bad steps, in a row now,
-    most in a row, first bad step or -1]`` (float32; read with one ``.tolist()`` at a check).
-
-    Example::
-
-        >>> pending = count_on_device(None, torch.tensor(1.0), global_step=7, consecutive_skips=0)
-        >>> count_on_device(pending, torch.tensor(0.0), global_step=8, consecutive_skips=0).tolist()
-        [1.0, 0.0, 1.0, 7.0]
-
-    Args:
-        pending: The counters so far, or ``None`` after a read.
-        bad: 1.0 if this step was bad, else 0.0 (a device scalar).
-        global_step: This step's ``trainer.global_step``.
-        consecutive_skips: Bad steps in a row at the last read (starts the "in a row" count).
+    """Deferred mode's counters after one more step, on the device: ``[bad steps, in a row now, most in a
+    row, first bad step or -1]`` (float32; read with one ``.tolist()`` at a check). ``pending`` is ``None``
+    after a read; ``bad`` is this step's 1.0 or 0.0, a device scalar; ``consecutive_skips`` the count at the last read.
     """
     device = bad.device
     if pending is None:  # made on the device (a tensor from host numbers would wait for the stream)
@@ -194,7 +136,7 @@ def count_on_device(pending: Optional[Tensor], bad: Tensor, global_step: int, co
 
 
 def learning_rate_option(module: Any) -> str:
-    """The learning-rate setting a message names: ``GPTModule``'s option, or words for a module of one's own."""
+    """The learning-rate setting a message names: ``GPTModule``'s option, or words for another module."""
     from lightning_gpuopt.model import GPTModule
 
     return option("GPTModule", "learning_rate") if isinstance(module, GPTModule) else "learning rate"
@@ -203,20 +145,9 @@ def learning_rate_option(module: Any) -> str:
 def recovery_advice(saved: Optional[tuple[int, float]], initial_loss: Optional[float], module: Any) -> str:
     """What to do after a diverged run stopped, told by the train loss its last checkpoint was written at.
 
-    Resuming a checkpoint with a lower learning rate helps only if its weights had not diverged yet: the
-    gradients of the next step come from the weights, whatever the new rate. A checkpoint written at a
-    loss above the run's first (the untrained model's) holds weights that are worse than untrained, so
-    the advice is then a new run.
-
-    Example::
-
-        recovery_advice((2, 8.1e4), 5.7, module)
-        # "The last checkpoint (step 2) was written at train loss 8.1e+04, above the 5.7 the run started at ..."
-
-    Args:
-        saved: ``(global_step, train loss)`` when the last checkpoint of the run was written; ``None``: none was.
-        initial_loss: The train loss of the run's first batch; ``None``: not known.
-        module: The LightningModule, for the name of its learning-rate option.
+    A checkpoint written at a loss above the run's first (the untrained model's) holds diverged weights,
+    which give the same bad gradients at any learning rate: the advice is then a new run. ``saved`` is
+    ``(global_step, train loss)`` of the last checkpoint and ``initial_loss`` the first batch's (``None``: unknown).
     """
     lr, clip = learning_rate_option(module), option("Trainer", "gradient_clip_val")
     if saved is None:

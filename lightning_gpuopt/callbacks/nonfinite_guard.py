@@ -1,17 +1,7 @@
 """`NonFiniteGuard`: catch a NaN/Inf loss or gradient before the optimizer step, then skip the step or stop.
 
-Design note: the check runs in ``on_before_optimizer_step``, after the backward pass(es) of the step
-and before ``optimizer.step()`` (and before gradient clipping). The loss of each micro-batch is
-taken in ``on_before_backward``. All the checks of one step are one device-side reduction (a
-``torch._foreach_norm`` with ``ord=inf`` over every gradient, whose result is NaN/Inf exactly when a
-gradient holds one) read with one host sync per optimizer step; the per-parameter detail is only
-fetched on a bad step. A step is skipped by setting every gradient to ``None``: ``torch.optim``
-optimizers leave such parameters (and their state) untouched, so the weights stay bit-identical.
-
-``mode="deferred"`` removes that sync: the same reduction sets the optimizer's ``found_inf``, which
-fused ``torch.optim`` kernels (the ones ``GradScaler`` drives) read on the device to skip the whole
-update (moments and step counts included); counters stay on the device and are read at logging
-steps, before every checkpoint save and at the end of training.
+The checks are plain functions in ``nonfinite_checks.py``; how a step is checked, skipped and
+reported (with a host sync per step, or deferred on the device): ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -53,67 +43,26 @@ class NonFiniteGuard(Callback):
     """Detects a NaN/Inf loss or gradient within the step, then skips that optimizer step or stops the run.
 
     Every optimizer step, the loss of each micro-batch and (with ``check_gradients``) every gradient
-    are checked before ``optimizer.step()``. On a bad step a warning names the global step, the
-    optimizer's parameter group (index and weight decay) and the first parameter with a non-finite
-    gradient, then:
-
-    - ``policy="skip"``: the step is skipped (all gradients set to ``None``, so parameters and AdamW
-      state are bit-identical to before). After ``max_consecutive_skips`` bad steps in a row the run
-      stops with :class:`NonFiniteError`.
-    - ``policy="stop"``: the step is skipped and the run stops at once with :class:`NonFiniteError`.
-
-    Bad steps are counted per batch: under manual optimisation with several optimizers, each bad
-    optimizer step is skipped, and the batch counts once (towards ``max_consecutive_skips`` too).
-
-    Stopping raises inside the step, so no checkpoint is written after the bad step: the last
-    ``ModelCheckpoint`` file stays the last good state.
-
-    With ``mode="deferred"`` nothing waits for the GPU on a step: the bad step is skipped on the
-    device, and the guard reads its counters at the next logging step (``log_every_n_steps``),
-    before every checkpoint save and at the end of training; it then warns (or stops) naming the
-    bad steps, without the per-parameter detail. A stop raised before a save keeps that save from
-    being written. ``mode="auto"`` is deferred when the optimizer can skip on the device (fused
-    ``torch.optim`` Adam/AdamW/SGD, as ``GPTModule`` builds on CUDA) and no fp16 ``GradScaler``
-    is in use, and checks every step otherwise; it says which at the first step.
+    are checked before ``optimizer.step()``. A bad step is skipped (parameters and optimizer state stay
+    bit-identical) with a warning naming the step and the first bad parameter; the run stops with
+    :class:`NonFiniteError` at once (``policy="stop"``) or after ``max_consecutive_skips`` in a row.
+    Stopping raises inside the step, so the last checkpoint stays the last good state.
 
     Example::
 
         trainer = Trainer(callbacks=[NonFiniteGuard(policy="skip", max_consecutive_skips=5)])
 
-        # gpuopt YAML
-        trainer:
-          callbacks:
-            - class_path: lightning_gpuopt.callbacks.NonFiniteGuard
-              init_args: {policy: skip, max_consecutive_skips: 5}
-
     Args:
-        policy: ``"skip"`` the bad step (stopping after ``max_consecutive_skips`` in a row) or
-            ``"stop"`` the run at the first one.
-        max_consecutive_skips: With ``policy="skip"``, how many bad steps in a row are skipped before
-            the run stops (a model that keeps producing NaN will not recover).
+        policy: ``"skip"`` the bad step or ``"stop"`` the run at the first one.
+        max_consecutive_skips: With ``policy="skip"``, bad steps in a row before the run stops.
         check_gradients: Also check every gradient, not only the loss.
-        mode: ``"step"`` (one host sync per optimizer step; names the first bad parameter),
-            ``"deferred"`` (no sync on steps that do not log; needs a fused optimizer and no fp16
-            scaler) or ``"auto"``.
-
-    Attributes:
-        skipped_steps: Bad batches whose optimizer steps this callback skipped so far (a batch whose two manual
-            optimizers both see NaN counts once).
-        scaler_skips: Steps the fp16 ``GradScaler`` skipped itself (overflowing gradients, finite loss).
-        consecutive_skips: Bad batches in a row right now.
-        last_report: The message of the last bad or scaler-skipped step.
-        active_mode: ``"step"`` or ``"deferred"``: what ``mode`` resolved to at the first step of the last fit.
+        mode: ``"step"`` (one host sync per optimizer step; names the first bad parameter), ``"deferred"``
+            (no sync; needs a fused optimizer and no fp16 scaler) or ``"auto"`` (deferred where it can be).
 
     Note:
-        Cost: one ``foreach`` reduction over the gradients and one host sync (``.tolist()`` of two
-        numbers) per optimizer step; under multiple processes one all-reduce of two numbers, so that
-        every rank skips or stops together. Skipped steps still count: ``trainer.global_step`` and
-        the step-wise LR scheduler advance as for a normal step (the data of the bad batch is not
-        seen again). Under fp16 with a ``GradScaler``, overflowing gradients with a finite loss are
-        the scaler's business: it skips the step and lowers its scale. Those steps are reported in
-        ``scaler_skips`` and not counted towards ``max_consecutive_skips``. A non-finite loss is
-        always counted (Lightning hands callbacks the scaled loss; an fp32 loss overflows only when
-        ``loss * scale`` passes ~3.4e38, so a non-finite scaled loss is a non-finite loss). Gradient clipping runs after this check, so it sees no gradients on a skipped step.
+        Skipped steps still count: ``global_step`` and a step-wise LR schedule advance, and the bad
+        batch is not seen again. Under fp16, overflowing gradients with a finite loss are the
+        ``GradScaler``'s to skip, and are not counted towards ``max_consecutive_skips``.
     """
 
     def __init__(
@@ -126,10 +75,10 @@ class NonFiniteGuard(Callback):
         self.policy = policy
         self.max_consecutive_skips = max_consecutive_skips
         self.check_gradients = check_gradients
-        self.skipped_steps = 0
-        self.scaler_skips = 0
-        self.consecutive_skips = 0
-        self.last_report: Optional[str] = None
+        self.skipped_steps = 0  # bad batches whose optimizer steps were skipped (a batch counts once)
+        self.scaler_skips = 0  # steps the fp16 GradScaler skipped itself (overflowing gradients, finite loss)
+        self.consecutive_skips = 0  # bad batches in a row right now
+        self.last_report: Optional[str] = None  # the message of the last bad or scaler-skipped step
         self.mode = mode
         self._loss_bad: Optional[Tensor] = None  # device-side flag over the step's micro-batches
         self._deferred: Optional[bool] = None  # decided at the first optimizer step
@@ -137,7 +86,7 @@ class NonFiniteGuard(Callback):
         self._last_step = -1
         # This batch: an optimizer stepped, a bad step was counted, deferred mode's flag over its optimizers.
         self._stepped, self._batch_bad, self._batch_flag = False, False, None
-        self.active_mode: Optional[str] = None  # "step" or "deferred", once the first step decided it
+        self.active_mode: Optional[str] = None  # "step" or "deferred": what mode resolved to in the last fit
         # The train loss of the run's first batch and of the latest one (device tensors, read only at a save or a
         # stop), and (global step, train loss) at the last save: what recovery_advice tells a resumable checkpoint by.
         self.initial_loss: Optional[float] = None
@@ -279,13 +228,7 @@ class NonFiniteGuard(Callback):
         rank_zero_warn(f"NonFiniteGuard: {self.last_report}.")
 
     def advice(self, pl_module: Any) -> str:
-        """What to do after the run diverged: resume the last checkpoint, or start anew (:func:`recovery_advice`,
-        from the train loss the last checkpoint was written at and the run's first). Reads the losses it needs.
-
-        Example::
-
-            guard.advice(module)  # "Resume from the last checkpoint (step 400, written at train loss 3.1, ...) ..."
-        """
+        """What to do after the run diverged (:func:`recovery_advice`); reads the losses it needs."""
         self._read_initial_loss()
         return recovery_advice(self.saved_at, self.initial_loss, pl_module)
 

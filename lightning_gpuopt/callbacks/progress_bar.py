@@ -1,15 +1,7 @@
 """Progress bars whose training bar counts a resumed epoch from where it stopped, with its total and ETA.
 
-Lightning's bars count batches of the epoch (``batch_idx + 1``) against ``max_steps - global_step``. Both
-start at zero in a fresh fit; in a fit resumed inside an epoch the count starts at the resumed batch while
-the total shrank by the steps already done, so the count passes the total: tqdm then shows ``84/?`` with
-no ETA, Rich ``84/40``, and the rate starts at the resumed batch over a second. These bars start the count
-at the resumed batch (the rate and ETA cover this fit's batches) and total the epoch as a fresh fit would.
-
-They also keep what the run says readable: a line logged while a tqdm bar is drawn (``rank_zero_info`` of a
-callback at a training step, "`Trainer.fit` stopped") goes above the bars on a line of its own, where it was
-written after the bar's text on the same line; whole numbers in the bar (``tok/s``, ``v_num``) show as
-whole numbers, where Rich wrote ``643.000``.
+Lightning's bars count a fit resumed inside an epoch past their total (``84/?``, ``84/40``); these
+also write logged lines above the bar and whole numbers as such (``docs/callbacks.md``).
 """
 
 from __future__ import annotations
@@ -27,9 +19,8 @@ __all__ = ["ResumedRichProgressBar", "ResumedTQDMProgressBar", "default_progress
 
 
 def train_bar_span(trainer: pl.Trainer) -> tuple[int, Optional[int]]:
-    """``(done, total)`` of this epoch's training bar, in batches: ``done`` batches of the epoch ran before
-    this fit (0 unless it resumed inside the epoch); ``total`` is the epoch's batches up to ``max_steps``
-    (``None`` for an endless loader without ``max_steps``)."""
+    """``(done, total)`` of this epoch's training bar, in batches: ``done`` ran before this fit; ``total`` is
+    the epoch's batches up to ``max_steps`` (``None``: an endless loader without ``max_steps``)."""
     done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
     total: float = trainer.num_training_batches
     if trainer.max_steps is not None and trainer.max_steps > 0:
@@ -55,8 +46,7 @@ class _AboveTheBars(logging.Handler):
 
 
 class _LinesAboveTheBars:
-    """While the bar is set up, the console lines of Lightning's loggers (its own and every ``rank_zero_info``)
-    are written by the bar (``_write_above``), where they were written after the bar's text on its line."""
+    """While the bar is set up, the console lines of Lightning's loggers are written by it, above the bar."""
 
     LOGGERS = ("lightning.pytorch", "lightning.fabric")
     _swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]]
@@ -84,8 +74,7 @@ class _LinesAboveTheBars:
 
 
 class ResumedTQDMProgressBar(_LinesAboveTheBars, TQDMProgressBar):
-    """Lightning's ``TQDMProgressBar`` whose training bar starts at a resumed epoch's batch, and that puts the lines
-    logged while it runs above it (see the module)."""
+    """Lightning's ``TQDMProgressBar``, starting at a resumed epoch's batch, with logged lines above it."""
 
     def _write_above(self, text: str, stream: Any) -> None:
         from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
@@ -134,8 +123,7 @@ class ResumedTQDMProgressBar(_LinesAboveTheBars, TQDMProgressBar):
 
 
 class ResumedRichProgressBar(_LinesAboveTheBars, RichProgressBar):
-    """Lightning's ``RichProgressBar`` whose training bar starts at a resumed epoch's batch, and that prints the lines
-    logged while it runs above it (see the module)."""
+    """Lightning's ``RichProgressBar``, starting at a resumed epoch's batch, with logged lines above it."""
 
     def _write_above(self, text: str, stream: Any) -> None:
         if self.progress is not None and self.progress.live.is_started:
@@ -193,13 +181,7 @@ class ResumedRichProgressBar(_LinesAboveTheBars, RichProgressBar):
 
 
 def whole_numbers_as_text(items: dict[str, Any]) -> dict[str, Any]:
-    """The bar's items with every ``int`` as text: Rich formats numbers with ``.3f``, so a version or a rate of
-    tokens/s showed as ``0.000`` and ``643.000``.
-
-    Example::
-
-        whole_numbers_as_text({"v_num": 0, "tok/s": 643, "train/loss": 7.57})  # {"v_num": "0", "tok/s": "643", ...}
-    """
+    """The bar's items with every ``int`` as text: Rich formats numbers with ``.3f`` (``643.000`` tokens/s)."""
     return {k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in items.items()}
 
 

@@ -1,12 +1,7 @@
 """`ResumedOptimizerSettings`: optimizer and schedule settings asked for on a resumed run, applied after the restore.
 
-Design note: resuming restores the optimizer's param groups (``lr``, ``weight_decay``, ``betas``) and
-the LR scheduler's state (its peak, warm-up length, final LR and run length) from the checkpoint,
-so a new ``learning_rate``, ``weight_decay``, ``betas``, ``warmup_steps``, ``min_lr_ratio`` or
-``max_steps`` would be dropped without a word. After the restore (``on_train_start``) this callback
-writes the module's settings into the param groups and rebuilds the warm-up + cosine schedule for
-the resumed run's length, stepped to the restored step: the learning rate from then on is the one
-a run started with the new settings would have at that step. Adam's moments stay as restored.
+Resuming restores the param groups and the LR schedule from the checkpoint, which would drop new
+settings without a word (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -37,25 +32,9 @@ def apply_optimizer_settings(
     total_steps: int,
     steps_done: int,
 ) -> Any:
-    """Set the settings on ``optimizer`` (group 0 is the decayed one, as ``build_adamw`` makes it) and
-    return a new warm-up + cosine schedule stepped ``steps_done`` times.
-
-    Example::
-
-        scheduler = apply_optimizer_settings(
-            optimizer, 3e-4, 0.1, (0.9, 0.95), 100, 0.1, total_steps=3000, steps_done=1200
-        )
-
-    Args:
-        optimizer: The restored optimizer.
-        learning_rate: New peak learning rate.
-        weight_decay: New weight decay of param group 0.
-        betas: New AdamW betas (every group).
-        warmup_steps: Warm-up steps of the new schedule (clamped to ``total_steps``).
-        min_lr_ratio: Final learning rate as a fraction of the peak.
-        total_steps: Length of the whole run in optimizer steps.
-        steps_done: Optimizer steps already taken (the restored scheduler's count).
-    """
+    """Set the settings on ``optimizer`` (``weight_decay`` on group 0, the decayed one ``build_adamw`` makes;
+    ``betas`` on every group) and return a new warm-up + cosine schedule over ``total_steps``, stepped ``steps_done``
+    times (the restored scheduler's count); ``warmup_steps`` is clamped to ``total_steps``."""
     for i, group in enumerate(optimizer.param_groups):
         group["lr"] = learning_rate
         group.pop("initial_lr", None)  # the new schedule takes its peak from "lr"
@@ -73,18 +52,8 @@ def apply_optimizer_settings(
 
 
 def restored_settings(optimizer: Optimizer, scheduler: Any) -> dict[str, Any]:
-    """The settings a restored optimizer and warm-up + cosine schedule hold (``{}`` for another schedule).
-
-    Example::
-
-        restored_settings(optimizer, scheduler)
-        # {"learning_rate": 6e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "warmup_steps": 100,
-        #  "min_lr_ratio": 0.1, "decay_steps": 2900}
-
-    Args:
-        optimizer: The optimizer built by ``build_adamw``, restored from a checkpoint.
-        scheduler: Its ``warmup_cosine_schedule``, restored.
-    """
+    """The settings (``learning_rate``, ``weight_decay``, ``betas``, ``warmup_steps``, ``min_lr_ratio``,
+    ``decay_steps``) a restored ``build_adamw`` optimizer and warm-up + cosine schedule hold; ``{}`` for others."""
     cosine, warmup = scheduler, 0
     parts = sequential_parts(scheduler)
     if parts is not None:
@@ -114,19 +83,14 @@ def _same(a: Any, b: Any) -> bool:
 class ResumedOptimizerSettings(Callback):
     """Applies a ``GPTModule``'s optimizer and schedule settings over those restored from a checkpoint.
 
-    After the restore, the restored ``learning_rate``, ``weight_decay``, ``betas``, ``warmup_steps``,
-    ``min_lr_ratio`` and schedule length are compared with the module's settings and the run's
-    length; where any differs, the settings are applied (see the module docstring) and the
-    differences are reported. Where none differs, nothing is touched (a resumed run stays
-    bit-identical to an uninterrupted one). The ``gpuopt`` CLI adds it to every resumed ``fit``.
+    At ``on_train_start`` the restored settings are compared with the module's and the run's length;
+    where any differs, they are written into the param groups, the schedule is rebuilt at the restored
+    step, and the differences are reported (and kept in ``applied``). Where none differs nothing is touched.
 
     Example::
 
         trainer = Trainer(max_steps=2000, callbacks=[ResumedOptimizerSettings()])
         trainer.fit(GPTModule(learning_rate=3e-4), datamodule=data, ckpt_path="last.ckpt")
-
-    Attributes:
-        applied: The differences applied at the last resume, ``{name: (restored, now)}``.
 
     Note:
         Expects one optimizer built by ``GPTModule.configure_optimizers`` and its step-wise schedule;
@@ -134,7 +98,7 @@ class ResumedOptimizerSettings(Callback):
     """
 
     def __init__(self) -> None:
-        self.applied: dict[str, tuple[Any, Any]] = {}
+        self.applied: dict[str, tuple[Any, Any]] = {}  # the differences applied at the last resume: (restored, now)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

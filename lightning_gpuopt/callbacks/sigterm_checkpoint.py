@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_gpuopt.option_checks import option
+from lightning_gpuopt.option_checks import check_file_name, option
 from lightning_gpuopt.internals import mark_sigterm_received, require_internals, settle_validation_counters, sigterm_notice_logger
 from lightning_gpuopt.resume import microbatches_since_step, restart_interrupted_validation
 
@@ -33,37 +33,10 @@ class _OwnSigterm(logging.Filter):
 class SigtermCheckpoint(Callback):
     """Writes a resumable checkpoint when the process receives SIGTERM (a scheduler's preemption or ``kill``).
 
-    Lightning turns SIGTERM into a ``SIGTERMException`` after the current micro-batch; this callback
-    then saves the run into the ``last.ckpt`` of the first ``ModelCheckpoint`` (its ``dirpath``), the
-    file ``fit(ckpt_path="last")`` looks for. Together with
-    :class:`~lightning_gpuopt.callbacks.ExactResume` a save in the middle of an accumulated step
-    resumes exactly (the step is replayed). Only SIGTERM saves: other exceptions (a
-    ``NonFiniteError``, a crash) leave the last good checkpoint alone.
-
-    A first Ctrl-C (SIGINT) during ``fit`` does the same: it is turned into a SIGTERM to this process,
-    so the save happens at the same safe point, after the current micro-batch, instead of Lightning's
-    KeyboardInterrupt shutdown that saves nothing. A second Ctrl-C stops at once (Lightning's own
-    handling), for a save that takes too long.
-
-    A SIGTERM during a validation inside ``fit`` (``val_check_interval``) stops it after the current
-    validation batch; the checkpoint marks that validation unfinished, and the resumed ``fit`` runs it
-    again, from its first batch, before training on, so its metrics are logged once, at their step.
-    (A validation that started mid-accumulation is left to
-    :class:`~lightning_gpuopt.callbacks.ExactResume`, whose replay of the step runs it again.)
-
-    Only ``fit`` saves: a SIGTERM during ``validate``, ``test`` or ``predict`` leaves every file as it
-    was (their state has no training progress, and ``last.ckpt`` may be the checkpoint they read).
-
-    With several processes (DDP, FSDP2, tensor parallel, several nodes) a SIGTERM may reach some of them only: a
-    preempted node, a ``kill`` of one launcher. Lightning 2.6 announces it from inside its signal handler with a
-    broadcast from rank 0, which ranks the signal did not reach never join: the run hangs. During ``fit`` this
-    callback handles SIGTERM instead: the handler only notes it (and passes it on to the processes this one
-    launched, as Lightning's does), and after every training or validation micro-batch the ranks agree, with
-    one all-reduce of a flag over a gloo group of their own (on the CPU: no wait for the GPU), whether any of
-    them received one; if so every rank stops after that same micro-batch and saves together.
-
-    Unlike Lightning's ``OnExceptionCheckpoint``, it does not make a later ``fit`` without
-    ``ckpt_path`` resume by itself, and it keeps the file after the run.
+    After the current micro-batch the run is saved into the first ``ModelCheckpoint``'s ``last.ckpt``,
+    the file ``fit(ckpt_path="last")`` looks for; a first Ctrl-C does the same, a second stops at once.
+    Only SIGTERM during ``fit`` saves. With several processes, a SIGTERM that reaches only some of them
+    stops every rank after the same micro-batch. Details: ``docs/reliability.md``.
 
     Example::
 
@@ -77,8 +50,7 @@ class SigtermCheckpoint(Callback):
     """
 
     def __init__(self, filename: str = "last") -> None:
-        if not filename or os.sep in filename:
-            raise ValueError(f"SigtermCheckpoint.filename must be a plain file name, got {filename!r}.")
+        check_file_name("SigtermCheckpoint", "filename", filename)
         self.filename = filename
         self._previous_sigint: Any = None
         self._own_sigterm = _OwnSigterm()

@@ -1,14 +1,7 @@
 """Atomic files: a file or a checkpoint folder on disk is the old one or the complete new one, never half written.
 
-Design note: a single file is streamed into a temporary file next to its target (named by
-:func:`~lightning_gpuopt.checkpoint.safety.temp_path`), fsynced and renamed over the target
-with ``os.replace`` (atomic on POSIX and Windows), and the folder is fsynced so the rename itself
-survives a power loss (:func:`atomic_save`). A folder (a distributed checkpoint) is written beside
-its target under a hidden name (:func:`partial_path`) and swapped in whole (:func:`swap_in`): on
-Linux file systems that support it (ext4, XFS, Btrfs, tmpfs) by one ``renameat2`` call with
-``RENAME_EXCHANGE``; elsewhere (e.g. NFS) by two renames through :func:`previous_path`, which
-:func:`checkpoint_to_load` falls back to if a kill came between them. ``AtomicCheckpointIO``
-(single files) and ``AtomicModelParallelStrategy`` (FSDP2 folders) both write through this module.
+A file goes through a temporary sibling, fsync and ``os.replace`` (:func:`atomic_save`); a folder is
+written under a hidden name and swapped in whole (:func:`swap_in`). ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -34,8 +27,7 @@ from lightning_gpuopt.checkpoint.safety import (
     temp_path,
 )
 
-PathLike = Union[str, os.PathLike]
-"""A local path or a URL-like string, as Lightning's checkpoint IO takes."""
+PathLike = Union[str, os.PathLike]  # a local path or a URL-like string, as Lightning's checkpoint IO takes
 
 __all__ = ["PathLike", "atomic_save", "checkpoint_to_load", "fsync_path", "partial_path", "previous_path", "remove_tree", "swap_in"]
 
@@ -46,18 +38,8 @@ _RENAME_EXCHANGE = 2
 def atomic_save(obj: Any, path: PathLike) -> None:
     """``torch.save`` ``obj`` to ``path`` atomically: a temp file in the same folder, fsync, ``os.replace``.
 
-    If anything fails (pickling, a full disk, a kill), ``path`` keeps its old content and the
-    temporary file is removed (after a ``kill -9``, a ``.<name>.tmp-*`` file may be left, never ``path``
-    half-written; the next save into the folder removes it). A full disk raises an ``OSError``
-    (``ENOSPC``) saying where and about how many GB the checkpoint needs.
-
-    Example::
-
-        atomic_save({"step": 3, "weights": model.state_dict()}, "checkpoints/last.ckpt")
-
-    Args:
-        obj: Anything ``torch.save`` accepts.
-        path: The local file to write.
+    If anything fails (pickling, a full disk, a kill), ``path`` keeps its old content; a full disk raises
+    an ``OSError`` (``ENOSPC``) saying where and about how many GB the checkpoint needs.
     """
     path = Path(str(path).removeprefix("file://"))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,16 +60,7 @@ def atomic_save(obj: Any, path: PathLike) -> None:
 
 
 def fsync_path(path: PathLike) -> None:
-    """Flush a file's data, or a folder's entries (renames, new files), to disk. A no-op off POSIX.
-
-    Example::
-
-        os.replace(tmp, target)
-        fsync_path(Path(target).parent)  # the rename survives a power loss
-
-    Args:
-        path: A local file or folder.
-    """
+    """Flush a file's data, or a folder's entries (renames, new files), to disk. A no-op off POSIX."""
     if os.name != "posix":  # Windows cannot open a folder to fsync it
         return
     fd = os.open(path, os.O_RDONLY)
@@ -97,35 +70,18 @@ def fsync_path(path: PathLike) -> None:
         os.close(fd)
 
 
-
 def _hidden(path: Path, kind: str) -> Path:
     digest = hashlib.sha1(path.name.encode()).hexdigest()[:16]
     return path.with_name(f".gpuopt-{kind}-{digest}")
 
 
 def partial_path(path: Path) -> Path:
-    """Where a distributed checkpoint for ``path`` is written before it is swapped in: a hidden sibling.
-
-    Example::
-
-        partial_path(Path("ckpt/last.ckpt"))  # Path("ckpt/.gpuopt-partial-<16 hex digits>")
-
-    Args:
-        path: The checkpoint to write.
-    """
+    """Where a distributed checkpoint for ``path`` is written before it is swapped in: a hidden sibling."""
     return _hidden(path, "partial")
 
 
 def previous_path(path: Path) -> Path:
-    """Where the checkpoint ``path`` replaces waits while a two-rename swap is under way: a hidden sibling.
-
-    Example::
-
-        previous_path(Path("ckpt/last.ckpt"))  # Path("ckpt/.gpuopt-old-<16 hex digits>")
-
-    Args:
-        path: The checkpoint being replaced.
-    """
+    """Where the checkpoint ``path`` replaces waits while a two-rename swap is under way: a hidden sibling."""
     return _hidden(path, "old")
 
 
@@ -146,15 +102,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def remove_tree(path: Path) -> None:
-    """Delete ``path``, a folder with its contents or a file; nothing if it is not there.
-
-    Example::
-
-        remove_tree(partial_path(Path("ckpt/last.ckpt")))  # what a killed save left
-
-    Args:
-        path: A local file or folder.
-    """
+    """Delete ``path``, a folder with its contents or a file; nothing if it is not there."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
@@ -170,16 +118,9 @@ def _remove_old(path: Path) -> None:
 
 
 def swap_in(new: Path, path: Path) -> None:
-    """Make the complete folder ``new`` the checkpoint ``path``, so that a kill at any moment leaves a whole one.
-
-    Example::
-
-        swap_in(partial_path(Path("ckpt/last.ckpt")), Path("ckpt/last.ckpt"))
-
-    Args:
-        new: The written checkpoint (a sibling of ``path``, on the same file system).
-        path: The checkpoint to replace, or to create.
-    """
+    """Make the complete folder ``new`` (a sibling on the same file system) the checkpoint ``path``, so that a kill
+    at any moment leaves a whole one: one ``renameat2(RENAME_EXCHANGE)`` where the file system has it, else
+    two renames through :func:`previous_path`."""
     if not (path.exists() or path.is_symlink()):
         os.replace(new, path)
         fsync_path(path.parent)
@@ -196,15 +137,7 @@ def swap_in(new: Path, path: Path) -> None:
 
 
 def checkpoint_to_load(path: Path) -> Path:
-    """``path``, or the previous checkpoint a two-rename swap left aside when a kill came between the renames.
-
-    Example::
-
-        trainer.strategy.load_checkpoint(checkpoint_to_load(Path("ckpt/last.ckpt")))  # what load_checkpoint does
-
-    Args:
-        path: The checkpoint asked for.
-    """
+    """``path``, or the previous checkpoint a two-rename swap left aside when a kill came between the renames."""
     previous = previous_path(path)
     if not (path.exists() or path.is_symlink()) and previous.is_dir():
         rank_zero_warn(

@@ -1,12 +1,7 @@
 """`AtomicCheckpointIO`: checkpoint files that are either the old one or the complete new one, never half-written.
 
-Design note: Lightning's ``TorchCheckpointIO`` serialises the whole checkpoint into memory, then
-writes it through an ``fsspec`` transaction whose temporary file lives in the system temp
-directory; committing is a ``shutil.move``, a copy when that directory is on another filesystem,
-and nothing is fsynced. Here local checkpoints go through
-:func:`~lightning_gpuopt.checkpoint.atomic_files.atomic_save` (a temporary file next to the target,
-fsync, ``os.replace``, fsync of the folder), so after a crash or ``kill -9`` at any moment
-``last.ckpt`` is the old file or the new one. Loading defaults to ``weights_only=True``.
+Lightning's ``TorchCheckpointIO`` commits through a temporary file in the system temp folder with a
+``shutil.move`` (a copy across file systems) and no fsync; ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -32,32 +27,21 @@ def _is_local(path: PathLike) -> bool:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes checkpoints atomically and reads them with ``weights_only=True`` by default.
 
-    A drop-in replacement for Lightning's default ``TorchCheckpointIO`` (single-file checkpoints:
-    single device, DDP, FSDP with a full state dict). The ``gpuopt`` CLI uses it unless the
-    strategy brings its own CheckpointIO.
+    A drop-in replacement for Lightning's default ``TorchCheckpointIO`` (single-file checkpoints: single
+    device, DDP, FSDP with a full state dict); the ``gpuopt`` CLI uses it unless the strategy brings its own.
 
     Example::
 
         trainer = Trainer(plugins=[AtomicCheckpointIO()])
 
-        # gpuopt / LightningCLI YAML
-        trainer:
-          plugins:
-            - class_path: lightning_gpuopt.checkpoint.AtomicCheckpointIO
-
     Args:
         allow_nonfinite: Write and read checkpoints whose weights or optimizer state hold NaN/Inf. By
             default such a save raises :class:`~lightning_gpuopt.checkpoint.safety.NonFiniteCheckpointError`
-            and writes nothing, so a diverged run never replaces a good checkpoint, and such a load
-            raises :class:`~lightning_gpuopt.model.checkpoint.CheckpointError` before a resumed run
-            skips steps on it or a prediction samples from it.
+            and writes nothing, and such a load raises :class:`~lightning_gpuopt.model.checkpoint.CheckpointError`.
 
     Note:
-        Each save first removes the temporary files that earlier saves into the same folder left
-        when they were killed (only files named by this writer, of processes that are gone).
         Remote paths (``s3://``, ``gs://``, ...) go through Lightning's own ``fsspec`` writer, whose
-        object-store uploads are all-or-nothing already. A broken or foreign file raises
-        :class:`~lightning_gpuopt.model.checkpoint.CheckpointError` naming the problem.
+        object-store uploads are all-or-nothing already.
     """
 
     def __init__(self, allow_nonfinite: bool = False) -> None:

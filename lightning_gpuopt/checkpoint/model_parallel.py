@@ -1,24 +1,8 @@
 """`AtomicModelParallelStrategy`: Lightning's FSDP2 strategy, whose distributed checkpoints are never half written
 (and which reduces gradients once per optimizer step under gradient accumulation).
 
-Lightning's ``ModelParallelStrategy`` writes a distributed checkpoint (a folder: one ``.distcp``
-file per rank, ``.metadata`` and ``meta.pt``) into the target folder in place. A run killed while
-it overwrites ``last.ckpt`` leaves a folder that mixes the new step's files with the old one's:
-killed after the shards and before ``meta.pt``, it loads without an error, with new weights and
-old loop counters. This subclass writes every rank's files into a hidden sibling folder and, once
-all ranks are done, rank 0 swaps it in (:func:`~lightning_gpuopt.checkpoint.atomic_files.swap_in`):
-
-* on Linux file systems that support it (ext4, XFS, Btrfs, tmpfs), one ``renameat2`` call with
-  ``RENAME_EXCHANGE`` swaps the two folders atomically, and the old one is deleted;
-* elsewhere (e.g. NFS), two renames: the old folder to ``.gpuopt-old-<id>``, the new one to the
-  target. A kill between them (microseconds) leaves the old checkpoint under that name, which
-  ``load_checkpoint`` falls back to with a warning when given the target path (``ckpt_path="last"``
-  does not look for it: rename it back by hand).
-
-A hidden folder a killed save left is deleted by the next save of the same name. The hidden names
-do not contain the target's name, so Lightning's scans for ``last*.ckpt`` and ``hpc_ckpt_<n>``
-never see them. Single-file checkpoints (``save_distributed_checkpoint=False``) go through
-Lightning's path unchanged (``AtomicCheckpointIO`` covers those on one device and DDP).
+Lightning writes a distributed checkpoint in place: killed after the shards and before ``meta.pt``, it
+loads with new weights and old loop counters. Here it is swapped in whole (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -48,30 +32,14 @@ __all__ = ["AtomicModelParallelStrategy"]
 class AtomicModelParallelStrategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 with Lightning) whose distributed checkpoints are replaced atomically.
 
-    Same arguments and behaviour as Lightning's ``ModelParallelStrategy``; only saving differs (see
-    the module docstring), and loading falls back to the previous checkpoint if a kill came between
-    the two renames of a save where the file system cannot exchange folders atomically. An error
-    while swapping on rank 0 is raised on every rank. A checkpoint whose weights hold NaN/Inf on
-    any rank is not written (:class:`~lightning_gpuopt.checkpoint.NonFiniteCheckpointError` on every
-    rank), so a diverged run never replaces a good checkpoint. ``choose_strategy`` and
-    ``trainer.strategy: gpuopt-auto`` use it.
-
-    Under gradient accumulation, gradients are reduce-scattered once per optimizer step, after the last
-    micro-batch, instead of after every one (Lightning's strategy skips the reduction only for DDP): each
-    rank then holds the whole model's unsharded float32 gradients between micro-batches (4 bytes per
-    parameter, as DDP does); ``sync_every_micro_batch=True`` keeps them sharded at one reduce-scatter
-    per micro-batch, for a model whose memory has no room for them.
+    Same arguments and behaviour as Lightning's, but saving: a checkpoint is swapped in whole, an error on
+    rank 0 is raised on every rank, and weights holding NaN/Inf on any rank are not written
+    (:class:`~lightning_gpuopt.checkpoint.NonFiniteCheckpointError`). Under gradient accumulation gradients
+    are reduce-scattered once per optimizer step (``docs/parallel.md``).
 
     Example::
 
         trainer = Trainer(devices=8, strategy=AtomicModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1))
-
-    .. code-block:: yaml
-
-        trainer:
-          strategy:
-            class_path: lightning_gpuopt.checkpoint.AtomicModelParallelStrategy
-            init_args: {data_parallel_size: auto, tensor_parallel_size: 1}
 
     Args:
         sync_every_micro_batch: Reduce-scatter gradients after every micro-batch (less memory, more traffic).
@@ -89,8 +57,8 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning runs each micro-batch but the last of an optimizer step inside this: FSDP2 then keeps
-        the gradients unsharded and reduce-scatters them once, after the last (as DDP's ``no_sync``)."""
+        """Every micro-batch of an optimizer step but the last runs in here: FSDP2 keeps the gradients unsharded
+        and reduce-scatters them once, after the last (as DDP's ``no_sync``)."""
         from torch.distributed.fsdp import FSDPModule
 
         modules = [] if self.sync_every_micro_batch else self.lightning_module.modules()
@@ -134,7 +102,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         self._on_rank_zero(commit, f"Could not swap the checkpoint written to {partial} in as {path}")
 
     def _on_rank_zero(self, work: Any, failure: str) -> None:
-        """Run ``work`` on rank 0; all ranks agree on the outcome, so an error is raised on every rank, none waits."""
+        """Run ``work`` on rank 0; all ranks agree on the outcome, so an error is raised on every rank."""
         error: Optional[BaseException] = None
         if self.global_rank == 0:
             try:

@@ -1,14 +1,7 @@
 """What a checkpoint writer checks around a save: finite weights, a full disk, and its own leftover temporary files.
 
-Design note: a diverged run (loss NaN, no ``NonFiniteGuard``) would otherwise write NaN weights over
-``last.ckpt`` and the top-k files, leaving no good checkpoint; :func:`check_finite_weights` refuses
-such a save before anything is written (``ModelCheckpoint`` deletes a replaced top-k file only after
-the new one is saved, so the old files stay). A ``kill -9`` during a save leaves the writer's
-temporary file; :func:`temp_path` names them ``.<name>.tmp-<host>-<pid>-<random>`` so that
-:func:`remove_orphaned_temps` can tell ours, and dead ones, from anything else in the folder.
-A full disk surfaces from ``torch.save`` as ``RuntimeError: [enforce fail at inline_container.cc]``
-with the ``OSError`` buried in its chain; :func:`disk_full_error` says what happened, where, and how
-much space the checkpoint needs.
+A diverged run would otherwise write NaN weights over every good checkpoint; a killed save leaves a
+temporary file; a full disk surfaces from ``torch.save`` with the ``OSError`` buried in its chain.
 """
 
 from __future__ import annotations
@@ -55,15 +48,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def nonfinite_weights(state_dict: Any) -> list[str]:
-    """Names of the floating-point tensors in ``state_dict`` that hold a NaN or Inf (this rank's shards).
-
-    Example::
-
-        nonfinite_weights({"w": torch.tensor([1.0, float("nan")]), "step": torch.tensor(3)})  # ["w"]
-
-    Args:
-        state_dict: A module's state dict (a mapping of names to tensors; other values are ignored).
-    """
+    """Names of the floating-point tensors in ``state_dict`` that hold a NaN or Inf (this rank's shards)."""
     if not isinstance(state_dict, dict):
         return []
     names, tensors = [], []
@@ -91,33 +76,15 @@ def _flat_tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> dict[s
 
 def nonfinite_optimizer_state(checkpoint: Any) -> tuple[list[str], int]:
     """Names of the optimizer-state tensors of a Lightning checkpoint that hold NaN/Inf, and how many there are.
-
-    AdamW's ``exp_avg_sq`` can overflow to Inf while the weights are still finite; resumed, it turns
-    the next step's update into NaN at once, whatever the new learning rate.
-
-    Example::
-
-        nonfinite_optimizer_state(checkpoint)  # (["optimizer_states.0.state.3.exp_avg_sq"], 26)
-
-    Args:
-        checkpoint: A Lightning checkpoint dict (its ``optimizer_states`` are read).
-    """
+    AdamW's ``exp_avg_sq`` can overflow while the weights are finite, and a resume then updates with NaN."""
     states = checkpoint.get("optimizer_states") if isinstance(checkpoint, dict) else None
     tensors = _flat_tensors(states or [], "optimizer_states", {})
     return nonfinite_weights(tensors), len(tensors)
 
 
 def check_finite_weights(checkpoint: dict[str, Any], path: Any) -> None:
-    """Raise :class:`NonFiniteCheckpointError` before writing ``checkpoint`` to ``path`` if its weights hold NaN/Inf.
-
-    Example::
-
-        check_finite_weights(checkpoint, "ckpt/last.ckpt")  # then write it
-
-    Args:
-        checkpoint: A Lightning checkpoint dict (its ``state_dict`` and ``optimizer_states`` are checked).
-        path: Where it was to be written (named in the message).
-    """
+    """Raise :class:`NonFiniteCheckpointError` before writing ``checkpoint`` to ``path`` if its weights
+    (``state_dict``) or ``optimizer_states`` hold NaN/Inf."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     guarded = isinstance(checkpoint, dict) and "NonFiniteGuard" in (checkpoint.get("callbacks") or {})
     bad = nonfinite_weights(state)
@@ -135,13 +102,9 @@ def check_finite_weights(checkpoint: dict[str, Any], path: Any) -> None:
 def non_finite_message(
     path: Any, n_bad: int, n_total: int, first: str, kept: bool, what: str = "weight tensors", guarded: bool = False
 ) -> str:
-    """The message of a refused non-finite save (shared with the distributed writer).
-
-    The checkpoints kept are finite, which does not make them good: a loss rises for some steps before the
-    weights or AdamW's moments overflow, and a checkpoint written on the way holds weights that give the same
-    bad gradients at any learning rate. So the message does not call them good; ``NonFiniteGuard`` (named
-    when the run has none) stops at the first bad step and says whether its last checkpoint is worth resuming.
-    """
+    """The message of a refused non-finite save (shared with the distributed writer). The checkpoints kept
+    are finite, not necessarily good (weights written while the loss rose give the same bad gradients), so
+    it does not call them good, and names ``NonFiniteGuard`` when the run has none."""
     path = Path(str(path))
     guard = ("NonFiniteGuard did not stop it (it checks the loss and gradients of each step, not the weights after "
              "the update): " if guarded else
@@ -158,15 +121,7 @@ def non_finite_message(
 
 
 def temp_path(path: Path) -> Path:
-    """The temporary file a save of ``path`` writes first: ``.<name>.tmp-<host>-<pid>-<random>`` beside it.
-
-    Example::
-
-        temp_path(Path("ckpt/last.ckpt"))  # Path("ckpt/.last.ckpt.tmp-1a2b3c4d-4242-9f8e7d6c")
-
-    Args:
-        path: The checkpoint to write.
-    """
+    """The temporary file a save of ``path`` writes first: ``.<name>.tmp-<host>-<pid>-<random>`` beside it."""
     return path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
@@ -181,20 +136,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_orphaned_temps(folder: Path, now: Optional[float] = None) -> list[Path]:
-    """Delete the temporary files of earlier saves into ``folder`` that were killed; return what was removed.
-
-    Only files named by :func:`temp_path` are considered: one of this machine whose process is gone,
-    or one of another machine (same shared folder; on Windows, any) not written to for an hour. A save in progress
-    elsewhere, and every other file, stay.
-
-    Example::
-
-        remove_orphaned_temps(Path("runs/x/checkpoints"))  # [Path(".../.last.ckpt.tmp-1a2b3c4d-977-0f1e2d3c")]
-
-    Args:
-        folder: The checkpoint folder.
-        now: The current time (``time.time()``), for tests.
-    """
+    """Delete the temporary files of killed saves into ``folder`` (named by :func:`temp_path`: this machine's
+    whose process is gone, another machine's untouched for an hour); return what was removed."""
     removed = []
     now = time.time() if now is None else now
     try:
@@ -247,16 +190,7 @@ def checkpoint_nbytes(obj: Any) -> int:
 
 
 def disk_full_error(path: Path, needed_bytes: int) -> OSError:
-    """The error for a save of ``path`` that ran out of space: where, how much it needs, what is free, the fix.
-
-    Example::
-
-        raise disk_full_error(Path("ckpt/last.ckpt"), 18 * 10**9) from err
-
-    Args:
-        path: The checkpoint that was being written.
-        needed_bytes: About how large it is.
-    """
+    """The error for a save of ``path`` that ran out of space: where, how much it needs, what is free, the fix."""
     try:
         free = f", {shutil.disk_usage(path.parent).free / GB:.2f} GB free"
     except OSError:

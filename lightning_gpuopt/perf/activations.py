@@ -1,19 +1,6 @@
-"""Activation memory of any model's training step, measured on meta tensors.
+"""Activation memory of any model's training step: the tensors autograd saves, counted on meta tensors.
 
-Design note: the activations a training step holds at its peak are the tensors autograd saves
-for the backward. :func:`measure_activation_bytes` runs ``forward(input_ids)`` on meta tensors (no
-memory is allocated) under ``torch.autograd.graph.saved_tensors_hooks`` and adds up what is saved:
-each storage once (a view counts as its base tensor, so q, k and v split from one projection count
-once), parameters not at all (they are model state, counted apart). Attention through
-``F.scaled_dot_product_attention`` is counted as the fused GPU kernels (Flash, cuDNN, memory-efficient)
-save it: q, k, v, the output and a float32 log-sum-exp per row, not the ``T x T`` scores the math
-kernel that runs on meta tensors would keep. Under 16-bit mixed precision the
-float32 tensors are counted at 2 bytes, as autocast would run the matmuls that make most of them in
-bf16/fp16; norms and softmaxes that autocast keeps in float32 are undercounted by that rule, which
-the caller's headroom absorbs. The forward without targets may skip the loss and part of the head
-(nanoGPT's computes the last position only), so the logits are counted apart, for every position, by
-the rule ``choose_strategy`` states: 10 bytes per logit (16-bit logits, their float32 copy for the
-loss, and its gradient), the vocabulary read from the last dimension of the output.
+Attention is counted as the fused kernels save it; how each byte is counted: ``docs/parallel.md``.
 """
 
 from __future__ import annotations
@@ -106,11 +93,6 @@ def _saved_bytes(model: nn.Module, params: dict[str, Tensor], run: Callable[[], 
 def measure_activation_bytes(model: nn.Module, input_ids: Tensor, precision: str = "bf16-mixed") -> ActivationBytes:
     """Bytes of the tensors ``model(input_ids)`` saves for its backward, and of its logits, counted on meta tensors.
 
-    Example::
-
-        est = measure_activation_bytes(model, torch.zeros(8, 1024, dtype=torch.long, device="meta"))
-        est.total / 1e9  # GB for one micro-batch of 8 x 1024 tokens
-
     Args:
         model: Any ``nn.Module`` whose forward takes a ``(batch, seq_len)`` tensor of token ids.
         input_ids: The input (real or meta; only its shape and dtype are used).
@@ -131,7 +113,7 @@ _READS = {torch.Tensor.item: 1, torch.Tensor.__bool__: True, torch.Tensor.__floa
 
 
 class _StandInReads(TorchFunctionMode):
-    """Answers a host read of a meta tensor (``.item()``, ``bool()``, ``float()``, ``int()``) with 1, and counts them."""
+    """Answers a host read of a meta tensor (``.item()``, ``bool()``, ...) with 1, and counts them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,20 +128,8 @@ class _StandInReads(TorchFunctionMode):
 
 
 def measure_step_activation_bytes(module: nn.Module, batch: Any, precision: str = "bf16-mixed") -> tuple[ActivationBytes, int]:
-    """Bytes of the tensors ``module.training_step(batch, 0)`` saves for its backward, on meta tensors; and
-    how many host reads (``loss.item()``, a mask check) were answered with 1 to let it run.
-
-    The step is the one training runs, so any batch (a dict with ``attention_mask`` and ``labels``) and
-    a LightningModule without ``forward`` are measured, the logits and the loss's copies of them among
-    the saved tensors; ``logits`` is their float32 gradient, allocated in the backward (4 bytes per
-    token of the first integer tensor and entry of the vocabulary, the largest ``nn.Embedding``).
-    ``self.log`` does nothing during the call. A read answered with 1 takes the branch a real value of 1 would (Hugging Face's "no
-    padding" mask check: no mask); the result is an estimate for a strategy choice, not a count.
-
-    Example::
-
-        est, reads = measure_step_activation_bytes(lightning_module, next(iter(loader)))
-        est.total / 1e9  # GB for one micro-batch of that loader's size
+    """Bytes of the tensors ``module.training_step(batch, 0)`` saves for its backward, on meta tensors, and
+    how many host reads were answered with 1 to let it run (an estimate, not a count).
 
     Args:
         module: A LightningModule (or any module with ``training_step``) using automatic optimisation.

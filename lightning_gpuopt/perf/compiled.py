@@ -14,35 +14,18 @@ __all__ = ["is_compiled"]
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` or any submodule runs under ``torch.compile``.
-
-    Detects ``torch.compile(module)`` wrappers (``OptimizedModule``), in-place ``Module.compile()``
-    (which sets ``_compiled_call_impl``) and a LightningModule passed compiled to ``Trainer.fit``
-    (Lightning stores ``_compiler_ctx``). A compile that captures nothing does not count: one around
-    FSDP2-sharded blocks that run under activation checkpointing (see ``model/compiling.py``).
-
-    Example::
-
-        >>> import torch
-        >>> layer = torch.nn.Linear(16, 16)
-        >>> is_compiled(layer), is_compiled(torch.nn.Sequential(torch.compile(layer)))
-        (False, True)
-
-    Args:
-        module: Any ``nn.Module`` (a LightningModule included).
-    """
+    """Whether ``module`` or any submodule runs under ``torch.compile``: a ``torch.compile`` wrapper, an
+    in-place ``Module.compile()``, or a LightningModule passed compiled to ``Trainer.fit``. A compile that
+    captures nothing does not count (FSDP2-sharded blocks under activation checkpointing)."""
     if compiled_by_lightning(module) and _captures_graphs(module):
         return True
     return any(compiled_wrapper_or_in_place(m) and _captures_graphs(m) for m in module.modules())
 
 
 def _captures_graphs(compiled: nn.Module) -> bool:
-    """False for a compile Dynamo skips whole: FSDP2-sharded submodules called through ``torch.utils.checkpoint``.
-
-    FSDP2's hooks are excluded from ``torch.compile``; inside a checkpointed region Dynamo cannot break
-    the graph there, and skips the forward that holds it (0 graphs, torch 2.13). The checkpointing is
-    known from ``config.activation_checkpointing`` (this package's ``GPTConfig``), as the call is in ``forward``.
-    """
+    """False for a compile Dynamo skips whole: FSDP2-sharded submodules called through ``torch.utils.checkpoint``
+    (FSDP2's hooks are excluded from the graph, and inside a checkpointed region Dynamo cannot break there:
+    0 graphs, torch 2.13). The checkpointing is read from ``config.activation_checkpointing``."""
     from torch.distributed.fsdp import FSDPModule
 
     inner = [m for m in compiled.modules() if m is not compiled]

@@ -1,9 +1,7 @@
 """Device facts: what the training device is, read once per run, as one value every decision takes.
 
-Each device decision (precision, attention kernel, optimizer kernel, allocator) is a plain function
-of a :class:`DeviceFacts`, so a test checks it for an H100, a V100 or a CPU (:data:`REFERENCE_DEVICES`)
-on any machine. :func:`read_device` asks the driver; in a run :func:`training_device` calls it once
-and binds the precision plugin to the result.
+Each device decision is a plain function of a :class:`DeviceFacts`, so a test checks it for an H100,
+a V100 or a CPU (:data:`REFERENCE_DEVICES`) on any machine.
 """
 
 from __future__ import annotations
@@ -28,20 +26,14 @@ class DeviceFacts:
 
         facts = read_device(torch.device("cuda", 0))
         facts.bf16, facts.fp8, facts.peak_tflops("bf16")  # True, True, 989.4 on an H100 SXM
-
         REFERENCE_DEVICES["V100"].bf16  # False: the fp16 fallback applies there
     """
 
-    type: str
-    """``"cuda"``, ``"cpu"`` (or another torch device type)."""
-    name: str
-    """What the driver reports (``"NVIDIA H100 80GB HBM3"``); ``"cpu"`` on a CPU."""
-    capability: Optional[tuple[int, int]] = None
-    """CUDA compute capability, ``None`` off CUDA."""
-    total_memory: Optional[int] = None
-    """Device memory in bytes, ``None`` off CUDA (host memory is not the limit the decisions need)."""
-    cudnn_version: Optional[int] = None
-    """``torch.backends.cudnn.version()`` (e.g. 91500 for 9.15), ``None`` without cuDNN."""
+    type: str  # "cuda", "cpu" (or another torch device type)
+    name: str  # what the driver reports ("NVIDIA H100 80GB HBM3"); "cpu" on a CPU
+    capability: Optional[tuple[int, int]] = None  # CUDA compute capability, None off CUDA
+    total_memory: Optional[int] = None  # bytes; None off CUDA (host memory is not the limit the decisions need)
+    cudnn_version: Optional[int] = None  # torch.backends.cudnn.version() (91500 for 9.15), None without cuDNN
     index: Optional[int] = None
 
     @property
@@ -65,12 +57,12 @@ class DeviceFacts:
 
     @property
     def fused_adamw(self) -> bool:
-        """``AdamW(fused=True)`` is the faster kernel here: on CUDA (the CPU kernel exists but is no faster)."""
+        """``AdamW(fused=True)`` is the faster kernel here: on CUDA (the CPU kernel is no faster)."""
         return self.is_cuda
 
     @property
     def peaks(self) -> Optional[GPUPeaks]:
-        """The datasheet row of this GPU (:mod:`~lightning_gpuopt.perf.peaks`), ``None`` for a CPU or an unknown GPU."""
+        """The datasheet row of this GPU (:mod:`~lightning_gpuopt.perf.peaks`), ``None`` for a CPU or unknown GPU."""
         return find_gpu(self.name) if self.is_cuda else None
 
     def peak_tflops(self, dtype: str) -> Optional[float]:
@@ -114,14 +106,8 @@ def cuda_device_count() -> int:
 def read_device(device: Union[torch.device, str, None] = None) -> DeviceFacts:
     """Read the facts of ``device`` from the driver (the one place that does).
 
-    Example::
-
-        read_device("cuda")        # the current CUDA device
-        read_device(torch.device("cpu")).bf16  # True
-
     Args:
-        device: A torch device; ``None`` means the device a Trainer with ``accelerator="auto"`` picks
-            (the current CUDA device if there is one, else the CPU).
+        device: A torch device; ``None`` means the one a Trainer with ``accelerator="auto"`` picks.
     """
     if device is None:
         device = "cuda" if cuda_device_count() > 0 else "cpu"
@@ -140,14 +126,10 @@ def read_device(device: Union[torch.device, str, None] = None) -> DeviceFacts:
     )
 
 
-
 @runtime_checkable
 class DeviceBound(Protocol):
-    """A precision plugin that decides from the training device, told it once per run by :func:`training_device`.
-
-    ``lightning_gpuopt.precision.DevicePrecision`` implements it (and so every plugin built on it).
-    ``strategy`` is the run's strategy, ``None`` when the plugin is bound by hand.
-    """
+    """A precision plugin that decides from the training device, told it once per run by :func:`training_device`
+    (``strategy``: the run's, ``None`` when bound by hand); ``DevicePrecision`` implements it."""
 
     def bind(self, device: torch.device, facts: DeviceFacts, strategy: Any = None) -> None: ...
 
@@ -159,17 +141,8 @@ _KEPT: "weakref.WeakKeyDictionary[Any, tuple[torch.device, DeviceFacts]]" = weak
 def training_device(trainer: Any) -> DeviceFacts:
     """The facts of the device ``trainer`` trains on, read once per run and kept for every decision in it.
 
-    The first call reads them and binds the Trainer's precision plugin to them (if it is
-    :class:`DeviceBound`), so whoever asks first (a callback's ``setup`` at the earliest, the plugin's
-    own ``configure_model`` or ``convert_module`` at the latest) reads the dtype of this device.
-
-    Example::
-
-        facts = training_device(trainer)   # in any hook from setup on
-        facts.bf16, facts.total_memory
-
-    Args:
-        trainer: The running Trainer (its strategy's root device is the training device).
+    The first call binds the Trainer's precision plugin (if :class:`DeviceBound`) to them, so whoever asks
+    first (a callback's ``setup``, at the latest the plugin's own ``configure_model``) reads this device's dtype.
     """
     strategy = trainer.strategy
     device = strategy.root_device

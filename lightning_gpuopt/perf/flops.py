@@ -1,30 +1,7 @@
 """Training FLOPs per token of any model: counted over one real training step, or on meta tensors.
 
-Design note: the FLOPs MFU needs are those of what training runs, the loss included: the module's
-``training_step`` and the backward of its loss, whatever its batch holds (masks, labels), whatever it
-reads on the host (``loss.item()``, Hugging Face's SDPA mask check) and however many optimizers it
-steps. :class:`StepFlopCounter` counts exactly that, over one real step of the run (the first at each
-sequence length): no replay, no extra memory. It watches the step through a dispatch mode that runs
-every operator exactly as it would run unwatched and adds up torch's FLOP formulas
-(``torch.utils.flop_counter.flop_registry``) for the matmuls, convolutions and attention it sees. It
-is not ``FlopCounterMode``: that mode replaces an operator it has no formula for by its composite
-decomposition where torch has one (``silu_backward`` becomes ``x * sigmoid(x) * ...``), so the
-counted step computed other bits than an uncounted one (a training run with the counter diverged from
-one without from the first counted SiLU backward, and a resumed run counted at other steps). Counting
-touches no kernel, no random stream and no value of an eager step (tested bit for bit).
-
-Attention is counted as the math kernel computes it, whatever kernel runs: ``Q K^T`` and ``P V``
-forward, four matmuls backward, the full ``T x T`` (PaLM's 12·L·d·T); the fused kernels'
-recomputation of the scores in their backward is not model FLOPs, and torch's CPU flash kernel,
-which torch's table does not know, is counted the same way. A compiled module's operators are seen
-only eagerly, so its counted step runs eagerly (``set_stance("force_eager")``): those steps differ
-from compiled ones in the last bits, which ``MFUMonitor`` says once (a module with
-``flops_per_token(seq_len)`` is never counted). The counted step runs a few times slower than usual,
-Python looking at every operator: its cost is that one step.
-
-:func:`measure_training_flops` counts a forward and backward of ``model(*args)`` on meta tensors,
-without allocating anything: exact for a model whose forward reads no values, for the plans made
-before a run (``choose_strategy``-style estimates, tests of a plain ``nn.Module``).
+:class:`StepFlopCounter` counts what training runs, the loss included, without changing a bit of it
+(not ``FlopCounterMode``, which decomposes operators it has no formula for); ``docs/callbacks.md``.
 """
 
 from __future__ import annotations
@@ -104,39 +81,21 @@ def _count(model: nn.Module, args: tuple, forward: Optional[Callable[..., Any]])
 
 
 def measure_training_flops(model: nn.Module, *args: Any, forward: Optional[Callable[..., Any]] = None) -> int:
-    """FLOPs of one forward and backward pass of ``model(*args)``, counted on the meta device.
+    """FLOPs of one forward and backward pass of ``model(*args)``, counted on the meta device (nothing allocated).
 
-    The model's parameters and buffers are replaced, for this call only, by meta tensors of the same
-    shapes (``torch.func.functional_call``): nothing is copied and no memory is allocated, so this
-    works for models that fill the GPU. Matmuls, convolutions and attention are counted by
-    ``torch.utils.flop_counter.FlopCounterMode``; element-wise operations are not (as in MFU).
-
-    Example::
-
-        flops = measure_training_flops(model, torch.zeros(8, 512, dtype=torch.long))
-        flops_per_token = flops / (8 * 512)
+    Sharded (FSDP2) parameters count at their global shape; a forward that reads a value (``.item()``)
+    cannot run here: :class:`StepFlopCounter` counts what training runs.
 
     Args:
         model: Any ``nn.Module`` (a ``torch.compile``-d one is measured through its original module).
         *args: Example inputs; real or meta tensors (only their shapes and dtypes are used).
         forward: Called as ``forward(model, *args)`` instead of ``model(*args)``.
-
-    Note:
-        Sharded (FSDP2 ``DTensor``) parameters are counted at their global shape, so the result is
-        the FLOPs of the whole model, as MFU needs. A forward without targets may not compute every
-        position (nanoGPT's computes the head for the last one only), and a forward that reads a value
-        (``.item()``) cannot run on meta tensors: :class:`StepFlopCounter` counts what training runs.
     """
     return _count(model, args, forward)[0]
 
 
 def model_flops_per_token(module: nn.Module, seq_len: int) -> Optional[float]:
-    """Training FLOPs per token from ``module.flops_per_token(seq_len)`` (or without argument); ``None`` without one.
-
-    Args:
-        module: A module that may define ``flops_per_token``, such as ``GPTModule``.
-        seq_len: Sequence length of the batch, for the attention term.
-    """
+    """Training FLOPs per token from ``module.flops_per_token(seq_len)`` (or without argument); ``None`` without one."""
     fn = getattr(module, "flops_per_token", None)
     if not callable(fn):
         return None
@@ -163,7 +122,7 @@ def _formulas() -> dict[Any, Callable[..., int]]:
 
 
 class _CountingMode(torch_dispatch_mode()):
-    """Runs every operator exactly as it was dispatched (no decomposition) and adds up the FLOPs of those with a formula."""
+    """Runs every operator exactly as dispatched (no decomposition) and adds up the FLOPs of those with a formula."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -181,24 +140,14 @@ class _CountingMode(torch_dispatch_mode()):
 class StepFlopCounter:
     """Counts the FLOPs of everything that runs between :meth:`start` and :meth:`stop`: one real training step.
 
-    Matmuls, convolutions and attention are counted (element-wise operations are not, as in MFU);
-    attention as the math kernel computes it whatever kernel runs (see the module's design note).
-    Every operator runs as it would uncounted: an eager step computes the same bits counted or not.
-    Between ``start`` and ``stop`` ``torch.compile`` is set to run eagerly (``set_stance("force_eager")``),
-    so a compiled module's operators are seen; it compiles at the next step.
+    Every operator runs as it would uncounted; ``torch.compile`` runs eagerly in between, so a compiled
+    module's operators are seen. Activation checkpointing's recomputation is counted too.
 
     Example::
 
         counter = StepFlopCounter()
         counter.start()            # e.g. in on_train_batch_start
-        ...                        # the training step: forward, loss, backward(s), optimizer step(s)
-        flops = counter.stop()     # e.g. in on_train_batch_end
-
-    Note:
-        Activation checkpointing recomputes the forward in the backward: that recomputation is
-        counted too (the count is then the hardware's FLOPs, not the model's). Under FSDP2 the
-        parameters are gathered whole before each matmul, so the count is that of the whole model
-        on this rank's batch.
+        flops = counter.stop()     # e.g. in on_train_batch_end, after the step
     """
 
     def __init__(self) -> None:
@@ -232,16 +181,7 @@ def count_step_flops(step: Callable[[], Any]) -> tuple[Any, int]:
 
     Example::
 
-        def step():
-            loss = module.training_step(batch, 0)
-            loss.backward()
-            return loss
-
-        loss, flops = count_step_flops(step)
-        flops / batch[0].numel()   # training FLOPs per token
-
-    Args:
-        step: Any callable: a training step with its backward, a forward, a whole loop iteration.
+        _, flops = count_step_flops(lambda: module.training_step(batch, 0).backward())  # a step and its backward
     """
     counter = StepFlopCounter()
     counter.start()

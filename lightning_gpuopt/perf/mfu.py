@@ -1,15 +1,7 @@
 """MFU arithmetic: the peaks MFU divides by, the metrics of one timing window, and the end-of-fit report.
 
-Plain functions, no Trainer: :class:`~lightning_gpuopt.callbacks.MFUMonitor` times the windows,
-counts tokens and FLOPs, and calls these. MFU is against the device's dense **bf16** peak whatever
-the run computes in (the usual convention, so fp32, bf16 and fp8 runs compare on one scale); fp8
-runs also get ``perf/mfu_fp8`` against the fp8 peak.
-
-Tokens are real tokens: where a batch marks its padding (:func:`real_tokens_of`), tokens/s and the model
-FLOPs behind TFLOP/s and MFU count the real tokens only. The GPU computes on the padding too, but that is
-work the model did not need, as activation recomputation is not (PaLM's MFU leaves both out), so padding
-shows as lower MFU, the speed packing or length-bucketing would win back; the rate of all positions is
-logged beside it (``perf/tokens_per_sec_padded``).
+Plain functions called by ``MFUMonitor``. MFU is against the dense bf16 peak whatever the run computes
+in, and counts real tokens only, padding left out (``docs/callbacks.md``).
 """
 
 from __future__ import annotations
@@ -38,25 +30,13 @@ __all__ = [
     "window_metrics",
 ]
 
-MFU_DTYPE = "bf16"
-MFU_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
-"""Matmul dtypes ``MFUMonitor(dtype=...)`` accepts."""
+MFU_DTYPE = "bf16"  # MFU's peak whatever the run computes in: fp32, bf16 and fp8 runs compare on one scale
+MFU_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # what MFUMonitor(dtype=...) accepts
 
 
 def input_ids_of(batch: Any) -> Optional[Tensor]:
     """The token-id tensor of a batch: ``batch[0]`` of a tuple, ``batch["input_ids"]`` of a dict, or the batch,
-    when it holds integers; ``None`` otherwise (float features are not tokens).
-
-    Example::
-
-        >>> input_ids_of({"input_ids": torch.zeros(2, 16, dtype=torch.long)}).shape
-        torch.Size([2, 16])
-        >>> input_ids_of((torch.randn(2, 16), torch.randn(2, 1))) is None
-        True
-
-    Args:
-        batch: A training batch; anything else gives ``None``.
-    """
+    when it holds integers; ``None`` otherwise (float features are not tokens)."""
     if isinstance(batch, (tuple, list)) and batch:
         batch = batch[0]
     elif isinstance(batch, Mapping):
@@ -68,22 +48,8 @@ def input_ids_of(batch: Any) -> Optional[Tensor]:
 
 def real_tokens_of(batch: Any) -> Optional[tuple[Tensor, str]]:
     """The tokens of a batch that are not padding, and the key they were read from: ``attention_mask`` (its non-zero
-    entries), else ``labels`` (those not ``-100``), when the batch is a mapping holding one of ``input_ids``' shape;
-    ``None`` otherwise (every position is a token).
-
-    The count is a 0-dim tensor on the batch's device, not read: reading it on the host would wait for the GPU
-    at every micro-batch. :class:`TokenTally` adds such counts up and reads them once.
-
-    Example::
-
-        >>> ids = torch.ones(2, 4, dtype=torch.long)
-        >>> count, key = real_tokens_of({"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])})
-        >>> int(count), key
-        (6, 'attention_mask')
-
-    Args:
-        batch: A training batch.
-    """
+    entries), else ``labels`` (those not ``-100``), of ``input_ids``' shape in a mapping; ``None`` otherwise.
+    The count is a 0-dim device tensor, not read (a host read would wait for the GPU at every micro-batch)."""
     input_ids = input_ids_of(batch)
     if input_ids is None or not isinstance(batch, Mapping):
         return None
@@ -97,17 +63,8 @@ def real_tokens_of(batch: Any) -> Optional[tuple[Tensor, str]]:
 class TokenTally:
     """Tokens and their model FLOPs over a span of micro-batches (a window, a run), read when asked for.
 
-    Each micro-batch adds its token positions (padding included, known on the host from the shapes), its real
-    tokens (an ``int``, or a device tensor from :func:`real_tokens_of`) and the model FLOPs per token of its
-    sequence length (``None`` when unknown). Real tokens are kept apart by FLOPs per token, so the model FLOPs of
-    the real tokens are exact over micro-batches of different lengths; device counts are summed on the device
-    and read once, by :meth:`read`.
-
-    Example::
-
-        tally = TokenTally()
-        tally.add(positions=64, real=torch.tensor(48), flops_per_token=1e6)
-        tally.read()  # (48, 4.8e7, True): real tokens, their model FLOPs, all counts known
+    Real tokens are kept apart by FLOPs per token, so their model FLOPs are exact over micro-batches of
+    different lengths; device counts are summed on the device and read once, by :meth:`read`.
     """
 
     def __init__(self) -> None:
@@ -124,23 +81,14 @@ class TokenTally:
         return copied
 
     def read(self) -> tuple[int, float, bool]:
-        """``(real tokens, model FLOPs of those whose FLOPs per token is known, whether all are known)``.
-        Waits for the device when a count is a device tensor."""
+        """``(real tokens, model FLOPs of those whose FLOPs per token is known, all known?)``; waits for the device."""
         counts = {fpt: int(tokens) for fpt, tokens in self._real.items()}
         flops = float(sum(fpt * tokens for fpt, tokens in counts.items() if fpt is not None))
         return sum(counts.values()), flops, None not in counts
 
 
 def memory_stats(facts: DeviceFacts) -> dict[str, float]:
-    """``mem/*`` metrics of a CUDA device in GiB (no synchronisation); empty elsewhere.
-
-    Example::
-
-        memory_stats(read_device("cuda:0"))  # {"mem/allocated_gb": 12.3, ..., "mem/peak_pct": 41.0}
-
-    Args:
-        facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
-    """
+    """``mem/*`` metrics of a CUDA device in GiB (no synchronisation); empty elsewhere."""
     if not facts.is_cuda or not facts.total_memory:
         return {}
     device = torch.device("cuda", facts.index)
@@ -157,17 +105,8 @@ def memory_stats(facts: DeviceFacts) -> dict[str, float]:
 def mfu_peaks(
     facts: DeviceFacts, dtype: str, peak_flops: Optional[float] = None
 ) -> tuple[Optional[float], Optional[float], str]:
-    """``(bf16 peak, fp8 peak, device name)`` in FLOP/s for MFU on a device; a peak is ``None`` when unknown.
-
-    Example::
-
-        mfu_peaks(REFERENCE_DEVICES["H100 SXM"], "fp8")  # (989.4e12, 1978.9e12, "NVIDIA H100 80GB HBM3")
-
-    Args:
-        facts: The training device (peaks are looked up for CUDA devices only, by the name in ``facts``).
-        dtype: The run's matmul dtype (``fp8`` adds the fp8 peak).
-        peak_flops: The user's dense bf16 peak, which replaces the table's.
-    """
+    """``(bf16 peak, fp8 peak, device name)`` in FLOP/s for MFU on a CUDA device (``None`` when unknown);
+    ``dtype="fp8"`` adds the fp8 peak, ``peak_flops`` (the user's bf16 peak) replaces the table's."""
     peak = peak_fp8 = None
     if facts.is_cuda:
         name = facts.name
@@ -195,30 +134,21 @@ def window_metrics(
     tensor_parallel: int = 1,
     padded_tokens: Optional[int] = None,
 ) -> dict[str, float]:
-    """The ``perf/*`` metrics of one window of ``steps`` optimizer steps (see ``MFUMonitor``'s key table).
+    """The ``perf/*`` metrics of one window of ``steps`` optimizer steps (``docs/callbacks.md``'s key table).
 
     Example::
 
-        >>> m = window_metrics(tokens=8192, flops=8192 * 1e9, elapsed=2.0, steps=4, wait=0.1, replicas=2, peak=1e13)
-        >>> m["perf/tokens_per_sec"], m["perf/mfu"], m["perf/step_time_ms"]
-        (8192.0, 0.4096, 500.0)
+        m = window_metrics(tokens=8192, flops=8192 * 1e9, elapsed=2.0, steps=4, wait=0.1, replicas=2, peak=1e13)
+        m["perf/tokens_per_sec"], m["perf/mfu"], m["perf/step_time_ms"]  # 8192.0, 0.4096, 500.0
 
     Args:
-        tokens: Tokens this device's data-parallel rank trained on in the window (the ``tensor_parallel`` devices
-            of a rank train on the same tokens, counted once); with none, only the step time and the data-loader
-            wait are returned.
-        flops: Model FLOPs of those tokens (the whole model's); ``None`` when some micro-batch's count is unknown.
-        elapsed: Seconds the window took (synchronised at both ends).
-        steps: Optimizer steps in the window.
-        wait: Seconds spent waiting for batches.
-        replicas: Data-parallel size (:func:`~lightning_gpuopt.perf.parallel.data_parallel_size`).
-        peak: Dense bf16 peak FLOP/s per device, for ``perf/mfu``.
-        peak_fp8: fp8 peak, for ``perf/mfu_fp8``.
-        measured_peak: A timed bf16 matmul's FLOP/s, for ``perf/mfu_measured``.
-        tensor_parallel: Devices that split each layer (:func:`~lightning_gpuopt.perf.parallel.tensor_parallel_size`):
-            the tokens and FLOPs of a data-parallel rank are divided over them, per device.
-        padded_tokens: Token positions of the window, padding included, when the batches say which are padding
-            (``tokens`` are then the real ones): ``perf/tokens_per_sec_padded``.
+        tokens: Tokens this device's data-parallel rank trained on (none: only step time and data wait).
+        flops: Model FLOPs of those tokens (the whole model's); ``None`` when some count is unknown.
+        elapsed, steps, wait: Seconds of the window, its optimizer steps, seconds spent waiting for batches.
+        replicas: Data-parallel size.
+        peak, peak_fp8, measured_peak: FLOP/s for ``perf/mfu``, ``perf/mfu_fp8``, ``perf/mfu_measured``.
+        tensor_parallel: Devices that split each layer: a rank's tokens and FLOPs are divided over them.
+        padded_tokens: Token positions, padding included, when the batches mark padding.
     """
     elapsed = max(elapsed, 1e-12)
     metrics = {"perf/step_time_ms": 1000 * elapsed / steps, "perf/dataloader_wait_pct": 100 * wait / elapsed}
@@ -240,23 +170,14 @@ def window_metrics(
 
 @dataclass
 class WindowTotals:
-    """What one timing window measured, as counts: reports add these up rather than average rates.
+    """What one timing window measured, as counts: reports add these up rather than average rates."""
 
-    Args:
-        tokens: Tokens this device trained on in the window (padding left out when the batches mark it).
-        flops: Model FLOPs of those tokens; ``None`` when some micro-batch's count is unknown.
-        seconds: Training seconds of the window (validation and saves left out).
-        steps: Optimizer steps in the window.
-        wait: Seconds of ``seconds`` spent waiting for batches.
-        padded: Token positions of the window, padding included, when the batches mark padding; else ``None``.
-    """
-
-    tokens: int
-    flops: Optional[float]
-    seconds: float
+    tokens: int  # this device's, padding left out when the batches mark it
+    flops: Optional[float]  # model FLOPs of those tokens; None when some micro-batch's count is unknown
+    seconds: float  # training seconds (validation and saves left out)
     steps: int
-    wait: float
-    padded: Optional[int] = None
+    wait: float  # seconds of `seconds` spent waiting for batches
+    padded: Optional[int] = None  # token positions, padding included, when the batches mark padding
 
 
 def _plural(count: int, noun: str) -> str:
@@ -304,37 +225,18 @@ def summarise_windows(
     tensor_parallel: int = 1,
     workers: str = "the training DataLoader's num_workers",
 ) -> dict[str, Any]:
-    """The end-of-fit report: ``{"text", "advice", "metrics"}`` over this fit's measured windows, with advice that names the fix.
+    """The end-of-fit report, ``{"text", "advice", "metrics"}`` over this fit's windows, with advice naming the fix.
 
-    Every figure is a total divided by a total over the same span (tokens/s = all the windows'
-    tokens / all their seconds; ms/step = all their seconds / all their steps; MFU from the same
-    FLOPs and seconds), so the figures agree with each other however uneven the windows are.
-
-    Example::
-
-        >>> r = summarise_windows([WindowTotals(4096, None, 1.0, 1, 0.0), WindowTotals(4096, None, 3.0, 1, 0.0)],
-        ...                       window=1, warmup_steps=0, dtype="bf16", fit_tokens=8192, fit_flops=0.0)
-        >>> r["metrics"]["perf/tokens_per_sec"], r["metrics"]["perf/step_time_ms"]
-        (2048.0, 2000.0)
+    Every figure is a total over a total of the same span (tokens/s = all the windows' tokens / all their
+    seconds), so the figures agree with each other however uneven the windows are.
 
     Args:
-        windows: What each window of this fit measured (:class:`WindowTotals`).
-        window: Optimizer steps per window.
-        warmup_steps: Optimizer steps left out at the start.
-        dtype: The matmul dtype of the run.
-        fit_tokens: Tokens per data-parallel rank trained on in this fit, warm-up included.
-        fit_flops: Model FLOPs of those tokens.
-        replicas: Data-parallel size (tokens/s is for all devices).
-        peak: Dense bf16 peak FLOP/s per device, for MFU.
-        peak_fp8: fp8 peak, for MFU against it.
-        measured_peak: A timed bf16 matmul's FLOP/s.
+        windows: What each window of this fit measured; ``window``, ``warmup_steps``: the monitor's settings.
+        fit_tokens, fit_flops: Tokens per data-parallel rank in this fit (warm-up included), and their FLOPs.
+        run_tokens, run_flops: The same for the whole run when this fit resumed one; ``None`` for a fresh run.
         peak_memory_pct: The highest ``mem/peak_pct`` logged (CUDA only).
-        run_tokens: Tokens per data-parallel rank of the whole run when this fit resumed one; ``None`` for a fresh run.
-        run_flops: Model FLOPs of those tokens.
-        on_cuda: Whether the run is on a CUDA device (the fp32 advice applies there only).
-        compiled: Whether the module runs under ``torch.compile`` (the fp8 advice).
-        tensor_parallel: Devices that split each layer (see :func:`window_metrics`).
-        workers: The setting that raises the training loader's worker processes (the data-wait advice names it).
+        on_cuda, compiled, workers: For the advice (fp32 on CUDA, fp8 uncompiled, the loader's workers).
+        replicas, peak, peak_fp8, measured_peak, tensor_parallel: As :func:`window_metrics`'s.
     """
     if not windows:
         text = (

@@ -25,24 +25,8 @@ _OOM_MESSAGES = (
 
 
 def is_oom_error(error: BaseException) -> bool:
-    """Whether ``error`` means the device ran out of memory.
-
-    True for ``torch.OutOfMemoryError`` (what the CUDA caching allocator raises) and for
-    ``RuntimeError``s whose message is one of the out-of-memory messages of CUDA, cuBLAS, cuDNN
-    (``CUDNN_STATUS_NOT_SUPPORTED`` under memory pressure) or the CPU allocator.
-
-    Example::
-
-        try:
-            loss = step(batch)
-        except Exception as err:
-            if not is_oom_error(err):
-                raise
-            free_memory()
-
-    Args:
-        error: The exception to classify.
-    """
+    """Whether ``error`` means the device ran out of memory: ``torch.OutOfMemoryError``, or a ``RuntimeError``
+    with an out-of-memory message of CUDA, cuBLAS, cuDNN or the CPU allocator."""
     if isinstance(error, torch.OutOfMemoryError):
         return True
     if isinstance(error, RuntimeError) and error.args:
@@ -52,11 +36,8 @@ def is_oom_error(error: BaseException) -> bool:
 
 
 def free_memory(device: Optional[torch.device] = None) -> None:
-    """Collect garbage and return cached blocks to the GPU, so the next try starts clean.
-
-    Call it after the exception (and its traceback, which holds the failed step's activations)
-    is out of scope. Without CUDA it does nothing: host memory is returned as tensors are freed,
-    and a full garbage collection of a process holding torch and Lightning takes seconds.
+    """Collect garbage and return cached blocks to the GPU, so the next try starts clean (CUDA only: a full
+    collection in a process holding torch takes seconds). Call it once the exception and its traceback are gone.
 
     Args:
         device: The CUDA device whose peak-memory counters are reset too; ``None`` only frees.

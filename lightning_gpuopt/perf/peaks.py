@@ -1,10 +1,7 @@
 """Dense peak FLOP/s of NVIDIA GPUs per dtype, and lookup from the name the driver reports.
 
-Every number is the **dense** (no 2:4 structured sparsity), **per GPU** tensor-core peak from the
-vendor's datasheet or whitepaper, at boost clock. Datasheets often print the sparse figure with a
-footnote; those are halved here. ``fp32`` is the CUDA-core (non-tensor) rate; ``tf32`` the
-tensor-core rate used for fp32 matmuls when TF32 is allowed; ``bf16``/``fp16`` and ``fp8`` use FP32
-accumulation, as training does (GeForce cards run FP32-accumulate at half the FP16-accumulate rate).
+Every number is the dense (no 2:4 sparsity), per-GPU peak at boost clock from the vendor's datasheet
+(sparse figures halved), with its source; ``bf16``/``fp16``/``fp8`` accumulate in FP32, as training does.
 """
 
 from __future__ import annotations
@@ -125,15 +122,8 @@ _PATTERNS: tuple[tuple[str, str], ...] = (
 
 
 def find_gpu(device_name: str) -> Optional[GPUPeaks]:
-    """The peak table entry for a GPU, from the name the driver reports; ``None`` if unknown.
-
-    Example::
-
-        find_gpu("NVIDIA H100 80GB HBM3").bf16  # 989.4 (DeviceFacts.peaks looks up the training GPU)
-
-    Args:
-        device_name: e.g. ``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA H200"``, ``"Tesla T4"``.
-    """
+    """The peak table entry for a GPU from the name the driver reports (``find_gpu("NVIDIA H100 80GB HBM3").bf16``
+    is 989.4); ``None`` if unknown."""
     name = device_name.lower().replace("_", " ")
     for pattern, key in _PATTERNS:
         if re.search(pattern, name):
@@ -142,11 +132,7 @@ def find_gpu(device_name: str) -> Optional[GPUPeaks]:
 
 
 def dtype_name(dtype: Union[torch.dtype, str]) -> str:
-    """Normalise a dtype to one of ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``, ``fp64``.
-
-    Args:
-        dtype: A ``torch.dtype`` (float8 types map to ``fp8``) or one of those names.
-    """
+    """Normalise a ``torch.dtype`` or a name to one of ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``, ``fp64``."""
     if isinstance(dtype, torch.dtype):
         if dtype == torch.float32:
             return "fp32"
@@ -168,20 +154,8 @@ def dtype_name(dtype: Union[torch.dtype, str]) -> str:
 
 
 def peak_flops(device_name: str, dtype: Union[torch.dtype, str]) -> Optional[float]:
-    """Dense per-GPU peak FLOP/s (not TFLOP/s) of ``device_name`` for ``dtype``; ``None`` if unknown.
-
-    ``bf16`` on a GPU without bf16 tensor cores (T4, V100) falls back to its ``fp16`` peak, so a
-    half-precision MFU is still reported there.
-
-    Example::
-
-        peak_flops("NVIDIA H200", torch.bfloat16)  # 989.4e12
-        peak_flops("NVIDIA L40S", "fp8")  # 733e12
-
-    Args:
-        device_name: The name the driver reports (``DeviceFacts.name``).
-        dtype: A ``torch.dtype`` or one of ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``.
-    """
+    """Dense per-GPU peak FLOP/s (not TFLOP/s) for ``dtype`` of the GPU the driver names ``device_name``;
+    ``None`` if unknown. ``bf16`` on a GPU without bf16 tensor cores (T4, V100) falls back to its ``fp16`` peak."""
     gpu = find_gpu(device_name)
     name = dtype_name(dtype)
     if gpu is None or name == "fp64":
@@ -193,21 +167,7 @@ def peak_flops(device_name: str, dtype: Union[torch.dtype, str]) -> Optional[flo
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192, iters: int = 20) -> float:
-    """Achievable matmul FLOP/s on ``device``: times ``iters`` square ``size`` x ``size`` matmuls.
-
-    A practical ceiling to compare against (typically 70-90% of the datasheet peak), measured with
-    CUDA events after a warm-up.
-
-    Example::
-
-        measure_peak_flops(torch.device("cuda"))  # ~7.5e14 on an H100 SXM
-
-    Args:
-        device: A CUDA device.
-        dtype: Matmul dtype.
-        size: Matrix side; large enough to saturate the tensor cores.
-        iters: Timed matmuls.
-    """
+    """Achievable matmul FLOP/s on a CUDA ``device``: ``iters`` timed ``size`` x ``size`` matmuls after a warm-up."""
     if device.type != "cuda":
         raise ValueError(f"measure_peak_flops needs a CUDA device, got {device}.")
     a = torch.randn(size, size, device=device, dtype=dtype)

@@ -1,8 +1,7 @@
 """Scaled-dot-product attention backends: which kernel SDPA runs for a shape, and the cuDNN-first order.
 
-``CUDASettings`` applies these. The decisions (:func:`auto_sdpa_order`, :func:`flash_skipped`) are
-plain functions of a :class:`~lightning_gpuopt.perf.device.DeviceFacts`, so they are tested for any
-GPU on any machine; the rest act on torch's global SDPA state.
+The decisions are plain functions of a :class:`~lightning_gpuopt.perf.device.DeviceFacts`, tested for any
+GPU on any machine; ``CUDASettings`` applies them to torch's global SDPA state.
 """
 
 from __future__ import annotations
@@ -25,15 +24,11 @@ __all__ = [
     "set_sdpa_priority",
 ]
 
+# Our backend names -> torch.nn.attention.SDPBackend members, and -> torch.backends.cuda.enable_<name>_sdp().
 SDPA_BACKENDS = {
-    "cudnn": "CUDNN_ATTENTION",
-    "flash": "FLASH_ATTENTION",
-    "efficient": "EFFICIENT_ATTENTION",
-    "math": "MATH",
+    "cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"
 }
-"""Our backend names -> ``torch.nn.attention.SDPBackend`` member names."""
 SDPA_FLAGS = {"cudnn": "cudnn", "flash": "flash", "efficient": "mem_efficient", "math": "math"}
-"""Our backend names -> the name in ``torch.backends.cuda.<name>_sdp_enabled()`` / ``enable_<name>_sdp()``."""
 
 # cuDNN attention first on Hopper and Blackwell (compute capability 9.x, 10.x) with a recent cuDNN; the
 # rest in PyTorch's own order, nothing disabled.
@@ -44,16 +39,12 @@ _MIN_CUDNN_FIRST = 91500  # cuDNN 9.15
 def auto_sdpa_order(facts: DeviceFacts) -> tuple[Optional[tuple[str, ...]], str]:
     """What ``CUDASettings(sdpa_backends="auto")`` does on a device: ``(order, why)``; order ``None`` leaves PyTorch's.
 
-    cuDNN attention goes first on compute capability 9.x/10.x with cuDNN >= 9.15 (its forward is
-    ~25% faster than FlashAttention-2 at head dim 64, FA3 paper); elsewhere PyTorch's order stays.
+    cuDNN attention goes first on compute capability 9.x/10.x with cuDNN >= 9.15 (its forward is ~25%
+    faster than FlashAttention-2 at head dim 64, FA3 paper).
 
     Example::
 
-        auto_sdpa_order(REFERENCE_DEVICES["H100 SXM"])  # (("cudnn", "flash", "efficient", "math"), "priority ...")
-        auto_sdpa_order(REFERENCE_DEVICES["A100"])      # (None, "left as PyTorch orders them (compute capability 8.0)")
-
-    Args:
-        facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
+        auto_sdpa_order(REFERENCE_DEVICES["A100"])  # (None, "left as PyTorch orders them (compute capability 8.0)")
     """
     if not facts.is_cuda:
         return None, "left as PyTorch orders them: no CUDA device"
@@ -84,22 +75,9 @@ def set_sdpa_priority(order: Sequence[str]) -> None:
 def attention_kernel(
     device: torch.device, head_dim: int, seq_len: int, dtype: torch.dtype, n_head: int = 1, dropout_p: float = 0.0
 ) -> str:
-    """The SDPA kernel PyTorch picks for causal self-attention of this shape, under the current
-    backend flags and priorities: ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"``.
-
-    Example::
-
-        >>> attention_kernel(torch.device("cpu"), head_dim=64, seq_len=128, dtype=torch.float32) in SDPA_BACKENDS
-        True
-
-    Args:
-        device: Where attention runs.
-        head_dim: Size of one head.
-        seq_len: Sequence length.
-        dtype: The dtype attention runs in (bf16 under bf16 autocast).
-        n_head: Number of heads.
-        dropout_p: Attention dropout in training (some kernels accept only some values).
-    """
+    """The SDPA kernel PyTorch picks for causal self-attention of this shape, under the current backend
+    flags and priorities: ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"`` (``dropout_p``: some kernels
+    accept only some values)."""
     from torch.nn.attention import SDPBackend
 
     q = torch.zeros(1, n_head, seq_len, head_dim, device=device, dtype=dtype, requires_grad=True)  # as in training
@@ -111,17 +89,8 @@ def attention_kernel(
 def attention_row(module: Any, compute_dtype: Optional[str], device: torch.device) -> tuple[str, str, str]:
     """The settings-table row naming the kernel SDPA runs for ``module``'s attention shape.
 
-    The shape comes from ``module.config`` (``head_size``, ``block_size``, ``n_head``, ``dropout``),
-    else an assumed head dim 64 at T 1024; attention runs in bf16 under float8 (only the projections are float8).
-
-    Example::
-
-        attention_row(gpt_module, "bf16", torch.device("cuda"))  # ("attention_kernel", "flash", ...)
-
-    Args:
-        module: The LightningModule (or any object with a GPT-like ``config``).
-        compute_dtype: What the precision plugin computes in (``precision.dtype.compute_dtype_name``).
-        device: Where attention runs.
+    The shape comes from ``module.config`` (``head_size``, ``block_size``, ``n_head``, ``dropout``), else an
+    assumed head dim 64 at T 1024; under float8 attention runs in bf16 (only the projections are float8).
     """
     config = getattr(module, "config", None)
     head_dim, seq_len, n_head = (getattr(config, k, None) for k in ("head_size", "block_size", "n_head"))

@@ -1,12 +1,7 @@
 """TF32 across torch's two APIs: capture, set and put back.
 
-torch 2.9 added per-backend ``fp32_precision`` settings (``torch.backends.cuda.matmul.fp32_precision =
-"tf32"``, ``torch.backends.cudnn.conv.fp32_precision``, ...) beside the legacy flags (``allow_tf32``,
-``torch.set_float32_matmul_precision``). Once anything sets the new ones, reading a legacy flag raises
-"mix of the legacy and new APIs". These functions read the new settings, and write both: the new
-ones decide (a legacy write can leave a backend on what ``torch.backends.fp32_precision`` says), the
-legacy ones are what Lightning reads on CUDA. So they work whichever API set TF32 before.
-``CUDASettings`` applies them; ``precision.dtype.tf32_enabled`` reads the same setting.
+torch 2.9 added per-backend ``fp32_precision`` settings beside the legacy flags, which then refuse to be
+read. These functions read the new ones and write both: the new decide, the legacy are what Lightning reads.
 """
 
 from __future__ import annotations
@@ -35,15 +30,7 @@ def _legacy_view(read: Callable[[], Any]) -> Any:
 
 
 def capture_tf32() -> dict[str, Any]:
-    """The TF32 state :func:`set_tf32` may change, for :func:`restore_tf32`.
-
-    Example::
-
-        saved = capture_tf32()
-        set_tf32(True, "high")
-        ...
-        restore_tf32(saved)
-    """
+    """The TF32 state :func:`set_tf32` may change, for :func:`restore_tf32`."""
     return {
         "matmul_precision": _legacy_view(torch.get_float32_matmul_precision),
         "tf32_cudnn": _legacy_view(lambda: torch.backends.cudnn.allow_tf32),

@@ -1,9 +1,7 @@
 """`DevicePrecision`: the public base of this package's precision plugins.
 
-Lightning's ``MixedPrecision`` takes its autocast device as an argument; a ``DevicePrecision`` is told
-the run's device and its facts once (:func:`~lightning_gpuopt.perf.device.training_device`) and decides
-from them, and converts the model's layers where the Trainer builds them. ``docs/precision.md`` shows a
-new plugin written on it in one file.
+Bound once to the run's device and its facts, it decides from them, and converts the model's layers
+where the Trainer builds them; ``docs/precision.md`` writes a new plugin on it in one file.
 """
 
 from __future__ import annotations
@@ -27,17 +25,15 @@ from lightning_gpuopt.precision.dtype import clip_mixed_precision
 
 __all__ = ["AutocastMode", "DevicePrecision"]
 
-AutocastMode = Literal["16-mixed", "bf16-mixed"]
-"""The autocast a ``DevicePrecision`` runs under: bf16, or fp16 with a ``GradScaler``."""
+AutocastMode = Literal["16-mixed", "bf16-mixed"]  # bf16, or fp16 with a GradScaler
 
 
 class DevicePrecision(MixedPrecision):
     """A ``MixedPrecision`` plugin that decides from the training device's facts and converts the model.
 
-    Subclass it and override what differs: :meth:`autocast_mode` (bf16 by default), :attr:`fp8`,
-    :meth:`bind` (to check the device, calling ``super().bind`` first) and :meth:`convert` (to replace
-    layers). It is bound once per run, before anything in the run reads its dtype; until then it states
-    bf16 on the device a Trainer would pick (CUDA if present), without initialising CUDA.
+    Subclass it and override what differs: :meth:`autocast_mode`, :attr:`fp8`, :meth:`bind` (calling
+    ``super().bind`` first) and :meth:`convert`. Until bound it states bf16 on the device a Trainer would
+    pick, without initialising CUDA.
 
     Example::
 
@@ -71,17 +67,9 @@ class DevicePrecision(MixedPrecision):
     def bind(self, device: Union[torch.device, str], facts: DeviceFacts, strategy: Any = None) -> None:
         """Train on ``device``, deciding from ``facts``: the autocast mode, and a ``GradScaler`` under fp16.
 
-        A run binds the plugin once (``training_device``). A plugin already bound to ``device`` keeps its
-        facts, so one bound by hand to decide as on another GPU keeps that decision in a fit.
-
-        Example::
-
-            plugin.bind(torch.device("cpu"), REFERENCE_DEVICES["V100"])  # fp16 and a GradScaler, on the CPU
-
-        Args:
-            device: The device training runs on (autocast and the ``GradScaler`` run there).
-            facts: The facts the decisions read.
-            strategy: The run's strategy, ``None`` when bound by hand.
+        A run binds the plugin once (``training_device``, with its ``strategy``); a plugin already bound to
+        ``device`` keeps its facts, so one bound by hand keeps that decision in a fit:
+        ``plugin.bind(torch.device("cpu"), REFERENCE_DEVICES["V100"])`` trains in fp16 with a GradScaler on the CPU.
         """
         device = torch.device(device)
         if device == self.bound_device:
@@ -93,10 +81,8 @@ class DevicePrecision(MixedPrecision):
     def convert(self, module: Module, name: str) -> Module:
         """Convert the layers of ``module`` and return it, or what replaces it; by default nothing changes.
 
-        Called for each module that ``configure_model`` assigns to the LightningModule (``name`` is its
-        attribute name), before anything else in that hook can shard or compile it, and for the whole
-        LightningModule when the strategy sets up (``name`` is ``""``): a module converted already must
-        be left as it is.
+        Called for each module ``configure_model`` assigns (``name``: its attribute), before that hook can
+        shard or compile it, then for the whole LightningModule (``name == ""``): leave converted modules as they are.
         """
         return module
 

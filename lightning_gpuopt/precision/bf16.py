@@ -15,36 +15,20 @@ __all__ = ["BF16Precision", "autocast_precision"]
 
 
 def autocast_precision(facts: DeviceFacts) -> AutocastMode:
-    """``"bf16-mixed"`` where the device runs bfloat16 natively (any CPU; CUDA from compute capability 8.0), else ``"16-mixed"``.
-
-    Example::
-
-        autocast_precision(REFERENCE_DEVICES["A100"])  # "bf16-mixed"
-        autocast_precision(REFERENCE_DEVICES["T4"])    # "16-mixed": T4 and V100 emulate bf16, slowly
-
-    Args:
-        facts: The training device's facts (:func:`~lightning_gpuopt.perf.device.training_device`).
-    """
+    """``"bf16-mixed"`` where the device runs bfloat16 natively (any CPU; CUDA from compute capability 8.0),
+    else ``"16-mixed"`` (T4 and V100 emulate bf16, slowly)."""
     return "bf16-mixed" if facts.bf16 else "16-mixed"
 
 
 class BF16Precision(DevicePrecision):
-    """Mixed precision with bfloat16 autocast; parameters, gradients and optimizer state stay float32.
+    """bfloat16 autocast on the Trainer's device; parameters, gradients and optimizer state stay float32.
 
-    A subclass of Lightning's ``MixedPrecision``, so Lightning's own tools (``ThroughputMonitor``)
-    read its compute dtype. The autocast device is the one the Trainer trains on; nothing to set.
-    On a GPU without native bfloat16 (T4, V100: compute capability < 8.0) it trains with float16
-    autocast and a ``GradScaler`` instead, and warns once that it did. Gradients are unscaled
-    before gradient clipping, also for a fused optimizer (``AdamW(fused=True)``).
+    On a GPU without native bfloat16 (T4, V100) it trains with float16 autocast and a ``GradScaler``
+    instead, and warns once. Gradients are unscaled before clipping, also for a fused optimizer.
 
     Example::
 
         trainer = Trainer(plugins=[BF16Precision()])
-
-        # LightningCLI / gpuopt YAML
-        trainer:
-          plugins:
-            - class_path: lightning_gpuopt.precision.BF16Precision
 
     Note:
         Don't also pass ``Trainer(precision=...)``: the plugin is the precision setting.

@@ -1,7 +1,7 @@
 """The dtype matmuls run in under a precision plugin, for picking the right peak FLOP/s.
 
-Each plugin states its own dtype (``compute_dtype``, and ``fp8`` when its matmuls run in float8);
-only Lightning's built-in plugins, which state a ``precision`` string alone, are read from a table.
+Each plugin states its own (``compute_dtype``, ``fp8``); only Lightning's, which state a
+``precision`` string alone, are read from a table.
 """
 
 from __future__ import annotations
@@ -20,19 +20,16 @@ __all__ = ["LIGHTNING_PRECISIONS", "clip_mixed_precision", "compute_dtype_name",
 
 
 def tf32_enabled() -> bool:
-    """Whether fp32 matmuls on CUDA may run on TF32 tensor cores (global torch setting).
-
-    Read through ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9), which answers whichever
-    API set it; the legacy flags refuse to be read once anything set the new one.
-    """
+    """Whether fp32 matmuls on CUDA may run on TF32 tensor cores, read through ``fp32_precision`` (torch >= 2.9),
+    which answers whichever API set it (the legacy flags refuse to be read once the new one is set)."""
     if hasattr(torch.backends, "fp32_precision"):
         return torch.backends.cuda.matmul.fp32_precision == "tf32"
     return torch.get_float32_matmul_precision() != "highest"
 
 
-# Lightning's own precision plugins state their dtype only as a ``precision`` string: one row per
-# string, naming the plugins that use it. A plugin of ours (or anyone's) states its own dtype instead
-# (``compute_dtype``, ``fp8``), so no plugin class is named here and a new plugin needs no new row.
+# The ``precision`` string of a Lightning plugin -> the dtype its matmuls run in, naming the plugins that use it.
+# Other plugins state their own dtype (``compute_dtype``, ``fp8``), so a new plugin needs no new row; strings not
+# listed (bitsandbytes' ``"nf4"``, ``"int8"``, ...) are read from the plugin's ``dtype``.
 LIGHTNING_PRECISIONS: dict[str, str] = {
     "32-true": "fp32",  # Precision (the default), FSDPPrecision, DeepSpeedPrecision, XLAPrecision
     "64-true": "fp64",  # DoublePrecision
@@ -43,8 +40,6 @@ LIGHTNING_PRECISIONS: dict[str, str] = {
     "transformer-engine": "fp8",  # TransformerEnginePrecision (bf16 weights, fp8 matmuls)
     "transformer-engine-float16": "fp8",  # TransformerEnginePrecision (fp16 weights, fp8 matmuls)
 }
-"""``precision`` string of a Lightning precision plugin -> the dtype its matmuls run in. Strings not
-listed (BitsandbytesPrecision's ``"nf4"``, ``"int8"``, ...) are read from the plugin's ``dtype``."""
 
 
 def _trusted_precision_string(plugin: Any) -> bool:
@@ -71,33 +66,15 @@ def _stated_dtype_name(plugin: Any) -> Optional[str]:
 
 
 def is_fp8(plugin: Any) -> bool:
-    """Whether ``plugin`` runs its matmuls in float8: it says so (``fp8 = True``), or is Transformer Engine's.
-
-    Example::
-
-        is_fp8(Float8Precision())  # True: the plugin's ``fp8`` property
-        is_fp8(BF16Precision())    # False
-
-    Args:
-        plugin: A precision plugin (``trainer.precision_plugin``).
-    """
+    """Whether ``plugin`` runs its matmuls in float8: it says so (``fp8 = True``), or is Transformer Engine's."""
     return _stated_dtype_name(plugin) == "fp8"
 
 
 def compute_dtype_name(plugin: Any) -> Optional[str]:
-    """``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp64`` or ``fp8``: what the plugin's matmuls run in; ``None`` if unknown.
+    """What the plugin's matmuls run in: ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp64``, ``fp8``, or ``None``.
 
-    The plugin is asked first: ``fp8 = True`` means float8 matmuls, else a ``compute_dtype``
-    (``torch.dtype``) is the dtype (``BF16Precision`` and ``Float8Precision`` state both). Lightning's
-    own plugins state only a ``precision`` string, read through :data:`LIGHTNING_PRECISIONS`. fp32
-    counts as ``tf32`` when TF32 matmuls are allowed.
-
-    Example::
-
-        compute_dtype_name(trainer.precision_plugin)  # "bf16" under precision="bf16-mixed"
-
-    Args:
-        plugin: A precision plugin (``trainer.precision_plugin``).
+    The plugin's ``fp8`` and ``compute_dtype`` first, else Lightning's ``precision`` string through
+    :data:`LIGHTNING_PRECISIONS`; fp32 counts as ``tf32`` when TF32 matmuls are allowed.
 
     Note:
         A custom plugin with neither ``fp8``/``compute_dtype`` nor its own ``precision`` string gives
@@ -117,23 +94,9 @@ def clip_mixed_precision(
 ) -> None:
     """Clip gradients under a ``MixedPrecision`` plugin, fused optimizers included, always on unscaled gradients.
 
-    Lightning's ``MixedPrecision.clip_gradients`` refuses any optimizer that can unscale gradients
-    inside ``step()`` (``torch.optim.AdamW(fused=True)``, what ``GPTModule`` builds on CUDA), because
-    under fp16 such gradients are still scaled when clipping runs. Under bf16 there is no scaler and
-    nothing is scaled, so the plain clipping is exact. Under fp16 this unscales them first
-    (``GradScaler.unscale_``, torch's documented way to clip under a scaler): ``GradScaler.step`` then
-    hands the fused kernel no scale to divide by again, only the inf check of the unscale, so the step
-    equals the one Lightning takes for a non-fused optimizer (which it unscales before clipping itself).
-
-    Example::
-
-        clip_mixed_precision(trainer.precision_plugin, optimizer, 1.0)
-
-    Args:
-        plugin: The Trainer's precision plugin.
-        optimizer: The optimizer about to step.
-        clip_val: The clipping value (``trainer.gradient_clip_val``).
-        algorithm: ``norm`` or ``value``.
+    Lightning refuses to clip for an optimizer that unscales inside ``step()`` (fused AdamW). Under bf16
+    nothing is scaled; under fp16 this unscales first (``GradScaler.unscale_``, torch's documented way),
+    and the fused step then does not unscale again, so the step equals Lightning's non-fused one.
     """
     if not clip_val or clip_val <= 0:
         return

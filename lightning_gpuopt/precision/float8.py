@@ -1,8 +1,7 @@
 """`Float8Precision`: torchao float8 training of Linear layers, under bfloat16 autocast.
 
-Layers convert where the Trainer builds them (:meth:`~lightning_gpuopt.precision.base.DevicePrecision.convert`):
-as ``configure_model`` assigns them, before FSDP2's ``fully_shard`` or a compile; else in ``convert_module``,
-before DDP wraps the model.
+Layers convert where the Trainer builds them: as ``configure_model`` assigns them (before FSDP2 or a
+compile), else in ``convert_module`` (before DDP wraps the model).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from torch import nn
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_gpuopt.option_checks import option
+from lightning_gpuopt.option_checks import check_choice, option
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts
 from lightning_gpuopt.precision.base import DevicePrecision
@@ -35,20 +34,8 @@ __all__ = ["Float8Precision", "check_float8_device", "check_float8_strategy"]
 
 
 def check_float8_device(facts: DeviceFacts, emulate: bool) -> None:
-    """Raise a ``RuntimeError`` on a CUDA GPU without FP8 tensor cores unless ``emulate``; say once that a
-    device without CUDA emulates float8.
-
-    FP8 matmuls (``torch._scaled_mm``) need compute capability 8.9 or newer (L4, L40, RTX 40xx, H100, B200).
-
-    Example::
-
-        check_float8_device(REFERENCE_DEVICES["H100 SXM"], emulate=False)  # fine
-        check_float8_device(REFERENCE_DEVICES["A100"], emulate=False)      # raises: compute capability 8.0
-
-    Args:
-        facts: The training device (:func:`~lightning_gpuopt.perf.device.training_device`).
-        emulate: Whether float8 matmuls are emulated (allowed on any device).
-    """
+    """Raise a ``RuntimeError`` on a CUDA GPU without FP8 tensor cores (compute capability < 8.9: an A100)
+    unless ``emulate``; say once that a device without CUDA emulates float8."""
     if emulate or facts.fp8:
         return
     if not facts.is_cuda:
@@ -67,19 +54,10 @@ def check_float8_device(facts: DeviceFacts, emulate: bool) -> None:
 
 
 def check_float8_strategy(strategy: Any) -> None:
-    """Raise a ``ValueError`` if ``strategy`` casts parameters or gradients to float16, which float8 training can't use.
+    """Raise a ``ValueError`` if ``strategy`` casts parameters or gradients to float16.
 
-    Float8 training keeps master weights in float32 and runs the non-float8 ops under bfloat16
-    autocast; a ``FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.float16, ...))``
-    would hand float16 weights to the float8 layers (whose scales and amax history assume
-    bf16/fp32) and reduce gradients in float16, where they overflow.
-
-    Example::
-
-        check_float8_strategy(FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)))  # fine
-
-    Args:
-        strategy: The Trainer's strategy (any; only strategies with a ``mixed_precision`` setting are checked).
+    Float8 training keeps float32 master weights and runs the rest under bf16 autocast: float16 weights
+    would reach the float8 layers, and gradients reduced in float16 overflow.
     """
     policy = getattr(strategy, "mixed_precision", None)
     if policy is None:
@@ -96,37 +74,21 @@ def check_float8_strategy(strategy: Any) -> None:
 class Float8Precision(DevicePrecision):
     """Float8 training with torchao: Linear layers run FP8 matmuls, everything else bf16 autocast.
 
-    Parameters, gradients and optimizer state stay float32, and the state dict has the keys and
-    dtypes of the unconverted model: a float8 checkpoint loads into a plain model for inference,
-    and resumes a float8 run. A table of converted and skipped layers (with the reason for each
-    skip) is logged, and kept in ``conversion_report``.
-
-    With ``ModelParallelStrategy`` (FSDP2) and the tensorwise recipe, weights are all-gathered in
-    float8 and their scales precomputed after each optimizer step (one all-reduce for all layers);
-    ``GPTModule`` gathers every other parameter in bf16 (``MixedPrecisionPolicy(param_dtype=bfloat16)``).
-
-    FP8 pays off for wide models (``n_embd`` >= 4096 or so) run under ``torch.compile``; without
-    compile it is several times slower than bf16, and the plugin warns once if the model is not compiled.
+    Parameters, gradients and optimizer state stay float32, and checkpoints have the keys and dtypes of
+    the unconverted model. A table of converted and skipped layers (with the reasons) is logged and kept
+    in ``conversion_report``. FP8 pays off for wide, compiled models: ``docs/precision.md``.
 
     Example::
 
         trainer = Trainer(plugins=[Float8Precision(recipe="rowwise")])
 
-        # LightningCLI / gpuopt YAML
-        trainer:
-          plugins:
-            - class_path: lightning_gpuopt.precision.Float8Precision
-              init_args: {recipe: rowwise}
-
     Args:
         recipe: torchao recipe: ``"tensorwise"`` (fastest), ``"rowwise"`` (more accurate scales),
             ``"rowwise_with_gw_hp"`` (most accurate: weight gradients in high precision).
-        module_filter: Which Linear layers to convert. ``"auto"`` skips the output layer, layers
-            with dims not multiples of 16, and shapes too small for FP8 to pay off (torchao's
-            thresholds; see :func:`~lightning_gpuopt.precision.float8_layers.auto_skip_reason`).
-            A list of name patterns skips the layers whose name contains one (or matches it as a
-            glob), e.g. ``["lm_head", "*.attn.*"]``. A callable ``(module, fqn) -> bool`` returns
-            True to convert. Names are those of the LightningModule's state dict (``model.lm_head``).
+        module_filter: Which Linear layers to convert: ``"auto"`` (skips the output layer, dims not
+            multiples of 16 and shapes too small to pay off: :func:`~.float8_layers.auto_skip_reason`),
+            a list of layer-name patterns to skip (``["lm_head", "*.attn.*"]``), or a callable
+            ``(module, fqn) -> bool``, True to convert.
         emulate: Emulate float8 matmuls in high precision, for CPU runs and GPUs older than SM 8.9
             (tests and debugging; slow).
 
@@ -142,8 +104,7 @@ class Float8Precision(DevicePrecision):
         emulate: bool = False,
     ) -> None:
         require_torchao()
-        if recipe not in RECIPES:
-            raise ValueError(f"Float8Precision(recipe={recipe!r}) is not a torchao recipe: choose one of {list(RECIPES)}.")
+        check_choice("Float8Precision", "recipe", recipe, RECIPES)
         if isinstance(module_filter, str) and module_filter != "auto":
             raise ValueError(
                 f"Float8Precision(module_filter={module_filter!r}): use 'auto', a list of layer-name patterns "
@@ -166,8 +127,7 @@ class Float8Precision(DevicePrecision):
 
     @property
     def fp8(self) -> bool:
-        """``True``: the converted Linear layers run float8 matmuls (MFU counts against the fp8 peak);
-        the rest runs in :attr:`compute_dtype`, the bf16 autocast dtype."""
+        """``True``: the converted layers run float8 matmuls; the rest runs in :attr:`compute_dtype` (bf16)."""
         return True
 
     @override

@@ -1,16 +1,7 @@
 """Plain functions behind ``Float8Precision``: which Linear layers to convert, converting them, reporting it.
 
-Design note: conversion swaps ``nn.Linear`` for torchao's ``Float8Linear`` in place
-(``torchao.float8.convert_to_float8_training``). ``Float8Linear`` keeps the ``weight``/``bias``
-parameter objects of the layer it replaces and adds no buffers, so the state dict keeps the keys
-and dtypes of the unconverted model. Layers are chosen by a filter that, for every skipped layer,
-also says *why* it was skipped, so the plugin can print a table of its decisions.
-
-Hugging Face GPT-2-style ``Conv1D`` projections (a 2-D ``weight`` stored ``in x out``, with ``nx``/``nf``
-attributes, computing ``x @ weight + bias``) are not converted: ``Float8Linear`` replaces an
-``nn.Linear`` and keeps its ``out x in`` weight, and transposing theirs would change the state
-dict the model's own loaders expect. They are listed in the table as not convertible instead, so a
-model made of them does not look converted.
+Every skipped layer comes with the reason, for the plugin's table; Hugging Face ``Conv1D`` layers are
+listed as not convertible (``docs/precision.md``).
 """
 
 from __future__ import annotations
@@ -49,22 +40,13 @@ __all__ = [
     "skip_reason",
 ]
 
+# The skip reason of a Hugging Face GPT-2-style ``Conv1D`` projection (:func:`is_conv1d_like`).
 CONV1D_REASON = "Conv1D-style layer (weight stored in x out): not convertible, only nn.Linear converts"
-"""The skip reason of a Hugging Face GPT-2-style ``Conv1D`` projection (see ``float8_conversion``)."""
 
 
 def format_conversion_table(report: list[tuple[str, str, Optional[str]]], recipe: str) -> str:
-    """A short text table of converted and skipped layers, e.g. for the log.
-
-    Example::
-
-        rows = [("h.0.mlp.fc", "64x256", None), ("lm_head", "64x256", "output layer")]
-        print(format_conversion_table(rows, "tensorwise"))
-
-    Args:
-        report: Rows ``(name, "in x out", skip reason or None)`` of ``convert_linears_to_float8``.
-        recipe: The float8 recipe, for the title.
-    """
+    """A short text table of converted and skipped layers for the log, from ``(name, "in x out", skip reason
+    or None)`` rows of :func:`convert_linears_to_float8`."""
     converted = sum(reason is None for _, _, reason in report)
     lines = [f"Float8Precision ({recipe}): {converted} of {len(report)} projection layers converted to float8"]
     width = max((len(name) for name, _, _ in report), default=4)
@@ -82,17 +64,7 @@ def _size(shape: str) -> int:
 def nothing_converted_message(
     report: list[tuple[str, str, Optional[str]]], recipe: str, module_name: str
 ) -> Optional[str]:
-    """The warning for a conversion that converted no layer (naming the largest skipped one and why); ``None`` otherwise.
-
-    Example::
-
-        nothing_converted_message([("lm_head", "64x256", "output layer")], "tensorwise", "GPTModule")
-
-    Args:
-        report: Rows of :func:`convert_linears_to_float8`.
-        recipe: The float8 recipe.
-        module_name: The model's class name, for the message.
-    """
+    """The warning when no layer was converted (naming the largest skipped one and why); else ``None``."""
     if any(reason is None for _, _, reason in report):
         return None
     if not report:
@@ -171,17 +143,8 @@ def require_torchao() -> None:
 
 
 def float8_config(recipe: str, emulate: bool = False, fsdp_float8_all_gather: bool = False) -> Float8LinearConfig:
-    """The torchao ``Float8LinearConfig`` of a recipe name, with emulation and FSDP2 float8 all-gather set.
-
-    Example::
-
-        config = float8_config("rowwise", emulate=True)
-
-    Args:
-        recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
-        emulate: Emulate float8 matmuls in high precision (CPU and pre-SM89 GPUs, for testing).
-        fsdp_float8_all_gather: All-gather FSDP2-sharded weights in float8 (tensorwise only).
-    """
+    """The torchao ``Float8LinearConfig`` of a recipe name, with ``emulate`` (float8 matmuls in high precision)
+    and ``fsdp_float8_all_gather`` (FSDP2 weights all-gathered in float8, tensorwise only)."""
     from torchao.float8 import Float8LinearConfig
 
     if recipe not in RECIPES:
@@ -199,34 +162,17 @@ def _is_output_layer(module: nn.Linear, fqn: str, tied_weights: frozenset[int]) 
 def auto_skip_reason(module: nn.Linear, fqn: str, recipe: str, tied_weights: frozenset[int] = frozenset()) -> Optional[str]:
     """Why the ``"auto"`` filter keeps ``module`` in high precision, or ``None`` to convert it.
 
-    Skipped: the output layer (named ``lm_head``/``output``/``head``/``classifier``/... or whose
-    weight is tied to an embedding), layers whose dims are not multiples of 16 (a hardware
-    requirement of ``torch._scaled_mm``), and shapes below torchao's published thresholds for the
-    recipe, where the casts cost more than FP8 matmuls save. The thresholds are those of
-    ``torchao.float8.float8_linear_utils._auto_filter_for_tensorwise`` / ``_auto_filter_for_rowwise``
-    (torchao 0.18; benchmarks on H100 in https://github.com/pytorch/ao/tree/main/torchao/float8#performance),
-    with ``N = out_features`` and ``K = in_features``:
-
-    - tensorwise: skip if ``K <= 4096 and N <= 1024``;
-    - rowwise: skip if ``N <= 2048``, or ``K <= 1024``, or ``N <= 4096 and K <= 2048``;
-    - rowwise_with_gw_hp: torchao publishes none; we use the rowwise ones (it runs the same
-      rowwise kernels for two of its three matmuls and a high-precision one for the third).
-
-    Example::
-
-        auto_skip_reason(nn.Linear(4096, 16384), "mlp.c_fc", "tensorwise")  # None: convert
-
-    Args:
-        module: A Linear layer.
-        fqn: Its fully-qualified name.
-        recipe: The float8 recipe.
-        tied_weights: ``id()`` of weights shared with an ``nn.Embedding`` (tied output heads).
+    Skipped: the output layer (by name, or its weight in ``tied_weights``, the ``id()`` of embedding
+    weights), dims not multiples of 16 (needed by ``torch._scaled_mm``), and shapes below torchao's
+    thresholds for the recipe (torchao 0.18's ``_auto_filter_for_*``, measured on H100; ``docs/precision.md``).
     """
     if _is_output_layer(module, fqn, tied_weights):
         return "output layer"
     N, K = module.weight.shape
     if N % 16 or K % 16:
         return f"dims {K}x{N} not multiples of 16"
+    # torchao's thresholds (https://github.com/pytorch/ao/tree/main/torchao/float8#performance); it publishes none
+    # for rowwise_with_gw_hp, which runs rowwise kernels for two of its three matmuls: the rowwise ones apply.
     if recipe == "tensorwise":
         too_small = K <= 4096 and N <= 1024
         rule = "in<=4096 and out<=1024"
@@ -247,19 +193,11 @@ def skip_reason(
 ) -> Optional[str]:
     """Why ``module`` is not converted under ``module_filter``, or ``None`` to convert it.
 
-    Whatever the filter, a layer whose dims are not multiples of 16 is skipped (FP8 matmuls need them).
-
-    Example::
-
-        skip_reason(layer, "model.lm_head", ["lm_head"], "tensorwise")  # "matches 'lm_head'"
-
     Args:
-        module: A Linear layer.
-        fqn: Its fully-qualified name (as in the LightningModule's state dict, without ``_orig_mod.``).
-        module_filter: ``"auto"`` (see :func:`auto_skip_reason`), a list of name patterns to skip
-            (a pattern matches if it is a substring of the name or an ``fnmatch`` glob of it), or a
-            callable ``(module, fqn) -> bool`` returning True to convert.
-        recipe: The float8 recipe.
+        module: A Linear layer (dims not multiples of 16 are skipped whatever the filter).
+        fqn: Its name in the LightningModule's state dict (without ``_orig_mod.``).
+        module_filter: ``"auto"`` (:func:`auto_skip_reason`), name patterns to skip (a substring of the
+            name or an ``fnmatch`` glob of it), or a callable ``(module, fqn) -> bool``, True to convert.
         tied_weights: ``id()`` of weights shared with an ``nn.Embedding``.
     """
     if isinstance(module_filter, str):
@@ -285,15 +223,8 @@ def _cast_input_to_cpu_autocast_dtype(module: nn.Module, args: tuple) -> Optiona
 
 
 def is_conv1d_like(module: nn.Module) -> bool:
-    """Whether ``module`` is a Hugging Face GPT-2-style ``Conv1D``: ``weight`` of shape ``(nx, nf)`` = in x out.
-
-    Recognised by structure (a 2-D ``weight`` parameter and integer ``nx``/``nf`` attributes matching
-    its shape), not by class name, so copies of the class in other libraries are found too.
-
-    Example::
-
-        is_conv1d_like(transformers.pytorch_utils.Conv1D(nf=768, nx=256))  # True
-    """
+    """Whether ``module`` is a Hugging Face GPT-2-style ``Conv1D`` (``weight`` of shape ``(nx, nf)``, in x out),
+    recognised by structure, not class name, so copies of the class in other libraries count too."""
     weight = getattr(module, "weight", None)
     nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)
     return (
@@ -314,19 +245,11 @@ def convert_linears_to_float8(
     prefix: str = "",
     cpu_autocast_hook: bool = False,
 ) -> list[tuple[str, str, Optional[str]]]:
-    """Swap the ``nn.Linear`` layers of ``root`` that pass the filter for torchao ``Float8Linear``, in place.
-
-    Layers already converted are left alone, so it is safe to call again on the same model.
-
-    Example::
-
-        report = convert_linears_to_float8(model, float8_config("tensorwise"), "auto", "tensorwise")
+    """Swap the ``nn.Linear`` layers of ``root`` (not itself a Linear) that pass ``module_filter``
+    (:func:`skip_reason`) for torchao ``Float8Linear``, in place; already converted ones are left alone.
 
     Args:
-        root: The model (not itself a Linear).
-        config: From :func:`float8_config`.
-        module_filter: See :func:`skip_reason`.
-        recipe: The recipe ``config`` was made from (for the ``"auto"`` thresholds).
+        config: From :func:`float8_config`; ``recipe``: the one it was made from (for the ``"auto"`` thresholds).
         prefix: Prepended to names given to the filter and in the report (e.g. ``"model."``).
         cpu_autocast_hook: Make converted layers follow CPU autocast (for CPU training).
 

@@ -1,59 +1,7 @@
 """`choose_strategy`: DDP when the model trains on one GPU, else FSDP2 (``ModelParallelStrategy``), with tensor
 parallelism within a node when FSDP2 alone does not fit or does not scale.
 
-Design note, the memory estimate (bytes on one device; stated so it can be checked and changed):
-
-* **Model state**: 16 bytes per parameter: fp32 weights (4), fp32 gradients (4) and AdamW's two
-  fp32 moments (8). Mixed precision keeps fp32 master weights, so this holds for ``32-true``,
-  ``bf16-mixed`` and ``16-mixed`` alike. DDP keeps all of it on every device; FSDP2 divides it by the
-  number of devices.
-* **Activations**: per token and per layer, ``34 * n_embd`` bytes for 16-bit activations with a
-  fused (Flash / SDPA) attention kernel, after Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models" (arXiv:2205.05198, Sec. 4.1, the ``5 a s / h``
-  attention-score term dropped because SDPA does not store the scores); twice that for fp32.
-  The Llama-style GPT (``arch="llama"``) keeps ``2 * (9 h + 2 kv + 4 f)`` bytes per token and layer
-  (``h = n_embd``, ``kv = n_kv_head * head_size``, ``f = ffn_size``), the same count made for its
-  layers: each RMSNorm's input, normalised copy and output (3 h, twice), the rotated queries, keys and
-  values and the attention output (h + 2 kv + h), the output projection's input (h), and the SwiGLU's
-  gate, up, ``silu(gate)`` and product (4 f); within 1% of what ``measure_activation_bytes`` counts
-  at llama-1b and llama-8b shapes (tested), and 2 h high where CUDA runs a fused RMSNorm.
-  With activation checkpointing, only each block's input (``2 * n_embd`` bytes, 16-bit) is kept,
-  plus one block's activations during its recomputation.
-* **Logits**: ``10 * padded_vocab_size`` bytes per token (16-bit logits, their fp32 copy for the
-  loss, and its gradient).
-* **Any other module** (a LightningModule or ``nn.Module`` of any library): the parameters it holds,
-  at their own dtype (or the ``*-true`` precision's), ``4 x itemsize`` bytes each when trainable
-  (weights, gradients, two AdamW moments in the parameter dtype: 16 for float32), ``itemsize`` when
-  frozen. Activations: ``activation_bytes=``, else the module's own
-  ``activation_bytes(micro_batch, block_size, precision)``, else measured on meta tensors, attention
-  as the fused kernels save it: given a training ``batch``, over the step training runs
-  (:func:`lightning_gpuopt.perf.activations.measure_step_activation_bytes`: the tensors
-  ``training_step(batch)`` saves for backward, scaled from the batch's samples to ``micro_batch``; any
-  batch shape, host reads answered with 1), else over
-  ``forward(input_ids)`` (:func:`~lightning_gpuopt.perf.activations.measure_activation_bytes`) plus the
-  logits by the rule above with the vocabulary read from the output.
-* **Headroom**: the sum must fit in ``headroom`` (default 85%) of the device's memory; the rest is
-  the CUDA context, the allocator's fragmentation and communication buffers.
-
-Design note, the tensor-parallel size ``tp`` (the Llama-style GPT only; ``model/tensor_parallel.py``):
-
-* **Memory with** ``tp``: FSDP2 over ``devices / tp`` ranks and TP over ``tp`` split the model state over every
-  device (``16 N / devices`` either way). TP with sequence parallelism splits each block's activations ``tp``
-  ways, except the two block inputs that the column-wise layers gather and keep whole (``2 x 2 n_embd`` bytes
-  per token and layer), and the vocabulary-parallel loss splits the logits ``tp`` ways. So TP buys activation
-  memory (a micro-batch ``tp`` times longer in tokens at the same memory), never model-state memory.
-* **Scaling**: per micro-batch FSDP2 moves ``2 + 2 + 4 = 8`` bytes per parameter through each GPU's link
-  (bf16 all-gathers in the forward and the backward, a float32 reduce-scatter; 12 in float32), and the GPUs of a
-  data-parallel rank compute ``6 N`` FLOPs per token. The all-gathers hide behind compute when a data-parallel
-  rank's micro-batch holds at least ``8 x peak x MFU / (6 x bandwidth)`` tokens (both sides divide by ``tp``):
-  with an H100's 989 TFLOP/s at 40% MFU that is 1,173 tokens over NVLink (450 GB/s per GPU), so within a node
-  FSDP2 alone always scales, and 10,554 over a 400 Gb/s network link per GPU (:data:`NETWORK_BANDWIDTH`).
-  Across nodes, when the largest micro-batch FSDP2 alone fits holds fewer tokens, TP (whose activation split
-  fits a longer one) is added. A GPU whose peak is not in ``perf/peaks.py`` is not weighed (said in the reason).
-* **The choice**: ``tp = 1`` when FSDP2 alone fits and scales; else the smallest power of two dividing the
-  node's devices (and the model's query and key/value heads, MLP width and padded vocabulary) that fits and
-  scales, or, if none scales, the smallest that fits. If none fits, FSDP2 alone when the model state alone is
-  over the budget (TP cannot help: train on more devices), else the largest size, with the fix.
+The memory estimate and the arithmetic of the tensor-parallel size are in ``docs/parallel.md``.
 """
 
 from __future__ import annotations
@@ -70,6 +18,7 @@ from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel
 from lightning_gpuopt.perf.activations import measure_activation_bytes, measure_step_activation_bytes
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
+from lightning_gpuopt.option_checks import check_int, check_number
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.checkpoint.model_parallel import AtomicModelParallelStrategy
 
@@ -77,14 +26,10 @@ __all__ = [
     "AUTO_STRATEGY", "NETWORK_BANDWIDTH", "MemoryEstimate", "choose_strategy", "estimate_memory", "estimate_module_memory"
 ]
 
-AUTO_STRATEGY = "gpuopt-auto"
-"""The ``trainer.strategy`` value the ``gpuopt`` CLI resolves with :func:`choose_strategy`."""
-
-_STATE_BYTES_PER_PARAM = 16
-
+AUTO_STRATEGY = "gpuopt-auto"  # the trainer.strategy value the gpuopt CLI resolves with choose_strategy
+_STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and AdamW's two moments
+# Bytes/s per GPU between nodes: one 400 Gb/s InfiniBand or RoCE link per GPU (eight per node, as DGX/HGX H100).
 NETWORK_BANDWIDTH = 50e9
-"""Bytes/s per GPU between nodes that ``choose_strategy`` assumes: one 400 Gb/s InfiniBand or RoCE link per GPU
-(eight per node, as DGX/HGX H100 nodes have)."""
 
 # The share of the peak a well-tuned run reaches (MFUMonitor's figure on H100s is 35-50%): the compute time
 # FSDP2's communication hides behind. Lower would hide more, so this errs towards adding tensor parallelism.
@@ -96,10 +41,8 @@ _LLAMA_FIGURES = (
 
 
 class MemoryEstimate(dict):
-    """Bytes on one device: ``params``, ``model_state``, ``activations``, ``logits`` (a dict).
-
-    ``figures`` says where the numbers came from, for the message of :func:`choose_strategy`.
-    """
+    """Bytes on one device: ``params``, ``model_state``, ``activations``, ``logits`` (a dict); ``figures`` says
+    where the numbers came from, for the message of :func:`choose_strategy`."""
 
     figures: str = "GPT formula: 16 B per parameter (fp32 weights+grads+AdamW), 34 x n_embd B per token per layer"
 
@@ -109,15 +52,10 @@ class MemoryEstimate(dict):
 
 
 def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precision: str = "bf16-mixed") -> MemoryEstimate:
-    """Training memory of ``config`` on one device without sharding (see the module's design note).
-
-    Example::
-
-        est = estimate_memory(GPTConfig.from_name("1.5b"), micro_batch=8, block_size=1024)
-        est["model_state"] / 1e9  # ~25 GB
+    """Training memory of ``config`` on one device without sharding (``docs/parallel.md``), e.g.
+    ``estimate_memory(GPTConfig.from_name("1.5b"), micro_batch=8, block_size=1024)["model_state"]`` ~25 GB.
 
     Args:
-        config: The GPT architecture.
         micro_batch: Sequences per micro-batch on a data-parallel rank (one device, or a tensor-parallel group).
         block_size: Tokens per sequence.
         precision: The Trainer's precision string; ``32``/``64`` activations count double.
@@ -144,7 +82,7 @@ def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precis
 
 
 def _activation_elements(config: GPTConfig) -> int:
-    """Activation elements one block keeps per token for its backward (see the module's design note)."""
+    """Activation elements one block keeps per token for its backward (16-bit elements)."""
     if config.arch == "gpt2":
         return 17 * config.n_embd  # Korthikanti et al.'s 34 h bytes in 16-bit
     kv = config.n_kv_head * config.head_size
@@ -169,22 +107,14 @@ def estimate_module_memory(
     activation_bytes: Optional[float] = None,
     batch: Any = None,
 ) -> MemoryEstimate:
-    """Training memory of any module on one device without sharding (see the module's design note).
-
-    Example::
-
-        est = estimate_module_memory(my_lightning_module, micro_batch=8, block_size=1024)
-        est.total / 1e9, est.figures
+    """Training memory of any module on one device without sharding (``docs/parallel.md``).
 
     Args:
         module: A LightningModule or ``nn.Module`` with its parameters built (meta tensors are fine).
-        micro_batch: Sequences per device per micro-batch.
-        block_size: Tokens per sequence.
-        precision: The Trainer's precision string.
         activation_bytes: Activation bytes of one micro-batch on one device, if known; else the module's
             ``activation_bytes(micro_batch, block_size, precision)``, else measured.
-        batch: A training batch as the loader yields it (real or meta tensors): activations are measured
-            over ``training_step(batch)``, scaled to ``micro_batch`` samples; ``None`` measures ``forward(input_ids)``.
+        batch: A training batch (real or meta tensors): activations are measured over ``training_step(batch)``,
+            scaled to ``micro_batch`` samples; ``None`` measures ``forward(input_ids)``.
     """
     name = type(module).__name__
     unique = {id(p): p for p in module.parameters()}.values()
@@ -265,10 +195,8 @@ def _block_size_of(model: Any) -> Optional[int]:
 
 def _check_devices(devices: Any, devices_per_node: Any, headroom: float) -> int:
     """Check the device counts and the headroom; the devices of one node."""
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"choose_strategy(devices=...) must be a positive integer, got {devices!r}.")
-    if not 0 < headroom <= 1:
-        raise ValueError(f"choose_strategy(headroom=...) must be in (0, 1], got {headroom!r}.")
+    check_int("choose_strategy", "devices", devices, minimum=1)
+    check_number("choose_strategy", "headroom", headroom, low=0, high=1, low_open=True)
     per_node = devices if devices_per_node is None else devices_per_node
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1 or devices % per_node:
         raise ValueError(
@@ -321,39 +249,29 @@ def choose_strategy(
     network_bandwidth: float = NETWORK_BANDWIDTH,
 ) -> tuple[Union[Strategy, str], str]:
     """Pick DDP when the whole training state plus activations fits on one device, else FSDP2, with tensor
-    parallelism within a node when FSDP2 alone does not fit or does not scale (see the module's design note).
+    parallelism within a node when FSDP2 alone does not fit or does not scale (``docs/parallel.md``).
 
     Example::
 
         strategy, reason = choose_strategy(GPTConfig.from_name("1.5b"), devices=8, device_memory=16e9)
-        trainer = Trainer(devices=8, strategy=strategy)   # AtomicModelParallelStrategy; reason says why
-
-        # YAML / CLI: trainer.strategy: gpuopt-auto   (gpuopt fit --trainer.strategy gpuopt-auto)
+        trainer = Trainer(devices=8, strategy=strategy)   # in YAML: trainer.strategy: gpuopt-auto
 
     Args:
         model: A ``GPTConfig``, ``GPT`` or ``GPTModule`` (estimated by the GPT formula), or any other
             ``nn.Module``/LightningModule (estimated from its parameters and measured activations).
-        devices: Devices of the run, all nodes together.
-        device_memory: Bytes of memory per device; ``None`` takes ``device``'s.
-        precision: The Trainer's precision string.
-        micro_batch: Sequences per device per micro-batch.
-        block_size: Tokens per sequence; ``None`` uses the model's (``config.block_size`` and the like).
+        devices, devices_per_node: Devices of the run, all nodes together, and of one node (``None``: one node).
+        device_memory: Bytes per device; ``None`` takes those of ``device``, the GPU to plan for
+            (``REFERENCE_DEVICES["V100"]``, ...; ``None`` reads this machine's).
+        precision, micro_batch, block_size: The Trainer's precision, sequences per device per micro-batch,
+            tokens per sequence (``None``: the model's).
         headroom: Fraction of ``device_memory`` the estimate may use.
-        activation_bytes: Activation bytes of one micro-batch on one device, where known better than
-            the estimate (replaces activations and logits).
-        device: The GPU to plan for (``REFERENCE_DEVICES["V100"]``, ...), for its memory; ``None`` reads
-            this machine's current CUDA device (:func:`~lightning_gpuopt.perf.device.read_device`).
-        batch: A training batch of any module but ours (a Hugging Face dict with ``attention_mask``, ...):
-            its activations are measured over ``training_step(batch)`` instead of ``forward(input_ids)``.
-        devices_per_node: Devices of one node, the most a tensor-parallel group spans; ``None``: all of them (one node).
-        network_bandwidth: Bytes/s per GPU between nodes (:data:`NETWORK_BANDWIDTH`: one 400 Gb/s link per GPU),
-            for whether FSDP2's all-gathers across nodes hide behind compute.
+        activation_bytes: Activation bytes of one micro-batch on one device, replacing the estimate's.
+        batch: A training batch of a module not ours: activations are measured over ``training_step(batch)``.
+        network_bandwidth: Bytes/s per GPU between nodes, for whether FSDP2's all-gathers hide behind compute.
 
     Returns:
-        ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or an
-        ``AtomicModelParallelStrategy(data_parallel_size=devices // tp, tensor_parallel_size=tp)`` (FSDP2, with tensor
-        parallelism when ``tp > 1``, which ``GPTModule.configure_model`` applies; Lightning's ``ModelParallelStrategy``
-        with checkpoints replaced atomically), and one line with the numbers behind it.
+        ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or an ``AtomicModelParallelStrategy``
+        (FSDP2, with tensor parallelism when ``tp > 1``), and one line with the numbers behind it.
     """
     config = _config_of(model)
     if config is None and not isinstance(model, nn.Module):
@@ -406,8 +324,7 @@ def choose_strategy(
 
 
 class _ShardingPlan:
-    """Per-device memory of FSDP2 over ``devices / tp`` ranks with tensor parallelism over ``tp`` (see the design
-    note), and the choice of ``tp``."""
+    """Per-device memory of FSDP2 over ``devices / tp`` ranks with tensor parallel ``tp``, and the choice of ``tp``."""
 
     def __init__(self, config: GPTConfig, est: MemoryEstimate, devices: int, per_node: int, micro_batch: int,
                  block_size: int, precision: str, budget: float, activations_given: bool) -> None:
@@ -446,8 +363,7 @@ class _ShardingPlan:
         return max(0, int((self.budget - fixed) // per_sequence)) if per_sequence > 0 else 0
 
     def choose(self, peak_flops: Optional[float], network_bandwidth: float) -> tuple[int, str]:
-        """``(tp, why)``: 1 when FSDP2 alone fits and scales, else the smallest size within a node that fits (and
-        scales, where one does)."""
+        """``(tp, why)``: 1 when FSDP2 alone fits and scales, else the smallest size in a node that fits."""
         nodes = self.devices // self.per_node
         needed = None
         if nodes > 1 and peak_flops is not None:

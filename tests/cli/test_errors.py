@@ -86,7 +86,8 @@ def test_checkpointing_off_leaves_out_the_default_model_checkpoint(tmp_path, tex
     ("MFUMonitor", "log_every_n_steps", "0", "MFUMonitor.log_every_n_steps must be an integer >= 1 or None, got 0"),
     ("AutoBatchSize", "memory_margin", "2", "AutoBatchSize.memory_margin must be in [0, 1), got 2.0"),
     ("NonFiniteGuard", "max_consecutive_skips", "0", "NonFiniteGuard.max_consecutive_skips must be an integer >= 1, got 0"),
-    ("CUDASettings", "matmul_precision", "fast", "CUDASettings.matmul_precision must be one of"),
+    ("CUDASettings", "matmul_precision", "fast",
+     "CUDASettings.matmul_precision must be 'highest', 'high', 'medium' or None, got 'fast'"),
 ])
 def test_a_callback_argument_out_of_range_is_one_line_with_the_fix(callback, argument, value, says, tmp_path, capsys):
     """The parser reported these as a 15-line union dump with the constructor's line among three."""

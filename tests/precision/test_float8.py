@@ -182,7 +182,7 @@ def test_float8_checkpoint_loads_into_plain_gpt_and_resumes(tmp_path):
 
 
 def test_float8_argument_errors():
-    with pytest.raises(ValueError, match="recipe='delayed'.*tensorwise"):
+    with pytest.raises(ValueError, match="Float8Precision.recipe must be 'tensorwise'.*got 'delayed'"):
         Float8Precision(recipe="delayed")
     with pytest.raises(ValueError, match="module_filter='lm_head'.*list of layer-name patterns"):
         Float8Precision(module_filter="lm_head")

@@ -52,7 +52,7 @@ def test_1_5b_on_80gb_is_ddp_and_on_16gb_is_fsdp2():
 def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="train on more devices"):
         choose_strategy(GPTConfig.from_name("1.5b"), devices=1, device_memory=16e9)
-    with pytest.raises(ValueError, match="positive integer"):
+    with pytest.raises(ValueError, match="choose_strategy.devices must be an integer >= 1, got 0"):
         choose_strategy(GPTConfig.from_name("tiny"), devices=0, device_memory=16e9)
     with pytest.raises(ValueError, match="any nn.Module / LightningModule, got str"):
         choose_strategy("1.5b", devices=2, device_memory=16e9)

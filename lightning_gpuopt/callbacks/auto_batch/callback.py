@@ -1,8 +1,7 @@
 """`AutoBatchSize`: the largest micro-batch that fits, with the global batch kept through gradient accumulation.
 
-The callback decides (which size, when to redo a step or stop), hands the size to the data
-(:func:`hand_over`), checks and logs. The search is plain functions in ``search.py``, the trials and
-their undo in ``trial.py``, a later out-of-memory error in ``recovery.py``.
+The callback decides and hands the size to the data; the search is in ``search.py``, the trials and
+their undo in ``trial.py``, an out-of-memory error later in training in ``recovery.py``.
 """
 
 from __future__ import annotations
@@ -33,16 +32,15 @@ __all__ = ["AutoBatchSize"]
 
 
 def current_micro_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str) -> int:
-    """The micro-batch the training data uses now: a :class:`~lightning_gpuopt.protocols.TakesMicroBatch`
-    datamodule's ``batch_size``, else the ``attr`` attribute of the datamodule or module."""
+    """The micro-batch the training data uses now (``TakesMicroBatch.batch_size``, else ``attr``)."""
     data = trainer.datamodule
     return int(data.batch_size if isinstance(data, TakesMicroBatch) else lightning_getattr(pl_module, attr))
 
 
 def hand_over(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str, size: int) -> None:
-    """Give the training data micro-batch ``size``: by a call to a datamodule that takes one
-    (:class:`~lightning_gpuopt.protocols.TakesMicroBatch`), else by setting ``attr`` on the datamodule or
-    module (the fallback, said at ``setup``). Its next ``train_dataloader()`` builds the loader with it."""
+    """Give the training data micro-batch ``size``: by ``use_micro_batch`` where the datamodule takes it
+    (:class:`~lightning_gpuopt.protocols.TakesMicroBatch`), else by setting ``attr`` (the fallback, said at ``setup``).
+    """
     data = trainer.datamodule
     if isinstance(data, TakesMicroBatch):
         data.use_micro_batch(size)
@@ -51,18 +49,8 @@ def hand_over(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str, siz
 
 
 def keep_validation_cadence(trainer: pl.Trainer, old: int, new: int) -> None:
-    """An integer ``val_check_interval`` counts micro-batches: rescale it from micro-batch ``old`` to
-    ``new`` so validation still runs every as many samples, or say why it cannot be.
-
-    Example::
-
-        keep_validation_cadence(trainer, old=8, new=4)  # val_check_interval 100 -> 200
-
-    Args:
-        trainer: The running Trainer.
-        old: The micro-batch the interval was set for.
-        new: The micro-batch from now on.
-    """
+    """Rescale an integer ``val_check_interval`` from micro-batch ``old`` to ``new`` (same samples between
+    validations), or warn why it cannot be."""
     interval = trainer.val_check_interval
     if not isinstance(interval, int) or old == new:
         return
@@ -77,7 +65,7 @@ def keep_validation_cadence(trainer: pl.Trainer, old: int, new: int) -> None:
 
 
 def loader_batch_size(loader: Any) -> Optional[int]:
-    """The batch size a DataLoader says it uses (``batch_size``, or its batch sampler's); ``None`` when it says none."""
+    """The batch size a DataLoader says it uses (its own or its batch sampler's), else ``None``."""
     size = getattr(loader, "batch_size", None)
     if size is None:
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
@@ -85,26 +73,8 @@ def loader_batch_size(loader: Any) -> Optional[int]:
 
 
 def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, replicas: int) -> bool:
-    """Raise, with the fix, if the training loader does not use the micro-batch ``expected``.
-
-    A DataLoader built once (in ``__init__`` or ``setup()``) ignores the micro-batch handed over
-    afterwards, and the run would train another global batch than the one reported. The loader's
-    own ``batch_size`` is compared; a loader without one (a custom batch sampler) is judged by the
-    samples in ``batch`` (the first dimension of its first tensor). Returns ``False`` when the
-    batch cannot tell (a short last batch of an epoch): check the next one. Warns once, and
-    returns ``True``, when neither tells.
-
-    Example::
-
-        check_batch(trainer, batch, expected=12, attr="batch_size", replicas=1)
-
-    Args:
-        trainer: The running Trainer (in ``on_train_batch_start``).
-        batch: The training batch.
-        expected: The micro-batch it must hold.
-        attr: The batch-size attribute set when the datamodule does not take the micro-batch by a call.
-        replicas: Data-parallel ranks, for the message.
-    """
+    """Raise, with the fix, if the training loader ignores micro-batch ``expected`` (it was built once, in
+    ``__init__`` or ``setup()``). ``False``: a short last batch cannot tell, check the next one."""
     held, what = loader_batch_size(trainer.train_dataloader), "the training DataLoader's batch_size is"
     if held is None:
         held, what = batch_len(batch), "the training batch holds"
@@ -133,22 +103,9 @@ def check_batch(trainer: pl.Trainer, batch: Any, expected: int, attr: str, repli
 
 
 def late_checkpoint_choice(saved: int, searched: int, same_batch: bool) -> tuple[bool, str, bool]:
-    """Which micro-batch to keep when a checkpoint's arrives after this run's search.
-
-    FSDP/FSDP2/DeepSpeed restore callbacks after ``on_fit_start``, so the search has run. The
-    checkpoint's micro-batch is used when it is smaller than what the search found to fit (so it
-    fits) and the per-device batch is the same: the run continues as the checkpoint's did
-    (Lightning's loop counters count its micro-batches). Returns ``(use_saved, message, warn)``.
-
-    Example::
-
-        late_checkpoint_choice(saved=4, searched=8, same_batch=True)  # (True, "...", False)
-
-    Args:
-        saved: The checkpoint's micro-batch.
-        searched: The one this run's search chose.
-        same_batch: Whether the per-device batch is the checkpoint's.
-    """
+    """``(use_saved, message, warn)`` for a checkpoint's micro-batch that arrives after this run's search
+    (FSDP/FSDP2/DeepSpeed restore callbacks after ``on_fit_start``): it is used when smaller than the searched
+    one and the per-device batch is the same."""
     arrived = (
         f"AutoBatchSize: the checkpoint's micro-batch ({saved}) arrived after this run's search (the strategy "
         f"restores callbacks after fit start)"
@@ -180,14 +137,7 @@ def late_checkpoint_choice(saved: int, searched: int, same_batch: bool) -> tuple
 def check_can_set_micro_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str, max_micro: Optional[int]
 ) -> None:
-    """Raise, with the fix, if ``AutoBatchSize`` cannot set this fit's micro-batch (at ``setup``, before any work).
-
-    Args:
-        trainer: The Trainer about to fit.
-        pl_module: Its module.
-        attr: The batch-size attribute to set, on the datamodule or the module.
-        max_micro: ``AutoBatchSize.max_micro_batch_size``.
-    """
+    """Raise, with the fix, if ``AutoBatchSize`` cannot set this fit's micro-batch (at ``setup``)."""
     if trainer.strategy.root_device.type == "cpu" and max_micro is None:
         raise ValueError(
             "AutoBatchSize on CPU needs max_micro_batch_size: running out of host memory kills the process "
@@ -218,38 +168,16 @@ def check_can_set_micro_batch(
 class AutoBatchSize(Callback):
     """Finds the largest micro-batch that fits, and keeps the global batch with gradient accumulation.
 
-    At the start of ``fit``, with the run's own precision plugin, ``torch.compile`` setting,
-    strategy and model, it runs ``steps_per_trial`` real training steps (forward, backward and
-    optimizer step, on batches of the real shape taken from the training data) at candidate
-    micro-batch sizes, and keeps the largest that runs without running out of memory and leaves
-    ``memory_margin`` of the device's memory free. Only sizes that divide the per-device batch
-    are tried, so that
-
-        ``global_batch_size = micro_batch_size * accumulate_grad_batches * data-parallel ranks``
-
-    holds exactly: the optimisation (global batch, learning-rate schedule) is what you
-    configured, whatever the GPU. The datamodule is told the micro-batch (``use_micro_batch``, or its
-    ``batch_size`` set), and ``trainer.accumulate_grad_batches`` is set to the accumulation.
-
-    The search leaves no trace (weights, optimizer, schedulers, grad scaler, RNG, ``global_step``
-    and logged metrics are as before; other callbacks do not see the trial steps), and under DDP
-    and FSDP2 all ranks agree on the smallest size that fits on every rank. If the device runs out
-    of memory later in training, the step is redone from its first micro-batch with a smaller
-    micro-batch and more accumulation (same global batch, same sample order), or, where that
-    cannot be (micro-batch 1, multi-process runs), the last completed step is saved and the run
-    stops naming what to change. The first training batch after a decision is checked: a loader
-    that ignores the new size stops the run with the fix. Details: ``docs/callbacks.md``.
-
-    The decision, the search trace and the peak memory are logged once to every logger
-    (``auto_batch_size/*``, listed in ``docs/callbacks.md``) and to the console.
+    At the start of ``fit`` it runs ``steps_per_trial`` real training steps (the run's own precision,
+    compile setting, strategy and model) at each candidate micro-batch that divides the per-device
+    batch, so ``global_batch_size = micro_batch_size * accumulate_grad_batches * data-parallel ranks``
+    holds exactly. The search leaves no trace, all ranks agree on the size, and a later out-of-memory
+    error redoes the step with a smaller micro-batch (or saves and stops). Details and the logged
+    ``auto_batch_size/*`` keys: ``docs/callbacks.md``.
 
     Example::
 
-        trainer = Trainer(
-            max_steps=5000,
-            plugins=[BF16Precision()],
-            callbacks=[AutoBatchSize(global_batch_size=512)],
-        )
+        trainer = Trainer(max_steps=5000, plugins=[BF16Precision()], callbacks=[AutoBatchSize(global_batch_size=512)])
         trainer.fit(GPTModule(preset="124m"), datamodule=TextDataModule(block_size=1024))
 
     Args:
@@ -258,13 +186,11 @@ class AutoBatchSize(Callback):
         max_micro_batch_size: Largest micro-batch to try. Required on CPU, where running out of
             memory kills the process instead of raising an error.
         mode: ``"binsearch"`` doubles until a size fails, then bisects; ``"power"`` only doubles.
-        memory_margin: Fraction of the device's memory to leave free (CUDA only), as headroom
-            for fragmentation and longer sequences.
-        steps_per_trial: Training steps per tried size. The default 2 runs the second step with
-            the optimizer state the first one created, as every training step after the first
-            does; 1 measures less memory than training needs.
-        batch_size_attr: The batch-size attribute set on the datamodule or module when the datamodule does
-            not take the micro-batch by a call (:class:`~lightning_gpuopt.protocols.TakesMicroBatch`).
+        memory_margin: Fraction of the device's memory to leave free (CUDA only).
+        steps_per_trial: Training steps per tried size; the second step runs with the optimizer state
+            the first created, as training does (1 measures less memory than training needs).
+        batch_size_attr: The attribute set on the datamodule or module when the datamodule does not
+            take the micro-batch by a call (:class:`~lightning_gpuopt.protocols.TakesMicroBatch`).
         recover_oom: Recover from out-of-memory errors later in training.
 
     Note:
@@ -369,7 +295,7 @@ class AutoBatchSize(Callback):
         self._check_batch = micro
 
     def _apply_restored(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Use the decision saved in the checkpoint, unless the world size or the bounds changed."""
+        """Use the checkpoint's decision, unless the per-device batch changed."""
         restored, self._restored = self._restored, None
         if restored.get("per_device_batch") != self._per_device:
             rank_zero_info("AutoBatchSize: the per-device batch changed since the checkpoint: searching again.")
@@ -469,7 +395,6 @@ class AutoBatchSize(Callback):
         self.recoveries = [dict(r) for r in state_dict.get("recoveries", [])]
 
     def _load_after_search(self, state_dict: dict[str, Any]) -> None:
-        """A checkpoint restored after this run's search: use its micro-batch where it is known to fit."""
         saved = state_dict["micro_batch_size"]
         same_batch = state_dict.get("per_device_batch") == self._per_device
         use_saved, message, warn = late_checkpoint_choice(

@@ -1,10 +1,7 @@
 """Out of memory later in training: redo the step with a smaller micro-batch, or save the last step and stop.
 
-The decisions (which size, when to stop) are ``AutoBatchSize``'s; these functions do the work:
-:func:`retry_on_oom` catches the error around each training batch, :func:`redo_step` rebuilds the
-train loader with the new micro-batch and puts the loop back where the failed step started (same
-samples, same order), and :func:`emergency_checkpoint` saves the last completed step from one rank
-alone. Lightning's private loop state is reached through :mod:`lightning_gpuopt.internals`.
+The decisions are ``AutoBatchSize``'s; these functions do the work, reaching Lightning's private loop
+state through :mod:`lightning_gpuopt.internals`.
 """
 
 from __future__ import annotations
@@ -32,15 +29,8 @@ __all__ = ["emergency_checkpoint", "is_sharded", "redo_step", "retry_on_oom", "s
 
 
 def retry_on_oom(trainer: pl.Trainer, recover: Callable[[Any, str], None]) -> Callable[[], None]:
-    """Run each training batch again after ``recover(data_fetcher, message)`` when it runs out of memory.
-
-    ``recover`` either moves the loop back to the start of the failed step (:func:`redo_step`) or
-    raises. Returns a function that undoes the wrapping.
-
-    Example::
-
-        undo = retry_on_oom(trainer, lambda fetcher, message: redo_step(trainer, fetcher, 8, 4, apply))
-    """
+    """Run each training batch again after ``recover(data_fetcher, message)`` when it runs out of memory;
+    ``recover`` moves the loop back (:func:`redo_step`) or raises. Returns a function that undoes the wrapping."""
 
     def advance(original: Callable[[Any], None], data_fetcher: Any) -> None:
         while True:
@@ -68,18 +58,9 @@ def discard_partial_step(trainer: pl.Trainer) -> None:
 def redo_step(trainer: pl.Trainer, data_fetcher: Any, old: int, new: int, apply: Callable[[int], None]) -> None:
     """Move the fit loop back to the first micro-batch of the failed step, in micro-batches of ``new``.
 
-    The failed micro-batch was not processed, so the step boundary is where the failed step
-    started. ``apply(new)`` sets the new micro-batch (batch-size attribute, accumulation); the
-    train loader is then rebuilt in the same epoch and the running fetcher moved onto it. A
-    :class:`~lightning_gpuopt.protocols.ResumableData` datamodule is asked where the step started
-    (its position is in samples); other loaders restart the epoch and are fast-forwarded.
-
-    Args:
-        trainer: The Trainer in the failed step.
-        data_fetcher: The fetcher the epoch loop is running.
-        old: The micro-batch that ran out of memory.
-        new: The smaller one.
-        apply: Sets ``new`` on the module or datamodule and the Trainer.
+    ``apply(new)`` sets the new micro-batch; the train loader is rebuilt in the same epoch, and a
+    :class:`~lightning_gpuopt.protocols.ResumableData` datamodule is asked where the step started (other
+    loaders restart the epoch and are fast-forwarded).
     """
     batches_before = step_boundary(trainer) * old // new  # samples of this epoch before the step, in new batches
     datamodule = trainer.datamodule
@@ -94,15 +75,8 @@ def redo_step(trainer: pl.Trainer, data_fetcher: Any, old: int, new: int, apply:
 
 
 def emergency_checkpoint(trainer: pl.Trainer) -> Optional[str]:
-    """Save the last completed step from this rank alone (no collectives: the others may be stuck).
-
-    Weights, optimizer and scheduler are as of the last optimizer step; the loop counters and the
-    data position are rolled back to it, so a resume redoes the step that ran out of memory.
-    Returns the path, or ``None`` (with a warning) when the save failed.
-
-    Args:
-        trainer: The Trainer whose step ran out of memory.
-    """
+    """Save the last completed step from this rank alone (no collectives: the others may be stuck), its loop
+    counters and data position rolled back so a resume redoes the failed step; the path, or ``None`` (warned)."""
     directory = getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
     path = os.path.join(directory, f"oom-step={trainer.global_step}-rank={trainer.global_rank}.ckpt")
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional, get_args
 
-from lightning_gpuopt.option_checks import check_choice, option
+from lightning_gpuopt.option_checks import check_choice, check_int, option
 from lightning_gpuopt.perf.units import GiB
 
 __all__ = ["SEARCH_MODES", "SearchMode", "Trial", "describe_search", "divisors", "nothing_fits_error", "search_metrics",
@@ -26,16 +26,7 @@ class Trial:
 
 
 def divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order.
-
-    Example::
-
-        >>> divisors(12)
-        [1, 2, 3, 4, 6, 12]
-
-    Args:
-        n: A positive integer.
-    """
+    """The divisors of ``n`` in increasing order: ``divisors(12) == [1, 2, 3, 4, 6, 12]``."""
     if n < 1:
         raise ValueError(f"divisors() needs a positive integer, got {n}.")
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
@@ -43,19 +34,9 @@ def divisors(n: int) -> list[int]:
 
 
 def per_device_batch(global_batch_size: int, world_size: int) -> int:
-    """The samples each device processes per optimizer step, or an error naming global batches that work.
-
-    Example::
-
-        >>> per_device_batch(512, 8)
-        64
-
-    Args:
-        global_batch_size: Samples per optimizer step over all devices.
-        world_size: Number of data-parallel processes.
-    """
-    if global_batch_size < 1:
-        raise ValueError(f"AutoBatchSize.global_batch_size must be >= 1, got {global_batch_size}.")
+    """Samples each of ``world_size`` data-parallel devices processes per optimizer step, or an error naming
+    global batches that split evenly."""
+    check_int("AutoBatchSize", "global_batch_size", global_batch_size, minimum=1)
     if global_batch_size % world_size:
         lower = global_batch_size // world_size * world_size
         upper = lower + world_size
@@ -70,17 +51,8 @@ def per_device_batch(global_batch_size: int, world_size: int) -> int:
 
 
 def micro_batch_candidates(per_device: int, max_micro_batch_size: Optional[int] = None) -> list[int]:
-    """The micro-batches that divide ``per_device`` evenly (so accumulation keeps the global batch), smallest first.
-
-    Example::
-
-        >>> micro_batch_candidates(24, max_micro_batch_size=10)
-        [1, 2, 3, 4, 6, 8]
-
-    Args:
-        per_device: Samples per optimizer step on one device.
-        max_micro_batch_size: Upper bound on the micro-batch (required on CPU).
-    """
+    """The micro-batches that divide ``per_device`` (so accumulation keeps the global batch), smallest first,
+    up to ``max_micro_batch_size``: ``micro_batch_candidates(24, 10) == [1, 2, 3, 4, 6, 8]``."""
     found = divisors(per_device)
     if max_micro_batch_size is not None:
         found = [d for d in found if d <= max_micro_batch_size]
@@ -88,20 +60,8 @@ def micro_batch_candidates(per_device: int, max_micro_batch_size: Optional[int] 
 
 
 def fallback_micro_batch(micro_batch_size: int, per_device: int) -> Optional[int]:
-    """The micro-batch to retry with after an OOM in training: the largest divisor of the per-device batch below it.
-
-    Usually half of it; always a divisor of the per-device batch, so the global batch is kept. ``None`` when
-    ``micro_batch_size`` is already 1.
-
-    Example::
-
-        >>> fallback_micro_batch(16, 64), fallback_micro_batch(6, 24), fallback_micro_batch(1, 8)
-        (8, 3, None)
-
-    Args:
-        micro_batch_size: The micro-batch that ran out of memory.
-        per_device: Samples per optimizer step on one device.
-    """
+    """After an OOM in training: the largest divisor of ``per_device`` at most half ``micro_batch_size``
+    (``None`` at 1), so the global batch is kept. ``fallback_micro_batch(6, 24) == 3``."""
     smaller = [d for d in divisors(per_device) if d <= micro_batch_size // 2]
     return smaller[-1] if smaller else None
 
@@ -113,24 +73,13 @@ def largest_fitting(
 ) -> tuple[Optional[int], list[Trial]]:
     """The largest candidate for which ``try_size`` reports a fit, and every trial made to find it.
 
-    Starts at the smallest candidate and doubles (to the smallest candidate at least twice the
-    last one that fit) until a size fails or the candidates run out. ``"binsearch"`` then bisects
-    between the last fit and the first failure; ``"power"`` stops there. Fitting is assumed to be
-    monotone: if a size fits, every smaller one does.
+    Doubles from the smallest candidate until a size fails; ``"binsearch"`` then bisects between the
+    last fit and the first failure, ``"power"`` stops. Fitting is assumed monotone.
 
     Example::
 
-        >>> best, trials = largest_fitting([1, 2, 4, 8, 16, 32], lambda b: Trial(b, fits=b <= 12))
-        >>> best, [t.micro_batch_size for t in trials]
-        (8, [1, 2, 4, 8, 16])
-
-    Args:
-        candidates: Sizes to choose from, increasing.
-        try_size: Runs the trial for one size.
-        mode: ``"binsearch"`` or ``"power"``.
-
-    Returns:
-        ``(best, trials)``; ``best`` is ``None`` when even the smallest candidate fails.
+        best, trials = largest_fitting([1, 2, 4, 8, 16, 32], lambda b: Trial(b, fits=b <= 12))
+        # best == 8, tried 1, 2, 4, 8, 16; best is None when even the smallest candidate fails
     """
     check_choice("AutoBatchSize", "mode", mode, SEARCH_MODES)
     trials: list[Trial] = []
@@ -162,17 +111,7 @@ def largest_fitting(
 
 
 def describe_search(trials: list[Trial]) -> tuple[str, str]:
-    """A search as a table (one row per tried size) and as a one-line trace.
-
-    Example::
-
-        >>> table, trace = describe_search([Trial(1, True), Trial(2, False, reason="out of memory")])
-        >>> trace
-        '1 fits; 2 no (out of memory)'
-
-    Args:
-        trials: The tried sizes, in the order tried.
-    """
+    """A search as a table (one row per tried size) and a one-line trace (``"1 fits; 2 no (out of memory)"``)."""
     rows = ["  micro  fits  peak memory"]
     for t in trials:
         peak = f"{t.peak_memory / GiB:.2f} GiB" if t.peak_memory is not None else "-"
@@ -184,19 +123,7 @@ def describe_search(trials: list[Trial]) -> tuple[str, str]:
 
 
 def search_metrics(trials: list[Trial], micro: int, accumulate: int, replicas: int) -> dict[str, float]:
-    """What ``AutoBatchSize`` logs about its decision (``auto_batch_size/*``; peak memory in GiB, CUDA only).
-
-    Example::
-
-        >>> search_metrics([Trial(1, True), Trial(2, True)], micro=2, accumulate=4, replicas=8)["auto_batch_size/global_batch_size"]
-        64
-
-    Args:
-        trials: The tried sizes.
-        micro: The chosen micro-batch.
-        accumulate: Its gradient accumulation.
-        replicas: Data-parallel ranks.
-    """
+    """What ``AutoBatchSize`` logs about its decision (``auto_batch_size/*``; peak memory in GiB, CUDA only)."""
     metrics: dict[str, float] = {
         "auto_batch_size/micro_batch_size": micro,
         "auto_batch_size/accumulate_grad": accumulate,
@@ -210,7 +137,6 @@ def search_metrics(trials: list[Trial], micro: int, accumulate: int, replicas: i
 
 
 def nothing_fits_error(memory_margin: float) -> RuntimeError:
-    """The error when even a micro-batch of 1 does not fit, naming what to change."""
     return RuntimeError(
         "AutoBatchSize: even a micro-batch of 1 runs out of memory"
         + (f" (or leaves less than memory_margin={memory_margin} free)" if memory_margin else "")

@@ -1,9 +1,4 @@
-"""The trials of ``AutoBatchSize`` and their undo: real training steps at a candidate micro-batch that leave no trace.
-
-:func:`trial_steps` captures the training state (:class:`TrainingState`), runs ``training_step``, backward and the
-optimizer step through the run's own strategy and precision plugin on batches of the real shape, and puts the
-state back; other callbacks do not see the trials, and what they log is dropped.
-"""
+"""The trials of `AutoBatchSize` and their undo: real training steps at a candidate micro-batch, leaving no trace."""
 
 from __future__ import annotations
 
@@ -44,20 +39,12 @@ def trial_steps(
 ) -> Iterator[Callable[[int], Trial]]:
     """Within it, ``trial(size)`` runs ``steps`` training steps at micro-batch ``size`` on every rank.
 
-    On exit the weights, optimizer, schedulers, grad scaler, RNG states and module modes are put
-    back as they were, and the memory the trials used is freed. Compiled graphs are kept (training
-    reuses them) unless the module compiles with a tuning mode.
+    On exit the training state (:class:`TrainingState`) is put back and the trials' memory freed.
 
     Example::
 
         with trial_steps(trainer, module, steps=2, memory_margin=0.1) as trial:
             fits = trial(8).fits
-
-    Args:
-        trainer: The Trainer in ``on_fit_start``.
-        pl_module: Its module.
-        steps: Training steps per trial (2 runs one with the optimizer state the first created).
-        memory_margin: Fraction of the device's memory a trial must leave free (CUDA).
     """
     state = TrainingState.capture(trainer, pl_module)  # first: building the sample batches may draw from the RNG
     batches: Optional[_SampleBatches] = None
@@ -73,19 +60,14 @@ def trial_steps(
         state.restore(trainer, pl_module)
         batches = None  # the sample batches' memory goes before the next allocation
         free_memory(trainer.strategy.root_device)
-        # Compiled graphs are kept: the trial at micro-batch 1 compiles one (Dynamo specialises size 1),
-        # the next size a second with a dynamic batch dimension, which every larger trial and then
-        # training reuse. So the search and training compile twice in all, and the trials measured
-        # the memory of the very graph that trains. Under a tuning compile mode (max-autotune,
-        # reduce-overhead) the trial graphs were tuned or captured for the trial sizes: those are
-        # dropped and training compiles its own.
+        # Compiled graphs are kept (Dynamo specialises size 1, then one dynamic graph that training reuses, so the
+        # trials measured the graph that trains); graphs tuned or captured for the trial sizes are dropped.
         if _tuned_compile(pl_module):
             torch.compiler.reset()
 
 
 def _tuned_compile(pl_module: pl.LightningModule) -> bool:
-    """Whether the module says (:class:`~lightning_gpuopt.protocols.CompilesItself`) it compiled with a mode
-    that tunes or records for the shapes it saw (max-autotune, reduce-overhead)."""
+    """Whether the module compiled with a mode that tunes or records for the shapes it saw."""
     return isinstance(pl_module, CompilesItself) and pl_module.compile_mode_in_use not in (None, "default")
 
 
@@ -127,7 +109,7 @@ def _trial(
 
 
 def _no_sync(trainer: pl.Trainer) -> contextlib.AbstractContextManager:
-    """DDP without the gradient all-reduce: each rank's trial is free of collectives, so an OOM cannot hang the others."""
+    """DDP without the gradient all-reduce: a trial free of collectives, so an OOM cannot hang the other ranks."""
     model = trainer.strategy.model
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
@@ -137,15 +119,8 @@ class _PeerOutOfMemory(RuntimeError):
 
 
 class _PeerSync:
-    """Keeps ranks in step when a trial runs out of memory on some of them, under FSDP2.
-
-    FSDP2's forward all-gathers parameters, so a rank that fails in the middle of a forward would
-    leave the others waiting in a collective. Here every rank all-reduces an "out of memory" flag
-    before each FSDP module's forward (before its all-gather) and once after the loss; a rank that
-    runs out of memory sends the flag once, which meets the others at their next check, and they
-    stop too. Under DDP (trials run in ``no_sync``) and on one device it does nothing. Not covered:
-    an OOM on only some ranks inside the backward pass, whose reduce-scatters cannot be matched.
-    """
+    """Under FSDP2, ranks all-reduce an "out of memory" flag before each FSDP module's forward (ahead of its
+    all-gather) and after the loss, so one rank's OOM stops the trial on all (``docs/callbacks.md``, Distributed)."""
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.device = trainer.strategy.root_device
@@ -202,8 +177,7 @@ def _training_step(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
 
 
 class _SampleBatches:
-    """Batches of any size with the real shape, dtype and device: raw samples of the training data,
-    batched by the loader's own ``collate_fn`` (the default or the dataset's custom one)."""
+    """Batches of any size with the real shape: raw training samples through the loader's own ``collate_fn``."""
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, pl_module
@@ -249,12 +223,7 @@ class _SampleBatches:
 
 
 def batch_len(batch: Any) -> Optional[int]:
-    """Samples in a batch: the first dimension of its first tensor (``None`` when it holds no tensor).
-
-    Example::
-
-        batch_len((torch.zeros(8, 16), torch.zeros(8, 16)))  # 8
-    """
+    """Samples in a batch: the first dimension of its first tensor (``None`` when it holds no tensor)."""
     if isinstance(batch, torch.Tensor):
         return batch.size(0) if batch.dim() else None
     if isinstance(batch, Mapping):  # dicts, Hugging Face BatchEncoding
@@ -274,12 +243,8 @@ def batch_len(batch: Any) -> Optional[int]:
 
 
 def forget_unfinished_scaler_step(trainer: pl.Trainer) -> None:
-    """Forget a grad-scaler step that an error cut short.
-
-    Lightning's fp16 step calls ``scaler.unscale_`` before ``scaler.step``; an OOM in between leaves
-    the optimizer marked "unscaled", and the next ``unscale_`` would raise. ``update`` is what
-    normally clears it, and cannot run without a finished step.
-    """
+    """Forget a grad-scaler step that an error cut short between ``unscale_`` and ``step`` (the next
+    ``unscale_`` would raise; ``update``, which clears it, needs a finished step)."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:
         forget_scaler_steps(scaler)
@@ -302,7 +267,7 @@ class _HostShard:
 
 
 def _to_host(value: Any) -> Any:
-    """A copy of an optimizer state dict with its tensors in host memory (DTensors as their local shard)."""
+    """A copy of an optimizer state dict in host memory (DTensors as their local shard)."""
     if isinstance(value, Tensor) and local_tensor(value) is not value:  # DTensor (FSDP2)
         spec = (value.device_mesh, value.placements, value.shape, value.stride())
         local = local_tensor(value)
@@ -331,14 +296,9 @@ def _from_host(value: Any) -> Any:
 class TrainingState:
     """Weights, optimizer and LR-scheduler state, grad-scaler state, RNG states and module modes.
 
-    Weights and optimizer state are copied to host memory, so the copies do not take the device
-    memory the search measures (Adam's state is twice the weights: a copy on the device would make
-    the search pick a smaller micro-batch, or find none). Optimizer state is copied only when it
-    exists. It is empty at the start of a fresh run (trial steps create it and ``restore`` drops it
-    again), and a checkpoint's optimizer state arrives after ``on_fit_start`` under every strategy,
-    so after the search; it exists when ``configure_optimizers`` hands over an optimizer that has
-    already stepped (one kept across fits) or a callback loads optimizer state in ``on_fit_start``.
-    ``restore`` loads it back onto its parameters' device and dtype.
+    Copied to host memory, so the copies do not take the device memory the search measures (Adam's
+    state is twice the weights). Optimizer state is copied only when it exists before the search
+    (an optimizer that already stepped); a checkpoint's arrives after it.
     """
 
     weights: list[Tensor] = field(default_factory=list)
