@@ -8,8 +8,8 @@ are sorted into prompt order and written to ``output`` (and the accepted ones to
 through a temporary file and a rename, and the partial files are removed. After a ``kill -9`` the
 partial files hold every line finished before it.
 
-Stop sequences are matched on token ids while generating (fast, and the row stops there); a stop string
-that the model produced inside a longer token is still cut from the text here.
+Stop strings end a row while generating (matched on token ids and on the decoded text); the text is cut
+here at a stop string's first occurrence.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ attended keys are those of its prompt alone (greedy decoding gives it exactly th
 alone); their rows are then copied into the rows of finished ones (``KVCache.load_rows``). Samples of
 one prompt admitted together share its prefill (its cache rows are copied once per sample). Every decode
 step feeds each row its last token at its own column. A row ends at the end-of-text token, at a stop
-sequence (matched on token ids), or after its ``max_new_tokens``; when no prompt waits, finished rows
+sequence (matched on token ids, and with a ``decode`` on the text, which catches a stop string inside a
+longer token or across two), or after its ``max_new_tokens``; when no prompt waits, finished rows
 leave the batch (``KVCache.keep``) so the last rows do not drag idle ones along.
 
 A model is called in one of two ways, read from its ``forward``'s parameters:
@@ -68,7 +69,8 @@ class Finished:
 
     Attributes:
         key: The request's ``key``.
-        tokens: The new token ids, without the end-of-text token or the stop sequence that ended it.
+        tokens: The new token ids, without the end-of-text token or the stop sequence that ended it (a stop string
+            found in the text keeps the token it ends in: cut the decoded text at it).
         reason: ``"eot"`` (end-of-text), ``"stop"`` (a stop sequence) or ``"length"`` (``max_new_tokens``).
     """
 
@@ -97,11 +99,14 @@ class GenerationJob:
         eot_id: The end-of-text token id (``None``: rows end only at a stop sequence or their length).
         stop_sequences: Token-id sequences that end a row.
         on_step: Called after each forward with the tokens it sampled.
+        stop_strings: Text that ends a row wherever the tokens put it (with ``decode``).
+        decode: Token ids to text, for ``stop_strings``.
     """
 
     def __init__(
         self, requests: Sequence[Request], on_finished: Callable[[Finished], None], batch_size: Optional[int] = None,
         eot_id: Optional[int] = None, stop_sequences: Sequence[Sequence[int]] = (), on_step: Optional[Callable[[int], None]] = None,
+        stop_strings: Sequence[str] = (), decode: Optional[Callable[[list[int]], str]] = None,
     ) -> None:
         self.requests = list(requests)
         self.on_finished = on_finished
@@ -109,6 +114,8 @@ class GenerationJob:
         self.eot_id = eot_id
         self.stop_sequences = [list(s) for s in stop_sequences]
         self.on_step = on_step
+        self.stop_strings = list(stop_strings)
+        self.decode = decode
 
 
 def fit_to_context(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -188,12 +195,28 @@ def _left_padded(prompts: Sequence[Sequence[int]], device: torch.device) -> tupl
 class _Stops:
     """Whether a row ends after a new token: end-of-text, a stop sequence, or its length."""
 
-    def __init__(self, eot_id: Optional[int], stop_sequences: Sequence[Sequence[int]]) -> None:
+    def __init__(self, eot_id: Optional[int], stop_sequences: Sequence[Sequence[int]], stop_strings: Sequence[str] = (),
+                 decode: Optional[Callable[[list[int]], str]] = None) -> None:
         for s in stop_sequences:
             if len(s) == 0:
                 raise ValueError("A stop sequence has no tokens: give each stop sequence some text (or leave it out).")
+        if any(stop_strings) and decode is None:
+            raise ValueError("stop_strings are matched on the decoded text: pass decode (token ids -> text) too.")
         self.eot_id = eot_id
         self.sequences = [list(s) for s in stop_sequences]
+        self.strings = [s for s in stop_strings if s]
+        self.decode = decode
+        # A stop string of n bytes that ends in the newest token lies within the last n tokens (each has a byte).
+        self.window = max((len(s.encode()) for s in self.strings), default=0)
+        self._chars = set("".join(self.strings)) | {"\ufffd"}  # a token holding a part of a character may too
+        self._touches: dict[int, bool] = {}  # token id -> whether its text holds a character of a stop string
+
+    def _in_text(self, tokens: list[int]) -> bool:
+        """Whether a stop string ends in the text of the newest token (decoded only if that token could end one)."""
+        token = tokens[-1]
+        if token not in self._touches:
+            self._touches[token] = not self._chars.isdisjoint(self.decode([token]))
+        return self._touches[token] and any(s in self.decode(tokens[-self.window :]) for s in self.strings)
 
     def add(self, row: _Row, token: int) -> Optional[str]:
         """Append ``token`` to ``row``; the reason it ends, or ``None``."""
@@ -204,6 +227,8 @@ class _Stops:
             if row.tokens[-len(s) :] == s:
                 del row.tokens[-len(s) :]
                 return "stop"
+        if self.strings and self._in_text(row.tokens):
+            return "stop"
         return "length" if len(row.tokens) >= row.request.max_new_tokens else None
 
 
@@ -219,6 +244,8 @@ def generate_batched(
     generator: Optional[torch.Generator] = None,
     use_cache: Optional[bool] = None,
     on_step: Optional[Callable[[int], None]] = None,
+    stop_strings: Sequence[str] = (),
+    decode: Optional[Callable[[list[int]], str]] = None,
 ) -> Iterator[Finished]:
     """Generate every request, ``batch_size`` rows at a time, yielding each row as it finishes (not in request order).
 
@@ -240,6 +267,9 @@ def generate_batched(
         generator: Random generator of the samples.
         use_cache: Use a KV cache (``None``: when the model takes one).
         on_step: Called after each forward with the number of tokens it sampled (for a progress bar).
+        stop_strings: Text that ends a row when the decoded new tokens hold it: a stop inside a longer token, or
+            split over two, which ``stop_sequences`` (token ids) miss. The row keeps the token the text ends in.
+        decode: Token ids to text (needed with ``stop_strings``).
 
     Raises:
         ValueError: A bad argument, an empty prompt, or a prompt whose ``max_new_tokens`` do not fit in the
@@ -252,7 +282,7 @@ def generate_batched(
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}.")
     caller = _Caller(model, use_cache)
-    stops = _Stops(eot_id, stop_sequences)
+    stops = _Stops(eot_id, stop_sequences, stop_strings, decode)
 
     def sample(logits: Tensor) -> tuple[Tensor, list[int]]:
         """(B, 1) token ids on the device, and the same ids on the host (the one wait per step)."""

@@ -334,8 +334,8 @@ class GPTModule(pl.LightningModule):
             rows = memory.rows
             rank_zero_info(f"Generation batch: {memory.reason}. (GenerationJob.batch_size, --generate.batch_size in gpuopt, sets another.)")
         counts = {"completions": 0, "tokens": 0}
-        for done in generate_batched(self.model, job.requests, rows, hp.temperature, hp.top_k, job.eot_id,
-                                     job.stop_sequences, on_step=job.on_step):
+        for done in generate_batched(self.model, job.requests, rows, hp.temperature, hp.top_k, job.eot_id, job.stop_sequences,
+                                     on_step=job.on_step, stop_strings=job.stop_strings, decode=job.decode):
             job.on_finished(done)
             counts["completions"] += 1
             counts["tokens"] += len(done.tokens)
