@@ -66,11 +66,21 @@ def test_the_gpu_test_list_names_every_file_with_a_gpu_test():
 def test_bad_options_are_refused_before_any_work(tmp_path):
     cases = [(["--device", "h100"], "add --plan"), (["--parts", "doctor,speed"], r"unknown names \['speed'\]"),
              (["--time-budget", "0"], "--time-budget must be a positive"), (["--plan"], "No CUDA GPU here"),
-             (["--tiny", "--micro-batch-size", "0"], "--micro-batch-size must be >= 1")]
+             (["--tiny", "--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
+             (["--plan", "--device", "h100", "--time-budget", "inf"], "positive, finite number"),
+             (["--parts", " , "], "--parts names no part"),
+             (["--parts", "throughput124m"], "for 'throughput124m' did you mean 'throughput-124m'")]
     for argv, message in cases:
         with pytest.raises(ValueError, match=message):
             headline.main([*argv, "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_plan(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(headline.OptionError, match=r"--out='.*a-file/out' cannot be written \(Not a directory"):
+        headline.main(["--tiny", "--out", str(tmp_path / "a-file" / "out")])
+    assert "Plan for" not in capsys.readouterr().out  # refused before anything, the plan included
 
 
 def test_a_part_past_its_limit_is_interrupted_then_killed_with_its_whole_group(tmp_path):
