@@ -584,6 +584,15 @@ CASES = [
          SystemExit, r"trainer.callbacks: lightning_gpuopt.callbacks.MFUMonitr does not exist .*did you mean lightning_gpuopt.callbacks.MFUMonitor\?"),
     Case("callback-name-typo", lambda c: main(["fit", "--trainer.max_steps", "1", "--trainer.callbacks+=MFUMonitr"]),
          SystemExit, r"trainer.callbacks: no class named 'MFUMonitr': did you mean MFUMonitor \(lightning_gpuopt"),
+    Case("callback-option-typo", lambda c: main(["fit", "--trainer.callbacks+=MFUMonitor", "--trainer.callbacks.log_every_n_stepz", "3"]),
+         SystemExit, r"trainer.callbacks: MFUMonitor takes no option 'log_every_n_stepz': did you mean 'log_every_n_steps'\? \(a "
+                     r"--trainer.callbacks.log_every_n_stepz flag sets an option of the last class in trainer.callbacks, here MFUMonitor"),
+    Case("callback-option-typo-in-config",
+         lambda c: main(["fit", "--config", c.yaml("trainer:\n  callbacks:\n    - class_path: lightning_gpuopt.callbacks.NonFiniteGuard\n"
+                                                   "      init_args: {patience: 3}\n")]),
+         SystemExit, r"gpuopt: error: trainer.callbacks: NonFiniteGuard takes no option 'patience': it takes policy, "
+                     r"max_consecutive_skips, check_gradients, mode\. \(fix init_args of NonFiniteGuard in trainer.callbacks in the "
+                     r"--config file\.\)\n\(gpuopt fit --help"),
     Case("flat-option-before-own-class",
          lambda c: main(["fit", "--config", c.yaml("model: {preset: tiny}\n"), "--model.class_path", "lightning_gpuopt.GPTModul"]),
          SystemExit, r"model.preset is an option of gpuopt's GPTModule, given flat before any model class, .*under init_args, "
