@@ -540,6 +540,9 @@ CASES = [
          lambda c: main(["fit", "--model", "tests._module_shapes.NanoGPTModule", "--trainer.strategy", "gpuopt-auto",
                          "--auto_strategy.device_memory_gb", "80", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(c.tmp)]),
          SystemExit, r"needs the micro-batch size .*the module trains on its own loaders: give the data module an int batch_size, or name the strategy"),
+    Case("auto-strategy-no-gpu", lambda c: _cli_before_data(c, ["--trainer.strategy", "gpuopt-auto"]),
+         SystemExit, r"trainer.strategy=gpuopt-auto plans for a GPU, and this machine has none \(cpu\): name the GPU to plan for, "
+                     r"--auto_strategy.device 'H100 SXM' .*or name a strategy, --trainer.strategy auto\.\n"),
     Case("resume-architecture-change", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c), "--model.n_layer", "3"]),
          SystemExit, r"model.n_layer=3 but the checkpoint has n_layer=2\. Drop those options"),
     Case("resume-block-size-change", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c), "--data.block_size", "16"]),
