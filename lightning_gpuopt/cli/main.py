@@ -267,8 +267,10 @@ class GPTCLI(LightningCLI):
         init = getattr(self, "init_settings", None)
         if init is not None:  # weights alone: the architecture checked like a resume's, the run's tokenizer taken
             init.check_model(self.model)
+            taken = "".join(f", model.{k}={old!r} (configured {new!r})" for k, (old, new) in init.kept.items())
             rank_zero_info(f"model.init_from: the GPT starts from the weights of {init.path} (step {init.global_step} of its "
-                           "run); the optimizer and the learning-rate schedule start fresh.")
+                           "run); the optimizer and the learning-rate schedule start fresh"
+                           + (f"; from the checkpoint's architecture: {taken[2:]}." if taken else "."))
             if self.reads_text:
                 self.datamodule.use_checkpoint_tokenizer(init.data_state)
         if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
