@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -45,7 +46,8 @@ class MFUMonitor(Callback):
     ``batch["input_ids"]`` for dicts, when they hold integers) or ``tokens_fn(batch)``; a dict batch with an
     ``attention_mask`` (else ``labels``) of the input ids' shape has its padding left out (the mask's zeros, the
     labels' ``-100``), said once: tokens/s and MFU are those of the real tokens, ``perf/tokens_per_sec_padded``
-    the rate with padding. The count stays on the device until a window ends. Training FLOPs per token come from
+    the rate with padding (a mask of another shape is warned about once: every position counts). The count stays on
+    the device until a window ends. Training FLOPs per token come from
     ``flops_per_token=``, else the module's ``flops_per_token(seq_len)`` (``GPTModule`` has one), else
     they are counted over the first real training step at each sequence length: its forward, loss,
     backward(s) and optimizer step(s), whatever the batch holds or the step reads
@@ -167,6 +169,7 @@ class MFUMonitor(Callback):
         self._last_batch_end: Optional[float] = None
         self._tally, self._wait = TokenTally(), 0.0  # the current window's tokens and FLOPs, its data-loader wait
         self._padding_seen = False  # a batch said which positions are padding (real_tokens_of)
+        self._said_mask_shape = False  # a batch's mask could not say it (another shape than input_ids'), said once
         self._said_compiled = False
         self._paused = 0.0  # seconds of the current window spent in validation or checkpoint saves
         self._pause_start: Optional[float] = None
@@ -339,6 +342,7 @@ class MFUMonitor(Callback):
         """The batch's tokens that are not padding (a device count, not read), said once; ``None`` without a mask."""
         found = real_tokens_of(batch)
         if found is None:
+            self._say_mask_shape(batch)
             return None
         count, key = found
         if not self._padding_seen:
@@ -349,6 +353,23 @@ class MFUMonitor(Callback):
             )
         self._padding_seen = True
         return count
+
+    def _say_mask_shape(self, batch: Any) -> None:
+        """Say once that a batch's ``attention_mask`` or ``labels`` has another shape than its input ids (a 3-D or 4-D
+        mask, shifted labels): its padding cannot be told apart, so every position counts as a token."""
+        if self._said_mask_shape or not isinstance(batch, Mapping):
+            return
+        ids = input_ids_of(batch)
+        for key in ("attention_mask", "labels"):
+            value = batch.get(key)
+            if ids is not None and isinstance(value, torch.Tensor) and value.shape != ids.shape:
+                self._said_mask_shape = True
+                rank_zero_warn(
+                    f"MFUMonitor: the batch's {key} has shape {tuple(value.shape)}, not that of its input ids "
+                    f"{tuple(ids.shape)}, so which positions are padding cannot be read from it: tokens/s and MFU count "
+                    f"every position, padding included. {option('MFUMonitor', 'tokens_fn')} counts the real tokens."
+                )
+                return
 
     def _start_window(self) -> None:
         _synchronize(self._device)
