@@ -32,7 +32,12 @@ from typing_extensions import override
 
 from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
 from lightning_gpuopt.callbacks.progress_bar import default_progress_bar
-from lightning_gpuopt.cli.auto_strategy import add_auto_strategy_arguments, auto_strategy, check_auto_strategy_options
+from lightning_gpuopt.cli.auto_strategy import (
+    add_auto_strategy_arguments,
+    auto_strategy,
+    check_auto_strategy_options,
+    plan_without_missing_data,
+)
 from lightning_gpuopt.cli.defaults import (
     check_run_length,
     default_stack,
@@ -287,6 +292,8 @@ class GPTCLI(LightningCLI):
                 self.parser.error(problem)
         generate = config.get("generate", {})
         check_auto_strategy_options(config, self.parser.error)
+        if self.subcommand == "fit" and self.reads_text:
+            plan_without_missing_data(config)  # --auto_strategy.print_plan reads no text
         if self.subcommand == "predict":
             self.save_config_callback = None  # predict writes its samples, not a log folder with the config
         if self.subcommand != "predict" and generate.get("prompts_file"):
