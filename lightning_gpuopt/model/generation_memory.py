@@ -1,7 +1,8 @@
 """How many rows a generation batch can hold on a device: the KV cache and activations against its memory.
 
 Design note: generation memory is the weights, plus per row the KV cache of its context (keys and
-values of every layer: ``2 · n_layer · context · n_embd`` elements) and the decode step's transient
+values of every layer: ``2 · n_layer · context · n_kv_head · head_size`` elements, ``n_embd`` wide without
+grouped-query attention) and the decode step's transient
 tensors (the row's logits in the compute dtype and in float32 for sampling, and a few hidden-sized
 tensors), plus, once, the largest prefill forward (``batched_generation`` keeps a prefill's float32
 logits under ``PREFILL_LOGITS_BYTES``; the probabilities and the logits in the compute dtype come with
@@ -74,7 +75,8 @@ def generation_batch_size(
         ValueError: The weights and one row do not fit in the device's memory.
     """
     context = config.block_size if context is None else context
-    kv = 2 * config.n_layer * context * config.n_embd * dtype_bytes
+    width = config.n_kv_head * config.head_size  # the cache holds the grouped key/value heads, not n_head of them
+    kv = 2 * config.n_layer * context * width * dtype_bytes
     decode = config.padded_vocab_size * (dtype_bytes + 8) + _HIDDEN_COPIES * config.n_embd * dtype_bytes
     per_row = kv + decode
     prefill_rows = most_rows if most_rows is not None else PREFILL_LOGITS_BYTES  # unknown: as many as a prefill takes
@@ -97,7 +99,7 @@ def generation_batch_size(
     capped = "" if rows == fit else f", of {int(fit)} that fit"
     reason = (
         f"{rows} rows{capped}: each row's KV cache takes {kv / 2**20:.1f} MiB ({context} positions x {config.n_layer} "
-        f"layers x {config.n_embd} x 2 x {dtype_bytes} bytes) of {facts.total_memory / GiB:.1f} GiB on "
+        f"layers x {width} x 2 x {dtype_bytes} bytes) of {facts.total_memory / GiB:.1f} GiB on "
         f"{facts.name}, after the weights ({weight_bytes / GiB:.2f} GiB), a prefill and a margin of {margin / GiB:.1f} GiB"
     )
     return GenerationMemory(rows, per_row, kv, fixed - margin, reason)
