@@ -378,7 +378,8 @@ CASES = [
          "Fix its permissions or encoding"),
     Case("corpus-too-short", lambda c: c.data(source=c.folder("s", {"a.txt": b"short text " * 20}), block_size=256,
                                               vocab_size=260).setup("fit"),  # a vocabulary this text fills
-         ValueError, "use a larger corpus, a smaller data.block_size"),
+         ValueError, r"use a larger corpus or a smaller data.block_size\. \(data.val_fraction=0.05 of the text went to each of "
+                     r"validation and test: a smaller one leaves training more\)"),
     Case("tokenizer-missing", lambda c: c.data(tokenizer=str(c.tmp / "tok.json")), ValueError, "give the path of a tokenizer.json"),
     Case("tokenizer-is-a-folder", lambda c: c.data(tokenizer=str(c.folder("run", {"tokenizer.json": b"{}"}))), ValueError,
          r"is a folder: give the path of a tokenizer.json file \(it holds one: '.*run/tokenizer.json'\)"),

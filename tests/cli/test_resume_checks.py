@@ -198,7 +198,7 @@ def test_init_from_says_which_architecture_it_takes_from_the_checkpoint(tmp_path
     path = tmp_path / "llama.ckpt"
     gpt = GPT(GPTConfig.from_name("llama-tiny", vocab_size=300, block_size=32))
     hparams = {**{k: p.default for k, p in inspect.signature(GPTModule.__init__).parameters.items() if k != "self"},
-               "preset": "llama-tiny", "vocab_size": 300, "block_size": 32, "betas": (0.9, 0.95)}
+               "preset": "llama-tiny", "n_layer": 2, "vocab_size": 300, "block_size": 32, "betas": (0.9, 0.95)}
     torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 3, "hyper_parameters": hparams,
                 "state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}}, path)
     with caplog.at_level(logging.INFO):
@@ -206,4 +206,4 @@ def test_init_from_says_which_architecture_it_takes_from_the_checkpoint(tmp_path
     assert cli.model.config.arch == "llama"
     assert (f"model.init_from: the GPT starts from the weights of {path} (step 3 of its run); the optimizer and the "
             "learning-rate schedule start fresh; from the checkpoint's architecture: model.preset='llama-tiny' (configured "
-            "'tiny').") in caplog.text
+            "'tiny').") in caplog.text  # n_layer=2 is the checkpoint's too, but unset here: nothing it replaces
