@@ -529,6 +529,8 @@ CASES = [
     Case("doctor-steps-zero", lambda c: main(["doctor", "--steps", "0"]), SystemExit, r"--steps must be at least 1, got 0"),
     Case("doctor-json-folder-missing", lambda c: main(["doctor", "--json", str(c.tmp / "none" / "out.json")]), SystemExit,
          r"--json .*out.json: the folder .*none does not exist; create it or pick another path"),
+    Case("doctor-json-under-a-file", lambda c: main(["doctor", "--json", str(c.yaml("x: 1\n")) + "/out.json"]), SystemExit,
+         r"--json .*/out.json: the folder .* is a file, not a folder; pick another path"),
     Case("doctor-json-not-writable", lambda c: main(["doctor", "--json", str(c.tmp)]), SystemExit,
          r"--json='.*' is a folder, not a file: the checks are written there at the end\. Give a file in a folder you can "
          r"write, --json PATH"),
