@@ -263,7 +263,7 @@ class MFUMonitor(Callback):
                 rank_zero_info(
                     f"MFUMonitor: {type(pl_module).__name__} is compiled, so the step counted at each new sequence length "
                     "runs eagerly and its numbers differ from a compiled step's in the last bits; define "
-                    "`flops_per_token(seq_len)` on it or pass MFUMonitor(flops_per_token=...) to keep every step compiled."
+                    f"`flops_per_token(seq_len)` on it or set {option('MFUMonitor', 'flops_per_token')} to keep every step compiled."
                 )
             self._counting = seq_len
             self._counter.start()

@@ -124,7 +124,7 @@ def device_checks(facts: DeviceFacts) -> list[Check]:
         checks.append(Check("peak_flops", "pass", f"{facts.peaks.name}: dense TFLOP/s {peaks} ({facts.peaks.source})"))
     elif facts.is_cuda:
         checks.append(Check("peak_flops", "info", f"no datasheet peak for {facts.name}, so MFU is not reported",
-                            "pass MFUMonitor(peak_flops=...) with its dense bf16 FLOP/s"))
+                            f"set {option('MFUMonitor', 'peak_flops')} to its dense bf16 FLOP/s"))
     else:
         checks.append(Check("peak_flops", "info", f"no datasheet peak for a {facts.type} device: MFU is not reported here"))
     versions = {name: _version(name) for name in ("torch", "lightning", "torchao")}
