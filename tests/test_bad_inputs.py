@@ -84,6 +84,21 @@ class _NoBatchSizeModule(GPTModule):
         return torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=4)
 
 
+class _CallOnlyData(pl.LightningDataModule):
+    """Takes the micro-batch by use_micro_batch(), but keeps it under another name than `batch_size`."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 4
+
+    def use_micro_batch(self, size):
+        self.rows = size
+
+    def train_dataloader(self):
+        tokens = torch.zeros(8, 17, dtype=torch.long)
+        return torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=self.rows)
+
+
 class _StreamOfBatchesModule(_NoBatchSizeModule):
     """Has a `batch_size`, but its IterableDataset yields whole batches (DataLoader(batch_size=None))."""
 
@@ -456,6 +471,8 @@ CASES = [
          ValueError, r"Set AutoBatchSize\(max_micro_batch_size=\.\.\.\)"),
     Case("auto-batch-no-batch-size", lambda c: c.fit(_NoBatchSizeModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=4)]),
          ValueError, r"AutoBatchSize\(batch_size_attr=\.\.\.\)"),
+    Case("auto-batch-call-without-batch-size", lambda c: c.fit(_NoBatchSizeModule(), _CallOnlyData(), callbacks=[AutoBatchSize(max_micro_batch_size=4)]),
+         ValueError, r"_CallOnlyData has use_micro_batch\(\) but no `batch_size`, the micro-batch it uses now, .*set self.batch_size"),
     Case("auto-batch-loader-ignores-size",
          lambda c: c.fit(_IgnoresBatchSizeModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=2)]),
          ValueError, r"The training DataLoader ignores `batch_size`: build it inside train_dataloader\(\) from self\.batch_size"),
