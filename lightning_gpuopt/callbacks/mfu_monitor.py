@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -16,8 +15,8 @@ from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts, training_device
 from lightning_gpuopt.perf.flops import StepFlopCounter, model_flops_per_token
-from lightning_gpuopt.perf.mfu import (MFU_DTYPES, TokenTally, WindowTotals, input_ids_of, mfu_peaks, real_tokens_of,
-                                       summarise_windows, window_metrics)
+from lightning_gpuopt.perf.mfu import (MFU_DTYPES, TokenTally, WindowTotals, input_ids_of, mfu_peaks, padding_unreadable,
+                                       real_tokens_of, summarise_windows, window_metrics)
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number, option
 from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
@@ -342,7 +341,10 @@ class MFUMonitor(Callback):
         """The batch's tokens that are not padding (a device count, not read), said once; ``None`` without a mask."""
         found = real_tokens_of(batch)
         if found is None:
-            self._say_mask_shape(batch)
+            unreadable = None if self._said_mask_shape else padding_unreadable(batch)
+            if unreadable:
+                self._said_mask_shape = True
+                rank_zero_warn(f"MFUMonitor: {unreadable} {option('MFUMonitor', 'tokens_fn')} counts the real tokens.")
             return None
         count, key = found
         if not self._padding_seen:
@@ -353,23 +355,6 @@ class MFUMonitor(Callback):
             )
         self._padding_seen = True
         return count
-
-    def _say_mask_shape(self, batch: Any) -> None:
-        """Say once that a batch's ``attention_mask`` or ``labels`` has another shape than its input ids (a 3-D or 4-D
-        mask, shifted labels): its padding cannot be told apart, so every position counts as a token."""
-        if self._said_mask_shape or not isinstance(batch, Mapping):
-            return
-        ids = input_ids_of(batch)
-        for key in ("attention_mask", "labels"):
-            value = batch.get(key)
-            if ids is not None and isinstance(value, torch.Tensor) and value.shape != ids.shape:
-                self._said_mask_shape = True
-                rank_zero_warn(
-                    f"MFUMonitor: the batch's {key} has shape {tuple(value.shape)}, not that of its input ids "
-                    f"{tuple(ids.shape)}, so which positions are padding cannot be read from it: tokens/s and MFU count "
-                    f"every position, padding included. {option('MFUMonitor', 'tokens_fn')} counts the real tokens."
-                )
-                return
 
     def _start_window(self) -> None:
         _synchronize(self._device)

@@ -281,15 +281,12 @@ def _check_devices(devices: Any, devices_per_node: Any, headroom: float) -> int:
 
 def _memory_of(facts: DeviceFacts) -> float:
     if facts.total_memory is None:
-        if from_command_line():  # the fix as the gpuopt command takes it
-            raise ValueError(
-                f"trainer.strategy=gpuopt-auto plans for a GPU, and this machine has none ({facts.describe()}): name the GPU to "
-                "plan for, --auto_strategy.device 'H100 SXM' (or --auto_strategy.device_memory_gb 80), with "
-                "--auto_strategy.print_plan true to see the plan without training; or name a strategy, --trainer.strategy auto."
-            )
-        raise ValueError(
-            f"choose_strategy cannot read a GPU's memory on {facts.describe()} (no CUDA): pass device_memory= (bytes) "
-            "or device= (e.g. perf.device.REFERENCE_DEVICES['H100 SXM'])."
+        raise ValueError(  # the fix as the user gives it: the gpuopt command's options, or the function's arguments
+            f"trainer.strategy=gpuopt-auto plans for a GPU, and this machine has none ({facts.describe()}): name the GPU to "
+            "plan for, --auto_strategy.device 'H100 SXM' (or --auto_strategy.device_memory_gb 80), with "
+            "--auto_strategy.print_plan true to see the plan without training; or name a strategy, --trainer.strategy auto."
+            if from_command_line() else f"choose_strategy cannot read a GPU's memory on {facts.describe()} (no CUDA): pass "
+            "device_memory= (bytes) or device= (e.g. perf.device.REFERENCE_DEVICES['H100 SXM'])."
         )
     return float(facts.total_memory)
 
