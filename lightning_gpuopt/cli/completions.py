@@ -121,14 +121,19 @@ class CompletionWriter:
         try:
             if self.scorer is not None:
                 line["score"] = score_of(self.scorer, self.scorer_spec, record, text)
-        finally:  # a completion the scorer fails on finished too: written, without a score, before the error stops the run
-            self._write(0, line)
-            self.done += 1
-            self.tokens += len(finished.tokens)
-            self.reasons[finished.reason] += 1
+        except ValueError:  # the scorer failed on a completion that finished: written, without a score, before the error
+            self._count(finished, line)
+            raise
+        self._count(finished, line)
         if self.scorer is not None and line["score"] >= self.keep_min_score:
             self.kept += 1
             self._write(1, {k: v for k, v in line.items() if k not in ("tokens", "finish")})
+
+    def _count(self, finished: Finished, line: dict) -> None:
+        self._write(0, line)
+        self.done += 1
+        self.tokens += len(finished.tokens)
+        self.reasons[finished.reason] += 1
 
     def _write(self, which: int, line: dict) -> None:
         f = self._files[which]
