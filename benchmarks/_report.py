@@ -18,7 +18,7 @@ from typing import Any, Optional
 from benchmarks._configs import AUTO_BF16, BASELINE, CONFIGS, FP8_AUTO, FP8_CONFIGS, FP8_FIXED, TORCH_LOOP
 from benchmarks._timing import step_stats
 
-__all__ = ["check_targets", "device_slug", "markdown", "plot", "summarise", "write_json", "write_text"]
+__all__ = ["check_out_folder", "check_targets", "device_slug", "markdown", "plot", "summarise", "write_json", "write_text"]
 
 BF16_FIXED = "gpuopt-bf16-compile"
 
@@ -135,6 +135,14 @@ def check_targets(summary: dict[str, dict[str, Any]], preset: str) -> list[dict[
             _ratio(summary, FP8_FIXED, BF16_FIXED), lambda v: v >= 1.15)
     add(f"{TORCH_LOOP} at most 3% faster than {AUTO_BF16}", _ratio(summary, TORCH_LOOP, AUTO_BF16), lambda v: v <= 1.03)
     return targets
+
+
+def check_out_folder(path: Path) -> None:
+    """Raise ``ValueError``, naming ``--out``, unless the folder ``path`` can be written (or made): before any
+    measurement, so a read-only or mistyped ``--out`` loses no work."""
+    from lightning_gpuopt.cli.config_checks import check_writable
+
+    check_writable("--out", path, fix="give --out a folder you can write")
 
 
 def write_text(path: Path, text: str) -> None:

@@ -49,7 +49,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from benchmarks._report import device_slug, write_text
+from benchmarks._report import check_out_folder, device_slug, write_text
 from lightning_gpuopt.model import GPT, GPTConfig, KVCache
 from lightning_gpuopt.model.batched_generation import Request, generate_batched
 from lightning_gpuopt.model.generation import generate, sample_next
@@ -242,6 +242,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     model, rows, bias = _workload(args, device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    out = Path(args.out) if args.out else Path("benchmark-results") / device_slug(device_name)
+    check_out_folder(out)  # before the runs, not at the write after them
 
     def run(name: str) -> tuple[float, list[list[int]]]:
         return run_config(name, model, rows, args.new_tokens, args.batch_size, args.temperature, args.top_k, dtype)
@@ -274,7 +276,6 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
               "rows": len(rows), "prompts": args.prompts, "samples": args.samples, "prompt_len": [args.min_len, args.max_len],
               "new_tokens": args.new_tokens, "answer_len": args.answer_len, "eot_bias": bias, "temperature": args.temperature,
               "top_k": args.top_k, "repeats": args.repeats, "results": results}
-    out = Path(args.out) if args.out else Path("benchmark-results") / device_slug(device_name)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "generation.json", json.dumps(report, indent=2) + "\n")
     table = _table(results)

@@ -25,6 +25,7 @@ _STARTED = time.monotonic()  # before the heavy imports: the budget counts the c
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
+import difflib  # noqa: E402
 import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -54,7 +55,7 @@ from benchmarks._headline_plan import (  # noqa: E402
     plan,
 )
 from benchmarks._headline_report import headline_rows, junit_summary, markdown, plot  # noqa: E402
-from benchmarks._report import device_slug, write_json, write_text  # noqa: E402
+from benchmarks._report import check_out_folder, device_slug, write_json, write_text  # noqa: E402
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES, DeviceFacts, cuda_device_count, read_device  # noqa: E402
 
 __all__ = ["OptionError", "main", "parse_args", "run_child"]
@@ -109,8 +110,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def _check_args(args: argparse.Namespace) -> Optional[set[str]]:
     """Refuse bad options before any work; return the parts asked for (``None``: all)."""
-    if not args.time_budget > 0:
-        raise OptionError(f"--time-budget must be a positive number of seconds, got {args.time_budget:g}.")
+    if not 0 < args.time_budget < float("inf"):  # a budget is what ends the command: inf would never
+        raise OptionError(f"--time-budget must be a positive, finite number of seconds, got {args.time_budget:g}.")
     if args.device is not None and not args.plan:
         raise OptionError(f"--device {args.device} picks the estimates of --plan; a run measures the device it finds: "
                          "add --plan, or leave --device out.")
@@ -126,8 +127,14 @@ def _check_args(args: argparse.Namespace) -> Optional[set[str]]:
         return None
     wanted = {n.strip() for n in args.parts.split(",") if n.strip()}
     unknown = sorted(wanted - {p.name for p in PARTS})
-    if unknown or not wanted:
-        raise OptionError(f"--parts has unknown names {unknown}: choose from {','.join(p.name for p in PARTS[1:])}.")
+    names = [p.name for p in PARTS[1:]]
+    if not wanted:
+        raise OptionError(f"--parts names no part: choose from {','.join(names)}.")
+    if unknown:
+        close = {u: difflib.get_close_matches(u.lower(), names, n=1, cutoff=0.6) for u in unknown}
+        hints = "; ".join(f"for {u!r} did you mean {c[0]!r}?" for u, c in close.items() if c)
+        raise OptionError(f"--parts has unknown names {unknown}{' (' + hints + ')' if hints else ''}: choose from "
+                          f"{','.join(names)}.")
     return wanted
 
 
@@ -214,7 +221,7 @@ def run_child(cmd: list[str], limit_s: float, env: dict[str, str], grace_s: floa
     began, cpu = time.monotonic(), _children_cpu_s()
     with tempfile.TemporaryFile("w+", errors="replace") as sink:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         stopped = False
         try:
             proc.wait(timeout=max(limit_s, 0.0))
@@ -235,6 +242,17 @@ def run_child(cmd: list[str], limit_s: float, env: dict[str, str], grace_s: floa
         output = sink.read()
     return ChildRun(None if stopped else proc.returncode, time.monotonic() - began, stopped, output,
                     _children_cpu_s() - cpu)
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs: a SIGKILL when this command dies (Linux's ``PR_SET_PDEATHSIG``), so a
+    ``kill -9`` of the command, which runs no ``finally``, does not leave its part running in its own session."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: the part outlives a kill -9 as before
+        pass
 
 
 def _children_cpu_s() -> float:
@@ -402,6 +420,12 @@ def main(argv: Optional[list[str]] = None, started: Optional[float] = None) -> i
     args = parse_args(argv)
     wanted = _check_args(args)
     facts = _facts_for(args)
+    out = (Path(args.out) if args.out else Path("benchmark-results") / device_slug(facts.name)).resolve()
+    if not args.plan:
+        try:
+            check_out_folder(out)  # before the plan: a folder that cannot be written would lose every part's results
+        except ValueError as err:
+            raise OptionError(str(err)) from None
     family, note = estimate_family(facts, args.tiny)
     estimates = ESTIMATES[family]
     measured = "from runs on a 2-core CPU" if MEASURED[family] else "estimates, not yet measured on this GPU"
@@ -416,7 +440,6 @@ def main(argv: Optional[list[str]] = None, started: Optional[float] = None) -> i
     if args.plan:
         return 0
 
-    out = (Path(args.out) if args.out else Path("benchmark-results") / device_slug(facts.name)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for name in FILES:  # a stale file of an earlier run must not pass for this one's
         (out / name).unlink(missing_ok=True)

@@ -30,7 +30,7 @@ from typing import Any, Optional, get_args
 import torch
 
 from benchmarks._configs import AUTO_BF16, CONFIGS, TORCH_LOOP, BenchSettings, skip_reason
-from benchmarks._report import check_targets, device_slug, markdown, plot, summarise, write_json, write_text
+from benchmarks._report import check_out_folder, check_targets, device_slug, markdown, plot, summarise, write_json, write_text
 from benchmarks._runners import make_data, run_config
 from lightning_gpuopt.model import PRESETS, GPTModule
 from lightning_gpuopt.model.module import CompileMode
@@ -196,6 +196,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = _environment(device, argv)
     out = Path(args.out) if args.out else Path("benchmark-results") / device_slug(env["device"])
     stem = f"throughput-{settings.preset}-T{settings.block_size}" + (f"-{args.tag}" if args.tag else "")
+    check_out_folder(out)  # before the data and the runs, not at the first write after them
     if not args.no_plot:  # fail now, not after the runs, if the chart cannot be drawn
         try:
             import matplotlib  # noqa: F401

@@ -84,6 +84,21 @@ class _NoBatchSizeModule(GPTModule):
         return torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=4)
 
 
+class _CallOnlyData(pl.LightningDataModule):
+    """Takes the micro-batch by use_micro_batch(), but keeps it under another name than `batch_size`."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 4
+
+    def use_micro_batch(self, size):
+        self.rows = size
+
+    def train_dataloader(self):
+        tokens = torch.zeros(8, 17, dtype=torch.long)
+        return torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=self.rows)
+
+
 class _StreamOfBatchesModule(_NoBatchSizeModule):
     """Has a `batch_size`, but its IterableDataset yields whole batches (DataLoader(batch_size=None))."""
 
@@ -380,7 +395,8 @@ CASES = [
          "Fix its permissions or encoding"),
     Case("corpus-too-short", lambda c: c.data(source=c.folder("s", {"a.txt": b"short text " * 20}), block_size=256,
                                               vocab_size=260).setup("fit"),  # a vocabulary this text fills
-         ValueError, "use a larger corpus, a smaller data.block_size"),
+         ValueError, r"use a larger corpus or a smaller data.block_size\. \(data.val_fraction=0.05 of the text went to each of "
+                     r"validation and test: a smaller one leaves training more\)"),
     Case("tokenizer-missing", lambda c: c.data(tokenizer=str(c.tmp / "tok.json")), ValueError, "give the path of a tokenizer.json"),
     Case("tokenizer-is-a-folder", lambda c: c.data(tokenizer=str(c.folder("run", {"tokenizer.json": b"{}"}))), ValueError,
          r"is a folder: give the path of a tokenizer.json file \(it holds one: '.*run/tokenizer.json'\)"),
@@ -459,6 +475,8 @@ CASES = [
          ValueError, r"Set AutoBatchSize\(max_micro_batch_size=\.\.\.\)"),
     Case("auto-batch-no-batch-size", lambda c: c.fit(_NoBatchSizeModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=4)]),
          ValueError, r"AutoBatchSize\(batch_size_attr=\.\.\.\)"),
+    Case("auto-batch-call-without-batch-size", lambda c: c.fit(_NoBatchSizeModule(), _CallOnlyData(), callbacks=[AutoBatchSize(max_micro_batch_size=4)]),
+         ValueError, r"_CallOnlyData has use_micro_batch\(\) but no `batch_size`, the micro-batch it uses now, .*set self.batch_size"),
     Case("auto-batch-loader-ignores-size",
          lambda c: c.fit(_IgnoresBatchSizeModule(), None, callbacks=[AutoBatchSize(max_micro_batch_size=2)]),
          ValueError, r"The training DataLoader ignores `batch_size`: build it inside train_dataloader\(\) from self\.batch_size"),
@@ -532,6 +550,8 @@ CASES = [
     Case("doctor-steps-zero", lambda c: main(["doctor", "--steps", "0"]), SystemExit, r"--steps must be at least 1, got 0"),
     Case("doctor-json-folder-missing", lambda c: main(["doctor", "--json", str(c.tmp / "none" / "out.json")]), SystemExit,
          r"--json .*out.json: the folder .*none does not exist; create it or pick another path"),
+    Case("doctor-json-under-a-file", lambda c: main(["doctor", "--json", str(c.yaml("x: 1\n")) + "/out.json"]), SystemExit,
+         r"--json .*/out.json: the folder .* is a file, not a folder; pick another path"),
     Case("doctor-json-not-writable", lambda c: main(["doctor", "--json", str(c.tmp)]), SystemExit,
          r"--json='.*' is a folder, not a file: the checks are written there at the end\. Give a file in a folder you can "
          r"write, --json PATH"),
@@ -544,6 +564,9 @@ CASES = [
          lambda c: main(["fit", "--model", "tests._module_shapes.NanoGPTModule", "--trainer.strategy", "gpuopt-auto",
                          "--auto_strategy.device_memory_gb", "80", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(c.tmp)]),
          SystemExit, r"needs the micro-batch size .*the module trains on its own loaders: give the data module an int batch_size, or name the strategy"),
+    Case("auto-strategy-no-gpu", lambda c: _cli_before_data(c, ["--trainer.strategy", "gpuopt-auto"]),
+         SystemExit, r"trainer.strategy=gpuopt-auto plans for a GPU, and this machine has none \(cpu\): name the GPU to plan for, "
+                     r"--auto_strategy.device 'H100 SXM' .*or name a strategy, --trainer.strategy auto\.\n"),
     Case("resume-architecture-change", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c), "--model.n_layer", "3"]),
          SystemExit, r"model.n_layer=3 but the checkpoint has n_layer=2\. Drop those options"),
     Case("resume-block-size-change", lambda c: _cli_before_data(c, ["--ckpt_path", _lightning_ckpt(c), "--data.block_size", "16"]),
@@ -588,6 +611,15 @@ CASES = [
          SystemExit, r"trainer.callbacks: lightning_gpuopt.callbacks.MFUMonitr does not exist .*did you mean lightning_gpuopt.callbacks.MFUMonitor\?"),
     Case("callback-name-typo", lambda c: main(["fit", "--trainer.max_steps", "1", "--trainer.callbacks+=MFUMonitr"]),
          SystemExit, r"trainer.callbacks: no class named 'MFUMonitr': did you mean MFUMonitor \(lightning_gpuopt"),
+    Case("callback-option-typo", lambda c: main(["fit", "--trainer.callbacks+=MFUMonitor", "--trainer.callbacks.log_every_n_stepz", "3"]),
+         SystemExit, r"trainer.callbacks: MFUMonitor takes no option 'log_every_n_stepz': did you mean 'log_every_n_steps'\? \(a "
+                     r"--trainer.callbacks.log_every_n_stepz flag sets an option of the last class in trainer.callbacks, here MFUMonitor"),
+    Case("callback-option-typo-in-config",
+         lambda c: main(["fit", "--config", c.yaml("trainer:\n  callbacks:\n    - class_path: lightning_gpuopt.callbacks.NonFiniteGuard\n"
+                                                   "      init_args: {patience: 3}\n")]),
+         SystemExit, r"gpuopt: error: trainer.callbacks: NonFiniteGuard takes no option 'patience': it takes policy, "
+                     r"max_consecutive_skips, check_gradients, mode\. \(fix init_args of NonFiniteGuard in trainer.callbacks in the "
+                     r"--config file\.\)\n\(gpuopt fit --help"),
     Case("flat-option-before-own-class",
          lambda c: main(["fit", "--config", c.yaml("model: {preset: tiny}\n"), "--model.class_path", "lightning_gpuopt.GPTModul"]),
          SystemExit, r"model.preset is an option of gpuopt's GPTModule, given flat before any model class, .*under init_args, "

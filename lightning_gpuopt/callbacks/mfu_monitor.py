@@ -15,8 +15,8 @@ from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts, training_device
 from lightning_gpuopt.perf.flops import StepFlopCounter, model_flops_per_token
-from lightning_gpuopt.perf.mfu import (MFU_DTYPES, TokenTally, WindowTotals, input_ids_of, mfu_peaks, real_tokens_of,
-                                       summarise_windows, window_metrics)
+from lightning_gpuopt.perf.mfu import (MFU_DTYPES, TokenTally, WindowTotals, input_ids_of, mfu_peaks, padding_unreadable,
+                                       real_tokens_of, summarise_windows, window_metrics)
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number, option
 from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
@@ -42,7 +42,7 @@ class MFUMonitor(Callback):
     """Logs throughput, TFLOP/s per device, MFU and memory every few optimizer steps, and a report after ``fit``.
 
     Tokens are counted from the batch's integer input ids (padding left out where an ``attention_mask``
-    or ``labels`` mark it); FLOPs per token are given, asked from the module, or counted over the first
+    or ``labels`` of the ids' shape mark it; another shape is warned about once); FLOPs per token are given, asked from the module, or counted over the first
     real step at each sequence length. MFU is against the device's dense bf16 datasheet peak. The device
     is synchronised only at the end of a window. Logs ``perf/*`` and ``mem/*`` keys, shows ``tok/s`` and
     ``mfu`` in the progress bar; every key and how each is measured: ``docs/callbacks.md``.
@@ -128,6 +128,7 @@ class MFUMonitor(Callback):
         self._last_batch_end: Optional[float] = None
         self._tally, self._wait = TokenTally(), 0.0  # the current window's tokens and FLOPs, its data-loader wait
         self._padding_seen = False  # a batch said which positions are padding (real_tokens_of)
+        self._said_mask_shape = False  # a batch's mask could not say it (another shape than input_ids'), said once
         self._said_compiled = False
         self._paused = 0.0  # seconds of the current window spent in validation or checkpoint saves
         self._pause_start: Optional[float] = None
@@ -221,7 +222,7 @@ class MFUMonitor(Callback):
                 rank_zero_info(
                     f"MFUMonitor: {type(pl_module).__name__} is compiled, so the step counted at each new sequence length "
                     "runs eagerly and its numbers differ from a compiled step's in the last bits; define "
-                    "`flops_per_token(seq_len)` on it or pass MFUMonitor(flops_per_token=...) to keep every step compiled."
+                    f"`flops_per_token(seq_len)` on it or set {option('MFUMonitor', 'flops_per_token')} to keep every step compiled."
                 )
             self._counting = seq_len
             self._counter.start()
@@ -300,6 +301,10 @@ class MFUMonitor(Callback):
         """The batch's tokens that are not padding (a device count, not read), said once; ``None`` without a mask."""
         found = real_tokens_of(batch)
         if found is None:
+            unreadable = None if self._said_mask_shape else padding_unreadable(batch)
+            if unreadable:
+                self._said_mask_shape = True
+                rank_zero_warn(f"MFUMonitor: {unreadable} {option('MFUMonitor', 'tokens_fn')} counts the real tokens.")
             return None
         count, key = found
         if not self._padding_seen:

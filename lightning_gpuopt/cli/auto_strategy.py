@@ -9,13 +9,15 @@ import difflib
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt.cli.defaults import precision_for_estimate
+from lightning_gpuopt.data.sources import resolve_source
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES, cuda_device_count
 from lightning_gpuopt.perf.units import GB
 from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy
 
-__all__ = ["add_auto_strategy_arguments", "auto_strategy", "check_auto_strategy_options"]
+__all__ = ["add_auto_strategy_arguments", "auto_strategy", "check_auto_strategy_options", "plan_without_missing_data"]
 
 _GPUS = sorted(name for name in REFERENCE_DEVICES if name != "cpu")
 
@@ -36,6 +38,21 @@ def add_auto_strategy_arguments(parser: LightningArgumentParser) -> None:
         help="fit: print what trainer.strategy=gpuopt-auto picks (DDP, FSDP2, FSDP2 + tensor parallel) with its "
              "memory estimate per GPU, and stop before any data or model is prepared.",
     )
+
+
+def plan_without_missing_data(config: Any) -> None:
+    """With ``--auto_strategy.print_plan``, a ``data.source`` that is not on this machine (a recipe's WikiText-103 on a
+    laptop) is replaced by ``stdlib``, said once: the plan reads ``data.batch_size`` and ``data.block_size``, no text."""
+    data = config.get("data")
+    source = data.get("source") if data is not None and (config.get("auto_strategy") or {}).get("print_plan") else None
+    if not isinstance(source, str):
+        return
+    try:
+        resolve_source(source)
+    except ValueError:
+        data.source = "stdlib"
+        rank_zero_info(f"--auto_strategy.print_plan: data.source={source!r} is not on this machine; the plan reads no "
+                       "text (only data.batch_size and data.block_size), so it is made without it.")
 
 
 def check_auto_strategy_options(config: Any, error: Callable[[str], Any]) -> None:

@@ -103,15 +103,22 @@ class CompletionWriter:
                 text = text[: text.index(stop)]
         line: dict[str, Any] = {**record, "index": p, "sample": s, "completion": text, "tokens": finished.tokens,
                                 "finish": finished.reason}
-        if self.scorer is not None:
-            line["score"] = score_of(self.scorer, self.scorer_spec, record, text)
+        try:
+            if self.scorer is not None:
+                line["score"] = score_of(self.scorer, self.scorer_spec, record, text)
+        except ValueError:  # the scorer failed on a completion that finished: written, without a score, before the error
+            self._count(finished, line)
+            raise
+        self._count(finished, line)
+        if self.scorer is not None and line["score"] >= self.keep_min_score:
+            self.kept += 1
+            self._write(1, {k: v for k, v in line.items() if k not in ("tokens", "finish")})
+
+    def _count(self, finished: Finished, line: dict) -> None:
         self._write(0, line)
         self.done += 1
         self.tokens += len(finished.tokens)
         self.reasons[finished.reason] += 1
-        if self.scorer is not None and line["score"] >= self.keep_min_score:
-            self.kept += 1
-            self._write(1, {k: v for k, v in line.items() if k not in ("tokens", "finish")})
 
     def _write(self, which: int, line: dict) -> None:
         f = self._files[which]
@@ -139,7 +146,8 @@ class CompletionWriter:
         ends = ", ".join(f"{n} {_REASONS[r]}" for r, n in sorted(self.reasons.items()))
         rate = f"{self.tokens / seconds:,.0f} tokens/s" if seconds > 0 else "no time"
         head = f"{self.done} completions" if self.done == total else f"{self.done} of {total} completions"
-        line = f"{head} ({self.tokens:,} tokens{': ' + ends if ends else ''}) in {seconds:.1f} s, {rate}; written to {self.output}"
-        if self.scorer is not None:
+        where = f"written to {self.output}" if self.done else "nothing written"
+        line = f"{head} ({self.tokens:,} tokens{': ' + ends if ends else ''}) in {seconds:.1f} s, {rate}; {where}"
+        if self.scorer is not None and self.done:
             line += f"; kept {self.kept} with score >= {self.keep_min_score:g} in {self.kept_output}"
         return line

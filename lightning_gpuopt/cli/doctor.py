@@ -114,7 +114,7 @@ def device_checks(facts: DeviceFacts) -> list[Check]:
         checks.append(Check("peak_flops", "pass", f"{facts.peaks.name}: dense TFLOP/s {peaks} ({facts.peaks.source})"))
     elif facts.is_cuda:
         checks.append(Check("peak_flops", "info", f"no datasheet peak for {facts.name}, so MFU is not reported",
-                            "pass MFUMonitor(peak_flops=...) with its dense bf16 FLOP/s"))
+                            f"set {option('MFUMonitor', 'peak_flops')} to its dense bf16 FLOP/s"))
     else:
         checks.append(Check("peak_flops", "info", f"no datasheet peak for a {facts.type} device: MFU is not reported here"))
     versions = {name: _version(name) for name in ("torch", "lightning", "torchao")}
@@ -433,7 +433,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}.")
     if args.json is not None and not args.json.parent.is_dir():  # before the work, not after it
-        parser.error(f"--json {args.json}: the folder {args.json.parent} does not exist; create it or pick another path.")
+        what = ("is a file, not a folder; pick another path" if args.json.parent.exists()
+                else "does not exist; create it or pick another path")
+        parser.error(f"--json {args.json}: the folder {args.json.parent} {what}.")
     if args.json is not None:  # a folder, a read-only one, or one of another user: also before the work
         try:
             check_writable("--json", args.json, is_file=True, fix="the checks are written there at the end. Give a file "

@@ -53,6 +53,10 @@ _OPTION_BEFORE_CLASS = re.compile(
 _UNKNOWN_INIT_ARG = re.compile(
     r'Parser key "(model|data)":.*?Problem with given class_path \'([^\']+)\':\s*Option \'([^\']+)\' is not accepted', re.S
 )
+_UNKNOWN_LIST_INIT_ARG = re.compile(  # an option a class in trainer.callbacks / trainer.plugins does not take
+    r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Problem with given class_path \'([^\']+)\':\s*Option \'([^\']+)\' is not accepted',
+    re.S,
+)
 _NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*module \'([^\']+)\' has no attribute \'([^\']+)\'', re.S)
 T = TypeVar("T")
 
@@ -87,6 +91,9 @@ def explain_parser_error(message: str) -> str:
     unknown_init_arg = _UNKNOWN_INIT_ARG.search(message)
     if unknown_init_arg:
         return _unknown_init_arg(*unknown_init_arg.groups())
+    unknown_list_arg = _UNKNOWN_LIST_INIT_ARG.search(message)
+    if unknown_list_arg:
+        return _unknown_list_init_arg(*unknown_list_arg.groups(), flag="NestedArg(" in message)
     no_class = _NO_CLASS.search(message)
     if no_class:
         return _unknown_class(*no_class.groups())
@@ -156,6 +163,23 @@ def _unknown_init_arg(group: str, class_path: str, key: str) -> str:
     hint = (f"did you mean {close[0]!r} (--{group}.{close[0]})?" if close
             else f"it takes {', '.join(names)}." if names else "see its __init__ for the options it takes.")
     return f"{group}.{key}: {class_path} takes no option {key!r}: {hint}"
+
+
+def _unknown_list_init_arg(group: str, class_path: str, key: str, flag: bool) -> str:
+    """An option a class in ``trainer.callbacks`` or ``trainer.plugins`` does not take: the closest it takes, and where
+    a flag puts an option (on the list's last class)."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        init = inspect.signature(getattr(importlib.import_module(module_name), name).__init__).parameters.values()
+        names = [p.name for p in init if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except Exception:  # the parser imported it a moment ago; say what is known
+        names = None
+    close = difflib.get_close_matches(key, names or [], n=1, cutoff=0.6)
+    hint = (f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(names)}." if names
+            else "it takes no options." if names == [] else "see its __init__.")
+    where = (f"a --{group}.{key} flag sets an option of the last class in {group}, here {name}: give it right after the "
+             f"--{group}+=CLASS it belongs to" if flag else f"fix init_args of {name} in {group} in the --config file")
+    return f"{group}: {name} takes no option {key!r}: {hint} ({where}.)"
 
 
 def _init_args(cls: type) -> list[str]:

@@ -109,7 +109,8 @@ def generate_from_file(
         writer.add(done)
         bar.finished()
 
-    job = GenerationJob(requests, finished, options.get("batch_size"), data.eot_id, stop_ids, on_step=bar.step)
+    job = GenerationJob(requests, finished, options.get("batch_size"), data.eot_id, stop_ids, on_step=bar.step,
+                        stop_strings=stops, decode=data.decode)
     if trainer.progress_bar_callback is not None:
         trainer.progress_bar_callback.disable()  # it counts batches, and the job is one
     try:

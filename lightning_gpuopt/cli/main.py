@@ -21,7 +21,12 @@ from typing_extensions import override
 
 from lightning_gpuopt.callbacks import ExactResume, SigtermCheckpoint
 from lightning_gpuopt.callbacks.progress_bar import default_progress_bar
-from lightning_gpuopt.cli.auto_strategy import add_auto_strategy_arguments, auto_strategy, check_auto_strategy_options
+from lightning_gpuopt.cli.auto_strategy import (
+    add_auto_strategy_arguments,
+    auto_strategy,
+    check_auto_strategy_options,
+    plan_without_missing_data,
+)
 from lightning_gpuopt.cli.defaults import (
     check_run_length,
     default_stack,
@@ -228,8 +233,10 @@ class GPTCLI(LightningCLI):
         init = getattr(self, "init_settings", None)
         if init is not None:  # weights alone: the architecture checked like a resume's, the run's tokenizer taken
             init.check_model(self.model)
+            taken = "".join(f", model.{k}={old!r} (configured {new!r})" for k, (old, new) in init.kept.items())
             rank_zero_info(f"model.init_from: the GPT starts from the weights of {init.path} (step {init.global_step} of its "
-                           "run); the optimizer and the learning-rate schedule start fresh.")
+                           "run); the optimizer and the learning-rate schedule start fresh"
+                           + (f"; from the checkpoint's architecture: {taken[2:]}." if taken else "."))
             if self.reads_text:
                 self.datamodule.use_checkpoint_tokenizer(init.data_state)
         if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
@@ -246,6 +253,8 @@ class GPTCLI(LightningCLI):
                 self.parser.error(problem)
         generate = config.get("generate", {})
         check_auto_strategy_options(config, self.parser.error)
+        if self.subcommand == "fit" and self.reads_text:
+            plan_without_missing_data(config)  # --auto_strategy.print_plan reads no text
         if self.subcommand == "predict":
             self.save_config_callback = None  # predict writes its samples, not a log folder with the config
         if self.subcommand != "predict" and generate.get("prompts_file"):

@@ -258,6 +258,7 @@ def merge_init_weights(
     if refused:
         raise ValueError(_refusal(path, refused, "--model.init_from"))
     settings = CheckpointSettings(path, subcommand, saved, global_step=checkpoint.get("global_step"), option="--model.init_from")
+    settings.kept = {k: (saved[k], v) for k in ARCHITECTURE if k in saved and (v := _norm(model_config.get(k))) not in (None, saved[k])}
     merged = {"model": {**{k: saved[k] for k in ARCHITECTURE if k in saved}, "init_from": path}}
     if data_class is not None and group.get("data") is not None:  # the data's sizes, unless asked: the model's link to them
         settings.data_state = checkpoint.get(data_class.__qualname__)

@@ -261,10 +261,19 @@ class TextDataModule(pl.LightningDataModule):
                 else:
                     self.datasets[split] = SequentialWindows(*args, answers=answers)
             except ValueError as err:
-                raise ValueError(f"The {split} split of {self._corpus.description} is too short: {err}") from err
+                raise ValueError(f"The {split} split of {self._corpus.description} is too short: {err}{self._split_hint(split)}") from err
         if stage == "fit":
             check_train_batches(len(self.datasets["train"]), self.batch_size, data_parallel_size(self.trainer),
                                 self.block_size, self._corpus.description)
+
+    def _split_hint(self, split: str) -> str:
+        """What ``val_fraction`` does for a split too short (nothing for a corpus with splits of its own)."""
+        if len(self._corpus.splits) > 1:
+            return ""
+        if split == "train":
+            return (f" (data.val_fraction={self.val_fraction} of the text went to each of validation and test: a smaller "
+                    "one leaves training more)")
+        return f" (it is data.val_fraction={self.val_fraction} of the text: a larger one gives it more)"
 
     # ------------------------------------------------------------------------------ dataloaders
     def _loader(self, split: str, train: bool) -> DataLoader:

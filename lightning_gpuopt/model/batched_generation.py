@@ -42,7 +42,8 @@ class Finished:
     """A finished row."""
 
     key: Any  # the request's key
-    tokens: list[int] = field(default_factory=list)  # new token ids, without the end-of-text or stop sequence
+    tokens: list[int] = field(default_factory=list)  # new token ids, without the end-of-text or stop sequence (a stop
+    # string found in the text keeps the token it ends in: cut the decoded text at it)
     reason: str = "length"  # "eot", "stop" (a stop sequence) or "length" (max_new_tokens)
 
 
@@ -64,11 +65,14 @@ class GenerationJob:
         eot_id: The end-of-text token id (``None``: rows end only at a stop sequence or their length).
         stop_sequences: Token-id sequences that end a row.
         on_step: Called after each forward with the tokens it sampled.
+        stop_strings: Text that ends a row wherever the tokens put it (with ``decode``).
+        decode: Token ids to text, for ``stop_strings``.
     """
 
     def __init__(
         self, requests: Sequence[Request], on_finished: Callable[[Finished], None], batch_size: Optional[int] = None,
         eot_id: Optional[int] = None, stop_sequences: Sequence[Sequence[int]] = (), on_step: Optional[Callable[[int], None]] = None,
+        stop_strings: Sequence[str] = (), decode: Optional[Callable[[list[int]], str]] = None,
     ) -> None:
         self.requests = list(requests)
         self.on_finished = on_finished
@@ -76,6 +80,8 @@ class GenerationJob:
         self.eot_id = eot_id
         self.stop_sequences = [list(s) for s in stop_sequences]
         self.on_step = on_step
+        self.stop_strings = list(stop_strings)
+        self.decode = decode
 
 
 def fit_to_context(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -148,12 +154,28 @@ def _left_padded(prompts: Sequence[Sequence[int]], device: torch.device) -> tupl
 class _Stops:
     """Whether a row ends after a new token: end-of-text, a stop sequence, or its length."""
 
-    def __init__(self, eot_id: Optional[int], stop_sequences: Sequence[Sequence[int]]) -> None:
+    def __init__(self, eot_id: Optional[int], stop_sequences: Sequence[Sequence[int]], stop_strings: Sequence[str] = (),
+                 decode: Optional[Callable[[list[int]], str]] = None) -> None:
         for s in stop_sequences:
             if len(s) == 0:
                 raise ValueError("A stop sequence has no tokens: give each stop sequence some text (or leave it out).")
+        if any(stop_strings) and decode is None:
+            raise ValueError("stop_strings are matched on the decoded text: pass decode (token ids -> text) too.")
         self.eot_id = eot_id
         self.sequences = [list(s) for s in stop_sequences]
+        self.strings = [s for s in stop_strings if s]
+        self.decode = decode
+        # A stop string of n bytes that ends in the newest token lies within the last n tokens (each has a byte).
+        self.window = max((len(s.encode()) for s in self.strings), default=0)
+        self._chars = set("".join(self.strings)) | {"\ufffd"}  # a token holding a part of a character may too
+        self._touches: dict[int, bool] = {}  # token id -> whether its text holds a character of a stop string
+
+    def _in_text(self, tokens: list[int]) -> bool:
+        """Whether a stop string ends in the text of the newest token (decoded only if that token could end one)."""
+        token = tokens[-1]
+        if token not in self._touches:
+            self._touches[token] = not self._chars.isdisjoint(self.decode([token]))
+        return self._touches[token] and any(s in self.decode(tokens[-self.window :]) for s in self.strings)
 
     def add(self, row: _Row, token: int) -> Optional[str]:
         """Append ``token`` to ``row``; the reason it ends, or ``None``."""
@@ -164,6 +186,8 @@ class _Stops:
             if row.tokens[-len(s) :] == s:
                 del row.tokens[-len(s) :]
                 return "stop"
+        if self.strings and self._in_text(row.tokens):
+            return "stop"
         return "length" if len(row.tokens) >= row.request.max_new_tokens else None
 
 
@@ -179,6 +203,8 @@ def generate_batched(
     generator: Optional[torch.Generator] = None,
     use_cache: Optional[bool] = None,
     on_step: Optional[Callable[[int], None]] = None,
+    stop_strings: Sequence[str] = (),
+    decode: Optional[Callable[[list[int]], str]] = None,
 ) -> Iterator[Finished]:
     """Generate every request, ``batch_size`` rows at a time, yielding each row as it finishes (not in request order).
 
@@ -199,12 +225,19 @@ def generate_batched(
         generator: Random generator of the samples (one for the whole batch).
         use_cache: Use a KV cache (``None``: when the model takes one).
         on_step: Called after each forward with the number of tokens it sampled (for a progress bar).
+        stop_strings: Text that ends a row when the decoded new tokens hold it: a stop inside a longer token, or
+            split over two, which ``stop_sequences`` (token ids) miss. The row keeps the token the text ends in.
+        decode: Token ids to text (needed with ``stop_strings``).
+
+    Raises:
+        ValueError: A bad argument, an empty prompt, or a prompt whose ``max_new_tokens`` do not fit in the
+            model's context (checked as each request is read, before it is generated).
     """
     check_int("generate_batched", "batch_size", batch_size, minimum=1)
     check_number("generate_batched", "temperature", temperature, low=0, hint=" (0 is greedy)")
     check_int("generate_batched", "top_k", top_k, minimum=1, optional=True, hint=" (None: no limit)")
     caller = _Caller(model, use_cache)
-    stops = _Stops(eot_id, stop_sequences)
+    stops = _Stops(eot_id, stop_sequences, stop_strings, decode)
 
     def sample(logits: Tensor) -> tuple[Tensor, list[int]]:
         """(B, 1) token ids on the device, and the same ids on the host (the one wait per step)."""

@@ -46,8 +46,9 @@ def read_checkpoint(
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(
-            f"Checkpoint {str(path)!r} is a directory (a sharded distributed checkpoint?): give a single .ckpt "
-            "file, or consolidate the shards first (torch.distributed.checkpoint.format_utils.dcp_to_torch_save)."
+            f"Checkpoint {str(path)!r} is a directory (a sharded distributed checkpoint, as FSDP2 saves?): give a single "
+            f".ckpt file, or consolidate the shards with their hyper-parameters first, `python -m "
+            f"lightning.fabric.utilities.consolidate_checkpoint {path}`, and give {str(path) + '.consolidated'!r}."
         )
     if not path.is_file():
         raise CheckpointError(f"Checkpoint {str(path)!r} does not exist: check the path (e.g. .../checkpoints/last.ckpt).")

@@ -1,7 +1,7 @@
 """How many rows a generation batch can hold on a device: the KV cache and activations against its memory.
 
 From :class:`~lightning_gpuopt.perf.device.DeviceFacts`, so a CPU test computes the batch an H100 would
-get; a CPU has no device memory to size from and gets :data:`CPU_ROWS`. The arithmetic: ``docs/generation.md``."""
+get (the KV cache holds the grouped key/value heads: ``n_kv_head`` wide); a CPU has no device memory to size from and gets :data:`CPU_ROWS`. The arithmetic: ``docs/generation.md``."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def generation_batch_size(
         most_rows: Rows there are to generate: the batch is never larger.
     """
     context = config.block_size if context is None else context
-    kv = 2 * config.n_layer * context * config.n_embd * dtype_bytes  # keys and values of every layer
+    width = config.n_kv_head * config.head_size  # the cache holds the grouped key/value heads, not n_head of them
+    kv = 2 * config.n_layer * context * width * dtype_bytes
     # the decode step's transient tensors: the row's logits in the compute dtype and in float32 for sampling, and a
     # few hidden-sized ones
     decode = config.padded_vocab_size * (dtype_bytes + 8) + _HIDDEN_COPIES * config.n_embd * dtype_bytes
@@ -74,7 +75,7 @@ def generation_batch_size(
     capped = "" if rows == fit else f", of {int(fit)} that fit"
     reason = (
         f"{rows} rows{capped}: each row's KV cache takes {kv / 2**20:.1f} MiB ({context} positions x {config.n_layer} "
-        f"layers x {config.n_embd} x 2 x {dtype_bytes} bytes) of {facts.total_memory / GiB:.1f} GiB on "
+        f"layers x {width} x 2 x {dtype_bytes} bytes) of {facts.total_memory / GiB:.1f} GiB on "
         f"{facts.name}, after the weights ({weight_bytes / GiB:.2f} GiB), a prefill and a margin of {margin / GiB:.1f} GiB"
     )
     return GenerationMemory(rows, per_row, kv, fixed - margin, reason)

@@ -26,7 +26,7 @@ from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
 from lightning_gpuopt.model.sharding import shard_gpt
 from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel, parallelize_gpt
-from lightning_gpuopt.option_checks import check_choice, check_int, check_number
+from lightning_gpuopt.option_checks import check_choice, check_int, check_number, from_command_line
 
 __all__ = ["GPTModule"]
 
@@ -310,10 +310,10 @@ class GPTModule(pl.LightningModule):
             memory = generation_batch_size(self.config, facts, weights, dtype_bytes,
                                            context=self.config.block_size, most_rows=len(job.requests))
             rows = memory.rows
-            rank_zero_info(f"Generation batch: {memory.reason}. (GenerationJob.batch_size, --generate.batch_size in gpuopt, sets another.)")
+            rank_zero_info(f"Generation batch: {memory.reason}. ({'--generate.batch_size' if from_command_line() else 'GenerationJob(batch_size=...)'} sets another.)")
         counts = {"completions": 0, "tokens": 0}
-        for done in generate_batched(self.model, job.requests, rows, hp.temperature, hp.top_k, job.eot_id,
-                                     job.stop_sequences, on_step=job.on_step):
+        for done in generate_batched(self.model, job.requests, rows, hp.temperature, hp.top_k, job.eot_id, job.stop_sequences,
+                                     on_step=job.on_step, stop_strings=job.stop_strings, decode=job.decode):
             job.on_finished(done)
             counts["completions"] += 1
             counts["tokens"] += len(done.tokens)

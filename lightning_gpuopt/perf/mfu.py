@@ -25,6 +25,7 @@ __all__ = [
     "input_ids_of",
     "memory_stats",
     "mfu_peaks",
+    "padding_unreadable",
     "real_tokens_of",
     "summarise_windows",
     "window_metrics",
@@ -57,6 +58,18 @@ def real_tokens_of(batch: Any) -> Optional[tuple[Tensor, str]]:
         value = batch.get(key)
         if isinstance(value, Tensor) and value.shape == input_ids.shape:
             return (value != padding).sum(), key
+    return None
+
+
+def padding_unreadable(batch: Any) -> Optional[str]:
+    """Why :func:`real_tokens_of` cannot tell a mapping batch's padding (its ``attention_mask`` or ``labels`` has another
+    shape than the input ids: a 3-D or 4-D mask, shifted labels), or ``None``."""
+    ids = input_ids_of(batch) if isinstance(batch, Mapping) else None
+    for key in ("attention_mask", "labels"):
+        value = batch.get(key) if ids is not None else None
+        if isinstance(value, Tensor) and value.shape != ids.shape:
+            return (f"the batch's {key} has shape {tuple(value.shape)}, not that of its input ids {tuple(ids.shape)}, so which "
+                    "positions are padding cannot be read from it: tokens/s and MFU count every position, padding included.")
     return None
 
 

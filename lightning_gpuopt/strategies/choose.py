@@ -20,6 +20,7 @@ from lightning_gpuopt.perf.activations import measure_activation_bytes, measure_
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
 from lightning_gpuopt.option_checks import check_int, check_number
 from lightning_gpuopt.perf.units import GB
+from lightning_gpuopt.option_checks import from_command_line
 from lightning_gpuopt.checkpoint.model_parallel import AtomicModelParallelStrategy
 
 __all__ = [
@@ -208,9 +209,12 @@ def _check_devices(devices: Any, devices_per_node: Any, headroom: float) -> int:
 
 def _memory_of(facts: DeviceFacts) -> float:
     if facts.total_memory is None:
-        raise ValueError(
-            f"choose_strategy cannot read a GPU's memory on {facts.describe()} (no CUDA): pass device_memory= (bytes) "
-            "or device= (e.g. perf.device.REFERENCE_DEVICES['H100 SXM']), or --auto_strategy.device_memory_gb in the gpuopt CLI."
+        raise ValueError(  # the fix as the user gives it: the gpuopt command's options, or the function's arguments
+            f"trainer.strategy=gpuopt-auto plans for a GPU, and this machine has none ({facts.describe()}): name the GPU to "
+            "plan for, --auto_strategy.device 'H100 SXM' (or --auto_strategy.device_memory_gb 80), with "
+            "--auto_strategy.print_plan true to see the plan without training; or name a strategy, --trainer.strategy auto."
+            if from_command_line() else f"choose_strategy cannot read a GPU's memory on {facts.describe()} (no CUDA): pass "
+            "device_memory= (bytes) or device= (e.g. perf.device.REFERENCE_DEVICES['H100 SXM'])."
         )
     return float(facts.total_memory)
 

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from benchmarks.generation import CONFIGS, _arguments, _workload, main, run_config
@@ -19,6 +20,16 @@ def test_generation_benchmark_reports_every_configuration(tmp_path):
     assert rows["sequential"]["speedup"] == 1.0 and rows["continuous"]["batch"] == 4 and rows["sequential"]["batch"] == 1
     assert json.loads((tmp_path / "generation.json").read_text())["results"] == report["results"]
     assert "| `continuous` | 4 |" in (tmp_path / "generation.md").read_text()
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_runs(tmp_path, monkeypatch):
+    import benchmarks.generation as generation
+
+    monkeypatch.setattr(generation, "run_config", lambda *a, **k: pytest.fail("ran before --out was checked"))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"--out='.*a-file/out' cannot be written \(Not a directory"):
+        main(["--n-layer", "1", "--n-embd", "16", "--n-head", "1", "--vocab-size", "64", "--block-size", "16",
+              "--prompts", "2", "--max-len", "4", "--new-tokens", "4", "--repeats", "1", "--out", str(tmp_path / "a-file" / "out")])
 
 
 def test_configurations_answer_alike_and_answers_end_early():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -66,11 +67,21 @@ def test_the_gpu_test_list_names_every_file_with_a_gpu_test():
 def test_bad_options_are_refused_before_any_work(tmp_path):
     cases = [(["--device", "h100"], "add --plan"), (["--parts", "doctor,speed"], r"unknown names \['speed'\]"),
              (["--time-budget", "0"], "--time-budget must be a positive"), (["--plan"], "No CUDA GPU here"),
-             (["--tiny", "--micro-batch-size", "0"], "--micro-batch-size must be >= 1")]
+             (["--tiny", "--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
+             (["--plan", "--device", "h100", "--time-budget", "inf"], "positive, finite number"),
+             (["--parts", " , "], "--parts names no part"),
+             (["--parts", "throughput124m"], "for 'throughput124m' did you mean 'throughput-124m'")]
     for argv, message in cases:
         with pytest.raises(ValueError, match=message):
             headline.main([*argv, "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_plan(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(headline.OptionError, match=r"--out='.*a-file/out' cannot be written \(Not a directory"):
+        headline.main(["--tiny", "--out", str(tmp_path / "a-file" / "out")])
+    assert "Plan for" not in capsys.readouterr().out  # refused before anything, the plan included
 
 
 def test_a_part_past_its_limit_is_interrupted_then_killed_with_its_whole_group(tmp_path):
@@ -100,6 +111,33 @@ def test_a_part_past_its_limit_is_interrupted_then_killed_with_its_whole_group(t
         pytest.fail(f"grandchild {kid} still runs")
     ok = headline.run_child([sys.executable, "-c", "print(6 * 7)"], limit_s=30, env=env)
     assert (ok.returncode, ok.stopped, ok.output) == (0, False, "42\n")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_kill_9_of_the_command_takes_its_running_part_with_it(tmp_path):
+    """A part runs in a session of its own (so a stop reaches its whole group); a SIGKILL of the command, which runs
+    no finally, used to leave it running on, reparented to init."""
+    pid_file = tmp_path / "part.pid"
+    part = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(60)"
+    command = (f"import os, sys; sys.path.insert(0, {str(REPO)!r}); from benchmarks import headline; "
+               f"headline.run_child([sys.executable, '-c', {part!r}], limit_s=60, env=dict(os.environ))")
+    parent = subprocess.Popen([sys.executable, "-c", command])
+    for _ in range(300):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the part {pid} still ran after a kill -9 of the command")
 
 
 def test_headline_rows_compare_with_the_baseline_and_float8_with_its_bf16_twin():

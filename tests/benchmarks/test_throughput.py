@@ -186,6 +186,9 @@ def test_bad_settings_raise_before_any_work(tmp_path):
         BenchSettings(steps=0)
     with pytest.raises(ValueError, match="unknown names"):
         throughput.main(["--configs", "baseline,turbo", "--out", str(tmp_path)])
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"--out='.*a-file/out' cannot be written \(Not a directory"):
+        throughput.main(["--preset", "tiny", "--no-plot", "--out", str(tmp_path / "a-file" / "out")])  # before the data
 
 
 def test_step_stats_and_device_slug():

@@ -446,6 +446,21 @@ def test_padding_is_not_counted_as_tokens_and_the_padded_rate_is_beside(tmp_path
     assert f"{real / step_s:,.0f} tokens/s, {positions / step_s:,.0f} with padding" in monitor.summary["text"]
 
 
+def test_a_mask_of_another_shape_says_once_that_padding_is_counted(tmp_path):
+    """A 4-D attention mask (as a model's own collator may build) cannot say which input positions are padding: every
+    position counts, said once, where it was counted without a word."""
+    clock, step_s = FakeClock(), 0.5
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones(B, 1, T, T, dtype=torch.bool)}
+    monitor = MFUMonitor(log_every_n_steps=3, warmup_steps=1, peak_flops=1e9, clock=clock)
+    with pytest.warns(UserWarning, match=rf"attention_mask has shape \({B}, 1, {T}, {T}\), not that of its input ids \({B}, {T}\), "
+                      r"so which positions .* count every position, padding included\. MFUMonitor\(tokens_fn=\.\.\.\)") as said:
+        _trainer(tmp_path, [monitor], max_steps=4).fit(_MaskedLM(clock, step_s), loader([batch] * 4))
+    assert len([w for w in said if "has shape" in str(w.message)]) == 1
+    (metrics,) = monitor.history
+    assert metrics["perf/tokens_per_sec"] == pytest.approx(B * T / step_s) and "perf/tokens_per_sec_padded" not in metrics
+
+
 def test_a_resumed_run_keeps_the_counts_and_counts_no_length_again(tmp_path, caplog):
     """The FLOPs per token counted before a checkpoint come back with it: a resumed run counts a step at the same
     sequence lengths as the run that was not stopped (a compiled module's counted step runs eagerly)."""

@@ -123,6 +123,18 @@ def test_device_checks_read_the_datasheet_peaks_of_a_known_gpu():
     assert {c.name: c for c in device_checks(CPU)}["peak_flops"].status == "info"
 
 
+def test_an_unknown_gpus_peak_is_named_as_the_user_sets_it():
+    """gpuopt doctor is a command: the fix is MFUMonitor's init_args in trainer.callbacks; from Python, the argument."""
+    from lightning_gpuopt.option_checks import command_line_options
+    from lightning_gpuopt.perf.device import DeviceFacts
+
+    future = DeviceFacts("cuda", "NVIDIA Future GPU", (12, 0), None, None, 0)
+    with command_line_options():
+        fix = {c.name: c for c in device_checks(future)}["peak_flops"].fix
+    assert fix == "set init_args.peak_flops of MFUMonitor in trainer.callbacks to its dense bf16 FLOP/s"
+    assert {c.name: c for c in device_checks(future)}["peak_flops"].fix == "set MFUMonitor(peak_flops=...) to its dense bf16 FLOP/s"
+
+
 def test_float8_layers_of_the_124m_model_on_an_h100_and_on_a_v100():
     config = GPTConfig.from_name("124m")
     layers, device = float8_checks(H100, config)

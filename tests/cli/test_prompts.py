@@ -122,6 +122,25 @@ def test_writer_keeps_what_finished_when_the_run_stops(tmp_path):
     assert not list(tmp_path.glob("none.jsonl*"))  # nothing finished: nothing written
 
 
+def test_a_completion_the_scorer_fails_on_is_kept_without_a_score(tmp_path):
+    """A scorer that returns NaN (or raises) for one completion stops the run with its error; that completion finished,
+    so it is written too, without a score, and the summary never says a file was written when none was."""
+    def nan_for_long(record, completion):
+        return float("nan") if len(completion) > 2 else 1
+
+    writer = CompletionWriter([{"prompt": "p"}], lambda ids: "x" * len(ids), tmp_path / "g.jsonl", scorer=nan_for_long,
+                              scorer_spec="m:nan_for_long")
+    with pytest.raises(ValueError, match="returned nan"), writer:
+        writer.add(Finished((0, 0), [5], "eot"))
+        writer.add(Finished((0, 1), [5, 5, 5], "length"))
+    lines = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
+    assert [(r["sample"], r.get("score")) for r in lines] == [(0, 1.0), (1, None)]
+    assert [json.loads(line)["sample"] for line in kept_path(tmp_path / "g.jsonl").read_text().splitlines()] == [0]
+    assert writer.summary(4, 1.0).endswith(f"written to {tmp_path / 'g.jsonl'}; kept 1 with score >= 1 in {tmp_path / 'g.kept.jsonl'}")
+    nothing = CompletionWriter([{"prompt": "p"}], str, tmp_path / "none.jsonl", scorer=nan_for_long, scorer_spec="m:f")
+    assert nothing.summary(3, 1.0) == "0 of 3 completions (0 tokens) in 1.0 s, 0 tokens/s; nothing written"
+
+
 def test_progress_bar_counts_completions_tokens_and_time_left():
     now = [0.0]
     stream = io.StringIO()

@@ -187,3 +187,23 @@ def test_the_lightning_internals_used_are_there():
 
     assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)
     assert ModelCheckpoint(enable_version_counter=True)._enable_version_counter is True
+
+
+def test_init_from_says_which_architecture_it_takes_from_the_checkpoint(tmp_path, text_dir, cache_dir, caplog, monkeypatch):
+    """A config that sets the default preset (the quickstart's `preset: tiny`) and init_from a llama-tiny checkpoint trains
+    the checkpoint's architecture, as documented: said with the load, where the llama model trained without a word."""
+    from lightning_gpuopt.model import GPT, GPTConfig
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "llama.ckpt"
+    gpt = GPT(GPTConfig.from_name("llama-tiny", vocab_size=300, block_size=32))
+    hparams = {**{k: p.default for k, p in inspect.signature(GPTModule.__init__).parameters.items() if k != "self"},
+               "preset": "llama-tiny", "n_layer": 2, "vocab_size": 300, "block_size": 32, "betas": (0.9, 0.95)}
+    torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 3, "hyper_parameters": hparams,
+                "state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}}, path)
+    with caplog.at_level(logging.INFO):
+        cli = _cli(["fit", *_args(text_dir, tmp_path / "ckpt", "--trainer.max_steps", "2"), "--model.init_from", str(path)])
+    assert cli.model.config.arch == "llama"
+    assert (f"model.init_from: the GPT starts from the weights of {path} (step 3 of its run); the optimizer and the "
+            "learning-rate schedule start fresh; from the checkpoint's architecture: model.preset='llama-tiny' (configured "
+            "'tiny').") in caplog.text  # n_layer=2 is the checkpoint's too, but unset here: nothing it replaces

@@ -15,8 +15,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpuopt.cli.main import main
-from lightning_gpuopt.cli.run_folder import checkpoint_dirs, holds_run_folder, resolve_ckpt_path
+from lightning_gpuopt.cli.run_folder import LOCK_FILE, checkpoint_dirs, holds_run_folder, resolve_ckpt_path
 from lightning_gpuopt.model.checkpoint import read_checkpoint
+from tests._paths import REPO
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -215,3 +216,14 @@ def test_a_ddp_fit_holds_its_folder_once(tmp_path):
     assert proc.returncode == 0, err[-4000:]
     assert read_checkpoint(root / "checkpoints" / "last.ckpt")["global_step"] == 2
     assert (root / ".gpuopt-fit.lock").read_text().startswith(f"pid {proc.pid} on ")  # rank 0, the launching process
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git checkout")
+def test_the_lock_file_and_the_runs_folder_are_never_part_of_the_repository():
+    """A fit started in the checkout (the tests' own, or the README's quickstart) writes its lock file and runs/ there:
+    neither may be tracked, or every run leaves the checkout changed."""
+    tracked = subprocess.run(["git", "ls-files", "--", LOCK_FILE, "runs"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert tracked.stdout == ""
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", LOCK_FILE, "runs/quickstart/checkpoints/last.ckpt"], cwd=REPO,
+                             capture_output=True, text=True, check=True)
+    assert ignored.stdout.split() == [LOCK_FILE, "runs/quickstart/checkpoints/last.ckpt"]

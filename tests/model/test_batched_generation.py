@@ -110,6 +110,29 @@ def test_rows_end_at_end_of_text_or_a_stop_sequence_which_are_left_out(greedy_al
     assert out[long_ones[0].key].reason == "eot"
 
 
+def test_a_stop_string_inside_a_token_or_across_two_ends_the_row(greedy_alone):
+    """A stop string matched on the text: inside a longer token (as "\\n" in a "\\n    " token of a byte-level BPE) or
+    split over two tokens, which token ids never match; the row stops at the token the text ends in."""
+    model = _model()
+    requests = _requests()
+    text = {i: "abcdefghijklmnopqrstuvwxyz"[i % 26] * (1 + i % 3) for i in range(96)}  # tokens of 1 to 3 letters
+    decode = lambda ids: "".join(text[i] for i in ids)  # noqa: E731
+    long_ones = [r for r in requests if len(greedy_alone[r.key]) >= 3]
+    a, b = greedy_alone[long_ones[0].key][1:3]
+    across = text[a][-1] + text[b][0]  # the end of one token and the start of the next
+    inside = text[greedy_alone[long_ones[1].key][2]][:1]  # one letter of a longer token
+    stops = [across, inside]
+    out = {d.key: d for d in generate_batched(model, requests, 3, temperature=0, stop_strings=stops, decode=decode)}
+    for r in requests:
+        alone = greedy_alone[r.key]
+        end = next((k for k in range(1, len(alone) + 1) if any(s in decode(alone[:k]) for s in stops)), None)
+        expected = (alone, "length") if end is None else (alone[:end], "stop")
+        assert (out[r.key].tokens, out[r.key].reason) == expected, r.key
+    assert out[long_ones[0].key].reason == out[long_ones[1].key].reason == "stop"
+    with pytest.raises(ValueError, match="pass decode"):
+        next(generate_batched(model, requests, 3, stop_strings=["a"]))
+
+
 def test_finished_rows_are_refilled_so_the_batch_stays_full():
     """14 prompts of 2-9 tokens with 2-12 new tokens, batch of 4: every decode step runs 4 rows as long as a prompt
     waits (a finished row's place is refilled at once), and the batch shrinks only once the queue is empty."""

@@ -81,6 +81,27 @@ def test_broken_or_foreign_files_give_clear_errors(tmp_path, make, match):
     assert isinstance(CheckpointError("x"), ValueError)
 
 
+def test_a_sharded_checkpoint_folder_names_the_command_that_consolidates_it_and_that_command_works(tmp_path):
+    """A distributed checkpoint as Lightning's ModelParallelStrategy writes it (the shards, and meta.pt with the
+    hyper-parameters): the message's command makes a file load_gpt reads. torch's dcp_to_torch_save, which it named
+    before, drops meta.pt, and its file was "not a GPTModule checkpoint"."""
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    gpt = GPT(GPTConfig.from_name("tiny"))
+    folder = tmp_path / "last.ckpt"
+    dcp.save({"state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}}, checkpoint_id=folder, no_dist=True)
+    torch.save({"hyper_parameters": {"preset": "tiny"}, "global_step": 3}, folder / "meta.pt")
+    with pytest.raises(CheckpointError, match=r"is a directory .*`python -m lightning.fabric.utilities.consolidate_checkpoint") as info:
+        load_gpt(folder)
+    command = str(info.value).split("`")[1].split()
+    subprocess.run([sys.executable, *command[1:]], check=True, capture_output=True)
+    loaded = load_gpt(str(folder) + ".consolidated")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), gpt.state_dict().values()))
+
+
 def test_missing_weights_are_named(tmp_path):
     state = {f"model.{k}": v for k, v in GPT(GPTConfig.from_name("tiny")).state_dict().items()}
     del state["model.transformer.h.1.mlp.c_fc.weight"]

@@ -26,6 +26,15 @@ def test_h100_batch_is_the_most_rows_that_fit_with_the_margin():
     assert few.rows == 300 and f"300 rows, of {mem.rows} that fit" in few.reason
 
 
+def test_a_grouped_query_cache_holds_the_key_value_heads_only():
+    """Llama 3.1 8B's shape at 8,192 tokens: 8 key/value heads of 128, so 1 GiB of bf16 cache a row, not the 4 GiB
+    n_embd=4096 would give; about 53 rows on an H100 (13 before)."""
+    config = GPTConfig.from_name("llama-8b")
+    mem = generation_batch_size(config, REFERENCE_DEVICES["H100 SXM"], weight_bytes=8_030_000_000 * 2, dtype_bytes=2)
+    assert mem.kv_per_row == 2 * 32 * 8192 * (8 * 128) * 2 == GiB
+    assert 50 <= mem.rows <= 54 and "(8192 positions x 32 layers x 1024 x 2 x 2 bytes)" in mem.reason
+
+
 def test_a_cpu_gets_a_fixed_batch_and_says_so():
     config = GPTConfig.from_name("tiny", vocab_size=300, block_size=32)
     mem = generation_batch_size(config, REFERENCE_DEVICES["cpu"], weight_bytes=10**6, dtype_bytes=4)

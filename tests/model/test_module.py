@@ -212,7 +212,7 @@ def test_predict_step_runs_a_generation_job_of_mixed_lengths(caplog):
     with caplog.at_level("INFO"):
         out = _trainer().predict(module, dataloaders=DataLoader([job], batch_size=None, collate_fn=lambda j: j))
     assert out == [{"completions": 4, "tokens": 20}]
-    assert "Generation batch: 4 rows (cpu: no device memory to size the batch from)" in caplog.text
+    assert "Generation batch: 4 rows (cpu: no device memory to size the batch from). (GenerationJob(batch_size=...) sets another.)" in caplog.text
     for d in done:
         prompt = torch.tensor([list(range(1, d.key + 1))])
         assert d.tokens == module.model.generate(prompt, 5, temperature=0)[0, d.key:].tolist()

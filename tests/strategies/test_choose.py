@@ -242,7 +242,7 @@ def test_the_tensor_parallel_size_for_each_model_gpu_and_cluster(preset, overrid
     assert says in reason, reason
 
 
-def test_the_llama_8b_recipe_plans_tensor_parallel_on_a_cpu(text_dir, cache_dir, capsys, tmp_path, monkeypatch):
+def test_the_llama_8b_recipe_plans_tensor_parallel_on_a_cpu(cache_dir, capsys, caplog, tmp_path, monkeypatch):
     """`gpuopt fit --config examples/configs/llama-8b-tp.yaml --auto_strategy.print_plan true` on a machine without a
     GPU: the plan for 8 H100s and its memory per GPU, printed, and nothing prepared or trained."""
     from lightning_gpuopt.cli.main import main
@@ -251,10 +251,10 @@ def test_the_llama_8b_recipe_plans_tensor_parallel_on_a_cpu(text_dir, cache_dir,
     (tmp_path / "run").mkdir()
     monkeypatch.chdir(tmp_path / "run")
     recipe = str(REPO / "examples" / "configs" / "llama-8b-tp.yaml")
-    with pytest.raises(SystemExit) as stopped:
-        main(["fit", "--config", recipe, "--data.source", str(text_dir), "--auto_strategy.device", "H100 SXM",
-              "--auto_strategy.print_plan", "true"])
+    with pytest.raises(SystemExit) as stopped, caplog.at_level("INFO"):  # as the README says: no WikiText-103 here
+        main(["fit", "--config", recipe, "--auto_strategy.device", "H100 SXM", "--auto_strategy.print_plan", "true"])
     assert stopped.value.code == 0
+    assert "data.source='data/wikitext-103-raw' is not on this machine; the plan reads no text" in caplog.text
     out = capsys.readouterr().out
     assert out.startswith("trainer.strategy=gpuopt-auto: FSDP2 + tensor parallel 2 (ModelParallelStrategy, 4 data-parallel x "
                           "2 tensor-parallel)")

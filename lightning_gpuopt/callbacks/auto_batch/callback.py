@@ -151,6 +151,12 @@ def check_can_set_micro_batch(
     data = trainer.datamodule
     if isinstance(data, TakesMicroBatch):
         return
+    if callable(getattr(data, "use_micro_batch", None)):  # meant to take it by a call, but AutoBatchSize cannot read it
+        raise ValueError(
+            f"{type(data).__name__} has use_micro_batch() but no `batch_size`, the micro-batch it uses now, which "
+            "AutoBatchSize reads before its search (lightning_gpuopt.protocols.TakesMicroBatch has both): set "
+            "self.batch_size in __init__ and in use_micro_batch(), and build train_dataloader()'s loader from it."
+        )
     if not lightning_hasattr(pl_module, attr):
         raise ValueError(
             f"AutoBatchSize sets the micro-batch through a `{attr}` attribute of the datamodule or the module, and "

@@ -60,6 +60,26 @@ def test_missing_batch_size_attribute_is_named():
         trainer.fit(OOMAbove(), datamodule=NoBatchSize())
 
 
+def test_a_datamodule_with_use_micro_batch_but_no_batch_size_is_named():
+    """It means to take the micro-batch by a call; the attribute fallback would skip its use_micro_batch (or find no
+    batch_size at all and name batch_size_attr): the protocol's missing half is named instead."""
+    class CallOnly(TokenData):
+        def __init__(self):
+            super().__init__()
+            self.rows = self.batch_size
+            del self.batch_size
+
+        def use_micro_batch(self, size):
+            self.rows = size
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(self.dataset, batch_size=self.rows)
+
+    trainer = cpu_trainer([AutoBatchSize(max_micro_batch_size=8)])
+    with pytest.raises(ValueError, match=r"CallOnly has use_micro_batch\(\) but no `batch_size`, the micro-batch it uses now"):
+        trainer.fit(OOMAbove(), datamodule=CallOnly())
+
+
 def test_chooses_largest_divisor_that_fits_and_keeps_global_batch():
     search = AutoBatchSize(global_batch_size=48, max_micro_batch_size=32)
     recorder = StepRecorder()
