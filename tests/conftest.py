@@ -45,6 +45,19 @@ def _restore_global_state(monkeypatch):
     os.environ.update(saved[5])
 
 
+_REPO = Path(__file__).resolve().parents[1]
+_LEFT_IN_CHECKOUT = (".gpuopt-fit.lock", "lightning_logs", "checkpoints", "runs", "generations.jsonl")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_written_into_the_checkout():
+    """A test that runs a fit, a predict or a logger in the checkout's folder fails, naming what it left there."""
+    before = {name for name in _LEFT_IN_CHECKOUT if (_REPO / name).exists()}
+    yield
+    left = sorted(name for name in _LEFT_IN_CHECKOUT if (_REPO / name).exists() and name not in before)
+    assert not left, f"the test wrote {left} into the checkout: give it a tmp_path (default_root_dir, or monkeypatch.chdir)"
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch) -> Path:
     """A fresh token cache, also used by code that reads ``GPUOPT_CACHE_DIR``."""

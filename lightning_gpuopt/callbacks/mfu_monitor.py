@@ -308,10 +308,14 @@ class MFUMonitor(Callback):
             return None
         count, key = found
         if not self._padding_seen:
-            which = "its non-zero entries" if key == "attention_mask" else "the positions not -100"
+            which = "the positions it keeps" if key == "attention_mask" else "the positions not -100"
+            caveat = "" if key == "attention_mask" else (
+                " Positions a batch leaves out of the loss (a fine-tuning prompt) count as padding too: an "
+                f"attention_mask in the batch, or {option('MFUMonitor', 'tokens_fn')}, counts them."
+            )
             rank_zero_info(
                 f"MFUMonitor: tokens are counted from the batch's {key} ({which}), padding left out: perf/tokens_per_sec "
-                "and the MFU are those of the real tokens, perf/tokens_per_sec_padded the rate with padding."
+                f"and the MFU are those of the real tokens, perf/tokens_per_sec_padded the rate with padding.{caveat}"
             )
         self._padding_seen = True
         return count

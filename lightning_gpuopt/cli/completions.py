@@ -75,6 +75,7 @@ class CompletionWriter:
         self.output = Path(output).expanduser()
         self.kept_output = Path(kept_output).expanduser() if kept_output else kept_path(self.output)
         self.scorer, self.scorer_spec, self.keep_min_score = scorer, scorer_spec, keep_min_score
+        self.failure: Optional[ValueError] = None  # the scorer's first failure, raised by :meth:`check`
         self.stop_strings = [s for s in stop_strings if s]
         self.done = 0
         self.tokens = 0
@@ -106,13 +107,20 @@ class CompletionWriter:
         try:
             if self.scorer is not None:
                 line["score"] = score_of(self.scorer, self.scorer_spec, record, text)
-        except ValueError:  # the scorer failed on a completion that finished: written, without a score, before the error
+        except ValueError as error:  # written without a score; :meth:`check` raises it once this step's rows are written
+            self.failure = self.failure or error
             self._count(finished, line)
-            raise
+            return
         self._count(finished, line)
         if self.scorer is not None and line["score"] >= self.keep_min_score:
             self.kept += 1
             self._write(1, {k: v for k, v in line.items() if k not in ("tokens", "finish")})
+
+    def check(self) -> None:
+        """Raise the scorer's first failure, if any: called between decode steps and at the end, so every row that
+        finished in the step where the scorer failed is written first."""
+        if self.failure is not None:
+            raise self.failure
 
     def _count(self, finished: Finished, line: dict) -> None:
         self._write(0, line)

@@ -109,13 +109,18 @@ def generate_from_file(
         writer.add(done)
         bar.finished()
 
-    job = GenerationJob(requests, finished, options.get("batch_size"), data.eot_id, stop_ids, on_step=bar.step,
+    def step(tokens: int) -> None:
+        writer.check()  # a scorer that failed stops the run once the rows finished with that one are written
+        bar.step(tokens)
+
+    job = GenerationJob(requests, finished, options.get("batch_size"), data.eot_id, stop_ids, on_step=step,
                         stop_strings=stops, decode=data.decode)
     if trainer.progress_bar_callback is not None:
         trainer.progress_bar_callback.disable()  # it counts batches, and the job is one
     try:
         with writer:
             trainer.predict(model, dataloaders=DataLoader([job], batch_size=None, collate_fn=_as_is), **predict_kwargs)
+            writer.check()
     finally:
         bar.close()
         stopped = "" if writer.done == len(requests) else "stopped early: "

@@ -201,6 +201,7 @@ class GPTCLI(LightningCLI):
         # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
         # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built. A
         # module of your own is built as configured; its checkpoint is read here and compared once it is built.
+        self._check_trainer_config(self.config.get("subcommand"))  # before the run folder is held or a file read
         fit = self.config.get("fit") if self.config.get("subcommand") == "fit" else None
         if fit is not None and not (fit.get("auto_strategy") or {}).get("print_plan"):  # one writer per run folder
             hold_run_folder(fit.get("trainer"))  # until make_cli returns
@@ -242,15 +243,18 @@ class GPTCLI(LightningCLI):
         if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
             prepare_resumed_fit(self.trainer)
 
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
+    def _check_trainer_config(self, subcommand: Optional[str]) -> None:
+        config = self.config[subcommand] if subcommand else self.config
         check_trainer_options(config.get("trainer") or {})
-        check_run_folder_writable(self.subcommand, config.get("trainer") or {})
+        check_run_folder_writable(subcommand, config.get("trainer") or {})
         _drop_checkpoint_callbacks_if_disabled(config)
-        if self.subcommand == "fit":
+        if subcommand == "fit":
             problem = check_run_length(config.get("trainer", {}))
             if problem:
                 self.parser.error(problem)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
         generate = config.get("generate", {})
         check_auto_strategy_options(config, self.parser.error)
         if self.subcommand == "fit" and self.reads_text:

@@ -36,7 +36,7 @@ LOCK_FILE = ".gpuopt-fit.lock"  # the file in a run folder whose flock a running
 # with any of them above 0 is one a launch started, not the one that holds the run folder.
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK",
                    "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-_held: list[IO[str]] = []  # the lock file this process holds (one fit at a time)
+_held: list[Any] = []  # the lock file and checkpoint folders this process holds (one fit at a time): close() frees each
 
 _LAST = re.compile(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-(\d+))?$")
 _HPC = re.compile(r"^hpc_ckpt_(\d+)$")
@@ -215,9 +215,50 @@ def hold_run_folder(trainer_config: Any, env: Mapping[str, str] = os.environ) ->
     except ImportError:  # not on POSIX: said once
         rank_zero_info("gpuopt fit: no file locks on this platform, so a second fit on the same folder is not refused.")
         return
-    handle = _lock(Path(os.path.realpath(_get(trainer_config, "default_root_dir", os.getcwd()))))
-    if handle is not None:
-        _held.append(handle)
+    root = Path(os.path.realpath(_get(trainer_config, "default_root_dir", os.getcwd())))
+    held = [_lock(root)]
+    try:
+        for folder in checkpoint_dirs(trainer_config):  # a ModelCheckpoint dirpath outside the run folder
+            if not folder.is_relative_to(root) and "://" not in str(folder):
+                held.append(_lock_checkpoint_folder(folder))
+    except ValueError:
+        for lock in held:
+            if lock is not None:
+                lock.close()
+        raise
+    _held.extend(lock for lock in held if lock is not None)
+
+
+class _FolderLock:
+    """An exclusive ``flock`` on a folder itself: nothing is written into it (Lightning's ``ModelCheckpoint`` warns
+    about a checkpoint folder that is not empty)."""
+
+    def __init__(self, folder: Path) -> None:
+        import fcntl
+
+        self.fd = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _lock_checkpoint_folder(folder: Path) -> Optional[_FolderLock]:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return _FolderLock(folder)
+    except BlockingIOError:
+        raise ValueError(
+            f"the checkpoint folder {folder} (a ModelCheckpoint dirpath in trainer.callbacks) is in use by another gpuopt "
+            "fit: two runs in one folder write over each other's checkpoints. Wait for it to end (or stop it), or give "
+            "this run's ModelCheckpoint another dirpath."
+        ) from None
+    except OSError:  # a file, or a folder this process cannot write: the checks of the options name it, next
+        return None
 
 
 def release_run_folder() -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "MFU_DTYPES",
     "TokenTally",
     "WindowTotals",
+    "attended_count",
     "input_ids_of",
     "memory_stats",
     "mfu_peaks",
@@ -48,17 +49,30 @@ def input_ids_of(batch: Any) -> Optional[Tensor]:
 
 
 def real_tokens_of(batch: Any) -> Optional[tuple[Tensor, str]]:
-    """The tokens of a batch that are not padding, and the key they were read from: ``attention_mask`` (its non-zero
-    entries), else ``labels`` (those not ``-100``), of ``input_ids``' shape in a mapping; ``None`` otherwise.
+    """The tokens of a batch that are not padding, and the key they were read from: ``attention_mask``, else
+    ``labels`` (those not ``-100``), of ``input_ids``' shape in a mapping; ``None`` otherwise.
     The count is a 0-dim device tensor, not read (a host read would wait for the GPU at every micro-batch)."""
     input_ids = input_ids_of(batch)
     if input_ids is None or not isinstance(batch, Mapping):
         return None
-    for key, padding in (("attention_mask", 0), ("labels", -100)):
-        value = batch.get(key)
-        if isinstance(value, Tensor) and value.shape == input_ids.shape:
-            return (value != padding).sum(), key
+    mask = batch.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.shape == input_ids.shape:
+        return attended_count(mask), "attention_mask"
+    labels = batch.get("labels")
+    if isinstance(labels, Tensor) and labels.shape == input_ids.shape:
+        return (labels != -100).sum(), "labels"
     return None
+
+
+def attended_count(mask: Tensor) -> Tensor:
+    """The positions a 2-D ``attention_mask`` keeps, as a 0-dim device tensor: its non-zero entries (``1``/``True``
+    keep, as Hugging Face writes it), or, for a floating-point mask with a negative entry (an additive mask, ``0``
+    keeps and ``-inf`` or a large negative drops) or only zeros, its zero entries."""
+    if not mask.is_floating_point():
+        return (mask != 0).sum()
+    zeros = (mask == 0).sum()
+    additive = (mask < 0).any() | (zeros == mask.numel())
+    return torch.where(additive, zeros, mask.numel() - zeros)
 
 
 def padding_unreadable(batch: Any) -> Optional[str]:

@@ -123,8 +123,9 @@ def test_writer_keeps_what_finished_when_the_run_stops(tmp_path):
 
 
 def test_a_completion_the_scorer_fails_on_is_kept_without_a_score(tmp_path):
-    """A scorer that returns NaN (or raises) for one completion stops the run with its error; that completion finished,
-    so it is written too, without a score, and the summary never says a file was written when none was."""
+    """A scorer that returns NaN (or raises) for one completion stops the run with its error once the rows that
+    finished in the same step are written (scored where it can); the one it failed on is written without a score,
+    and the summary never says a file was written when none was."""
     def nan_for_long(record, completion):
         return float("nan") if len(completion) > 2 else 1
 
@@ -132,11 +133,15 @@ def test_a_completion_the_scorer_fails_on_is_kept_without_a_score(tmp_path):
                               scorer_spec="m:nan_for_long")
     with pytest.raises(ValueError, match="returned nan"), writer:
         writer.add(Finished((0, 0), [5], "eot"))
+        writer.check()
         writer.add(Finished((0, 1), [5, 5, 5], "length"))
+        writer.add(Finished((0, 2), [5, 5], "eot"))  # finished in the same step: written and scored
+        writer.add(Finished((0, 3), [5, 5, 5, 5], "length"))
+        writer.check()
     lines = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
-    assert [(r["sample"], r.get("score")) for r in lines] == [(0, 1.0), (1, None)]
-    assert [json.loads(line)["sample"] for line in kept_path(tmp_path / "g.jsonl").read_text().splitlines()] == [0]
-    assert writer.summary(4, 1.0).endswith(f"written to {tmp_path / 'g.jsonl'}; kept 1 with score >= 1 in {tmp_path / 'g.kept.jsonl'}")
+    assert [(r["sample"], r.get("score")) for r in lines] == [(0, 1.0), (1, None), (2, 1.0), (3, None)]
+    assert [json.loads(line)["sample"] for line in kept_path(tmp_path / "g.jsonl").read_text().splitlines()] == [0, 2]
+    assert writer.summary(5, 1.0).endswith(f"written to {tmp_path / 'g.jsonl'}; kept 2 with score >= 1 in {tmp_path / 'g.kept.jsonl'}")
     nothing = CompletionWriter([{"prompt": "p"}], str, tmp_path / "none.jsonl", scorer=nan_for_long, scorer_spec="m:f")
     assert nothing.summary(3, 1.0) == "0 of 3 completions (0 tokens) in 1.0 s, 0 tokens/s; nothing written"
 
@@ -194,6 +199,28 @@ def test_predict_mixed_lengths_greedy_as_alone_with_stops_scores_and_kept(traine
         assert r["score"] == float(len(r["completion"]) >= 3)
     kept = [json.loads(line) for line in (tmp_path / "g.kept.jsonl").read_text().splitlines()]
     assert [(k["index"], k["sample"]) for k in kept] == [(r["index"], r["sample"]) for r in lines if r["score"] == 1.0]
+
+
+def zero_unless_optimizer(record, completion):
+    if "optimizer" in record["prompt"]:
+        raise KeyError("answer")
+    return 0
+
+
+def test_a_scorer_failing_mid_run_keeps_every_completion_finished_in_that_step(tmp_path, text_dir, cache_dir, capsys):
+    """Rows that finish in one step are handed over one by one: the scorer's failure on one of them stops the run
+    after all of them are written (the failed one without a score), with the scorer's error and exit 2."""
+    (tmp_path / "p.txt").write_text("the model\nthe optimizer lowers\nstep by step on the\n")
+    with pytest.raises(SystemExit) as info, pytest.warns(UserWarning, match="samples an untrained"):
+        main(["predict", *_data_args(text_dir), "--model.max_new_tokens", "1", "--generate.prompts_file", str(tmp_path / "p.txt"),
+              "--generate.batch_size", "4", "--generate.output", str(tmp_path / "g.jsonl"),
+              "--generate.scorer", "tests.cli.test_prompts:zero_unless_optimizer", "--generate.keep_min_score", "0"])
+    assert info.value.code == 2
+    assert "generate.scorer='tests.cli.test_prompts:zero_unless_optimizer' raised KeyError" in capsys.readouterr().err
+    lines = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
+    assert [(r["index"], r.get("score")) for r in lines] == [(0, 0.0), (1, None), (2, 0.0)]  # one prefill: one step
+    assert [json.loads(line)["index"] for line in (tmp_path / "g.kept.jsonl").read_text().splitlines()] == [0, 2]
+    assert not list(tmp_path.glob("*.partial"))
 
 
 calls = {"n": 0}

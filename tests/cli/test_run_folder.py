@@ -199,6 +199,40 @@ def test_a_second_fit_on_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_l
     assert read_checkpoint(root / "checkpoints" / "last.ckpt")["global_step"] == 2
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
+def test_a_checkpoint_folder_outside_the_run_folder_has_one_writer_too(tmp_path):
+    """Two runs with their own roots and one ModelCheckpoint dirpath would write over each other's last.ckpt."""
+    from lightning_gpuopt.cli.run_folder import hold_run_folder, release_run_folder
+
+    shared = tmp_path / "ckpts"
+    def config(root):
+        return {"default_root_dir": str(tmp_path / root), "callbacks": [
+            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(shared)}}]}
+
+    hold_run_folder(config("a"), env={})
+    try:
+        with pytest.raises(ValueError, match=r"the checkpoint folder .*ckpts \(a ModelCheckpoint dirpath in "
+                                             r"trainer.callbacks\) is in use by another gpuopt fit.*another dirpath"):
+            hold_run_folder(config("b"), env={})  # a lock on another open file description: refused in one process too
+        assert os.listdir(shared) == []  # nothing written into the checkpoint folder
+        assert _lock_free(tmp_path / "b") and not _lock_free(tmp_path / "a")  # the refused run let go of its root only
+    finally:
+        release_run_folder()
+    hold_run_folder(config("b"), env={})  # free again
+    release_run_folder()
+
+
+def _lock_free(folder):
+    import fcntl
+
+    with open(folder / LOCK_FILE, "a+") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
 def test_a_ddp_fit_holds_its_folder_once(tmp_path):

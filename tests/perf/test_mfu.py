@@ -143,3 +143,22 @@ def test_real_tokens_read_the_mask_or_the_labels_without_reading_the_device():
     assert snapshot.read() == (6, 60.0, True) and snapshot.positions == 8
     tally.add(4, 4, None)  # FLOPs per token unknown for one micro-batch
     assert tally.read() == (18, 220.0, False)
+
+
+@pytest.mark.parametrize(
+    "mask, kept",
+    [
+        (torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]]), 6),  # Hugging Face's 1 = keep, left or right padding
+        (torch.tensor([[True, True, False, False], [True] * 4]), 6),
+        (torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0] * 4]), 7),  # the same as floats
+        (torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")], [0.0] * 4]), 6),  # additive: 0 keeps
+        (torch.tensor([[0.0, -1e9, -1e9, -1e9], [0.0, 0.0, 0.0, -1e4]]), 4),  # additive with a large negative
+        (torch.tensor([[0.0] * 4, [0.0] * 4], dtype=torch.bfloat16), 8),  # additive, nothing dropped
+        (torch.tensor([[1.0] * 4, [1.0] * 4], dtype=torch.float16), 8),
+    ],
+)
+def test_real_tokens_read_every_kind_of_attention_mask(mask, kept):
+    from lightning_gpuopt.perf.mfu import real_tokens_of
+
+    count, key = real_tokens_of({"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": mask})
+    assert key == "attention_mask" and count.dim() == 0 and int(count) == kept
