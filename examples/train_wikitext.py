@@ -96,7 +96,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--checkpoint_every", type=int, default=500, help="optimizer steps between saves of last.ckpt")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint_dir/last.ckpt")
     p.add_argument("--val_every", type=int, default=500, help="optimizer steps between validation runs")
-    p.add_argument("--num_workers", type=int, default=4, help="DataLoader workers")
+    p.add_argument("--num_workers", type=int, default=2, help="DataLoader workers (TextDataModule's default)")
     p.add_argument("--seed", type=int, default=1337, help="random seed")
     return p.parse_args(argv)
 

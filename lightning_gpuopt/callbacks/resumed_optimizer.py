@@ -72,6 +72,16 @@ def restored_settings(optimizer: Optimizer, scheduler: Any) -> dict[str, Any]:
     }
 
 
+def _length_change(restored: dict[str, Any], total: int, warmup: int) -> str:
+    """The schedule's new length in the run's terms (``decay_steps`` has no option of its own)."""
+    before = restored["warmup_steps"] + restored["decay_steps"]
+    if total <= warmup:
+        return (f"the run's length {before} -> {total} optimizer steps (warm-up now lasts the whole run: the learning "
+                "rate does not decay)")
+    return (f"the run's length {before} -> {total} optimizer steps (the cosine decays over the {total - warmup} after "
+            f"warm-up, was {restored['decay_steps']})")
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
@@ -128,8 +138,10 @@ class ResumedOptimizerSettings(Callback):
             trainer.optimizers[0], hp.learning_rate, hp.weight_decay, tuple(hp.betas), hp.warmup_steps,
             hp.min_lr_ratio, total, steps_done,
         )
-        names = {"decay_steps": "cosine decay steps (the run's steps after warm-up)"}  # no option of its own
-        changes = ", ".join(f"{names.get(k, k)} {old} -> {new}" for k, (old, new) in self.applied.items())
+        changes = ", ".join(
+            _length_change(restored, total, warmup) if k == "decay_steps" else f"{k} {old} -> {new}"
+            for k, (old, new) in self.applied.items()
+        )
         rank_zero_info(
             f"Resumed at step {steps_done} with settings other than the checkpoint's: {changes}. The learning rate "
             f"is now {trainer.optimizers[0].param_groups[0]['lr']:.4g} (the new schedule at step {steps_done})."

@@ -335,7 +335,9 @@ class _ShardingPlan:
         self.config, self.est, self.devices, self.per_node = config, est, devices, per_node
         self.micro_batch, self.block_size, self.precision, self.budget = micro_batch, block_size, precision, budget
         self.activations_given = activations_given
-        self.sizes = [t for t in _POWERS_OF_TWO if t <= per_node and per_node % t == 0 and self._splits(t)]
+        in_node = [t for t in _POWERS_OF_TWO if t <= per_node and per_node % t == 0]
+        self.sizes = [t for t in in_node if self._splits(t)]
+        self.unsplit = [t for t in in_node if t not in self.sizes]  # sizes the model's heads or vocabulary do not divide
 
     def _splits(self, tp: int) -> bool:
         try:
@@ -388,6 +390,8 @@ class _ShardingPlan:
         elif nodes > 1:
             lines.append(f"across {nodes} nodes; this GPU's peak FLOP/s is unknown, so the network is not weighed")
         if chosen is None:
+            if self.config.arch == "llama" and self.unsplit:
+                lines.append(self._unsplit_reason())
             state = self.est["model_state"] / self.devices
             if state > self.budget:
                 least = -(-self.est["model_state"] // self.budget)
@@ -398,6 +402,8 @@ class _ShardingPlan:
             return chosen, "; ".join(lines) + f"; it still does NOT fit: {fix}."
         if self.config.arch != "llama" and not fits[1]:
             lines.append("tensor parallelism splits the Llama-style GPT only (arch='llama')")
+        elif self.unsplit and chosen == self.sizes[-1] and not (fits[chosen] and scales[chosen]):
+            lines.append(self._unsplit_reason())
         if needed is not None and not scales[chosen]:
             lines.append("no tensor-parallel size within a node reaches that, so the smallest that fits is used")
         elif needed is not None and self.micro_batch * self.block_size < needed:
@@ -406,6 +412,14 @@ class _ShardingPlan:
                 "AutoBatchSize) to reach that"
             )
         return chosen, "; ".join(lines) + "."
+
+    def _unsplit_reason(self) -> str:
+        """Why the tensor-parallel sizes above the largest considered were left out (their shares would be uneven)."""
+        cfg, above = self.config, self.unsplit[0]
+        parts = {"n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "ffn_size": cfg.ffn_size,
+                 "padded_vocab_size": cfg.padded_vocab_size}
+        bad = ", ".join(f"{k}={v}" for k, v in parts.items() if v % above)
+        return f"tensor parallel {above} or more is not considered: it does not divide {bad}"
 
     def _describe(self, tp: int, fits: bool) -> str:
         what = f"sharded over {self.devices} devices it" if tp == 1 else f"with tensor parallel {tp} it"

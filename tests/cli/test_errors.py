@@ -40,7 +40,7 @@ def test_a_configuration_error_is_one_message_and_exit_2(tmp_path, text_dir, cac
 
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"weights": torch.ones(2)}, foreign)
-    out = _gpuopt(["fit", *_data(text_dir), "--ckpt_path", str(foreign)], tmp_path)
+    out = _gpuopt(["fit", *_data(text_dir), "--ckpt_path", str(foreign), "--trainer.max_steps", "3"], tmp_path)
     assert out.returncode == 2
     assert f"gpuopt: error: '{foreign}' is not a GPTModule checkpoint" in out.stderr
     assert "Traceback" not in out.stderr and "GPUOPT_TRACEBACK=1" in out.stderr
@@ -49,7 +49,7 @@ def test_a_configuration_error_is_one_message_and_exit_2(tmp_path, text_dir, cac
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GPUOPT_TRACEBACK", "1")
     with pytest.raises(CheckpointError, match="is not a GPTModule checkpoint"):
-        main(["fit", *_data(text_dir), "--ckpt_path", str(foreign)])
+        main(["fit", *_data(text_dir), "--ckpt_path", str(foreign), "--trainer.max_steps", "3"])
 
 
 def test_a_diverged_fit_exits_1(tmp_path, text_dir, cache_dir, capsys, monkeypatch):

@@ -71,6 +71,17 @@ def test_resume_applies_the_asked_learning_rate_and_writes_no_version_copies(six
     assert saved["hyper_parameters"]["learning_rate"] == 0.02 and saved["global_step"] == 8
 
 
+def test_a_resume_that_shortens_the_run_says_so_in_the_run_s_terms(six_steps, text_dir, caplog):
+    with caplog.at_level("INFO"):
+        cli = _cli(["fit", *_args(text_dir, six_steps, "--trainer.max_steps", "5"), "--model.warmup_steps", "5",
+                    "--ckpt_path", str(six_steps / "epoch=0-step=4.ckpt")])
+    resumed = [c for c in cli.trainer.callbacks if isinstance(c, ResumedOptimizerSettings)][0]
+    assert resumed.applied["decay_steps"] == (4, 1) and resumed.applied["warmup_steps"] == (2, 5)
+    assert ("warmup_steps 2 -> 5, the run's length 6 -> 5 optimizer steps (warm-up now lasts the whole run: the "
+            "learning rate does not decay)") in caplog.text
+    assert "decay_steps" not in caplog.text
+
+
 def test_predict_applies_the_asked_sampling_settings(six_steps, text_dir):
     cli = _cli([
         "predict", *_args(text_dir, six_steps), "--ckpt_path", str(six_steps / "epoch=0-step=6.ckpt"),

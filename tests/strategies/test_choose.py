@@ -222,6 +222,10 @@ AC = {"activation_checkpointing": True}
          "still does NOT fit: the model state alone needs 141.1 GB per device: train on at least 16 devices"),
         ("llama-70b", {}, "H200", 8, 8, 1, 8192, (8, 8), "with tensor parallel 8 it needs 68.9 GB per device and fits"),
         ("llama-70b", AC, "A100", 8, 16, 1, 8192, (128, 1), "from 3,328 tokens per micro-batch"),
+        ("llama-8b", {"n_kv_head": 1}, "H100 SXM", 8, 1, 1, 8192, (8, 1),
+         "tensor parallel 2 or more is not considered: it does not divide n_kv_head=1; it still does NOT fit"),
+        ("llama-70b", {"n_kv_head": 2}, "H100 SXM", 8, 8, 1, 8192, (32, 2),
+         "tensor parallel 4 or more is not considered: it does not divide n_kv_head=2"),
     ],
 )
 def test_the_tensor_parallel_size_for_each_model_gpu_and_cluster(preset, overrides, gpu, per_node, nodes, micro_batch,
