@@ -55,10 +55,14 @@ def plan_without_missing_data(config: Any) -> None:
                        "text (only data.batch_size and data.block_size), so it is made without it.")
 
 
-def check_auto_strategy_options(config: Any, error: Callable[[str], Any]) -> None:
+def check_auto_strategy_options(config: Any, error: Callable[[str], Any], subcommand: Optional[str] = "fit") -> None:
     """Call ``error`` (the parser's) for ``--auto_strategy.*`` options that cannot work, before anything is built."""
     plan = config.get("auto_strategy") or {}
-    if plan.get("print_plan") and (config.get("trainer") or {}).get("strategy") != AUTO_STRATEGY:
+    auto = (config.get("trainer") or {}).get("strategy") == AUTO_STRATEGY
+    if plan.get("print_plan") and subcommand not in ("fit", None):
+        error(f"--auto_strategy.print_plan prints the plan of a training run: `gpuopt fit ... --trainer.strategy "
+              f"{AUTO_STRATEGY} --auto_strategy.print_plan true`, not `gpuopt {subcommand}`.")
+    if plan.get("print_plan") and not auto:
         error(f"--auto_strategy.print_plan prints what trainer.strategy={AUTO_STRATEGY} picks: add "
               f"--trainer.strategy {AUTO_STRATEGY}.")
     gpu = plan.get("device")
@@ -66,6 +70,16 @@ def check_auto_strategy_options(config: Any, error: Callable[[str], Any]) -> Non
         close = [g for g in _GPUS if g.lower().startswith(gpu.lower())] or difflib.get_close_matches(gpu, _GPUS, n=1)
         error(f"--auto_strategy.device={gpu!r} is not a GPU the planner knows"
               + (f" (did you mean {close[0]!r}?)" if close else "") + f": choose one of {_GPUS}.")
+    memory = plan.get("device_memory_gb")
+    if memory is not None and not memory > 0:
+        error(f"--auto_strategy.device_memory_gb must be > 0, got {memory:g}: the memory of one GPU in GB, e.g. 80.")
+    named = plan.get("device") is not None or memory is not None
+    on_cpu = str((config.get("trainer") or {}).get("accelerator", "auto")) == "cpu"  # said: a CPU run, e.g. of gloo
+    if auto and named and not plan.get("print_plan") and not on_cpu and cuda_device_count() == 0:
+        which = "--auto_strategy.device" if plan.get("device") is not None else "--auto_strategy.device_memory_gb"
+        error(f"{which} plans trainer.strategy={AUTO_STRATEGY} for a GPU, and this machine has none, so the run would "
+              "train on its CPU: add --auto_strategy.print_plan true to see the plan without training, or run the "
+              "command on the GPU machine.")
 
 
 def auto_strategy(model: Any, datamodule: Any, config: Any, trainer_cfg: dict) -> tuple[Any, str]:

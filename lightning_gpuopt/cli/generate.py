@@ -19,30 +19,43 @@ from lightning_gpuopt.cli.generation_progress import GenerationProgress
 from lightning_gpuopt.cli.prompts import Scorer, check_scorer, load_scorer, plan_requests, read_prompts
 from lightning_gpuopt.model.batched_generation import Finished, GenerationJob
 
-__all__ = ["add_generate_arguments", "check_generate_options", "completions_path", "generate_from_file"]
+__all__ = ["add_generate_arguments", "check_generate_options", "completions_path", "generate_from_file", "generate_options_given"]
+
+
+_DEFAULTS = {"prompts_file": None, "batch_size": None, "samples_per_prompt": 1, "stop": [], "output": None,
+             "overwrite": False, "scorer": None, "keep_min_score": 1.0, "kept_output": None}
+
+
+def generate_options_given(generate: Any) -> list[str]:
+    """The ``generate.*`` options (but ``prompts_file``) set to other than their defaults."""
+    return [name for name, default in _DEFAULTS.items()
+            if name != "prompts_file" and (generate.get(name, default) if generate else default) != default]
 
 
 def add_generate_arguments(parser: Any) -> None:
     """The ``--generate.*`` options of ``gpuopt predict``."""
-    add = parser.add_argument
-    add("--generate.prompts_file", type=Optional[str], default=None,
+
+    def add(flag: str, **kwargs: Any) -> None:
+        parser.add_argument(flag, **kwargs, default=_DEFAULTS[flag.removeprefix("--generate.")])
+
+    add("--generate.prompts_file", type=Optional[str],
         help="predict: a text file (one prompt per line) or JSONL (a \"prompt\" per line; other fields go to the scorer).")
-    add("--generate.batch_size", type=Optional[int], default=None,
+    add("--generate.batch_size", type=Optional[int],
         help="predict: rows generated at a time (prompts of any lengths share a batch); default: the largest the "
              "device's memory allows (64 rows on a CPU).")
-    add("--generate.samples_per_prompt", type=int, default=1, help="predict: completions per prompt of the prompts file.")
-    add("--generate.stop", type=list[str], default=[],
+    add("--generate.samples_per_prompt", type=int, help="predict: completions per prompt of the prompts file.")
+    add("--generate.stop", type=list[str],
         help="predict: text that ends a completion, besides end-of-text (e.g. '[\"\\n\\n\"]').")
-    add("--generate.output", type=Optional[str], default=None,
+    add("--generate.output", type=Optional[str],
         help="predict: the JSONL file written; default <trainer.default_root_dir>/generations.jsonl.")
-    add("--generate.overwrite", type=bool, default=False,
+    add("--generate.overwrite", type=bool,
         help="predict: replace generate.output (and kept_output) if it exists (otherwise an existing file stops the run).")
-    add("--generate.scorer", type=Optional[str], default=None,
+    add("--generate.scorer", type=Optional[str],
         help="predict: module:function called as f(record, completion) -> number for each completion; the score is "
              "written, and completions scoring >= keep_min_score go to kept_output.")
-    add("--generate.keep_min_score", type=float, default=1.0,
+    add("--generate.keep_min_score", type=float,
         help="predict: the least score a kept completion has (a scorer returning True/False keeps True).")
-    add("--generate.kept_output", type=Optional[str], default=None,
+    add("--generate.kept_output", type=Optional[str],
         help="predict: the JSONL of kept completions (prompt, completion, score: a fine-tuning corpus for "
              "TextDataModule); default <output stem>.kept.jsonl beside generate.output.")
 
@@ -75,7 +88,11 @@ def check_generate_options(config: Any, generate: Any, error: Callable[[str], No
         if generate.get("kept_output"):
             error("generate.kept_output is written with a scorer only: add --generate.scorer module:function.")
         return None
-    check_output_file("generate.kept_output", generate.get("kept_output") or kept_path(output), overwrite, "generate.overwrite")
+    kept = Path(generate.get("kept_output") or kept_path(output)).expanduser()
+    if os.path.abspath(kept) == os.path.abspath(output):
+        error(f"generate.kept_output and generate.output are the same file ({output}): every completion and the kept ones "
+              f"go to two files, so name another --generate.kept_output (or leave it out: {kept_path(output).name}).")
+    check_output_file("generate.kept_output", kept, overwrite, "generate.overwrite")
     scorer = load_scorer(generate["scorer"])
     check_scorer(scorer, generate["scorer"], records[0])
     return scorer

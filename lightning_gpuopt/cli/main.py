@@ -54,7 +54,13 @@ from lightning_gpuopt.internals import parse_whole_lists, parser_options
 from lightning_gpuopt.option_checks import command_line_options
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
-from lightning_gpuopt.cli.generate import add_generate_arguments, check_generate_options, completions_path, generate_from_file
+from lightning_gpuopt.cli.generate import (
+    add_generate_arguments,
+    check_generate_options,
+    completions_path,
+    generate_from_file,
+    generate_options_given,
+)
 from lightning_gpuopt.model.batched_generation import fit_to_context
 from lightning_gpuopt.cli.resume_checks import (
     OwnCheckpoint,
@@ -182,9 +188,6 @@ class GPTCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def before_fit(self) -> None:
-        if self.config.fit.get("auto_strategy", {}).get("print_plan"):
-            print(f"trainer.strategy={AUTO_STRATEGY}: {self._plan}")  # the command's output
-            sys.exit(0)
         rank_zero_info(model_line(self.model))
 
     def after_fit(self) -> None:
@@ -201,7 +204,7 @@ class GPTCLI(LightningCLI):
         # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
         # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built. A
         # module of your own is built as configured; its checkpoint is read here and compared once it is built.
-        self._check_trainer_config(self.config.get("subcommand"))  # before the run folder is held or a file read
+        self._check_options(self.config.get("subcommand"))  # before the run folder is held or a file read
         fit = self.config.get("fit") if self.config.get("subcommand") == "fit" else None
         if fit is not None and not (fit.get("auto_strategy") or {}).get("print_plan"):  # one writer per run folder
             hold_run_folder(fit.get("trainer"))  # until make_cli returns
@@ -243,7 +246,9 @@ class GPTCLI(LightningCLI):
         if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
             prepare_resumed_fit(self.trainer)
 
-    def _check_trainer_config(self, subcommand: Optional[str]) -> None:
+    def _check_options(self, subcommand: Optional[str]) -> None:
+        """Every check of the parsed options that needs nothing built: before a fit holds its run folder, reads a
+        checkpoint or prepares data, so a refused command leaves nothing behind."""
         config = self.config[subcommand] if subcommand else self.config
         check_trainer_options(config.get("trainer") or {})
         check_run_folder_writable(subcommand, config.get("trainer") or {})
@@ -252,17 +257,23 @@ class GPTCLI(LightningCLI):
             problem = check_run_length(config.get("trainer", {}))
             if problem:
                 self.parser.error(problem)
-
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
         generate = config.get("generate", {})
-        check_auto_strategy_options(config, self.parser.error)
-        if self.subcommand == "fit" and self.reads_text:
+        check_auto_strategy_options(config, self.parser.error, subcommand)
+        if subcommand == "fit" and self.reads_text:
             plan_without_missing_data(config)  # --auto_strategy.print_plan reads no text
-        if self.subcommand == "predict":
+        if subcommand == "predict":
             self.save_config_callback = None  # predict writes its samples, not a log folder with the config
-        if self.subcommand != "predict" and generate.get("prompts_file"):
-            self.parser.error(f"generate.prompts_file is read by `gpuopt predict` only, not `gpuopt {self.subcommand}`.")
+        if subcommand != "predict" and generate.get("prompts_file"):
+            self.parser.error(f"generate.prompts_file is read by `gpuopt predict` only, not `gpuopt {subcommand}`.")
+        if not generate.get("prompts_file") and subcommand is not None:
+            given = generate_options_given(generate)
+            if given:
+                self.parser.error(
+                    f"{', '.join(f'generate.{name}' for name in given)} {'is' if len(given) == 1 else 'are'} read with "
+                    "--generate.prompts_file only (`gpuopt predict --generate.prompts_file FILE`): add it, or leave "
+                    + ("it out" if len(given) == 1 else "them out")
+                    + (" (--data.prompts samples are printed)." if subcommand == "predict" else ".")
+                )
         if generate.get("prompts_file") and not (self.trains_gpt and self.reads_text):
             self.parser.error("generate.prompts_file needs GPTModule and TextDataModule (it encodes the prompts with the "
                               "data's tokenizer); for a module of your own, give the prompts as its predict data.")
@@ -310,9 +321,11 @@ class GPTCLI(LightningCLI):
         return trainer
 
     def _auto_strategy(self, config: Any, trainer_cfg: dict) -> Any:
-        strategy, self._plan = auto_strategy(self.model, self.datamodule, config, trainer_cfg)
-        if not (config.get("auto_strategy") or {}).get("print_plan"):  # else before_fit prints it, once
-            rank_zero_info(f"trainer.strategy={AUTO_STRATEGY}: {self._plan}")
+        strategy, plan = auto_strategy(self.model, self.datamodule, config, trainer_cfg)
+        if (config.get("auto_strategy") or {}).get("print_plan"):  # before the Trainer: its devices need not be here
+            print(f"trainer.strategy={AUTO_STRATEGY}: {plan}")  # the command's output
+            sys.exit(0)
+        rank_zero_info(f"trainer.strategy={AUTO_STRATEGY}: {plan}")
         return strategy
 
     def before_predict(self) -> None:

@@ -51,7 +51,7 @@ def read_prompts(path: Union[str, Path]) -> list[dict]:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
+        if path.suffix.lower() == ".jsonl":
             records.append(_json_record(path, number, line))
         else:
             records.append({"prompt": line.replace("\\n", "\n")})

@@ -217,12 +217,12 @@ def resolve_source(source: str) -> Corpus:
             )
         return _file_corpus(f"{len(files)} files under {path}", {"train": files})
     if path.is_file():
-        return _jsonl_corpus(f"records in {path}", [path]) if path.suffix == ".jsonl" else _file_corpus(str(path), {"train": [path]})
+        return _jsonl_corpus(f"records in {path}", [path]) if path.suffix.lower() == ".jsonl" else _file_corpus(str(path), {"train": [path]})
     if glob.has_magic(source):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
         if not files:
             raise ValueError(f"data.source={source!r} matches no files: check the pattern.")
-        if all(f.suffix == ".jsonl" for f in files):
+        if all(f.suffix.lower() == ".jsonl" for f in files):
             return _jsonl_corpus(f"records in {len(files)} files matching {source}", files)
         return _file_corpus(f"{len(files)} files matching {source}", {"train": files})
     kind = _special_kind(path)

@@ -283,6 +283,8 @@ def choose_strategy(
             f"choose_strategy needs a model: a GPTConfig, or any nn.Module / LightningModule, got {type(model).__name__}."
         )
     per_node = _check_devices(devices, devices_per_node, headroom)
+    check_number("choose_strategy", "device_memory", device_memory, low=0, low_open=True, optional=True,
+                 hint=" (bytes per device)")
     facts = device
     if device_memory is None:
         facts = device if device is not None else read_device()
