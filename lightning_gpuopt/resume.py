@@ -22,6 +22,7 @@ __all__ = [
     "restart_interrupted_validation",
     "restore_rng_state",
     "rollback_fit_loop_state",
+    "start_next_epoch_if_ended",
     "step_boundary",
 ]
 
@@ -113,6 +114,19 @@ def rollback_fit_loop_state(fit_loop_state: dict[str, Any], boundary: int) -> No
         for part in ("total", "current"):
             steps = optim["step"][part]["completed"]
             optim["zero_grad"][part].update(ready=steps, started=steps, completed=steps)
+
+
+def start_next_epoch_if_ended(fit_loop_state: dict[str, Any]) -> bool:
+    """If the fit loop's saved progress is that of an epoch whose end has run (its ``epoch_progress`` completed, as
+    after a SIGTERM in the epoch's last batch: Lightning stops after the epoch's end), set the epoch's batch counters
+    to the next epoch's start, where Lightning would otherwise resume as if at the end of that next epoch; return
+    whether it did. Changes ``fit_loop_state`` in place; applying it twice changes nothing more."""
+    epochs, batches = fit_loop_state["epoch_progress"]["current"], fit_loop_state["epoch_loop.batch_progress"]
+    if epochs["started"] != epochs["completed"] or epochs["completed"] == 0 or not batches.get("is_last_batch"):
+        return False  # within an epoch, or ended by max_steps within it (Lightning resumes that as it is)
+    batches["current"].update(ready=0, started=0, processed=0, completed=0)
+    batches["is_last_batch"] = False
+    return True
 
 
 def restart_interrupted_validation(fit_loop_state: dict[str, Any]) -> None:

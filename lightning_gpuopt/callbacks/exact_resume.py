@@ -30,6 +30,7 @@ from lightning_gpuopt.resume import (
     microbatches_since_step,
     restore_rng_state,
     rollback_fit_loop_state,
+    start_next_epoch_if_ended,
     step_boundary,
 )
 
@@ -256,11 +257,14 @@ class ExactResume(Callback):
             rng = capture_rng_state()
         states = _all_gather(rng, trainer.global_rank, trainer.world_size, self._alone)
         rollback_fit_loop_state(checkpoint["loops"]["fit_loop"], boundary)
+        ended = start_next_epoch_if_ended(checkpoint["loops"]["fit_loop"])
         state: dict[str, Any] = {"rng": states, "rolled_back": partial}
         loader = trainer.train_dataloader
         if self._sampler is not None and getattr(loader, "batch_size", None):
             epoch, start = trainer.current_epoch, boundary * loader.batch_size
-            if start >= len(self._sampler):  # saved at the epoch's end: the resumed run starts the next one
+            if ended:  # saved after the epoch's end ran (a SIGTERM in its last batch): current_epoch is the next one
+                start = 0
+            elif start >= len(self._sampler):  # saved at the epoch's end: the resumed run starts the next one
                 epoch, start = epoch + 1, 0
             state["data"] = {"seed": self._seed, "epoch": epoch, "start": start, "replicas": self._sampler.num_replicas}
         checkpoint.setdefault("callbacks", {})[self.state_key] = state

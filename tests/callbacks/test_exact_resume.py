@@ -105,6 +105,19 @@ def test_sigterm_mid_accumulation_then_resume_is_exact(tmp_path, reference):
     assert max(after) == max(uninterrupted)
 
 
+def test_sigterm_in_an_epoch_s_last_micro_batch_resumes_at_the_next_epoch_exactly(tmp_path, reference):
+    """Lightning stops a SIGTERM in an epoch's last batch only after the epoch's end has run (its epoch-end hooks,
+    epoch-interval schedulers): the resumed run starts the next epoch at its first batch, in its own order."""
+    data, ref = reference
+    _interrupt(tmp_path / "stop", data, 10, signal.SIGTERM)  # epochs of 10 micro-batches: the last of epoch 0
+    ckpt = tmp_path / "stop" / "ckpt" / "on_exception.ckpt"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["global_step"] == 5 and saved["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1
+    _run(tmp_path / "resume", data, "--ckpt", str(ckpt))
+    _check_resumed(ref / "losses_rank0.txt", tmp_path / "stop/losses_rank0.txt",
+                   tmp_path / "resume/losses_rank0.txt", first=(1, 0))
+
+
 @pytest.mark.parametrize("fail_at", [9, 10], ids=["first-micro-batch", "last-micro-batch"])
 def test_exception_inside_a_batch_then_resume_is_exact(tmp_path, reference, fail_at):
     """An error raised in the forward of micro-batch 9 or 10 (step 5 = micro-batches 9 and 10): the
