@@ -249,7 +249,9 @@ class GPTModule(pl.LightningModule):
         # Weight by tokens so the split's perplexity is exp(mean NLL per token), however batches fall.
         # (torchmetrics' Perplexity would allocate a second vocabulary-sized softmax per batch and
         # rejects bf16 logits; the token-weighted mean gives the same number.)
-        metric.update(loss.detach(), weight=batch[1].ne(-1).sum())
+        targets = batch[1].ne(-1).sum()
+        # A window without a target (a fine-tuning corpus's prompt alone) has a NaN loss and weighs nothing.
+        metric.update(torch.where(targets > 0, loss.detach(), torch.zeros_like(loss)), weight=targets)
         self.log(f"{stage}/loss", metric, prog_bar=True)
         return loss
 

@@ -49,6 +49,22 @@ def test_val_perplexity_is_token_weighted_over_the_split(text_dir, cache_dir):
     assert result["val/ppl"] == pytest.approx(torch.exp(mean).item(), rel=1e-4)
 
 
+def test_a_validation_window_without_targets_weighs_nothing():
+    """A fine-tuning corpus's window may hold a prompt alone (every target -1): its loss is NaN, and the split's
+    loss is that of the windows with targets, not NaN."""
+    torch.manual_seed(0)
+    model = GPTModule(preset="tiny", vocab_size=64, block_size=16, warmup_steps=1)
+    x = torch.randint(0, 64, (4, 16))
+    y = torch.randint(0, 64, (4, 16))
+    y[:, :5] = -1  # a prompt
+    batches = [(x[:2], torch.full((2, 16), -1)), (x[2:], y[2:])]
+    result = _trainer().validate(model, dataloaders=torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)[0]
+    model.eval()
+    with torch.no_grad():
+        expected = model.model.loss(model.model(x[2:]), y[2:])
+    assert result["val/loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+
 def test_optimizer_and_schedule_follow_the_run(text_dir, cache_dir):
     data = _data(text_dir, cache_dir, vocab_size=300)
     model = GPTModule(preset="tiny", vocab_size=300, block_size=64, learning_rate=1e-3, warmup_steps=4, min_lr_ratio=0.1)
