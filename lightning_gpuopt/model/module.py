@@ -276,11 +276,23 @@ class GPTModule(pl.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
+        self._check_targets_seen("val", self.val_loss)
         self.log("val/ppl", torch.exp(self.val_loss.compute()))
 
     @override
     def on_test_epoch_end(self) -> None:
+        self._check_targets_seen("test", self.test_loss)
         self.log("test/ppl", torch.exp(self.test_loss.compute()))
+
+    def _check_targets_seen(self, stage: str, metric: MeanMetric) -> None:
+        if self.trainer.sanity_checking or float(metric.weight) > 0:  # one read per evaluation
+            return
+        rank_zero_warn(
+            f"{stage}/loss is NaN: no {stage} window holds a target (a fine-tuning corpus's {stage} split of prompts "
+            "without their completions, data.loss_on='completion'). Raise data.val_fraction or data.block_size so "
+            "its windows reach the completions.",
+            category=UserWarning,
+        )
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> Any:

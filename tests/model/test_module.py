@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -58,11 +59,16 @@ def test_a_validation_window_without_targets_weighs_nothing():
     y = torch.randint(0, 64, (4, 16))
     y[:, :5] = -1  # a prompt
     batches = [(x[:2], torch.full((2, 16), -1)), (x[2:], y[2:])]
-    result = _trainer().validate(model, dataloaders=torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)[0]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*nan", category=UserWarning)  # torchmetrics' "Encountered nan values"
+        result = _trainer().validate(model, dataloaders=torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)[0]
     model.eval()
     with torch.no_grad():
         expected = model.model.loss(model.model(x[2:]), y[2:])
     assert result["val/loss"] == pytest.approx(expected.item(), rel=1e-5)
+    with pytest.warns(UserWarning, match=r"val/loss is NaN: no val window holds a target .*Raise data.val_fraction"):
+        result = _trainer().validate(model, dataloaders=torch.utils.data.DataLoader(batches[:1], batch_size=None), verbose=False)[0]
+    assert math.isnan(result["val/loss"])
 
 
 def test_optimizer_and_schedule_follow_the_run(text_dir, cache_dir):
