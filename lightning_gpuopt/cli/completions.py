@@ -17,7 +17,18 @@ from typing import IO, Any, Callable, Optional, Union
 from lightning_gpuopt.cli.prompts import Scorer, score_of
 from lightning_gpuopt.model.batched_generation import Finished
 
-__all__ = ["CompletionWriter", "kept_path", "write_jsonl"]
+__all__ = ["CompletionWriter", "defer_stop", "kept_path", "write_jsonl"]
+
+_running: list["CompletionWriter"] = []  # the writer of the generation running now
+
+
+def defer_stop(code: int) -> bool:
+    """Hand a stop (the exit status of a SIGTERM) to the generation running now, which ends after the rows that
+    finished in its current step are written and scored (:meth:`CompletionWriter.check`); ``False`` when none runs."""
+    if not _running:
+        return False
+    _running[-1].stop_code = code
+    return True
 
 _REASONS = {"eot": "at end-of-text", "stop": "at a stop sequence", "length": "at max_new_tokens"}
 
@@ -76,6 +87,7 @@ class CompletionWriter:
         self.kept_output = Path(kept_output).expanduser() if kept_output else kept_path(self.output)
         self.scorer, self.scorer_spec, self.keep_min_score = scorer, scorer_spec, keep_min_score
         self.failure: Optional[ValueError] = None  # the scorer's first failure, raised by :meth:`check`
+        self.stop_code: Optional[int] = None  # a stop asked for (:func:`defer_stop`), carried out by :meth:`check`
         self.stop_strings = [s for s in stop_strings if s]
         self.done = 0
         self.tokens = 0
@@ -92,6 +104,7 @@ class CompletionWriter:
         if self.scorer is not None:
             self.kept_output.parent.mkdir(parents=True, exist_ok=True)
             self._files.append(open(self.partial(self.kept_output), "w", encoding="utf-8"))
+        _running.append(self)
         return self
 
     def add(self, finished: Finished) -> None:
@@ -117,10 +130,12 @@ class CompletionWriter:
             self._write(1, {k: v for k, v in line.items() if k not in ("tokens", "finish")})
 
     def check(self) -> None:
-        """Raise the scorer's first failure, if any: called between decode steps and at the end, so every row that
-        finished in the step where the scorer failed is written first."""
+        """Raise the scorer's first failure, or end the run a stop asked for: called between decode steps and at the
+        end, so every row that finished in the step where the scorer failed (or the SIGTERM came) is written first."""
         if self.failure is not None:
             raise self.failure
+        if self.stop_code is not None:
+            raise SystemExit(self.stop_code)
 
     def _count(self, finished: Finished, line: dict) -> None:
         self._write(0, line)
@@ -135,6 +150,8 @@ class CompletionWriter:
 
     def __exit__(self, *exc: Any) -> None:
         """Sort the lines into prompt order and put them in place whole; remove the partial files."""
+        if self in _running:
+            _running.remove(self)
         for f in self._files:
             f.close()
         pairs = [(self.output, self.partial(self.output))]

@@ -84,6 +84,7 @@ def check_generate_options(config: Any, generate: Any, error: Callable[[str], No
     output = completions_path(config)
     overwrite = generate.get("overwrite", False)
     check_output_file("generate.output", output, overwrite, "generate.overwrite")
+    _check_no_partial(output, overwrite)
     if not generate.get("scorer"):
         if generate.get("kept_output"):
             error("generate.kept_output is written with a scorer only: add --generate.scorer module:function.")
@@ -93,9 +94,23 @@ def check_generate_options(config: Any, generate: Any, error: Callable[[str], No
         error(f"generate.kept_output and generate.output are the same file ({output}): every completion and the kept ones "
               f"go to two files, so name another --generate.kept_output (or leave it out: {kept_path(output).name}).")
     check_output_file("generate.kept_output", kept, overwrite, "generate.overwrite")
+    _check_no_partial(kept, overwrite)
     scorer = load_scorer(generate["scorer"])
     check_scorer(scorer, generate["scorer"], records[0])
     return scorer
+
+
+def _check_no_partial(output: Path, overwrite: bool) -> None:
+    """A ``.partial`` file beside ``output`` holds the completions of a run killed before it could sort them in
+    (``kill -9``): refused unless ``overwrite``, so a new run does not start by emptying it."""
+    partial = output.with_name(output.name + ".partial")
+    if partial.is_file() and not overwrite:
+        lines = partial.read_bytes().count(b"\n")
+        raise ValueError(
+            f"{partial} holds {lines} completions of a run that was killed before it wrote {output.name} (kill -9), and "
+            f"this run would start by emptying it: keep them (mv {partial} {output.stem}.killed{output.suffix}; a JSONL "
+            "file, one completion a line, unsorted) or give --generate.overwrite true to replace it."
+        )
 
 
 def generate_from_file(

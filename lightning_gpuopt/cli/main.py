@@ -54,6 +54,7 @@ from lightning_gpuopt.internals import parse_whole_lists, parser_options
 from lightning_gpuopt.option_checks import command_line_options
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
+from lightning_gpuopt.cli.completions import defer_stop
 from lightning_gpuopt.cli.generate import (
     add_generate_arguments,
     check_generate_options,
@@ -377,8 +378,12 @@ class _StopPredictOnSigterm(Callback):
             self._previous = None
 
     def _stop(self, signum: int, frame: Any) -> None:
+        code = 128 + signal.SIGTERM  # the exit status of a SIGTERM, as after a fit's save
+        if defer_stop(code):  # a prompts file: after the completions that finished in this step are written
+            rank_zero_info("gpuopt predict: received SIGTERM; stopping once the completions finished in this step are written.")
+            return
         rank_zero_info("gpuopt predict: received SIGTERM; stopping.")
-        raise SystemExit(128 + signal.SIGTERM)  # the exit status of a SIGTERM, as after a fit's save
+        raise SystemExit(code)
 
 
 def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:

@@ -223,6 +223,23 @@ def test_a_scorer_failing_mid_run_keeps_every_completion_finished_in_that_step(t
     assert not list(tmp_path.glob("*.partial"))
 
 
+def test_a_partial_file_left_by_a_kill_is_not_emptied_by_the_next_run(tmp_path, text_dir, cache_dir, capsys):
+    (tmp_path / "p.txt").write_text("the model\n")
+    partial = tmp_path / "g.jsonl.partial"
+    partial.write_text('{"index": 0, "sample": 0, "completion": "kept"}\n{"index": 1, "sample": 0, "completion": "too"}\n')
+    args = ["predict", *_data_args(text_dir), "--model.max_new_tokens", "2", "--generate.prompts_file", str(tmp_path / "p.txt"),
+            "--generate.output", str(tmp_path / "g.jsonl")]
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    assert (f"{partial} holds 2 completions of a run that was killed before it wrote g.jsonl (kill -9), and this run "
+            "would start by emptying it: keep them (mv ") in capsys.readouterr().err.replace("\n", " ")
+    assert partial.read_text().count("\n") == 2 and not (tmp_path / "g.jsonl").exists()
+    with pytest.warns(UserWarning, match="samples an untrained"):
+        main([*args, "--generate.overwrite", "true"])
+    assert not partial.exists() and len((tmp_path / "g.jsonl").read_text().splitlines()) == 1
+
+
 calls = {"n": 0}
 
 
@@ -243,10 +260,12 @@ def test_sigterm_keeps_the_completions_that_finished(tmp_path, text_dir, cache_d
               "--generate.scorer", "tests.cli.test_prompts:sigterm_at_third_completion"])
     assert info.value.code == 143
     lines = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
-    assert [(r["index"], r["sample"]) for r in lines] == [(0, 0), (0, 1)]  # batch of 1: in order
-    assert [json.loads(line)["sample"] for line in (tmp_path / "g.kept.jsonl").read_text().splitlines()] == [0, 1]
+    # batch of 1: in order; the completion being scored when the SIGTERM came is written and scored, then it stops
+    assert [(r["index"], r["sample"]) for r in lines] == [(0, 0), (0, 1), (1, 0)]
+    assert [json.loads(line)["sample"] for line in (tmp_path / "g.kept.jsonl").read_text().splitlines()] == [0, 1, 0]
     assert not list(tmp_path.glob("*.partial"))
-    assert "gpuopt predict: stopped early: 2 of 6 completions" in caplog.text
+    assert "gpuopt predict: stopped early: 3 of 6 completions" in caplog.text
+    assert calls["n"] == 4  # nothing scored after the SIGTERM's step
     handler = signal.getsignal(signal.SIGTERM)
     assert type(getattr(handler, "__self__", None)).__name__ != "_StopPredictOnSigterm"  # its handler is put back
 
