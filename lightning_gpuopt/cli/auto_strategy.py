@@ -95,11 +95,15 @@ def auto_strategy(model: Any, datamodule: Any, config: Any, trainer_cfg: dict) -
     nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
     plan = config.get("auto_strategy") or {}
     memory_gb, gpu = plan.get("device_memory_gb"), plan.get("device")
+    precision = precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins"))
+    if (gpu is not None or memory_gb is not None) and cuda_device_count() == 0 and trainer_cfg.get("precision") is None \
+            and not trainer_cfg.get("plugins"):
+        precision = "bf16-mixed"  # the stack's BF16Precision on the GPU planned for (float32 is this CPU's stack)
     return choose_strategy(
         model,
         devices=devices * nodes,
         device_memory=None if memory_gb is None else memory_gb * GB,
-        precision=precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins")),
+        precision=precision,
         micro_batch=_micro_batch(datamodule),
         block_size=getattr(datamodule, "block_size", None),
         device=None if gpu is None else REFERENCE_DEVICES[gpu],

@@ -36,9 +36,6 @@ NETWORK_BANDWIDTH = 50e9
 # FSDP2's communication hides behind. Lower would hide more, so this errs towards adding tensor parallelism.
 _ASSUMED_MFU = 0.4
 _POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)
-_LLAMA_FIGURES = (
-    "Llama formula: 16 B per parameter (fp32 weights+grads+AdamW), 2 x (9 n_embd + 2 kv + 4 ffn) B per token per layer"
-)
 
 
 class MemoryEstimate(dict):
@@ -77,8 +74,13 @@ def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precis
         activations=activations,
         logits=tokens * config.padded_vocab_size * 10,
     )
+    kind = "16-bit" if act_bytes == 2 else "32-bit"
     if config.arch == "llama":
-        est.figures = _LLAMA_FIGURES
+        est.figures = (f"Llama formula: 16 B per parameter (fp32 weights+grads+AdamW), {act_bytes} x (9 n_embd + 2 kv + 4 ffn) "
+                       f"B per token per layer ({kind} activations, precision {precision})")
+    else:
+        est.figures = (f"GPT formula: 16 B per parameter (fp32 weights+grads+AdamW), {17 * act_bytes} x n_embd B per token "
+                       f"per layer ({kind} activations, precision {precision})")
     return est
 
 

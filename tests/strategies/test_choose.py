@@ -264,3 +264,22 @@ def test_the_llama_8b_recipe_plans_tensor_parallel_on_a_cpu(cache_dir, capsys, c
                           "2 tensor-parallel)")
     assert "7,248M params -> 116.0 GB weights+grads+AdamW" in out and "with tensor parallel 2 it needs 71.9 GB per device" in out
     assert list((tmp_path / "run").iterdir()) == [] and not cache_dir.exists()  # no run folder, no token cache
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans a named GPU from a machine without one")
+def test_a_plan_for_a_named_gpu_counts_the_activations_the_gpu_stack_keeps(cache_dir, capsys, tmp_path, monkeypatch):
+    """On a CPU the stack trains in float32; on the GPU planned for it trains under BF16Precision, whose 16-bit
+    activations the plan counts (a precision given is kept)."""
+    from lightning_gpuopt.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--model.preset", "llama-70b", "--trainer.strategy", "gpuopt-auto", "--auto_strategy.print_plan", "true",
+            "--auto_strategy.device", "H100 SXM", "--trainer.devices", "8", "--trainer.num_nodes", "8", "--data.source", "stdlib",
+            "--trainer.max_steps", "10", "--data.block_size", "8192", "--data.batch_size", "1"]
+    with pytest.raises(SystemExit):
+        main(args)
+    out = capsys.readouterr().out
+    assert "16-bit activations, precision bf16-mixed" in out and "with tensor parallel 8 it needs 67.2 GB per device and fits" in out
+    with pytest.raises(SystemExit):
+        main([*args, "--trainer.precision", "32-true"])
+    assert "4 x (9 n_embd + 2 kv + 4 ffn) B per token per layer (32-bit activations, precision 32-true)" in capsys.readouterr().out
