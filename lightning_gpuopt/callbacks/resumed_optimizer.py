@@ -54,7 +54,7 @@ def apply_optimizer_settings(
 def restored_settings(optimizer: Optimizer, scheduler: Any) -> dict[str, Any]:
     """The settings (``learning_rate``, ``weight_decay``, ``betas``, ``warmup_steps``, ``min_lr_ratio``,
     ``decay_steps``) a restored ``build_adamw`` optimizer and warm-up + cosine schedule hold; ``{}`` for others."""
-    cosine, warmup = scheduler, 0
+    cosine, warmup, total = scheduler, 0, getattr(scheduler, "total_steps", None)
     parts = sequential_parts(scheduler)
     if parts is not None:
         cosine, warmup = parts[0][-1], parts[1][-1]
@@ -69,17 +69,27 @@ def restored_settings(optimizer: Optimizer, scheduler: Any) -> dict[str, Any]:
         "warmup_steps": warmup,
         "min_lr_ratio": cosine.eta_min / peak if peak else 0.0,
         "decay_steps": int(cosine.T_max),
+        "total_steps": int(total) if total is not None else warmup + int(cosine.T_max),  # the run's optimizer steps
     }
+
+
+def _warmup_change(restored: dict[str, Any], asked: int, now: int) -> str:
+    before = restored["warmup_steps"]
+    if asked > before == restored["total_steps"]:  # the earlier run was shorter than its warm-up, which it cut
+        return (f"warm-up {before} -> {now} steps (model.warmup_steps={asked}, which the earlier run's {before} steps "
+                "cut short)")
+    return f"warmup_steps {before} -> {now}"
 
 
 def _length_change(restored: dict[str, Any], total: int, warmup: int) -> str:
     """The schedule's new length in the run's terms (``decay_steps`` has no option of its own)."""
-    before = restored["warmup_steps"] + restored["decay_steps"]
+    before = restored["total_steps"]
     if total <= warmup:
         return (f"the run's length {before} -> {total} optimizer steps (warm-up now lasts the whole run: the learning "
                 "rate does not decay)")
+    was = before - restored["warmup_steps"]
     return (f"the run's length {before} -> {total} optimizer steps (the cosine decays over the {total - warmup} after "
-            f"warm-up, was {restored['decay_steps']})")
+            f"warm-up, " + (f"was {was})" if was > 0 else "where it did not decay)"))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -132,6 +142,8 @@ class ResumedOptimizerSettings(Callback):
             "decay_steps": max(1, total - warmup),  # as warmup_cosine_schedule sets T_max
         }
         self.applied = {k: (restored[k], v) for k, v in wanted.items() if not _same(restored[k], v)}
+        if "decay_steps" not in self.applied and restored["total_steps"] != total:  # a run of warm-up alone, longer
+            self.applied["decay_steps"] = (restored["decay_steps"], wanted["decay_steps"])
         if not self.applied:
             return
         config.scheduler = apply_optimizer_settings(
@@ -139,7 +151,9 @@ class ResumedOptimizerSettings(Callback):
             hp.min_lr_ratio, total, steps_done,
         )
         changes = ", ".join(
-            _length_change(restored, total, warmup) if k == "decay_steps" else f"{k} {old} -> {new}"
+            _length_change(restored, total, warmup) if k == "decay_steps"
+            else _warmup_change(restored, hp.warmup_steps, new) if k == "warmup_steps"
+            else f"{k} {old} -> {new}"
             for k, (old, new) in self.applied.items()
         )
         rank_zero_info(

@@ -81,11 +81,13 @@ def warmup_cosine_schedule(
     check_number(own, "min_lr_ratio", min_lr_ratio, low=0, high=1)
     peak = optimizer.param_groups[0]["lr"]
     cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=peak * min_lr_ratio)
-    if warmup_steps == 0:
-        return cosine
-    # LinearLR needs start_factor > 0: start at 1/(warmup+1) of the peak, reach it at warmup_steps.
-    warmup = LinearLR(optimizer, start_factor=1.0 / (warmup_steps + 1), end_factor=1.0, total_iters=warmup_steps)
-    return SequentialLR(optimizer, schedulers=[warmup, cosine], milestones=[warmup_steps])
+    scheduler = cosine
+    if warmup_steps > 0:
+        # LinearLR needs start_factor > 0: start at 1/(warmup+1) of the peak, reach it at warmup_steps.
+        warmup = LinearLR(optimizer, start_factor=1.0 / (warmup_steps + 1), end_factor=1.0, total_iters=warmup_steps)
+        scheduler = SequentialLR(optimizer, schedulers=[warmup, cosine], milestones=[warmup_steps])
+    scheduler.total_steps = total_steps  # kept in its state_dict: T_max cannot tell a run of warm-up alone from one more step
+    return scheduler
 
 
 def schedule_length(estimated_steps: float, warmup_steps: int, warn: Any = None) -> tuple[int, int]:

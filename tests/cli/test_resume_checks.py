@@ -82,6 +82,20 @@ def test_a_resume_that_shortens_the_run_says_so_in_the_run_s_terms(six_steps, te
     assert "decay_steps" not in caplog.text
 
 
+def test_training_on_past_a_run_its_warm_up_outlasted_says_what_happened(tmp_path, cache_dir, text_dir, monkeypatch, caplog):
+    """A 4-step run with warmup_steps=6 warms up over all 4 steps; trained on to 8, its warm-up and decay resume as
+    asked, and the message says the earlier run was 4 steps of warm-up (not 5, and not a warmup_steps change)."""
+    monkeypatch.chdir(tmp_path)
+    ckpt_dir = tmp_path / "ckpt"
+    with pytest.warns(UserWarning, match="warmup_steps=6 is longer than the run"):
+        _cli(["fit", *_args(text_dir, ckpt_dir, "--trainer.max_steps", "4"), "--model.warmup_steps", "6"])
+    with caplog.at_level("INFO"):
+        _cli(["fit", *_args(text_dir, ckpt_dir, "--trainer.max_steps", "8"), "--model.warmup_steps", "6",
+              "--ckpt_path", str(ckpt_dir / "epoch=0-step=4.ckpt")])
+    assert ("warm-up 4 -> 6 steps (model.warmup_steps=6, which the earlier run's 4 steps cut short), the run's length "
+            "4 -> 8 optimizer steps (the cosine decays over the 2 after warm-up, where it did not decay)") in caplog.text
+
+
 def test_predict_applies_the_asked_sampling_settings(six_steps, text_dir):
     cli = _cli([
         "predict", *_args(text_dir, six_steps), "--ckpt_path", str(six_steps / "epoch=0-step=6.ckpt"),
