@@ -209,7 +209,7 @@ class GPTCLI(LightningCLI):
         fit = self.config.get("fit") if self.config.get("subcommand") == "fit" else None
         if fit is not None and not (fit.get("auto_strategy") or {}).get("print_plan"):  # one writer per run folder
             hold_run_folder(fit.get("trainer"))  # until make_cli returns
-        resolve_run_folder(self.config)
+        resolve_run_folder(self.config, self.argv)
         if self.trains_gpt:
             data_class = TextDataModule if self.reads_text else None
             self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule, data_class)

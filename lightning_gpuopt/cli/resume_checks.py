@@ -18,6 +18,7 @@ from typing import Any, Optional
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt.cli.run_folder import existing_run_problem, resolve_ckpt_path
+from lightning_gpuopt.cli.run_summary import command_line
 from lightning_gpuopt.internals import no_version_counter
 from lightning_gpuopt.model.checkpoint import CheckpointError, gptmodule_hparams, read_checkpoint
 from lightning_gpuopt.model.config import PRESETS
@@ -126,9 +127,10 @@ def _local_file(ckpt_path: Any) -> bool:
     return not Path(ckpt_path).is_dir()  # a distributed (FSDP2) checkpoint folder: left to the strategy
 
 
-def resolve_run_folder(config: Any) -> None:
+def resolve_run_folder(config: Any, argv: Optional[list[str]] = None) -> None:
     """Put the file ``--ckpt_path last`` / ``hpc`` names into ``config``, before :func:`merge_checkpoint_settings` (so
-    it is checked as an explicit path is); refuse a ``fit`` that would overwrite a run."""
+    it is checked as an explicit path is); refuse a ``fit`` that would overwrite a run, naming the two commands to
+    choose from as ``argv`` (the command line, without the program) would run them."""
     subcommand = config.get("subcommand")
     if not subcommand:
         return
@@ -136,7 +138,13 @@ def resolve_run_folder(config: Any) -> None:
     trainer = group.get("trainer")
     ckpt_path = group.get("ckpt_path")
     if subcommand == "fit":
-        problem = existing_run_problem(ckpt_path, trainer, f"gpuopt fit {_config_hint(group)}".strip())
+        if argv is None:
+            base = f"gpuopt fit {_config_hint(group)}".strip()
+            commands = (f"{base} --ckpt_path last", f"{base} --trainer.default_root_dir NEW_FOLDER")
+        else:
+            commands = (command_line(argv, "fit", ("--ckpt_path", "last")),
+                        command_line(argv, "fit", ("--trainer.default_root_dir", "NEW_FOLDER")))
+        problem = existing_run_problem(ckpt_path, trainer, commands)
         if problem:
             raise ValueError(problem)
     group["ckpt_path"] = resolve_ckpt_path(ckpt_path, subcommand, trainer)

@@ -157,10 +157,13 @@ def _last(subcommand: str, trainer_config: Any) -> Optional[str]:
     return None
 
 
-def existing_run_problem(ckpt_path: Any, trainer_config: Any, command: str = "gpuopt fit ...") -> Optional[str]:
+def existing_run_problem(
+    ckpt_path: Any, trainer_config: Any,
+    commands: tuple[str, str] = ("gpuopt fit ... --ckpt_path last", "gpuopt fit ... --trainer.default_root_dir NEW_FOLDER"),
+) -> Optional[str]:
     """The error for a ``fit`` without ``--ckpt_path`` (nor ``fast_dev_run``) whose checkpoint folders already hold a
-    checkpoint, naming the two ``command`` lines to choose from (a re-run is as often a new experiment as a
-    continuation: only the user knows which); else ``None``."""
+    checkpoint, naming the two ``commands`` to choose from, continue and new run (a re-run is as often a new
+    experiment as a continuation: only the user knows which); else ``None``."""
     if ckpt_path or _get(trainer_config, "fast_dev_run", False):
         return None
     dirs = checkpoint_dirs(trainer_config)
@@ -169,8 +172,7 @@ def existing_run_problem(ckpt_path: Any, trainer_config: Any, command: str = "gp
         return None
     return (
         f"{found[0]} holds a run this fit would overwrite (it starts again from step 0). To continue it: "
-        f"`{command} --ckpt_path last`; to start a new run: `{command} --trainer.default_root_dir NEW_FOLDER` "
-        f"(or move {found[0].parent} away first)."
+        f"`{commands[0]}`; to start a new run: `{commands[1]}` (or move {found[0].parent} away first)."
     )
 
 

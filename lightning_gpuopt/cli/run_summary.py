@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_gpuopt.model import GPT, GPTConfig
 
-__all__ = ["command_with_checkpoint", "count_text", "has_predict_data", "model_line", "where_things_went"]
+__all__ = ["command_line", "command_with_checkpoint", "count_text", "has_predict_data", "model_line", "where_things_went"]
 
 
 def command_with_checkpoint(
@@ -35,7 +35,13 @@ def command_with_checkpoint(
         argv: The command line the run was started with (without the program name).
         env: Environment variables the command needs, written before it (``PYTHONPATH`` for classes of one's own).
     """
-    replaced = {"--ckpt_path", *(a for a in extra if a.startswith("--"))}  # options the printed command sets itself
+    return command_line(argv, subcommand, ("--ckpt_path", ckpt, *extra), env)
+
+
+def command_line(argv: list[str], subcommand: str, options: tuple[str, ...] = (), env: Optional[Mapping[str, str]] = None) -> str:
+    """``[ENV=...] gpuopt <subcommand> <argv without its subcommand and the options set> <options>``, quoted for a
+    shell (``options``: ``("--flag", "value", ...)``, which replace the same flags of ``argv``)."""
+    replaced = {a for a in options if a.startswith("--")}  # options the printed command sets itself
     kept, skip = [], False
     for i, arg in enumerate(argv):
         if skip:
@@ -47,7 +53,7 @@ def command_with_checkpoint(
         elif arg.split("=", 1)[0] not in replaced:
             kept.append(arg)
     prefix = [f"{key}={shlex.quote(value)}" for key, value in (env or {}).items()]
-    return " ".join([*prefix, shlex.join(["gpuopt", subcommand, *kept, "--ckpt_path", ckpt, *extra])])
+    return " ".join([*prefix, shlex.join(["gpuopt", subcommand, *kept, *options])])
 
 
 def count_text(n: int) -> str:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import re
 import subprocess
 import sys
 import time
@@ -149,7 +151,11 @@ def test_last_without_a_last_ckpt_resumes_from_the_runs_newest_checkpoint(tmp_pa
     # A new fit into the same folder would mix its checkpoints with the run's: refused with both commands.
     assert _exit_code(_own(tmp_path, "--trainer.max_steps", "2")) == 2
     err = capsys.readouterr().err
-    assert "epoch=1-step=6.ckpt holds a run this fit would overwrite" in err and "--ckpt_path last" in err
+    assert "epoch=1-step=6.ckpt holds a run this fit would overwrite" in err
+    # The commands are the one typed, each with its option: they run as pasted.
+    go_on, new = re.findall(r"`(gpuopt fit [^`]*)`", err.replace("\n", " "))
+    assert shlex.split(go_on) == ["gpuopt", *_own(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path", "last"]
+    assert shlex.split(new)[-2:] == ["--trainer.default_root_dir", "NEW_FOLDER"] and "..." not in new
 
 
 def test_last_with_no_checkpoint_says_where_it_looked(tmp_path):
