@@ -144,10 +144,12 @@ class GPTCLI(LightningCLI):
     ``predict`` are ``GPTModule`` with ``TextDataModule``'s."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        finished = False
         try:
             super().__init__(*args, **kwargs)
+            finished = True
         finally:  # a fit holds its run folder from its start (_parse_ckpt_path) to here, however it ended
-            release_run_folder()
+            release_run_folder(tidy=not finished)  # a refused run leaves no lock file in a folder it made
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         if self.parser_class is LightningArgumentParser:

@@ -182,12 +182,37 @@ def holds_run_folder(env: Mapping[str, str]) -> bool:
     return all(env.get(name, "0").strip() in ("", "0") for name in _RANK_VARIABLES)
 
 
-def _lock(folder: Path) -> Optional[IO[str]]:
+class _LockFile:
+    """The open lock file of a run folder, and what taking it created (removed again by :meth:`tidy`)."""
+
+    def __init__(self, handle: IO[str], path: Path, created: list[Path]) -> None:
+        self.handle, self.path, self.created = handle, path, created  # created: the lock file, then new folders
+
+    def close(self) -> None:
+        self.handle.close()
+
+    def tidy(self) -> None:
+        """Remove the lock file and the folders taking it created, if nothing else was written there (a run refused
+        for its model or data before it wrote anything)."""
+        if self.path not in self.created or any(p.name != LOCK_FILE for p in self.path.parent.iterdir()):
+            return
+        self.path.unlink(missing_ok=True)
+        for folder in self.created[1:]:  # innermost first
+            try:
+                folder.rmdir()
+            except OSError:
+                return
+
+
+def _lock(folder: Path) -> Optional[_LockFile]:
     import fcntl
 
     try:
+        created = [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
         folder.mkdir(parents=True, exist_ok=True)
-        handle = open(folder / LOCK_FILE, "a+")  # created if missing, never truncated before the lock is ours
+        path = folder / LOCK_FILE
+        created = ([path] if not path.exists() else []) + created
+        handle = open(path, "a+")  # created if missing, never truncated before the lock is ours
     except OSError:  # a file, or a folder this process cannot write: the checks of the options name it, next
         return None
     try:
@@ -204,7 +229,7 @@ def _lock(folder: Path) -> Optional[IO[str]]:
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()
-    return handle
+    return _LockFile(handle, path, created)
 
 
 def hold_run_folder(trainer_config: Any, env: Mapping[str, str] = os.environ) -> None:
@@ -263,7 +288,11 @@ def _lock_checkpoint_folder(folder: Path) -> Optional[_FolderLock]:
         return None
 
 
-def release_run_folder() -> None:
-    """Let go of the folder :func:`hold_run_folder` holds (at the end of a ``fit``; the process's end does it too)."""
+def release_run_folder(tidy: bool = False) -> None:
+    """Let go of the folder :func:`hold_run_folder` holds (at the end of a ``fit``; the process's end does it too);
+    ``tidy``: a run that failed also removes the lock file and the folders it created when nothing else is there."""
     while _held:
-        _held.pop().close()
+        held = _held.pop()
+        held.close()
+        if tidy and isinstance(held, _LockFile):
+            held.tidy()

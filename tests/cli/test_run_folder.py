@@ -158,6 +158,19 @@ def test_last_without_a_last_ckpt_resumes_from_the_runs_newest_checkpoint(tmp_pa
     assert shlex.split(new)[-2:] == ["--trainer.default_root_dir", "NEW_FOLDER"] and "..." not in new
 
 
+def test_a_fit_refused_for_its_model_or_data_leaves_no_folder_behind(tmp_path, text_dir, cache_dir, capsys):
+    """The run folder is held from the start; a model or data error found when they are built leaves neither the lock
+    file nor the folders taking it made (an existing folder, and one a run wrote into, keep theirs)."""
+    root = tmp_path / "new" / "run"
+    data = ["--data.source", str(text_dir), "--data.vocab_size", "300", "--data.num_workers", "0", "--trainer.max_steps", "1"]
+    assert _exit_code(["fit", *data, "--model.preset", "tiny", "--model.n_head", "5", "--trainer.default_root_dir", str(root)]) == 2
+    assert "n_head" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    assert _exit_code(["fit", *data, "--data.batch_size", "0", "--trainer.default_root_dir", str(tmp_path / "mine")]) == 2
+    assert (tmp_path / "mine").is_dir() and list((tmp_path / "mine").iterdir()) == []
+
+
 def test_last_with_no_checkpoint_says_where_it_looked(tmp_path):
     trainer = {"default_root_dir": str(tmp_path), "callbacks": [{"class_path": "tests.cli._own_modules.EveryNSteps"}]}
     with pytest.raises(ValueError, match=rf"no checkpoint in {tmp_path / 'checkpoints'}\. Pass the checkpoint's path"):
