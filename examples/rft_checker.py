@@ -13,10 +13,11 @@ import ast
 
 
 def score(record: dict, completion: str) -> int:
-    """1 when the prompt and its completion make one line of valid Python (a block opener such as ``def f(x):`` gets a
-    ``pass`` body) that holds the record's ``"answer"`` if it has one, else 0."""
+    """1 when the completion adds something (not only spaces) and the prompt and it make one line of valid Python (a
+    block opener such as ``def f(x):`` gets a ``pass`` body) that holds the record's ``"answer"`` if it has one, else 0
+    (a prompt such as ``return`` is valid alone: an empty completion would teach the model to stop at once)."""
     line = (record["prompt"] + completion).strip()
-    if not line:
+    if not completion.strip():
         return 0
     if line.endswith(":"):
         line += " pass"

@@ -83,6 +83,8 @@ def test_rft_recipe_train_generate_score_keep_fine_tune(tmp_path, text_dir, cach
     lines = [json.loads(line) for line in (tmp_path / "gen" / "generations.jsonl").read_text().splitlines()]
     assert len(lines) == 40 and all("\n" not in r["completion"] for r in lines)
     assert all(r["score"] == rft_checker.score(r, r["completion"]) for r in lines)
+    # A prompt that is valid Python alone ("    return ") scores 0 with an empty completion, 1 with a value.
+    assert rft_checker.score({"prompt": "    return "}, "") == 0 and rft_checker.score({"prompt": "    return "}, "x") == 1
     assert len((tmp_path / "gen" / "generations.kept.jsonl").read_text().splitlines()) == 40
     with caplog.at_level("INFO"):
         main(["fit", "--config", str(EXAMPLES / "configs" / "rft.yaml"), *quiet, "--model.init_from", str(base),
