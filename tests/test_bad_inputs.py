@@ -670,6 +670,8 @@ CASES = [
          r"returned 'many' \(str\) for the prompt 'a prompt': it must return a finite number or a bool"),
     Case("predict-kept-output-without-scorer", lambda c: _predict(c, "--generate.kept_output", str(c.tmp / "k.jsonl")), SystemExit,
          r"generate.kept_output is written with a scorer only: add --generate.scorer module:function"),
+    Case("cli-unknown-subcommand", lambda c: main(["fitt", "--model.preset", "tiny"]), SystemExit,
+         r"'fitt' is not a gpuopt command \(did you mean 'fit'\?\): choose from fit, validate, test, predict, doctor\."),
     Case("predict-kept-output-is-output",
          lambda c: _predict(c, "--generate.scorer", "tests.cli.test_prompts:accept_long", "--generate.kept_output", str(c.tmp / "g.jsonl")),
          SystemExit, r"generate.kept_output and generate.output are the same file \(.*g.jsonl\): .*name another --generate.kept_output"),

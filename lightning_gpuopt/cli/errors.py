@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 TRACEBACK_ENV = "GPUOPT_TRACEBACK"
+_INVALID_SUBCOMMAND = re.compile(r"argument subcommand: invalid choice: '([^']*)' \(choose from (.*)\)")
 _LINK = re.compile(r"argument (\S+) --> (\S+): ")
 _NESTED = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*Parser key "([^"]+)":\s*([^\n]+)', re.S)
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.+)\]\. Got value: (.+)")
@@ -65,6 +66,12 @@ def explain_parser_error(message: str) -> str:
     """A clear message with the fix for some of jsonargparse's (an empty config, a linked option given, ``inf``/``nan``
     for a float, text for a list, an unknown class or option, ours given flat before a class of one's own, a bad
     argument of a class in a list); others unchanged."""
+    subcommand = _INVALID_SUBCOMMAND.search(message)
+    if subcommand:
+        given, listed = subcommand.group(1), [*re.findall(r"'([^']+)'", subcommand.group(2)), "doctor"]
+        close = difflib.get_close_matches(given, listed, n=1)
+        return (f"'{given}' is not a gpuopt command" + (f" (did you mean '{close[0]}'?)" if close else "")
+                + f": choose from {', '.join(listed)}.")
     link = _LINK.search(message)
     if link:
         source, target = link.groups()
