@@ -192,9 +192,9 @@ class _LockFile:
         self.handle.close()
 
     def tidy(self) -> None:
-        """Remove the lock file and the folders taking it created, if nothing else was written there (a run refused
-        for its model or data before it wrote anything)."""
-        if self.path not in self.created or any(p.name != LOCK_FILE for p in self.path.parent.iterdir()):
+        """Remove the lock file, if taking it created it, and the folders it created that are empty then (after a run
+        that failed: refused for its model or data, before it wrote anything, or stopped by an error)."""
+        if self.path not in self.created:
             return
         self.path.unlink(missing_ok=True)
         for folder in self.created[1:]:  # innermost first
