@@ -12,7 +12,7 @@ import threading
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -315,6 +315,9 @@ class GPTCLI(LightningCLI):
             for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:
                 trainer.callbacks.remove(extra)
         fill_checkpoint_dirs(trainer)
+        if self.subcommand in ("validate", "test", "predict"):  # they save nothing: a ModelCheckpoint restored from the
+            for callback in [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]:  # file would only warn
+                trainer.callbacks.remove(callback)  # that its folder moved
         if self.subcommand == "predict":
             trainer.callbacks.append(_StopPredictOnSigterm())
         strategy = trainer.strategy

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -238,6 +239,15 @@ def test_a_partial_file_left_by_a_kill_is_not_emptied_by_the_next_run(tmp_path, 
     with pytest.warns(UserWarning, match="samples an untrained"):
         main([*args, "--generate.overwrite", "true"])
     assert not partial.exists() and len((tmp_path / "g.jsonl").read_text().splitlines()) == 1
+
+
+def test_predict_restores_no_checkpoint_callback(trained, tmp_path, text_dir, monkeypatch):
+    """predict saves nothing: a ModelCheckpoint restored from the file only warned that its folder had moved."""
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*dirpath has changed")
+        main(["predict", *_data_args(text_dir), "--ckpt_path", str(trained), "--data.prompts", "[the model]",
+              "--model.max_new_tokens", "2"])
 
 
 calls = {"n": 0}
