@@ -162,6 +162,7 @@ class TextDataModule(pl.LightningDataModule):
         self.loss_on = loss_on
         self._meta: Optional[dict] = None
         self.datasets: dict[str, torch.utils.data.Dataset] = {}
+        self._from_checkpoint = False  # the model (block_size) and tokenizer come from a checkpoint (resume, init_from)
         self._sampler: Optional[ResumableSampler] = None
         self._origin = (0, 0, 0, batch_size)  # (epoch, start, loop batches, batch size) of the current loader
         self._resume_position: Optional[tuple[int, int]] = None
@@ -186,6 +187,7 @@ class TextDataModule(pl.LightningDataModule):
             trainer.fit(model, datamodule=data, ckpt_path=path)
         """
         carried = carried_tokenizer(state_dict or {})
+        self._from_checkpoint = state_dict is not None
         if carried is None:
             return
         if self.tokenizer_path:
@@ -261,7 +263,10 @@ class TextDataModule(pl.LightningDataModule):
                 else:
                     self.datasets[split] = SequentialWindows(*args, answers=answers)
             except ValueError as err:
-                raise ValueError(f"The {split} split of {self._corpus.description} is too short: {err}{self._split_hint(split)}") from err
+                why = str(err)
+                if self._from_checkpoint:  # its block_size is the checkpoint's: a smaller one is refused
+                    why = why.replace(" or a smaller data.block_size.", f" (block_size={self.block_size} is the checkpoint's).")
+                raise ValueError(f"The {split} split of {self._corpus.description} is too short: {why}{self._split_hint(split)}") from err
         if stage == "fit":
             check_train_batches(len(self.datasets["train"]), self.batch_size, data_parallel_size(self.trainer),
                                 self.block_size, self._corpus.description)

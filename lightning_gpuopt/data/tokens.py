@@ -47,7 +47,7 @@ class _TokenSpan(Dataset):
                  answers: Optional[str | Path] = None) -> None:
         if end - start < block_size + 1:
             raise ValueError(
-                f"{Path(path).name} holds {end - start} tokens in this split, fewer than one training window of "
+                f"it holds {end - start} tokens, fewer than one training window of "
                 f"block_size + 1 = {block_size + 1}: use a larger corpus or a smaller data.block_size."
             )
         self.path, self.dtype, self.start, self.end, self.block_size = str(path), dtype, start, end, block_size

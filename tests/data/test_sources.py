@@ -51,10 +51,15 @@ def test_empty_corpus(tmp_path, cache_dir):
 def test_corpus_shorter_than_a_block(tmp_path, cache_dir):
     _write(tmp_path / "short.txt", "just a few words of text")
     dm = TextDataModule(source=str(tmp_path / "short.txt"), block_size=256, vocab_size=300, cache_dir=str(cache_dir))
-    with pytest.raises(ValueError, match=r"too short: .* fewer than one training window of block_size \+ 1 = 257: use a larger "
+    with pytest.raises(ValueError, match=r"too short: it holds .* fewer than one training window of block_size \+ 1 = 257: use a larger "
                        r"corpus or a smaller data.block_size\. \(data.val_fraction=0.05 of the text went to each of validation "
                        r"and test: a smaller one leaves training more\)$"):
         dm.setup("fit")  # "a larger data.val_fraction", as it said, shortens the train split further
+    # A run whose model comes from a checkpoint (resume, --model.init_from) keeps its block_size: not offered.
+    pinned = TextDataModule(source=str(tmp_path / "short.txt"), block_size=256, vocab_size=300, cache_dir=str(cache_dir))
+    pinned.use_checkpoint_tokenizer({})
+    with pytest.raises(ValueError, match=r"block_size \+ 1 = 257: use a larger corpus \(block_size=256 is the checkpoint's\)\. "):
+        pinned.setup("fit")
 
 
 def test_unreadable_file_is_named(tmp_path, cache_dir):
