@@ -43,6 +43,7 @@ __all__ = [
     "move_batch_position",
     "no_version_counter",
     "parser_options",
+    "subcommand_parsers",
     "parse_whole_lists",
     "rebuild_train_loader",
     "reparametrize_module",
@@ -129,6 +130,7 @@ TOUCHED = (
     "scheduler._milestones",
     # jsonargparse
     "parser._actions",  # the options a parser knows (parser_options, parse_whole_lists)
+    "cli._subcommand_parsers",  # LightningCLI's parser of each subcommand (subcommand_parsers)
     "import:jsonargparse.ArgumentParser._add_signature_parameter",  # overridden: int before float (cli/main.py)
     "import:jsonargparse._common.Action._check_type_",  # parses one option's value (parse_whole_lists)
     # the standard library
@@ -492,6 +494,11 @@ def sequential_parts(scheduler: Any) -> Optional[tuple[list[Any], list[int]]]:
 
 
 # jsonargparse
+
+
+def subcommand_parsers(cli: Any) -> dict[str, Any]:
+    """A LightningCLI's parser of each subcommand (``fit``, ``predict``, ...): ``{}`` when it runs none."""
+    return dict(getattr(cli, "_subcommand_parsers", None) or {})
 
 
 def parser_options(parser: Any) -> list[str]:

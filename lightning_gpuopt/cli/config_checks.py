@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_gpuopt.option_checks import check_int, check_number
 
 __all__ = [
+    "check_environment_options",
     "check_callbacks_once",
     "check_config_files",
     "check_monitored_metrics",
@@ -249,3 +250,22 @@ def check_stage_data(subcommand: str, model: Any, datamodule: Any) -> None:
         f"with --data my_pkg.MyData (data: {{class_path: my_pkg.MyData}} in the --config file), or give {name} a "
         f"{loader} method."
     )
+
+
+def check_environment_options(environ: Mapping[str, str], options: Mapping[str, Sequence[str]], prefix: str = "GPUOPT") -> None:
+    """Raise for an environment variable ``<PREFIX>_<SUBCOMMAND>__<GROUP>__<OPTION>`` that names no option of that
+    subcommand (``options``: each subcommand's option names, ``trainer.max_steps``), as the parser does for a flag:
+    a mistyped one was ignored without a word."""
+    for name in sorted(environ):
+        for subcommand, known in options.items():
+            head = f"{prefix}_{subcommand.upper()}__"
+            if not name.startswith(head):
+                continue
+            option = name[len(head):].lower().replace("__", ".")
+            group, _, rest = option.partition(".")
+            if option in known or not option or (group in known and rest.split(".")[0] in ("class_path", "init_args")):
+                continue  # an option, or a part of one naming a class (GPUOPT_FIT__MODEL__CLASS_PATH)
+            close = difflib.get_close_matches(option, list(known), n=1, cutoff=0.75)
+            hint = (f" (did you mean {head}{close[0].upper().replace('.', '__')}, for --{close[0]}?)" if close else "")
+            raise ValueError(f"The environment variable {name} names no option of gpuopt {subcommand}{hint}: "
+                             f"unset it, or name an option (gpuopt {subcommand} --help lists them).")

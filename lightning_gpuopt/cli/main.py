@@ -40,6 +40,7 @@ from lightning_gpuopt.cli.defaults import (
 from lightning_gpuopt.cli.config_checks import (
     check_callbacks_once,
     check_config_files,
+    check_environment_options,
     check_monitored_metrics,
     check_stage_data,
     check_run_folder_writable,
@@ -50,7 +51,7 @@ from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.perf.parallel import tensor_parallel_size
-from lightning_gpuopt.internals import parse_whole_lists, parser_options
+from lightning_gpuopt.internals import parse_whole_lists, parser_options, subcommand_parsers
 from lightning_gpuopt.option_checks import command_line_options
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
@@ -183,6 +184,8 @@ class GPTCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:]  # for the commands printed at the end
         check_config_files(self.argv)  # a YAML syntax error names the file and line, not "<unicode string>"
+        running = {name: sub for name, sub in subcommand_parsers(self).items() if self.argv[:1] == [name]}
+        check_environment_options(os.environ, {name: parser_options(sub) for name, sub in running.items()})
         if isinstance(args, (list, tuple)):
             # main(args): the list replaces the command line, so whatever sys.argv holds (a test runner's own
             # arguments, a script's) is not a mix-up worth LightningCLI's warning about passing both

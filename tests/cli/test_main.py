@@ -473,3 +473,22 @@ def test_fit_trains_the_llama_style_preset_end_to_end(text_dir, cache_dir, tmp_p
         main(["fit", *run, "--trainer.max_steps", "4", "--ckpt_path", "last", "--model.n_kv_head", "4"])
     assert stop.value.code == 2
     assert "model.n_kv_head=4 but the checkpoint has n_kv_head=2" in capsys.readouterr().err
+
+
+def test_a_mistyped_environment_option_is_refused_with_the_one_meant(monkeypatch, capsys):
+    from lightning_gpuopt.cli.main import main
+
+    monkeypatch.setenv("GPUOPT_FIT__TRAINER__MAX_STEP", "20")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--model.preset", "tiny", "--trainer.max_steps", "1"])
+    assert exit_info.value.code == 2
+    assert ("The environment variable GPUOPT_FIT__TRAINER__MAX_STEP names no option of gpuopt fit (did you mean "
+            "GPUOPT_FIT__TRAINER__MAX_STEPS, for --trainer.max_steps?)") in capsys.readouterr().err
+    monkeypatch.delenv("GPUOPT_FIT__TRAINER__MAX_STEP")
+    monkeypatch.setenv("GPUOPT_FIT__MODEL__CLASS_PATH", "lightning_gpuopt.GPTModule")  # a class, as named_classes reads
+    from lightning_gpuopt.cli.config_checks import check_environment_options
+
+    check_environment_options({"GPUOPT_FIT__MODEL__CLASS_PATH": "a.B", "GPUOPT_CACHE_DIR": "/x"}, {"fit": ["model"]})
+    with pytest.raises(ValueError, match=r"GPUOPT_PREDICT__MODEL__TEMPRATURE names no option of gpuopt predict \(did you "
+                                         r"mean GPUOPT_PREDICT__MODEL__TEMPERATURE, for --model.temperature\?\)"):
+        check_environment_options({"GPUOPT_PREDICT__MODEL__TEMPRATURE": "0"}, {"predict": ["model.temperature"]})
