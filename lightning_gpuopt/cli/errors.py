@@ -62,16 +62,20 @@ _NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \
 T = TypeVar("T")
 
 
+def _unknown_subcommand(given: str, choices: str) -> str:
+    listed = [*re.findall(r"'([^']+)'", choices), "doctor"]  # doctor runs before the parser, which does not list it
+    close = difflib.get_close_matches(given, listed, n=1)
+    return (f"'{given}' is not a gpuopt command" + (f" (did you mean '{close[0]}'?)" if close else "")
+            + f": choose from {', '.join(listed)}.")
+
+
 def explain_parser_error(message: str) -> str:
     """A clear message with the fix for some of jsonargparse's (an empty config, a linked option given, ``inf``/``nan``
     for a float, text for a list, an unknown class or option, ours given flat before a class of one's own, a bad
     argument of a class in a list); others unchanged."""
     subcommand = _INVALID_SUBCOMMAND.search(message)
     if subcommand:
-        given, listed = subcommand.group(1), [*re.findall(r"'([^']+)'", subcommand.group(2)), "doctor"]
-        close = difflib.get_close_matches(given, listed, n=1)
-        return (f"'{given}' is not a gpuopt command" + (f" (did you mean '{close[0]}'?)" if close else "")
-                + f": choose from {', '.join(listed)}.")
+        return _unknown_subcommand(*subcommand.groups())
     link = _LINK.search(message)
     if link:
         source, target = link.groups()
