@@ -72,6 +72,15 @@ class _LinesAboveTheBars:
                 logger.handlers[logger.handlers.index(above)] = handler
         self._swapped = []
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]  # the bar's, next in the MRO
+        if self.is_enabled:  # type: ignore[attr-defined]
+            self._take_log_lines()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._put_back_handlers()
+        super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
+
 
 class ResumedTQDMProgressBar(_LinesAboveTheBars, TQDMProgressBar):
     """Lightning's ``TQDMProgressBar``, starting at a resumed epoch's batch, with logged lines above it."""
@@ -80,17 +89,6 @@ class ResumedTQDMProgressBar(_LinesAboveTheBars, TQDMProgressBar):
         from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
         Tqdm.write(text, file=stream)  # clears the bars, writes the line, draws the bars again
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if self.is_enabled:
-            self._take_log_lines()
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._put_back_handlers()
-        super().teardown(trainer, pl_module, stage)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -131,17 +129,6 @@ class ResumedRichProgressBar(_LinesAboveTheBars, RichProgressBar):
         else:
             stream.write(text + "\n")
             stream.flush()
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if self.is_enabled:
-            self._take_log_lines()
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._put_back_handlers()
-        super().teardown(trainer, pl_module, stage)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
