@@ -130,7 +130,7 @@ TOUCHED = (
     "scheduler._milestones",
     # jsonargparse
     "parser._actions",  # the options a parser knows (parser_options, parse_whole_lists)
-    "cli._subcommand_parsers",  # LightningCLI's parser of each subcommand (subcommand_parsers)
+    "import:lightning.pytorch.cli.LightningCLI._parser",  # a subcommand's parser (subcommand_parsers)
     "import:jsonargparse.ArgumentParser._add_signature_parameter",  # overridden: int before float (cli/main.py)
     "import:jsonargparse._common.Action._check_type_",  # parses one option's value (parse_whole_lists)
     # the standard library
@@ -498,7 +498,13 @@ def sequential_parts(scheduler: Any) -> Optional[tuple[list[Any], list[int]]]:
 
 def subcommand_parsers(cli: Any) -> dict[str, Any]:
     """A LightningCLI's parser of each subcommand (``fit``, ``predict``, ...): ``{}`` when it runs none."""
-    return dict(getattr(cli, "_subcommand_parsers", None) or {})
+    parsers = {}
+    for name in cli.subcommands():
+        try:
+            parsers[name] = cli._parser(name)
+        except (KeyError, AttributeError):  # run=False: the CLI has no subcommands
+            return {}
+    return parsers
 
 
 def parser_options(parser: Any) -> list[str]:
