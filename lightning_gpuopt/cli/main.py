@@ -64,7 +64,7 @@ from lightning_gpuopt.cli.generate import (
     generate_from_file,
     generate_options_given,
 )
-from lightning_gpuopt.model.batched_generation import fit_to_context
+from lightning_gpuopt.generation.batched import fit_to_context
 from lightning_gpuopt.cli.resume_checks import (
     OwnCheckpoint,
     check_steps_left,
