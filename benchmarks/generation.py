@@ -50,9 +50,10 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks._report import check_out_folder, device_slug, write_text
-from lightning_gpuopt.model import GPT, GPTConfig, KVCache
-from lightning_gpuopt.model.batched_generation import Request, generate_batched
-from lightning_gpuopt.model.generation import generate, sample_next
+from lightning_gpuopt.generation import KVCache
+from lightning_gpuopt.model import GPT, GPTConfig
+from lightning_gpuopt.generation.batched import Request, generate_batched
+from lightning_gpuopt.generation.sampling import generate, sample_next
 
 __all__ = ["CONFIGS", "main", "run_config"]
 

@@ -15,16 +15,38 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 __all__ = ["check_bool", "check_choice", "check_file_name", "check_int", "check_names", "check_number",
-           "command_line_options", "from_command_line", "option"]
+           "command_line_options", "from_command_line", "option", "register_command_line_place"]
 
-# Where the gpuopt command takes each class's options: a group of its own, else a list of trainer.*.
-_GROUPS = {"GPTModule": "model", "GPTConfig": "model", "TextDataModule": "data", "Trainer": "trainer",
-           "Trainer.fit": "", "ExactResume": "exact_resume", "SigtermCheckpoint": "sigterm_checkpoint"}
-_PLUGINS = ("BF16Precision", "Float8Precision", "AtomicCheckpointIO")
+# Where the gpuopt command takes each class's options, by class name: filled by the command itself
+# (register_command_line_place), so this module names no class of a layer above it.
+_GROUPS: dict[str, str] = {}  # a group of its own: "model" -> --model.<name>; "" -> --<name>
+_LISTS: dict[str, str] = {}  # an entry of a list option: "trainer.plugins"
+_DEFAULT_LIST = "trainer.callbacks"  # a class not registered: a callback of the user's own, say
 _command_line = False  # inside command_line_options()
+
+
+def register_command_line_place(owner: Union[type, str], *, group: Optional[str] = None,
+                                listed_in: Optional[str] = None) -> None:
+    """Say where the ``gpuopt`` command takes ``owner``'s options, for :func:`option` to name them there.
+
+    Exactly one of ``group`` (its own group: ``"model"`` gives ``--model.<name>``, ``""`` top-level ``--<name>``) or
+    ``listed_in`` (an entry of a list option, ``"trainer.plugins"``) is given. A class not registered is named as an
+    entry of ``trainer.callbacks``. ``owner`` is the class, or the name :func:`option` is called with
+    (``"Trainer.fit"``).
+    """
+    if (group is None) == (listed_in is None):
+        raise ValueError(f"register_command_line_place({owner!r}) takes one of group= or listed_in=, "
+                         f"got group={group!r}, listed_in={listed_in!r}.")
+    name = owner if isinstance(owner, str) else owner.__name__
+    _GROUPS.pop(name, None)
+    _LISTS.pop(name, None)
+    if group is not None:
+        _GROUPS[name] = group
+    else:
+        _LISTS[name] = listed_in
 
 
 @contextmanager
@@ -59,7 +81,7 @@ def option(owner: str, name: str, value: Any = ...) -> str:
     group = _GROUPS.get(owner)
     if group is not None:
         return f"--{group}{'.' if group else ''}{name}{' ' + text if text else ''}"
-    where = "trainer.plugins" if owner in _PLUGINS else "trainer.callbacks"
+    where = _LISTS.get(owner, _DEFAULT_LIST)
     setting = f"init_args: {{{name}: {text}}}" if text else f"init_args.{name}"
     return f"{setting} of {owner} in {where}"
 

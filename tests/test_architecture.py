@@ -4,8 +4,8 @@ Every module of ``lightning_gpuopt`` is parsed with ``ast`` (imports inside func
 ``TYPE_CHECKING`` included, since they are arrows all the same) and held to ``docs/architecture.md``:
 
 * Layers, bottom to top: ``base`` (``perf/`` and the top-level helpers ``internals``, ``option_checks``,
-  ``protocols``, ``resume``) -> ``precision/`` -> ``model/``, ``data/`` -> ``checkpoint/`` -> ``callbacks/``,
-  ``strategies/`` -> ``cli/`` and the package root. A module imports its own group and lower layers only.
+  ``protocols``, ``resume``) -> ``precision/`` -> ``generation/`` -> ``model/``, ``data/`` -> ``checkpoint/``
+  -> ``callbacks/``, ``strategies/`` -> ``cli/`` and the package root. A module imports its own group and lower layers only.
   ``model`` and ``data`` do not import each other, nor do ``callbacks`` and ``strategies``; the top-level
   modules within ``base`` may.
 * No cycles between modules.
@@ -40,6 +40,7 @@ class Layer:
 LAYERS = (
     Layer("base", frozenset({"perf", "internals", "option_checks", "protocols", "resume"}), True),
     Layer("precision", frozenset({"precision"}), True),
+    Layer("generation", frozenset({"generation"}), True),
     Layer("model/data", frozenset({"model", "data"}), False),
     Layer("checkpoint", frozenset({"checkpoint"}), True),
     Layer("callbacks/strategies", frozenset({"callbacks", "strategies"}), False),

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from lightning_gpuopt.option_checks import command_line_options, option
+import ast
+
+import pytest
+
+import lightning_gpuopt.option_checks as option_checks
+from lightning_gpuopt.cli.option_places import OPTION_GROUPS  # the command registers where its classes' options are
+from lightning_gpuopt.option_checks import command_line_options, option, register_command_line_place
 from lightning_gpuopt.perf.mfu import WindowTotals, summarise_windows
 
 
@@ -22,6 +28,34 @@ def test_an_option_is_the_python_argument_outside_the_command_and_the_flag_or_in
         with command_line_options():
             assert option(*args) == command
         assert option(*args) == python  # restored on leaving
+
+
+def test_the_command_registers_its_classes_and_the_checks_name_none_of_their_own(monkeypatch):
+    # The table is filled from above: option_checks' source names no class of a higher layer.
+    tree = ast.parse(open(option_checks.__file__).read())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr)}
+    strings = " ".join(n.value for n in ast.walk(tree)
+                       if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings)
+    assert all(name not in strings for name in ("GPTModule", "TextDataModule", "ExactResume", "Float8Precision"))
+    assert "trainer.callbacks" in strings  # what the walk reads: the strings of the code
+    assert OPTION_GROUPS["Trainer.fit"] == "" and option_checks._GROUPS["SigtermCheckpoint"] == "sigterm_checkpoint"
+    monkeypatch.setattr(option_checks, "_GROUPS", dict(option_checks._GROUPS))
+    monkeypatch.setattr(option_checks, "_LISTS", dict(option_checks._LISTS))
+
+    class MyPlugin:
+        pass
+
+    with command_line_options():
+        assert option("MyPlugin", "scale", 2) == "init_args: {scale: 2} of MyPlugin in trainer.callbacks"
+        register_command_line_place(MyPlugin, listed_in="trainer.plugins")
+        assert option("MyPlugin", "scale", 2) == "init_args: {scale: 2} of MyPlugin in trainer.plugins"
+        register_command_line_place(MyPlugin, group="my")  # registered again: the last place holds
+        assert option("MyPlugin", "scale", 2) == "--my.scale 2"
+    with pytest.raises(ValueError, match=r"takes one of group= or listed_in="):
+        register_command_line_place(MyPlugin)
+    with pytest.raises(ValueError, match=r"takes one of group= or listed_in="):
+        register_command_line_place(MyPlugin, group="my", listed_in="trainer.plugins")
 
 
 def test_the_data_wait_advice_names_the_setting_it_is_given():

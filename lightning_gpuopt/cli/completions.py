@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional, Union
 
 from lightning_gpuopt.cli.prompts import Scorer, score_of
-from lightning_gpuopt.model.batched_generation import Finished
+from lightning_gpuopt.generation.batched import Finished
 
 __all__ = ["CompletionWriter", "defer_stop", "kept_path", "write_jsonl"]
 

@@ -17,7 +17,7 @@ from lightning_gpuopt.cli.completions import CompletionWriter, kept_path
 from lightning_gpuopt.cli.config_checks import check_output_file
 from lightning_gpuopt.cli.generation_progress import GenerationProgress
 from lightning_gpuopt.cli.prompts import Scorer, check_scorer, load_scorer, plan_requests, read_prompts
-from lightning_gpuopt.model.batched_generation import Finished, GenerationJob
+from lightning_gpuopt.generation.batched import Finished, GenerationJob
 
 __all__ = ["add_generate_arguments", "check_generate_options", "completions_path", "generate_from_file", "generate_options_given"]
 

@@ -53,6 +53,7 @@ from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.perf.parallel import tensor_parallel_size
 from lightning_gpuopt.internals import parse_whole_lists, parser_options, subcommand_parsers
 from lightning_gpuopt.option_checks import command_line_options
+from lightning_gpuopt.cli.option_places import OPTION_GROUPS
 from lightning_gpuopt.checkpoint.io import AtomicCheckpointIO
 from lightning_gpuopt.cli.named_classes import named_classes
 from lightning_gpuopt.cli.completions import defer_stop
@@ -63,7 +64,7 @@ from lightning_gpuopt.cli.generate import (
     generate_from_file,
     generate_options_given,
 )
-from lightning_gpuopt.model.batched_generation import fit_to_context
+from lightning_gpuopt.generation.batched import fit_to_context
 from lightning_gpuopt.cli.resume_checks import (
     OwnCheckpoint,
     check_steps_left,
@@ -171,8 +172,8 @@ class GPTCLI(LightningCLI):
         if self.trains_gpt and self.reads_text:
             parser.link_arguments("data.block_size", "model.block_size")
             parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
-        parser.add_lightning_class_args(ExactResume, "exact_resume")
-        parser.add_lightning_class_args(SigtermCheckpoint, "sigterm_checkpoint")
+        parser.add_lightning_class_args(ExactResume, OPTION_GROUPS[ExactResume])  # where option() names them
+        parser.add_lightning_class_args(SigtermCheckpoint, OPTION_GROUPS[SigtermCheckpoint])
         self.stack_device_type = stack_device_type()
         parser.set_defaults(default_stack(self.stack_device_type))
         parse_whole_lists(parser, "trainer.callbacks", is_stack_callbacks)  # a list of one's own replaces the stack's whole

@@ -1,6 +1,6 @@
 """Prompts file -> generation requests, and the scorer that judges completions (``gpuopt predict --generate.prompts_file``).
 
-Every sample of every prompt is a :class:`~lightning_gpuopt.model.batched_generation.Request` of its own, whatever
+Every sample of every prompt is a :class:`~lightning_gpuopt.generation.batched.Request` of its own, whatever
 its length (continuous batching takes them all); a JSONL record's other fields go to the scorer with each
 completion (``docs/generation.md``)."""
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Union
 
-from lightning_gpuopt.model.batched_generation import Request, fit_to_context
+from lightning_gpuopt.generation.batched import Request, fit_to_context
 from lightning_gpuopt.option_checks import check_int
 
 __all__ = ["Scorer", "check_scorer", "load_scorer", "plan_requests", "read_prompts", "score_of"]

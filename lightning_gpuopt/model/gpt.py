@@ -14,8 +14,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gpuopt.model.config import GPTConfig
-from lightning_gpuopt.model.generation import generate
-from lightning_gpuopt.model.kv_cache import KVCache, padded_causal_mask
+from lightning_gpuopt.generation.sampling import generate
+from lightning_gpuopt.generation.kv_cache import KVCache, padded_causal_mask
 from lightning_gpuopt.model.loss import linear_cross_entropy
 from lightning_gpuopt.model.rope import apply_rope, rope_cos_sin
 
@@ -336,5 +336,5 @@ class GPT(nn.Module):
         use_cache: bool = True,
         generator: Optional[torch.Generator] = None,
     ) -> Tensor:
-        """Continue a batch of prompts; see :func:`lightning_gpuopt.model.generation.generate`."""
+        """Continue a batch of prompts; see :func:`lightning_gpuopt.generation.sampling.generate`."""
         return generate(self, idx, max_new_tokens, temperature, top_k, use_cache, generator)

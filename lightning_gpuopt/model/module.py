@@ -19,9 +19,9 @@ from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype
 from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.loss import LossImpl
-from lightning_gpuopt.model.batched_generation import GenerationJob, fit_to_context, generate_batched
+from lightning_gpuopt.generation.batched import GenerationJob, fit_to_context, generate_batched
 from lightning_gpuopt.model.checkpoint import load_gpt_weights
-from lightning_gpuopt.model.generation_memory import generation_batch_size
+from lightning_gpuopt.generation.memory import generation_batch_size
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
 from lightning_gpuopt.model.sharding import shard_gpt

@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from lightning_gpuopt.callbacks import MFUMonitor
-from lightning_gpuopt.callbacks import mfu_monitor as mfu_module
+from lightning_gpuopt.perf.mfu_meter import MFUMeter
 from lightning_gpuopt.model import GPTModule
 from tests._module_shapes import EncoderLM, encoder_flops_per_token
 from tests.callbacks._mfu_helpers import ClockedGPTModule, FakeClock, TokenBatches, loader
@@ -135,7 +135,7 @@ def test_validation_and_checkpoint_time_is_neither_data_wait_nor_training_time(t
 
 def test_no_sync_on_steps_that_do_not_log(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(mfu_module, "_synchronize", lambda device: calls.append(device))
+    monkeypatch.setattr(MFUMeter, "synchronize", lambda meter: calls.append(meter.device))
     monitor = MFUMonitor(log_every_n_steps=4, warmup_steps=2, peak_flops=1e12)
     trainer = _trainer(tmp_path, [monitor], max_steps=11)
     trainer.fit(ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(20, B, T)))
@@ -295,7 +295,7 @@ def test_monitor_counts_a_step_that_reads_a_value_whole_and_once(tmp_path):
 
     class Counts(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            counted.append(monitor._counter.running)
+            counted.append(monitor.meter.flops.running)
 
     monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
     with warnings.catch_warnings():
@@ -306,7 +306,7 @@ def test_monitor_counts_a_step_that_reads_a_value_whole_and_once(tmp_path):
     per_token = monitor.history[-1]["perf/tflops_per_device"] * 1e12 / monitor.history[-1]["perf/tokens_per_sec_per_device"]
     assert per_token == pytest.approx(hand_flops_per_token(Reads()), rel=1e-6)
     assert counted == [True, False, False]  # one counted step: the first; nothing left counting after fit
-    assert not monitor._counter.running
+    assert not monitor.meter.flops.running
     # and the module's own count is the first choice
     class Counted(Reads):
         def flops_per_token(self, seq_len):
@@ -481,3 +481,18 @@ def test_a_resumed_run_keeps_the_counts_and_counts_no_length_again(tmp_path, cap
     assert not [r for r in caplog.records if "counted over a real training step" in r.getMessage()]  # not counted again
     assert resumed.flops_source == monitor.flops_source == "HFLlamaModule.training_step, counted over a real step"
     assert resumed.total_flops / resumed.total_tokens == pytest.approx(monitor.total_flops / monitor.total_tokens)
+
+
+def test_the_monitor_stays_thin_its_state_in_the_meter(tmp_path):
+    # The callback keeps its options and hands what a fit measures to one MFUMeter (perf/mfu_meter.py), as
+    # Lightning's ThroughputMonitor hands its window to Throughput: its own attributes stay few.
+    monitor = MFUMonitor(log_every_n_steps=2, warmup_steps=1, peak_flops=1e12)
+    trainer = _trainer(tmp_path, [monitor], max_steps=3)
+    trainer.fit(ClockedGPTModule(FakeClock(), 0.0, preset="tiny"), loader(TokenBatches(3, B, T)))
+    options = {"log_every_n_steps", "warmup_steps", "peak_flops", "dtype", "flops_per_token", "tokens_fn",
+               "measure_peak", "prog_bar", "report", "_clock"}
+    own = set(vars(monitor)) - {"log", "log_dict"}  # the Trainer hands every callback the module's log methods
+    assert own == options | {"summary", "_dtype", "_meter"}
+    assert len(own) <= 15
+    assert isinstance(monitor.meter, MFUMeter) and monitor.meter.steps == 3 and len(monitor.history) == 1
+    assert monitor.history is monitor.meter.history and monitor.total_tokens == 3 * B * T

@@ -15,7 +15,7 @@ from lightning_gpuopt.cli.generation_progress import GenerationProgress, format_
 from lightning_gpuopt.cli.main import main
 from lightning_gpuopt.cli.prompts import check_scorer, load_scorer, plan_requests, read_prompts
 from lightning_gpuopt.model import load_gpt
-from lightning_gpuopt.model.batched_generation import Finished
+from lightning_gpuopt.generation.batched import Finished
 
 
 def _encode(text):

@@ -14,7 +14,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_gpuopt.model import GPT, GPTConfig, KVCache
+from lightning_gpuopt.generation import KVCache
+from lightning_gpuopt.model import GPT, GPTConfig
 from lightning_gpuopt.model.config import llama_ffn_size
 from lightning_gpuopt.model.gpt import grouped_heads_run_fused
 from lightning_gpuopt.model.rope import rope_cos_sin

@@ -225,7 +225,7 @@ def test_predict_step_runs_a_generation_job_of_mixed_lengths(caplog):
     alone, the batch size from the device (a CPU: a fixed number of rows, said)."""
     from torch.utils.data import DataLoader
 
-    from lightning_gpuopt.model.batched_generation import GenerationJob, Request
+    from lightning_gpuopt.generation.batched import GenerationJob, Request
 
     module = GPTModule(preset="tiny", vocab_size=64, block_size=32, max_new_tokens=5, temperature=0)
     requests = [Request(list(range(1, n + 1)), 5, key=n) for n in (1, 7, 3, 12)]

@@ -6,20 +6,31 @@ get (the KV cache holds the grouped key/value heads: ``n_kv_head`` wide); a CPU 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
-from lightning_gpuopt.model.batched_generation import PREFILL_LOGITS_BYTES
-from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.generation.batched import PREFILL_LOGITS_BYTES
 from lightning_gpuopt.perf.device import DeviceFacts
 from lightning_gpuopt.perf.units import GiB
 
-__all__ = ["CPU_ROWS", "GenerationMemory", "generation_batch_size"]
+__all__ = ["CPU_ROWS", "CacheShape", "GenerationMemory", "generation_batch_size"]
 
 CPU_ROWS = 64  # rows of a batch on a device without known memory (a CPU): enough for batching to pay
 
 _MARGIN = 0.10  # of the device's memory, kept free
 _CUDA_CONTEXT = 1 * GiB  # the CUDA context, cuBLAS workspaces and allocator slack
 _HIDDEN_COPIES = 16  # hidden-sized tensors alive in one decode step (qkv, attention output, MLP's 4x, residuals)
+
+
+class CacheShape(Protocol):
+    """What the arithmetic reads of a model's config (``GPTConfig`` has every field): generation sits below the
+    model, so it names the fields rather than the class."""
+
+    block_size: int
+    n_layer: int
+    n_kv_head: int
+    head_size: int
+    n_embd: int
+    padded_vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -34,13 +45,13 @@ class GenerationMemory:
 
 
 def generation_batch_size(
-    config: GPTConfig, facts: DeviceFacts, weight_bytes: int, dtype_bytes: int, context: Optional[int] = None,
+    config: CacheShape, facts: DeviceFacts, weight_bytes: int, dtype_bytes: int, context: Optional[int] = None,
     most_rows: Optional[int] = None,
 ) -> GenerationMemory:
     """The largest batch the KV cache and activations allow on ``facts``'s device, with a margin.
 
     Args:
-        config: The model's architecture.
+        config: The model's architecture (a ``GPTConfig``).
         facts: The device.
         weight_bytes: Bytes of the model's weights on the device.
         dtype_bytes: Bytes per element of the KV cache and activations (2 under bf16, 4 in float32).

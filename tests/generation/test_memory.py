@@ -4,7 +4,7 @@ batch, and a model too large to generate with."""
 import pytest
 
 from lightning_gpuopt.model import GPTConfig
-from lightning_gpuopt.model.generation_memory import CPU_ROWS, generation_batch_size
+from lightning_gpuopt.generation.memory import CPU_ROWS, generation_batch_size
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from lightning_gpuopt.perf.units import GiB
 

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_gpuopt.model import GPT, GPTConfig, KVCache
-from lightning_gpuopt.model.batched_generation import GenerationJob, Request, fit_to_context, generate_batched
+from lightning_gpuopt.generation import KVCache
+from lightning_gpuopt.model import GPT, GPTConfig
+from lightning_gpuopt.generation.batched import GenerationJob, Request, fit_to_context, generate_batched
 
 
 def _model(**overrides) -> GPT:

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from lightning_gpuopt.model import GPT, GPTConfig, KVCache
-from lightning_gpuopt.model.generation import sample_next
+from lightning_gpuopt.generation import KVCache
+from lightning_gpuopt.model import GPT, GPTConfig
+from lightning_gpuopt.generation.sampling import sample_next
 
 
 def tiny(**overrides) -> GPTConfig:

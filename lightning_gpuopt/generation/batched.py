@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_gpuopt.model.generation import sample_next
-from lightning_gpuopt.model.kv_cache import KVCache
+from lightning_gpuopt.generation.sampling import sample_next
+from lightning_gpuopt.generation.kv_cache import KVCache
 from lightning_gpuopt.option_checks import check_int, check_number
 
 __all__ = ["Finished", "GenerationJob", "Request", "fit_to_context", "generate_batched"]

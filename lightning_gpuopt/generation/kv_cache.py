@@ -2,7 +2,8 @@
 
 Rows may be at different lengths (continuous batching refills a finished row while the others go on);
 while every row holds the same columns, all real, no mask is built. How: ``docs/generation.md``. Its own
-module because ``gpt.py`` fills it and ``generation.py`` / ``batched_generation.py`` create it."""
+module because ``model/gpt.py`` fills it and ``sampling.py`` / ``batched.py`` create it; it lives with generation,
+below the model, since the generation loops create it and import nothing of the model."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_gpuopt.model.kv_cache import KVCache
+from lightning_gpuopt.generation.kv_cache import KVCache
 from lightning_gpuopt.option_checks import check_int, check_number
 
 __all__ = ["generate", "sample_next"]
