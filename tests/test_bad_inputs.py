@@ -347,7 +347,7 @@ CASES = [
     Case("non-positive-size", lambda c: GPTConfig(n_layer=0), ValueError, "GPTConfig.n_layer must be an integer >= 1"),
     Case("dropout-out-of-range", lambda c: GPTConfig(dropout=1.0), ValueError, r"dropout must be in \[0, 1\)"),
     Case("unknown-arch", lambda c: GPTConfig(arch="mistral"), ValueError,
-         "GPTConfig.arch must be 'gpt2' or 'llama', got 'mistral'"),
+         "GPTConfig.arch must be 'gpt2', 'llama' or 'qwen2', got 'mistral'"),
     Case("llama-option-on-gpt2", lambda c: GPTConfig(n_kv_head=2), ValueError,
          r"GPTConfig.n_kv_head needs fused_qkv=False, which this config \(arch='gpt2'\) does not have.*arch='llama'"),
     Case("n-kv-head-not-dividing", lambda c: GPTModule(preset="llama-tiny", n_kv_head=3), ValueError,

@@ -15,7 +15,7 @@ from lightning_gpuopt.perf.device import DeviceFacts
 __all__ = ["GPTConfig", "PRESETS", "check_attention_runs", "check_data_fits", "llama_ffn_size"]
 
 Attention = Literal["sdpa", "flash-attn"]
-Arch = Literal["gpt2", "llama"]
+Arch = Literal["gpt2", "llama", "qwen2"]
 Positions = Literal["learned", "rotary"]
 Norm = Literal["layernorm", "rmsnorm"]
 MLPKind = Literal["gelu", "swiglu"]
@@ -32,13 +32,19 @@ _FAMILIES: dict[str, dict[str, Any]] = {
         positions="rotary", norm="rmsnorm", mlp="swiglu", fused_qkv=False, bias=False, rope_theta=10000.0,
         multiple_of=256, flops="matmuls",
     ),
+    # Qwen2 (Yang et al., 2024, arXiv:2407.10671; transformers' Qwen2ForCausalLM): Llama's, with a bias on the
+    # query, key and value projections only (added before the rotation), and rotary base 1,000,000 (Qwen2.5)
+    "qwen2": dict(
+        positions="rotary", norm="rmsnorm", mlp="swiglu", fused_qkv=False, bias=False, qkv_bias=True,
+        rope_theta=1000000.0, multiple_of=256, flops="matmuls",
+    ),
 }
 _BIASES = ("qkv_bias", "attn_out_bias", "mlp_bias", "norm_bias")
 # Activation elements a block keeps per token for its backward, (n_embd, kv, ffn) coefficients by MLP: SwiGLU's
 # measured within 2% at the llama-1b and llama-8b shapes; GELU's is Korthikanti et al.'s 17 n_embd (34 bytes in
 # 16-bit; arXiv:2205.05198) at GPT-2's kv = n_embd and ffn = 4 n_embd (tests/strategies/test_choose.py).
 _ACTIVATION_TERMS = {"swiglu": (9, 2, 4), "gelu": (7, 2, 2)}
-# Our module names -> transformers' (GPT2LMHeadModel, LlamaForCausalLM), for
+# Our module names -> transformers' (GPT2LMHeadModel; LlamaForCausalLM and Qwen2ForCausalLM share theirs), for
 # hf_names; "{i}" is a block's index. GPT-2's Conv1D layers store their weights transposed (hf_transposed).
 _HF_LLAMA = {
     "transformer.wte": "model.embed_tokens", "transformer.ln_f": "model.norm", "lm_head": "lm_head",
@@ -53,6 +59,7 @@ _HF_NAMES = {
         "transformer.h.{i}", ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
     ),
     "llama": (_HF_LLAMA, "model.layers.{i}", ()),
+    "qwen2": (_HF_LLAMA, "model.layers.{i}", ()),
 }
 
 # Llama 3's shapes, from the Hugging Face config.json of each model (hidden_size, num_hidden_layers,
@@ -69,8 +76,10 @@ _LLAMA3 = dict(arch="llama", vocab_size=128256, block_size=8192, rope_theta=5000
 # the GPT-3 "small-wide" shape used by many recipes (d1024 with 12 layers). The llama-* presets are
 # Llama 3 shapes (above): llama-1b and llama-3b are Llama 3.2 1B and 3B (output head tied), llama-8b is
 # Llama 3.1 8B and llama-70b Llama 3.1 70B (untied), the last for planning and meta-device tests.
-# `tiny` and `llama-tiny` are for tests and CPU runs: every dimension is a multiple of 16 so float8
-# conversion really happens on them.
+# qwen2-0.5b is Qwen2.5-0.5B (https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json: hidden_size 896,
+# 24 layers, 14 query and 2 key/value heads, intermediate_size 4864, rms_norm_eps 1e-6, rope_theta 1e6, tied,
+# 32,768 positions; 494,032,768 parameters, tested). `tiny`, `llama-tiny` and `qwen2-tiny` are for tests and CPU
+# runs: every dimension is a multiple of 16 so float8 conversion really happens on them.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=512),
     "124m": dict(n_layer=12, n_head=12, n_embd=768),
@@ -91,6 +100,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-70b": dict(
         _LLAMA3, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, ffn_dim_multiplier=1.3, multiple_of=4096,
         tie_embeddings=False,
+    ),
+    # head_size 16, 2 key/value heads for 4 query heads, SwiGLU 160, biases on q/k/v
+    "qwen2-tiny": dict(
+        arch="qwen2", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=128, vocab_size=512,
+        intermediate_size=160, norm_eps=1e-6,
+    ),
+    "qwen2-0.5b": dict(
+        arch="qwen2", n_layer=24, n_head=14, n_kv_head=2, n_embd=896, block_size=32768, vocab_size=151936,
+        intermediate_size=4864, norm_eps=1e-6,
     ),
 }
 
@@ -122,7 +140,7 @@ def llama_ffn_size(n_embd: int, ffn_dim_multiplier: Optional[float], multiple_of
 
 @dataclass
 class GPTConfig:
-    """Architecture of a decoder-only transformer: a family (``arch``: GPT-2 style, the default, or Llama
+    """Architecture of a decoder-only transformer: a family (``arch``: GPT-2 style, the default, Llama or Qwen2
     style) and the capabilities the code asks (positions, norm, MLP, biases, fused QKV, key/value heads).
 
     The fields: ``docs/model.md``. A capability left at ``None`` takes the family's value; ``padded_vocab_size``,
@@ -135,7 +153,7 @@ class GPTConfig:
         tiny = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256)
         llama = GPTConfig.from_name("llama-1b", vocab_size=32768, block_size=2048)
         small_llama = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=256)
-        biased_qkv = GPTConfig(arch="llama", qkv_bias=True)  # a bias on q/k/v_proj only
+        qwen_like = GPTConfig(arch="llama", qkv_bias=True, rope_theta=1e6)  # what arch="qwen2" is
     """
 
     n_layer: int = 12
@@ -154,7 +172,7 @@ class GPTConfig:
     # the liger extra); "plain": full float32 logits, the reference; "auto": "chunked" (docs/model.md, "The loss")
     loss_impl: LossImpl = "auto"
     loss_chunk_size: Optional[int] = None  # tokens per chunk; None: as many as fit 512 MiB (loss.chunk_tokens)
-    # The family, saved with checkpoints by its preset: "gpt2" or "llama" (_FAMILIES: its capabilities).
+    # The family, saved with checkpoints by its preset: "gpt2", "llama" or "qwen2" (_FAMILIES: its capabilities).
     arch: Arch = "gpt2"
     n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention), must divide n_head; None: n_head
     tie_embeddings: bool = True  # the head shares the token embedding (GPT-2, Llama 3.2 1B/3B; not 3.1 8B/70B)
@@ -168,7 +186,7 @@ class GPTConfig:
     norm: Optional[Norm] = None  # "layernorm" or "rmsnorm", before attention, before the MLP and at the end
     mlp: Optional[MLPKind] = None  # "gelu": c_proj(gelu(c_fc(x))); "swiglu": c_proj(silu(gate_proj(x)) * up_proj(x))
     fused_qkv: Optional[bool] = None  # one attn.c_attn (GPT-2), or attn.q_proj, k_proj, v_proj
-    qkv_bias: Optional[bool] = None  # bias on the query, key and value projections (Qwen2 has it on these only)
+    qkv_bias: Optional[bool] = None  # bias on the query, key and value projections (Qwen2: on these only)
     attn_out_bias: Optional[bool] = None  # bias on the attention's output projection attn.c_proj
     mlp_bias: Optional[bool] = None  # bias on the MLP's projections
     norm_bias: Optional[bool] = None  # bias of LayerNorm (RMSNorm has none)
@@ -271,7 +289,7 @@ class GPTConfig:
             named = " and ".join(f"{name} needs {need}" for name, need in needs.items())
             raise ValueError(
                 f"GPTConfig.{named}, which this config (arch={self.arch!r}) does not have: set "
-                f"{'it' if len(needs) == 1 else 'them'} (a Llama-style family: arch='llama' or a llama-* "
+                f"{'it' if len(needs) == 1 else 'them'} (a Llama-style family: arch='llama' or a llama-* / qwen2-* "
                 f"preset), or leave {', '.join(needs)} out."
             )
 
@@ -335,7 +353,7 @@ class GPTConfig:
         if not problems:
             return None
         return (f"{' and '.join(problems)}. Use separate projections and rotary positions (fused_qkv=False, "
-                "positions='rotary': a llama-* preset)")
+                "positions='rotary': a llama-* or qwen2-* preset)")
 
     def tensor_parallel_plan(self) -> dict[str, tuple[tuple[str, ...], str]]:
         """Per block, what tensor parallelism splits: ``{sub-module: (its layers split by output rows, which read
@@ -352,7 +370,7 @@ class GPTConfig:
 
     def hf_names(self, keys: Iterable[str]) -> dict[str, str]:
         """The Hugging Face ``transformers`` name of each of ``keys`` (``GPT(config).state_dict()``'s), for the
-        family's model class (``GPT2LMHeadModel``, ``LlamaForCausalLM``); a ``ValueError`` for
+        family's model class (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``); a ``ValueError`` for
         a key that class does not have (capabilities changed from the family's). Weights of ``hf_transposed``
         are stored transposed there (GPT-2's ``Conv1D``)."""
         names, block, _ = _HF_NAMES[self.arch]

@@ -1,4 +1,4 @@
-"""The GPT model, built from the capabilities its config names (GPT-2 or Llama style): a plain ``nn.Module``,
+"""The GPT model, built from the capabilities its config names (GPT-2, Llama, Qwen2 style): a plain ``nn.Module``,
 read top to bottom.
 
 ``CausalSelfAttention -> MLP -> SwiGLU -> Block -> GPT``. Float8 training, sharding and compilation are applied
@@ -70,7 +70,7 @@ class CausalSelfAttention(nn.Module):
 
     def _qkv(self, x: Tensor, rope: Optional[Rope]) -> tuple[Tensor, Tensor, Tensor]:
         """Queries (B, T, nh, hs), keys and values (B, T, n_kv_head, hs); queries and keys rotated by ``rope`` (rotary
-        positions), after their biases (if any) are added."""
+        positions), after their biases are added (as Qwen2 does)."""
         B, T, C = x.shape
         if self.fused_qkv:
             q, k, v = self.c_attn(x).split(C, dim=2)
@@ -175,12 +175,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 or Llama style language model (``config``'s capabilities): embeddings, ``n_layer`` pre-norm
+    """GPT-2, Llama or Qwen2 style language model (``config``'s capabilities): embeddings, ``n_layer`` pre-norm
     blocks, a final norm and an output head (tied to the token embedding unless ``config.tie_embeddings=False``).
 
     Example::
 
-        model = GPT(GPTConfig.from_name("tiny"))      # or "llama-tiny"
+        model = GPT(GPTConfig.from_name("tiny"))      # or "llama-tiny", "qwen2-tiny"
         logits = model(torch.randint(0, 512, (2, 16)))  # (2, 16, padded_vocab_size)
         text_ids = model.generate(prompt_ids, max_new_tokens=50, temperature=0.8, top_k=50)
 

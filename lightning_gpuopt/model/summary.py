@@ -23,7 +23,7 @@ def preset_table(vocab_size: int = 50257, block_size: int = 1024) -> str:
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name, preset in PRESETS.items():
-        own = "vocab_size" in preset  # a preset with its own vocabulary (Llama 3's, the tiny ones') keeps it
+        own = "vocab_size" in preset  # a preset with its own vocabulary (Llama 3's, Qwen2's, the tiny ones') keeps it
         config = GPTConfig.from_name(name, **({} if own else dict(vocab_size=vocab_size, block_size=block_size)))
         with torch.device("meta"):
             model = GPT(config)

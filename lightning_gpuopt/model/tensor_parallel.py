@@ -3,7 +3,7 @@
 Megatron-LM's split with sequence parallelism, as torchtitan's ``parallelize_llama``, from the parallel styles of
 ``torch.distributed.tensor.parallel`` (torchao's float8 ones where the collectives can move float8). Which layers
 it splits is the config's (``GPTConfig.tensor_parallel_plan``: separate q/k/v projections and rotary positions,
-the Llama family). The plan, and why GPT-2's fused ``c_attn`` is refused: ``docs/parallel.md``
+the Llama and Qwen2 families). The plan, and why GPT-2's fused ``c_attn`` is refused: ``docs/parallel.md``
 ("The tensor-parallel plan")."""
 
 from __future__ import annotations
