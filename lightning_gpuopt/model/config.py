@@ -20,7 +20,7 @@ Positions = Literal["learned", "rotary"]
 Norm = Literal["layernorm", "rmsnorm"]
 MLPKind = Literal["gelu", "swiglu"]
 
-# The one place a family's name becomes the capabilities the code asks (docs/architecture.md, "Adding a model
+# The one place a family's name becomes the capabilities the code asks (docs/architecture.md, "A model
 # architecture"): each family's value of every capability field a GPTConfig leaves at None. `bias` stands for the
 # four bias fields not given one by one; "flops" is how flops_per_token counts the weights N. No other module
 # tests `arch` (tests/test_architecture.py checks).

@@ -42,6 +42,18 @@ def test_qwen2_0_5b_is_qwen2_5_0_5b():
     assert (config.padded_vocab_size, config.head_size, config.n_kv_head, config.ffn_size) == (151_936, 64, 2, 4864)
 
 
+def test_qwen2_flops_per_token_is_what_the_flop_counter_counts():
+    """The q/k/v biases are additions, not matmul weights: N stays the Linear weights, exactly what is counted."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GPT(GPTConfig.from_name("qwen2-tiny", **QWEN))
+    x = torch.randint(0, 128, (2, 32))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    assert counter.get_total_flops() == model.flops_per_token(32) * x.numel()
+
+
 def test_qwen2_logits_are_transformers_qwen2_logits():
     """Our weights copied by the config's hf_names into transformers' Qwen2ForCausalLM: the same logits, so the bias is
     added to q/k/v before the rotation, as Qwen2 does."""
