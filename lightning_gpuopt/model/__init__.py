@@ -5,12 +5,14 @@ from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
 from lightning_gpuopt.model.config import PRESETS, GPTConfig
 from lightning_gpuopt.model.generation import generate
 from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.model.hf import HFError, load_hf, save_hf
 from lightning_gpuopt.model.kv_cache import KVCache
 from lightning_gpuopt.model.module import GPTModule
 from lightning_gpuopt.model.sharding import shard_gpt
 from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel, parallelize_gpt
 
 __all__ = [
-    "CheckpointError", "Finished", "GPT", "GPTConfig", "GPTModule", "GenerationJob", "KVCache", "PRESETS", "Request",
-    "check_tensor_parallel", "generate", "generate_batched", "load_gpt", "parallelize_gpt", "shard_gpt",
+    "CheckpointError", "Finished", "GPT", "GPTConfig", "GPTModule", "GenerationJob", "HFError", "KVCache", "PRESETS",
+    "Request", "check_tensor_parallel", "generate", "generate_batched", "load_gpt", "load_hf", "parallelize_gpt", "save_hf",
+    "shard_gpt",
 ]

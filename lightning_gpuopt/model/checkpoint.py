@@ -18,7 +18,10 @@ from lightning_gpuopt.model.gpt import GPT
 
 from lightning_gpuopt.internals import COMPILED_PREFIX
 
-__all__ = ["CheckpointError", "gpt_state_dict", "gptmodule_hparams", "load_gpt", "load_gpt_weights", "read_checkpoint"]
+__all__ = [
+    "CheckpointError", "gpt_config_from_hparams", "gpt_from_checkpoint", "gpt_state_dict", "gptmodule_hparams", "load_gpt",
+    "load_gpt_weights", "read_checkpoint",
+]
 
 MapLocation = Union[str, torch.device, Callable, dict, None]
 
@@ -145,26 +148,23 @@ def gptmodule_hparams(checkpoint: Any, path: Union[str, os.PathLike]) -> dict[st
     return hparams
 
 
-def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", **overrides: Any) -> GPT:
-    """Load a ``GPTModule`` checkpoint into a plain PyTorch :class:`GPT` in eval mode, for inference without Lightning;
-    its ``GPTConfig`` is rebuilt from the saved hyper-parameters.
-
-    Example::
-
-        gpt = load_gpt("runs/quickstart/lightning_logs/version_0/checkpoints/last.ckpt")
-        out = gpt.generate(torch.tensor([[0]]), max_new_tokens=20)
-
-    Args:
-        path: A ``.ckpt`` file written by a Trainer fitting a ``GPTModule``.
-        map_location: Where the weights are loaded (``"cpu"``, ``"cuda"``, ...).
-        **overrides: ``GPTConfig`` fields to change for inference, e.g. ``attention="sdpa"`` for a model
-            trained with flash-attn.
-    """
-    checkpoint = read_checkpoint(path, map_location=map_location)
-    hparams = gptmodule_hparams(checkpoint, path)
+def gpt_config_from_hparams(hparams: dict[str, Any], **overrides: Any) -> GPTConfig:
+    """The ``GPTConfig`` a ``GPTModule``'s saved hyper-parameters describe: its whole ``architecture`` when saved (a run
+    started from a Hugging Face folder), else its preset and overrides."""
     fields = {k: hparams[k] for k in _CONFIG_HPARAMS if hparams.get(k) is not None}
+    architecture = hparams.get("architecture")
+    if architecture:
+        shaped = {k: v for k, v in fields.items() if k not in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd",
+                                                                "n_kv_head")}
+        return GPTConfig(**{**architecture, **shaped, **overrides})
+    return GPTConfig.from_name(hparams["preset"], **{**fields, **overrides})
+
+
+def gpt_from_checkpoint(checkpoint: Any, path: Union[str, os.PathLike], **overrides: Any) -> GPT:
+    """The plain :class:`GPT` of a loaded ``GPTModule`` checkpoint (from ``path``, named in errors), on the CPU."""
+    hparams = gptmodule_hparams(checkpoint, path)
     try:
-        config = GPTConfig.from_name(hparams["preset"], **{**fields, **overrides})
+        config = gpt_config_from_hparams(hparams, **overrides)
     except ValueError as err:
         raise CheckpointError(f"The hyper-parameters saved in {str(path)!r} do not make a valid GPTConfig: {err}") from err
     model = GPT(config)
@@ -181,6 +181,25 @@ def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", *
         model.load_state_dict(state, strict=True)  # copies into the tied embedding / head as one tensor
     except RuntimeError as err:  # shape mismatches
         raise CheckpointError(f"The weights in {str(path)!r} do not fit the GPT its hyper-parameters describe: {err}") from err
+    return model
+
+
+def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", **overrides: Any) -> GPT:
+    """Load a ``GPTModule`` checkpoint into a plain PyTorch :class:`GPT` in eval mode, for inference without Lightning;
+    its ``GPTConfig`` is rebuilt from the saved hyper-parameters.
+
+    Example::
+
+        gpt = load_gpt("runs/quickstart/lightning_logs/version_0/checkpoints/last.ckpt")
+        out = gpt.generate(torch.tensor([[0]]), max_new_tokens=20)
+
+    Args:
+        path: A ``.ckpt`` file written by a Trainer fitting a ``GPTModule``.
+        map_location: Where the weights are loaded (``"cpu"``, ``"cuda"``, ...).
+        **overrides: ``GPTConfig`` fields to change for inference, e.g. ``attention="sdpa"`` for a model
+            trained with flash-attn.
+    """
+    model = gpt_from_checkpoint(read_checkpoint(path, map_location=map_location), path, **overrides)
     if isinstance(map_location, (str, torch.device)):
         model.to(map_location)
     return model.eval()

@@ -1,0 +1,536 @@
+"""Hugging Face model folders in and out: :func:`load_hf` reads a ``transformers`` causal-LM folder (``config.json``,
+``*.safetensors``) into a :class:`GPT`; :func:`save_hf` writes one that ``AutoModelForCausalLM.from_pretrained``
+loads with no custom code. The families, the ``config.json`` fields honoured and the rules: ``docs/huggingface.md``.
+
+Everything that can be refused is refused before a weight is read: the architecture and every field from
+``config.json``, then the name and shape of every tensor from the safetensors headers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lightning_gpuopt.internals import load_distributed_checkpoint
+from lightning_gpuopt.model.checkpoint import gpt_from_checkpoint, read_checkpoint
+from lightning_gpuopt.model.config import GPTConfig
+from lightning_gpuopt.model.gpt import GPT
+
+__all__ = [
+    "END_OF_TEXT_TOKENS",
+    "HFError",
+    "HF_FAMILIES",
+    "check_weights",
+    "hf_architecture",
+    "is_hf_folder",
+    "load_hf",
+    "load_hf_weights",
+    "resolve_hf",
+    "save_hf",
+    "write_hf_folder",
+]
+
+# The tokens that end a text, first found first taken: GPT-2's and Qwen2's, Llama 3's, Llama 2's. Kept equal
+# to data/tokenizer.py's END_OF_TEXT_TOKENS (tested): model/ does not import data/.
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>")
+
+# Tensors of a folder that are not weights (buffers older transformers versions saved): read past.
+_NOT_WEIGHTS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")
+_PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+class HFError(ValueError):
+    """A Hugging Face folder (or ``hf:NAME``) that cannot be read into a GPT, or a GPT that cannot be written as one."""
+
+
+# ------------------------------------------------------------------------------------------------ the families
+@dataclass(frozen=True)
+class _Family:
+    """One ``transformers`` class: its ``config.json`` fields as ``GPTConfig`` fields and back, and the names of the
+    weights (``renames``: regular-expression substitutions from ours to its, applied in order)."""
+
+    hf_class: str
+    model_type: str
+    to_config: Callable[[dict[str, Any], str], dict[str, Any]]
+    to_hf: Callable[[GPTConfig], dict[str, Any]]
+    renames: tuple[tuple[str, str], ...]
+    conv1d: tuple[str, ...] = ()  # our names whose weight the family stores as in x out (GPT-2's Conv1D)
+
+
+def _refuse(where: str, field: str, value: Any, supported: str) -> HFError:
+    return HFError(f"{where}: config.json has {field}={value!r}, which the GPT does not support ({supported}).")
+
+
+def _check_values(hf: dict[str, Any], where: str, allowed: dict[str, tuple[Any, ...]]) -> None:
+    """Refuse a field whose value changes the computation in a way the GPT cannot follow (absent: the default)."""
+    for name, values in allowed.items():
+        if name in hf and hf[name] not in values:
+            raise _refuse(where, name, hf[name], f"supported: {' or '.join(repr(v) for v in values)}")
+
+
+def _gpt2_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    _check_values(hf, where, {
+        "activation_function": ("gelu_new", "gelu_pytorch_tanh"),  # GELU with the tanh approximation, as ours
+        "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
+    })
+    n_embd = hf.get("n_embd", 768)
+    if hf.get("n_inner") not in (None, 4 * n_embd):
+        raise _refuse(where, "n_inner", hf["n_inner"], f"the GPT-2 MLP is 4 * n_embd = {4 * n_embd} wide")
+    return dict(
+        arch="gpt2", n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
+        block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257), bias=True,
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_embeddings=hf.get("tie_word_embeddings", True),
+    )
+
+
+def _rope_theta(hf: dict[str, Any], where: str) -> float:
+    """RoPE's base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x); scaled RoPE
+    is refused: the GPT's rotary embedding has no scaling (``docs/huggingface.md``)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
+    if kind != "default":
+        raise HFError(
+            f"{where}: config.json asks for RoPE scaling of type {kind!r} (as Llama 3.1 and 3.2 do), and the GPT's "
+            "rotary embedding has no scaling: its logits would not be the model's. Use a model without rope_scaling "
+            "(Llama 3 8B, Qwen2), or set rope_scaling to null in a copy of config.json if you accept the difference."
+        )
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _llama_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    _check_values(hf, where, {"hidden_act": ("silu",), "pretraining_tp": (1,)})
+    n_embd, n_head = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    if hf.get("head_dim") not in (None, n_embd // n_head):
+        raise _refuse(where, "head_dim", hf["head_dim"], f"the GPT's head size is hidden_size / num_attention_heads = "
+                      f"{n_embd // n_head}")
+    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+        raise HFError(f"{where}: config.json has attention_bias={hf.get('attention_bias')!r} and "
+                      f"mlp_bias={hf.get('mlp_bias')!r}; the GPT has biases in every linear layer or in none.")
+    return dict(
+        arch="llama", n_layer=hf.get("num_hidden_layers", 32), n_head=n_head,
+        n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
+        intermediate_size=hf.get("intermediate_size", 11008), block_size=hf.get("max_position_embeddings", 2048),
+        vocab_size=hf.get("vocab_size", 32000), bias=bool(hf.get("attention_bias", False)),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf, where),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+    )
+
+
+def _gpt2_hf(c: GPTConfig) -> dict[str, Any]:
+    return dict(
+        n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, n_positions=c.block_size, n_ctx=c.block_size,
+        vocab_size=c.vocab_size, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=c.norm_eps,
+        resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, tie_word_embeddings=c.tie_embeddings,
+    )
+
+
+def _llama_hf(c: GPTConfig) -> dict[str, Any]:
+    return dict(
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+        hidden_size=c.n_embd, intermediate_size=c.ffn_size, head_dim=c.head_size, hidden_act="silu",
+        max_position_embeddings=c.block_size, vocab_size=c.vocab_size, rms_norm_eps=c.norm_eps,
+        rope_theta=c.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
+    )
+
+
+_LLAMA_RENAMES = (
+    (r"^transformer\.wte\.", "model.embed_tokens."),
+    (r"^transformer\.ln_f\.", "model.norm."),
+    (r"^transformer\.h\.(\d+)\.ln_1\.", r"model.layers.\1.input_layernorm."),
+    (r"^transformer\.h\.(\d+)\.ln_2\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^transformer\.h\.(\d+)\.attn\.c_proj\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^transformer\.h\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
+    (r"^transformer\.h\.(\d+)\.mlp\.c_proj\.", r"model.layers.\1.mlp.down_proj."),
+    (r"^transformer\.h\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
+)
+
+# The families load_hf reads and save_hf writes, by their transformers class (config.json's "architectures").
+HF_FAMILIES: dict[str, _Family] = {
+    "GPT2LMHeadModel": _Family(
+        "GPT2LMHeadModel", "gpt2", _gpt2_config, _gpt2_hf, renames=(),  # nanoGPT's names are GPT-2's
+        conv1d=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
+    ),
+    "LlamaForCausalLM": _Family("LlamaForCausalLM", "llama", _llama_config, _llama_hf, renames=_LLAMA_RENAMES),
+}
+
+
+def _family_of(config: GPTConfig) -> _Family:
+    """The transformers family a GPT is written as (the one place export reads the architecture's name)."""
+    return HF_FAMILIES["GPT2LMHeadModel" if config.arch == "gpt2" else "LlamaForCausalLM"]
+
+
+def _hf_name(family: _Family, ours: str) -> str:
+    for pattern, replacement in family.renames:
+        if re.search(pattern, ours):
+            return re.sub(pattern, replacement, ours)
+    return ours
+
+
+def _weight_names(family: _Family, model: GPT) -> dict[str, str]:
+    """Our state-dict name -> the family's, for every weight a folder holds (the head only when untied)."""
+    names = [k for k in model.state_dict() if not (k == "lm_head.weight" and model.config.tie_embeddings)]
+    return {k: _hf_name(family, k) for k in names}
+
+
+# ------------------------------------------------------------------------------------------------ the folder
+def resolve_hf(path: Union[str, os.PathLike]) -> Path:
+    """The local folder of ``path``: a folder as given, or ``hf:NAME`` (a Hub repository) downloaded through
+    ``huggingface_hub`` (its config, tokenizer and safetensors only; refused clearly offline)."""
+    text = os.fspath(path)
+    if not text.startswith("hf:"):
+        folder = Path(text).expanduser()
+        if not folder.is_dir():
+            raise HFError(f"{text!r} is not a folder: give a Hugging Face model folder (config.json and *.safetensors) "
+                          "or hf:NAME for a Hub repository.")
+        return folder
+    name = text[3:]
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as err:  # pragma: no cover - a dependency of tokenizers and transformers
+        raise HFError(f"{text!r}: downloading from the Hub needs huggingface_hub: pip install huggingface_hub.") from err
+    try:
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model"]))
+    except Exception as err:  # offline, unknown name, gated model: huggingface_hub raises several kinds
+        raise HFError(
+            f"{text!r} could not be downloaded from the Hugging Face Hub ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). Without a network (or with HF_HUB_OFFLINE=1) only models "
+            "already in the Hub's cache load: download it where there is one (huggingface-cli download NAME), or give "
+            "the model's local folder."
+        ) from err
+
+
+def is_hf_folder(path: Any) -> bool:
+    """Whether ``path`` names a Hugging Face model (``hf:NAME``, or a folder holding ``config.json``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    text = os.fspath(path)
+    return text.startswith("hf:") or (Path(text).expanduser() / "config.json").is_file()
+
+
+def _read_config(folder: Path) -> tuple[dict[str, Any], _Family]:
+    where = str(folder)
+    file = folder / "config.json"
+    if not file.is_file():
+        raise HFError(f"{where!r} has no config.json: give the folder transformers' save_pretrained wrote.")
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise HFError(f"{str(file)!r} is not valid JSON: {err}") from err
+    classes = hf.get("architectures") or []
+    known = [c for c in classes if c in HF_FAMILIES]
+    if not known:
+        shown = classes or f"model_type {hf.get('model_type')!r}, no architectures"
+        raise HFError(f"{where!r} holds a {shown} model, which load_hf does not read: supported are "
+                      f"{', '.join(HF_FAMILIES)} (docs/huggingface.md).")
+    return hf, HF_FAMILIES[known[0]]
+
+
+def hf_architecture(path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """The ``GPTConfig`` fields of a Hugging Face folder's ``config.json`` (no weight is read), or an
+    :class:`HFError` naming what the GPT does not support."""
+    folder = resolve_hf(path)
+    hf, family = _read_config(folder)
+    fields = family.to_config(hf, str(folder))
+    try:
+        GPTConfig(**fields)
+    except ValueError as err:
+        raise HFError(f"{str(folder)!r}: its config.json does not make a valid GPTConfig: {err}") from err
+    return fields
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files (an index's shards, or every ``*.safetensors``); a pickle-only folder refused."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise HFError(f"{str(folder)!r}: model.safetensors.index.json names shards that are not there: {missing[:3]}.")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for pattern in _PICKLES for p in folder.glob(pattern))
+    if pickles:
+        raise HFError(
+            f"{str(folder)!r} holds its weights only as pickles ({', '.join(pickles[:3])}), which are not read: "
+            "unpickling runs whatever code the file holds. Convert them to safetensors where you trust them "
+            "(AutoModelForCausalLM.from_pretrained(folder).save_pretrained(out) writes model.safetensors)."
+        )
+    raise HFError(f"{str(folder)!r} holds no *.safetensors weights: give the folder save_pretrained wrote.")
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:  # the header only
+            for name in f.keys():
+                if not _NOT_WEIGHTS.search(name):
+                    shapes[name] = (tuple(f.get_slice(name).get_shape()), file)
+    return shapes
+
+
+def _expected_shape(ours: str, shape: tuple[int, ...], family: _Family, config: GPTConfig) -> tuple[int, ...]:
+    """The shape the family stores our tensor ``ours`` (of ``shape``) in: the vocabulary unpadded, Conv1D in x out."""
+    if ours in ("transformer.wte.weight", "lm_head.weight"):
+        shape = (config.vocab_size, *shape[1:])
+    if ours.endswith(family.conv1d) and family.conv1d:
+        shape = shape[::-1]
+    return shape
+
+
+def _plan(folder: Path, model: GPT, family: _Family) -> dict[str, tuple[str, Path]]:
+    """Our name -> (the folder's name, its file), after checking every name and shape from the headers alone."""
+    shapes = _tensor_shapes(_safetensors_files(folder))
+    names = _weight_names(family, model)
+    if model.config.tie_embeddings:
+        shapes.pop("lm_head.weight", None)  # some writers store the tied head too: the embedding is read
+    own = model.state_dict()
+    missing = [theirs for theirs in names.values() if theirs not in shapes]
+    unexpected = sorted(set(shapes) - set(names.values()))
+    wrong = [
+        f"{theirs} {list(shapes[theirs][0])} in the folder, {list(want)} expected"
+        for ours, theirs in names.items()
+        if theirs in shapes and shapes[theirs][0] != (want := _expected_shape(ours, tuple(own[ours].shape), family, model.config))
+    ]
+    if missing or unexpected or wrong:
+        problems = (
+            ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected else [])
+            + (["; ".join(wrong[:3])] if wrong else [])
+        )
+        raise HFError(f"The weights in {str(folder)!r} do not match its config.json ({family.hf_class}): "
+                      + "; ".join(problems) + ". Nothing was loaded: is the folder complete and its config.json its own?")
+    return {ours: (theirs, shapes[theirs][1]) for ours, theirs in names.items()}
+
+
+def check_weights(model: GPT, state: dict[str, Tensor], where: str) -> None:
+    """Refuse weights that are not finite before they enter ``model`` (the checks every door for weights runs)."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise HFError(f"{where}: {len(bad)} tensors hold NaN or Inf ({bad[:3]}): the weights are damaged; nothing was "
+                      "loaded.")
+
+
+def _read_weights(folder: Path, model: GPT, family: _Family) -> dict[str, Tensor]:
+    """Our state dict from the folder: the vocabulary padded with zero rows, Conv1D weights transposed."""
+    from safetensors import safe_open
+
+    plan = _plan(folder, model, family)
+    own = model.state_dict()
+    state: dict[str, Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for ours, (_, file) in plan.items():
+        by_file.setdefault(file, []).append(ours)
+    for file, ours_names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for ours in ours_names:
+                tensor = f.get_tensor(plan[ours][0])
+                if family.conv1d and ours.endswith(family.conv1d):
+                    tensor = tensor.t()
+                target = torch.zeros_like(own[ours], device="cpu")  # (padded_vocab, C) for the vocabulary
+                target[: tensor.size(0)] = tensor.to(target.dtype)
+                state[ours] = target
+    if model.config.tie_embeddings:
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+    return state
+
+
+def load_hf_weights(model: GPT, path: Union[str, os.PathLike]) -> None:
+    """Copy a Hugging Face folder's weights into ``model``, a GPT built from its architecture
+    (:func:`hf_architecture`), checked whole before anything is copied (``GPTModule(init_from=folder)``)."""
+    folder = resolve_hf(path)
+    hf, family = _read_config(folder)
+    want = family.to_config(hf, str(folder))
+    have = {k: getattr(model.config, k) for k in want}
+    if have != want:
+        differ = {k: (want[k], have[k]) for k in want if want[k] != have[k]}
+        raise HFError(f"{str(folder)!r} holds another architecture than the GPT's: {differ} (folder, GPT).")
+    if any(p.is_meta for p in model.parameters()):
+        raise HFError(
+            f"model.init_from={str(folder)!r}: the GPT was built on the meta device, so the weights cannot be copied "
+            "into it; fine-tune under a strategy that builds the model on a device (DDP, one device)."
+        )
+    state = _read_weights(folder, model, family)
+    check_weights(model, state, str(folder))
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(state[name])
+
+
+def load_hf(path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu", **overrides: Any) -> GPT:
+    """Load a Hugging Face causal-LM folder (or ``hf:NAME``) into a :class:`GPT` in eval mode, in float32.
+
+    The vocabulary is padded to ``GPTConfig.padding_multiple`` with zero rows (never generated: generation reads
+    the first ``vocab_size`` logits). The families and the ``config.json`` fields read: ``docs/huggingface.md``.
+
+    Example::
+
+        gpt = load_hf("path/to/gpt2")          # a folder written by save_pretrained, or "hf:openai-community/gpt2"
+        out = gpt.generate(torch.tensor([[464]]), max_new_tokens=20, temperature=0)
+
+    Args:
+        path: The folder (``config.json`` and ``*.safetensors``; sharded too), or ``hf:NAME``.
+        map_location: Where the model is put.
+        **overrides: ``GPTConfig`` fields beside the architecture, e.g. ``attention="flash-attn"``.
+    """
+    folder = resolve_hf(path)
+    fields = hf_architecture(folder)
+    clash = sorted(set(overrides) & set(fields))
+    if clash:
+        raise HFError(f"load_hf: {clash} come from {str(folder)!r}'s config.json and cannot be overridden.")
+    model = GPT(GPTConfig(**fields, **overrides))
+    load_hf_weights(model, folder)
+    return model.to(map_location).eval()
+
+
+# ------------------------------------------------------------------------------------------------ export
+def _end_of_text_id(tokenizer_json: Optional[str]) -> Optional[int]:
+    if not tokenizer_json:
+        return None
+    added = {t["content"]: t["id"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
+    return next((added[t] for t in END_OF_TEXT_TOKENS if t in added), None)
+
+
+def _hf_config(config: GPTConfig, family: _Family, eos: Optional[int], dtype: torch.dtype) -> dict[str, Any]:
+    import transformers  # the version field only; the folder itself is plain JSON
+
+    return {
+        "architectures": [family.hf_class], "model_type": family.model_type, **family.to_hf(config),
+        "bos_token_id": eos, "eos_token_id": eos, "dtype": str(dtype).removeprefix("torch."),
+        "transformers_version": transformers.__version__,
+    }
+
+
+def _export_tensors(model: GPT, family: _Family, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The family's tensors: the vocabulary trimmed to ``vocab_size``, Conv1D weights transposed, contiguous."""
+    state = model.state_dict()
+    out = {}
+    for ours, theirs in _weight_names(family, model).items():
+        tensor = state[ours].detach().to("cpu")
+        if ours in ("transformer.wte.weight", "lm_head.weight"):
+            tensor = tensor[: model.config.vocab_size]
+        if family.conv1d and ours.endswith(family.conv1d):
+            tensor = tensor.t()
+        out[theirs] = tensor.to(dtype).contiguous().clone()  # clone: no storage shared with the tied head
+    return out
+
+
+def _check_writable(out_dir: Path) -> None:
+    """Refuse an output the folder cannot be written to, before any work."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise HFError(f"save_hf: {str(out_dir)!r} exists and is not an empty folder: give a new folder, or remove it.")
+    parent = out_dir.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise HFError(f"save_hf: {str(out_dir)!r} cannot be written: {str(parent)!r} is not a folder.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HFError(f"save_hf: {str(out_dir)!r} cannot be written ({str(parent)!r} is not writable): give a folder "
+                      "you may write to.")
+
+
+def write_hf_folder(model: GPT, out_dir: Union[str, os.PathLike], tokenizer_json: Optional[str] = None,
+                    dtype: Optional[torch.dtype] = None) -> Path:
+    """Write ``model`` as a Hugging Face folder (see :func:`save_hf`), built in a temporary folder beside
+    ``out_dir`` and renamed into place, so a folder is there whole or not at all."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir).expanduser()
+    _check_writable(out_dir)
+    family = _family_of(model.config)
+    dtype = dtype or next(model.parameters()).dtype
+    eos = _end_of_text_id(tokenizer_json)
+    if tokenizer_json is None:
+        warnings.warn(f"save_hf: no tokenizer was given, so {str(out_dir)!r} has no tokenizer.json; pass tokenizer= "
+                      "(the run's tokenizer.json) for a folder transformers can generate text with.", stacklevel=3)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(_export_tensors(model, family, dtype), str(temp / "model.safetensors"), metadata={"format": "pt"})
+        (temp / "config.json").write_text(json.dumps(_hf_config(model.config, family, eos, dtype), indent=2) + "\n")
+        generation = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos, "do_sample": False}
+        (temp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if tokenizer_json is not None:
+            (temp / "tokenizer.json").write_text(tokenizer_json)
+        if out_dir.exists():
+            out_dir.rmdir()  # an empty folder (checked): the rename needs the name free
+        temp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _checkpoint_of(path: Path) -> dict[str, Any]:
+    """A ``GPTModule`` checkpoint file, or an FSDP2 (distributed) checkpoint folder gathered whole on the CPU."""
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise HFError(f"save_hf: {str(path)!r} is a folder but not a distributed checkpoint (no .metadata): give a "
+                          ".ckpt file or an FSDP2 checkpoint folder written by a Trainer.")
+        return load_distributed_checkpoint(path)
+    return read_checkpoint(path)
+
+
+def _run_tokenizer(checkpoint: dict[str, Any]) -> Optional[str]:
+    """The tokenizer JSON a checkpoint's data state carries (``TextDataModule`` saves it), or ``None``."""
+    for value in checkpoint.values():
+        if isinstance(value, dict) and isinstance(value.get("tokenizer_json"), str):
+            return value["tokenizer_json"]
+    return None
+
+
+def _tokenizer_text(tokenizer: Any) -> Optional[str]:
+    if tokenizer is None or isinstance(tokenizer, str) and tokenizer.lstrip().startswith("{"):
+        return tokenizer
+    if hasattr(tokenizer, "to_str"):  # a tokenizers.Tokenizer
+        return tokenizer.to_str()
+    file = Path(os.fspath(tokenizer)).expanduser()
+    if not file.is_file():
+        raise HFError(f"save_hf: tokenizer={str(file)!r} is not a file: give the run's tokenizer.json.")
+    return file.read_text()
+
+
+def save_hf(source: Any, out_dir: Union[str, os.PathLike], tokenizer: Any = None,
+            dtype: Optional[torch.dtype] = None) -> Path:
+    """Write a GPT as a Hugging Face folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads with no
+    custom code: ``config.json``, ``model.safetensors`` (the vocabulary trimmed to ``vocab_size``),
+    ``generation_config.json`` and the run's ``tokenizer.json``. Written in a temporary folder and renamed.
+
+    Example::
+
+        save_hf("runs/ft/lightning_logs/version_0/checkpoints/last.ckpt", "exported/")  # or a GPT, or a GPTModule
+        AutoModelForCausalLM.from_pretrained("exported/")
+
+    Args:
+        source: A :class:`GPT`, a ``GPTModule``, or the path of a ``GPTModule`` checkpoint: a ``.ckpt`` file or an FSDP2
+            checkpoint folder (gathered on the CPU).
+        out_dir: The folder to write; it must not exist, or be empty.
+        tokenizer: A ``tokenizer.json`` path, a ``tokenizers.Tokenizer`` or its JSON; ``None``: the checkpoint's
+            (the run's), and for a model without one, no ``tokenizer.json`` (said with a warning).
+        dtype: The dtype of the weights written; ``None``: the model's (float32 from a checkpoint).
+    """
+    _check_writable(Path(out_dir).expanduser())  # before a checkpoint is read
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        checkpoint = _checkpoint_of(path)
+        model = gpt_from_checkpoint(checkpoint, path)
+        tokenizer = tokenizer if tokenizer is not None else _run_tokenizer(checkpoint)
+    else:
+        model = source if isinstance(source, GPT) else getattr(source, "model", None)
+        if not isinstance(model, GPT):
+            raise HFError(f"save_hf: {type(source).__name__} is not a GPT, a GPTModule with its model built, or a "
+                          "checkpoint path.")
+    return write_hf_folder(model, out_dir, _tokenizer_text(tokenizer), dtype)
