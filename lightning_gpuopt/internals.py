@@ -111,7 +111,7 @@ TOUCHED = (
     "import:lightning.pytorch.cli.LightningCLI._parse_ckpt_path",  # GPTCLI overrides it (cli/main.py)
     "import:lightning.pytorch.callbacks.RichProgressBar._get_train_description",  # overridden (callbacks/progress_bar.py)
     "import:lightning.pytorch.trainer.connectors.signal_connector.log",  # its "Received SIGTERM" line (sigterm_notice_logger)
-    "import:lightning.fabric.utilities.load._load_distributed_checkpoint",  # a DCP folder whole (load_distributed_checkpoint)
+    "import:lightning.fabric.utilities.load._load_distributed_checkpoint",  # (load_distributed_checkpoint)
     # torch
     "import:torch._C._get_sdp_priority_order",  # SDPA backend priorities (sdp_priority_order)
     "import:torch._C._set_sdp_priority_order",  # (set_sdp_priority_order)

@@ -5,7 +5,8 @@ from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
 from lightning_gpuopt.model.config import PRESETS, GPTConfig
 from lightning_gpuopt.model.generation import generate
 from lightning_gpuopt.model.gpt import GPT
-from lightning_gpuopt.model.hf import HFError, load_hf, save_hf
+from lightning_gpuopt.model.hf import load_hf, save_hf
+from lightning_gpuopt.model.hf_families import HFError
 from lightning_gpuopt.model.kv_cache import KVCache
 from lightning_gpuopt.model.module import GPTModule
 from lightning_gpuopt.model.sharding import shard_gpt
@@ -13,6 +14,6 @@ from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel, parall
 
 __all__ = [
     "CheckpointError", "Finished", "GPT", "GPTConfig", "GPTModule", "GenerationJob", "HFError", "KVCache", "PRESETS",
-    "Request", "check_tensor_parallel", "generate", "generate_batched", "load_gpt", "load_hf", "parallelize_gpt", "save_hf",
-    "shard_gpt",
+    "Request", "check_tensor_parallel", "generate", "generate_batched", "load_gpt", "load_hf", "parallelize_gpt",
+    "save_hf", "shard_gpt",
 ]

@@ -19,8 +19,8 @@ from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.internals import COMPILED_PREFIX
 
 __all__ = [
-    "CheckpointError", "gpt_config_from_hparams", "gpt_from_checkpoint", "gpt_state_dict", "gptmodule_hparams", "load_gpt",
-    "load_gpt_weights", "read_checkpoint",
+    "CheckpointError", "gpt_config_from_hparams", "gpt_from_checkpoint", "gpt_state_dict", "gptmodule_hparams",
+    "load_gpt", "load_gpt_weights", "read_checkpoint",
 ]
 
 MapLocation = Union[str, torch.device, Callable, dict, None]
@@ -154,9 +154,8 @@ def gpt_config_from_hparams(hparams: dict[str, Any], **overrides: Any) -> GPTCon
     fields = {k: hparams[k] for k in _CONFIG_HPARAMS if hparams.get(k) is not None}
     architecture = hparams.get("architecture")
     if architecture:
-        shaped = {k: v for k, v in fields.items() if k not in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd",
-                                                                "n_kv_head")}
-        return GPTConfig(**{**architecture, **shaped, **overrides})
+        runtime = {k: v for k, v in fields.items() if k in ("dropout", "attention", "activation_checkpointing")}
+        return GPTConfig(**{**architecture, **runtime, **overrides})
     return GPTConfig.from_name(hparams["preset"], **{**fields, **overrides})
 
 

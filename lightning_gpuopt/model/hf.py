@@ -13,9 +13,8 @@ import re
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -24,11 +23,10 @@ from lightning_gpuopt.internals import load_distributed_checkpoint
 from lightning_gpuopt.model.checkpoint import gpt_from_checkpoint, read_checkpoint
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.model.hf_families import HF_FAMILIES, HFError, HFFamily, family_of, weight_names
 
 __all__ = [
     "END_OF_TEXT_TOKENS",
-    "HFError",
-    "HF_FAMILIES",
     "check_weights",
     "hf_architecture",
     "is_hf_folder",
@@ -48,141 +46,6 @@ _NOT_WEIGHTS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_
 _PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
-class HFError(ValueError):
-    """A Hugging Face folder (or ``hf:NAME``) that cannot be read into a GPT, or a GPT that cannot be written as one."""
-
-
-# ------------------------------------------------------------------------------------------------ the families
-@dataclass(frozen=True)
-class _Family:
-    """One ``transformers`` class: its ``config.json`` fields as ``GPTConfig`` fields and back, and the names of the
-    weights (``renames``: regular-expression substitutions from ours to its, applied in order)."""
-
-    hf_class: str
-    model_type: str
-    to_config: Callable[[dict[str, Any], str], dict[str, Any]]
-    to_hf: Callable[[GPTConfig], dict[str, Any]]
-    renames: tuple[tuple[str, str], ...]
-    conv1d: tuple[str, ...] = ()  # our names whose weight the family stores as in x out (GPT-2's Conv1D)
-
-
-def _refuse(where: str, field: str, value: Any, supported: str) -> HFError:
-    return HFError(f"{where}: config.json has {field}={value!r}, which the GPT does not support ({supported}).")
-
-
-def _check_values(hf: dict[str, Any], where: str, allowed: dict[str, tuple[Any, ...]]) -> None:
-    """Refuse a field whose value changes the computation in a way the GPT cannot follow (absent: the default)."""
-    for name, values in allowed.items():
-        if name in hf and hf[name] not in values:
-            raise _refuse(where, name, hf[name], f"supported: {' or '.join(repr(v) for v in values)}")
-
-
-def _gpt2_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    _check_values(hf, where, {
-        "activation_function": ("gelu_new", "gelu_pytorch_tanh"),  # GELU with the tanh approximation, as ours
-        "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
-    })
-    n_embd = hf.get("n_embd", 768)
-    if hf.get("n_inner") not in (None, 4 * n_embd):
-        raise _refuse(where, "n_inner", hf["n_inner"], f"the GPT-2 MLP is 4 * n_embd = {4 * n_embd} wide")
-    return dict(
-        arch="gpt2", n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
-        block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257), bias=True,
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_embeddings=hf.get("tie_word_embeddings", True),
-    )
-
-
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-    """RoPE's base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x); scaled RoPE
-    is refused: the GPT's rotary embedding has no scaling (``docs/huggingface.md``)."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
-    if kind != "default":
-        raise HFError(
-            f"{where}: config.json asks for RoPE scaling of type {kind!r} (as Llama 3.1 and 3.2 do), and the GPT's "
-            "rotary embedding has no scaling: its logits would not be the model's. Use a model without rope_scaling "
-            "(Llama 3 8B, Qwen2), or set rope_scaling to null in a copy of config.json if you accept the difference."
-        )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def _llama_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    _check_values(hf, where, {"hidden_act": ("silu",), "pretraining_tp": (1,)})
-    n_embd, n_head = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
-    if hf.get("head_dim") not in (None, n_embd // n_head):
-        raise _refuse(where, "head_dim", hf["head_dim"], f"the GPT's head size is hidden_size / num_attention_heads = "
-                      f"{n_embd // n_head}")
-    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
-        raise HFError(f"{where}: config.json has attention_bias={hf.get('attention_bias')!r} and "
-                      f"mlp_bias={hf.get('mlp_bias')!r}; the GPT has biases in every linear layer or in none.")
-    return dict(
-        arch="llama", n_layer=hf.get("num_hidden_layers", 32), n_head=n_head,
-        n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
-        intermediate_size=hf.get("intermediate_size", 11008), block_size=hf.get("max_position_embeddings", 2048),
-        vocab_size=hf.get("vocab_size", 32000), bias=bool(hf.get("attention_bias", False)),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf, where),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-    )
-
-
-def _gpt2_hf(c: GPTConfig) -> dict[str, Any]:
-    return dict(
-        n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, n_positions=c.block_size, n_ctx=c.block_size,
-        vocab_size=c.vocab_size, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=c.norm_eps,
-        resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, tie_word_embeddings=c.tie_embeddings,
-    )
-
-
-def _llama_hf(c: GPTConfig) -> dict[str, Any]:
-    return dict(
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        hidden_size=c.n_embd, intermediate_size=c.ffn_size, head_dim=c.head_size, hidden_act="silu",
-        max_position_embeddings=c.block_size, vocab_size=c.vocab_size, rms_norm_eps=c.norm_eps,
-        rope_theta=c.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
-    )
-
-
-_LLAMA_RENAMES = (
-    (r"^transformer\.wte\.", "model.embed_tokens."),
-    (r"^transformer\.ln_f\.", "model.norm."),
-    (r"^transformer\.h\.(\d+)\.ln_1\.", r"model.layers.\1.input_layernorm."),
-    (r"^transformer\.h\.(\d+)\.ln_2\.", r"model.layers.\1.post_attention_layernorm."),
-    (r"^transformer\.h\.(\d+)\.attn\.c_proj\.", r"model.layers.\1.self_attn.o_proj."),
-    (r"^transformer\.h\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
-    (r"^transformer\.h\.(\d+)\.mlp\.c_proj\.", r"model.layers.\1.mlp.down_proj."),
-    (r"^transformer\.h\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
-)
-
-# The families load_hf reads and save_hf writes, by their transformers class (config.json's "architectures").
-HF_FAMILIES: dict[str, _Family] = {
-    "GPT2LMHeadModel": _Family(
-        "GPT2LMHeadModel", "gpt2", _gpt2_config, _gpt2_hf, renames=(),  # nanoGPT's names are GPT-2's
-        conv1d=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
-    ),
-    "LlamaForCausalLM": _Family("LlamaForCausalLM", "llama", _llama_config, _llama_hf, renames=_LLAMA_RENAMES),
-}
-
-
-def _family_of(config: GPTConfig) -> _Family:
-    """The transformers family a GPT is written as (the one place export reads the architecture's name)."""
-    return HF_FAMILIES["GPT2LMHeadModel" if config.arch == "gpt2" else "LlamaForCausalLM"]
-
-
-def _hf_name(family: _Family, ours: str) -> str:
-    for pattern, replacement in family.renames:
-        if re.search(pattern, ours):
-            return re.sub(pattern, replacement, ours)
-    return ours
-
-
-def _weight_names(family: _Family, model: GPT) -> dict[str, str]:
-    """Our state-dict name -> the family's, for every weight a folder holds (the head only when untied)."""
-    names = [k for k in model.state_dict() if not (k == "lm_head.weight" and model.config.tie_embeddings)]
-    return {k: _hf_name(family, k) for k in names}
-
-
 # ------------------------------------------------------------------------------------------------ the folder
 def resolve_hf(path: Union[str, os.PathLike]) -> Path:
     """The local folder of ``path``: a folder as given, or ``hf:NAME`` (a Hub repository) downloaded through
@@ -197,16 +60,16 @@ def resolve_hf(path: Union[str, os.PathLike]) -> Path:
     name = text[3:]
     try:
         from huggingface_hub import snapshot_download
-    except ImportError as err:  # pragma: no cover - a dependency of tokenizers and transformers
-        raise HFError(f"{text!r}: downloading from the Hub needs huggingface_hub: pip install huggingface_hub.") from err
+    except ImportError as err:  # pragma: no cover - tokenizers needs it
+        raise HFError(f"{text!r}: downloading from the Hub needs huggingface_hub: pip install huggingface_hub") from err
     try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model"]))
     except Exception as err:  # offline, unknown name, gated model: huggingface_hub raises several kinds
         raise HFError(
             f"{text!r} could not be downloaded from the Hugging Face Hub ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}). Without a network (or with HF_HUB_OFFLINE=1) only models "
-            "already in the Hub's cache load: download it where there is one (huggingface-cli download NAME), or give "
-            "the model's local folder."
+            f"{str(err).splitlines()[0] if str(err) else ''}). Without a network (or with HF_HUB_OFFLINE=1) only "
+            "models already in the Hub's cache load: download it where there is one (huggingface-cli download "
+            "NAME), or give the model's local folder."
         ) from err
 
 
@@ -218,7 +81,7 @@ def is_hf_folder(path: Any) -> bool:
     return text.startswith("hf:") or (Path(text).expanduser() / "config.json").is_file()
 
 
-def _read_config(folder: Path) -> tuple[dict[str, Any], _Family]:
+def _read_config(folder: Path) -> tuple[dict[str, Any], HFFamily]:
     where = str(folder)
     file = folder / "config.json"
     if not file.is_file():
@@ -256,7 +119,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
-            raise HFError(f"{str(folder)!r}: model.safetensors.index.json names shards that are not there: {missing[:3]}.")
+            raise HFError(f"{str(folder)!r}: model.safetensors.index.json names shards that are not there: "
+                          f"{missing[:3]}.")
         return [folder / s for s in shards]
     files = sorted(folder.glob("*.safetensors"))
     if files:
@@ -283,7 +147,7 @@ def _tensor_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]
     return shapes
 
 
-def _expected_shape(ours: str, shape: tuple[int, ...], family: _Family, config: GPTConfig) -> tuple[int, ...]:
+def _expected_shape(ours: str, shape: tuple[int, ...], family: HFFamily, config: GPTConfig) -> tuple[int, ...]:
     """The shape the family stores our tensor ``ours`` (of ``shape``) in: the vocabulary unpadded, Conv1D in x out."""
     if ours in ("transformer.wte.weight", "lm_head.weight"):
         shape = (config.vocab_size, *shape[1:])
@@ -292,19 +156,20 @@ def _expected_shape(ours: str, shape: tuple[int, ...], family: _Family, config: 
     return shape
 
 
-def _plan(folder: Path, model: GPT, family: _Family) -> dict[str, tuple[str, Path]]:
+def _plan(folder: Path, model: GPT, family: HFFamily) -> dict[str, tuple[str, Path]]:
     """Our name -> (the folder's name, its file), after checking every name and shape from the headers alone."""
     shapes = _tensor_shapes(_safetensors_files(folder))
-    names = _weight_names(family, model)
+    names = weight_names(family, model)
     if model.config.tie_embeddings:
         shapes.pop("lm_head.weight", None)  # some writers store the tied head too: the embedding is read
     own = model.state_dict()
     missing = [theirs for theirs in names.values() if theirs not in shapes]
     unexpected = sorted(set(shapes) - set(names.values()))
+    wanted = {ours: _expected_shape(ours, tuple(own[ours].shape), family, model.config) for ours in names}
     wrong = [
-        f"{theirs} {list(shapes[theirs][0])} in the folder, {list(want)} expected"
+        f"{theirs} {list(shapes[theirs][0])} in the folder, {list(wanted[ours])} expected"
         for ours, theirs in names.items()
-        if theirs in shapes and shapes[theirs][0] != (want := _expected_shape(ours, tuple(own[ours].shape), family, model.config))
+        if theirs in shapes and shapes[theirs][0] != wanted[ours]
     ]
     if missing or unexpected or wrong:
         problems = (
@@ -312,7 +177,7 @@ def _plan(folder: Path, model: GPT, family: _Family) -> dict[str, tuple[str, Pat
             + (["; ".join(wrong[:3])] if wrong else [])
         )
         raise HFError(f"The weights in {str(folder)!r} do not match its config.json ({family.hf_class}): "
-                      + "; ".join(problems) + ". Nothing was loaded: is the folder complete and its config.json its own?")
+                      + "; ".join(problems) + ". Nothing was loaded: is the folder whole, and its config.json its own?")
     return {ours: (theirs, shapes[theirs][1]) for ours, theirs in names.items()}
 
 
@@ -324,7 +189,7 @@ def check_weights(model: GPT, state: dict[str, Tensor], where: str) -> None:
                       "loaded.")
 
 
-def _read_weights(folder: Path, model: GPT, family: _Family) -> dict[str, Tensor]:
+def _read_weights(folder: Path, model: GPT, family: HFFamily) -> dict[str, Tensor]:
     """Our state dict from the folder: the vocabulary padded with zero rows, Conv1D weights transposed."""
     from safetensors import safe_open
 
@@ -404,7 +269,7 @@ def _end_of_text_id(tokenizer_json: Optional[str]) -> Optional[int]:
     return next((added[t] for t in END_OF_TEXT_TOKENS if t in added), None)
 
 
-def _hf_config(config: GPTConfig, family: _Family, eos: Optional[int], dtype: torch.dtype) -> dict[str, Any]:
+def _hf_config(config: GPTConfig, family: HFFamily, eos: Optional[int], dtype: torch.dtype) -> dict[str, Any]:
     import transformers  # the version field only; the folder itself is plain JSON
 
     return {
@@ -414,11 +279,11 @@ def _hf_config(config: GPTConfig, family: _Family, eos: Optional[int], dtype: to
     }
 
 
-def _export_tensors(model: GPT, family: _Family, dtype: torch.dtype) -> dict[str, Tensor]:
+def _export_tensors(model: GPT, family: HFFamily, dtype: torch.dtype) -> dict[str, Tensor]:
     """The family's tensors: the vocabulary trimmed to ``vocab_size``, Conv1D weights transposed, contiguous."""
     state = model.state_dict()
     out = {}
-    for ours, theirs in _weight_names(family, model).items():
+    for ours, theirs in weight_names(family, model).items():
         tensor = state[ours].detach().to("cpu")
         if ours in ("transformer.wte.weight", "lm_head.weight"):
             tensor = tensor[: model.config.vocab_size]
@@ -450,7 +315,7 @@ def write_hf_folder(model: GPT, out_dir: Union[str, os.PathLike], tokenizer_json
 
     out_dir = Path(out_dir).expanduser()
     _check_writable(out_dir)
-    family = _family_of(model.config)
+    family = family_of(model.config)
     dtype = dtype or next(model.parameters()).dtype
     eos = _end_of_text_id(tokenizer_json)
     if tokenizer_json is None:

@@ -135,7 +135,8 @@ class GPTModule(pl.LightningModule):
         if architecture:  # the data's vocab_size and block_size are checked to fit it at setup (check_data_fits)
             self.config = GPTConfig(**{**architecture, **runtime})
         else:
-            self.config = GPTConfig.from_name(preset, **{k: v for k, v in overrides.items() if v is not None}, **runtime)
+            given = {k: v for k, v in overrides.items() if v is not None}
+            self.config = GPTConfig.from_name(preset, **given, **runtime)
         own = "GPTModule"
         check_number(own, "learning_rate", learning_rate, low=0, low_open=True)
         check_number(own, "weight_decay", weight_decay, low=0, hint=": a negative decay makes the weights grow every "

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face tests compare with transformers (dev extra)")
+transformers = pytest.importorskip("transformers", reason="these tests compare with transformers (the dev extra)")
 pytest.importorskip("safetensors", reason="Hugging Face folders hold safetensors")
 
 from lightning_gpuopt.model import GPT, GPTConfig, HFError, load_hf, save_hf  # noqa: E402
@@ -218,3 +218,21 @@ def test_permissions_are_checked_for_non_root(llama_folder, tmp_path):
     locked.mkdir(mode=0o500)
     with pytest.raises(HFError, match="cannot be written"):
         save_hf(load_hf(llama_folder), locked / "out", tokenizer=_tokenizer_json())
+
+
+def test_save_hf_gathers_an_fsdp2_checkpoint_folder_on_the_cpu(fsdp2_trainer, tmp_path):
+    from lightning_gpuopt.checkpoint import AtomicModelParallelStrategy
+    from tests.precision._helpers import tiny_gpt_module, token_loader
+
+    torch.manual_seed(0)
+    module = tiny_gpt_module(preset="llama-tiny", vocab_size=300)
+    trainer = fsdp2_trainer(AtomicModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), max_steps=1)
+    trainer.fit(module, token_loader(n_seq=8, batch_size=4))
+    trainer.save_checkpoint(tmp_path / "sharded.ckpt")
+    assert (tmp_path / "sharded.ckpt").is_dir()
+    full = {k: v.full_tensor() for k, v in module.model.state_dict().items()}
+    out = save_hf(tmp_path / "sharded.ckpt", tmp_path / "out", tokenizer=_tokenizer_json())
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    down = back.state_dict()["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(down, full["transformer.h.1.mlp.c_proj.weight"])
+    assert torch.equal(back.state_dict()["model.embed_tokens.weight"], full["transformer.wte.weight"][:300])
