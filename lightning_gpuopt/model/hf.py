@@ -309,8 +309,8 @@ def _check_writable(out_dir: Path) -> None:
 
 def write_hf_folder(model: GPT, out_dir: Union[str, os.PathLike], tokenizer_json: Optional[str] = None,
                     dtype: Optional[torch.dtype] = None) -> Path:
-    """Write ``model`` as a Hugging Face folder (see :func:`save_hf`), built in a temporary folder beside
-    ``out_dir`` and renamed into place, so a folder is there whole or not at all."""
+    """Write ``model`` as a Hugging Face folder (see :func:`save_hf`; no ``tokenizer.json`` without ``tokenizer_json``),
+    built in a temporary folder beside ``out_dir`` and renamed into place, so a folder is there whole or not at all."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir).expanduser()
@@ -318,9 +318,6 @@ def write_hf_folder(model: GPT, out_dir: Union[str, os.PathLike], tokenizer_json
     family = family_of(model.config)
     dtype = dtype or next(model.parameters()).dtype
     eos = _end_of_text_id(tokenizer_json)
-    if tokenizer_json is None:
-        warnings.warn(f"save_hf: no tokenizer was given, so {str(out_dir)!r} has no tokenizer.json; pass tokenizer= "
-                      "(the run's tokenizer.json) for a folder transformers can generate text with.", stacklevel=3)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -398,4 +395,8 @@ def save_hf(source: Any, out_dir: Union[str, os.PathLike], tokenizer: Any = None
         if not isinstance(model, GPT):
             raise HFError(f"save_hf: {type(source).__name__} is not a GPT, a GPTModule with its model built, or a "
                           "checkpoint path.")
-    return write_hf_folder(model, out_dir, _tokenizer_text(tokenizer), dtype)
+    text = _tokenizer_text(tokenizer)
+    if text is None:
+        warnings.warn(f"save_hf: no tokenizer was given, so {str(out_dir)!r} gets no tokenizer.json; pass tokenizer= "
+                      "(the run's tokenizer.json) for a folder transformers can generate text with.", stacklevel=2)
+    return write_hf_folder(model, out_dir, text, dtype)
