@@ -20,7 +20,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt.cli.run_folder import existing_run_problem, resolve_ckpt_path
 from lightning_gpuopt.cli.run_summary import command_line
 from lightning_gpuopt.internals import no_version_counter
-from lightning_gpuopt.model.checkpoint import CheckpointError, gptmodule_hparams, read_checkpoint
+from lightning_gpuopt.model.checkpoint import (
+    CheckpointError, check_weights, gpt_state_dict, gptmodule_hparams, init_from_anyway, read_checkpoint,
+)
 from lightning_gpuopt.model.config import PRESETS
 
 __all__ = [
@@ -258,8 +260,9 @@ def merge_init_weights(
         rank_zero_info(f"model.init_from={init_from!r} is not read: --ckpt_path {group.get('ckpt_path')} holds the weights.")
         return parser.parse_object({subcommand: {"model": {"init_from": None}}}, config), None
     path = os.fspath(Path(init_from).expanduser())
-    checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped, not read: the hyper-parameters are compared here
+    checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped: the hyper-parameters are compared here
     saved = {k: _norm(v) for k, v in gptmodule_hparams(checkpoint, path).items() if not k.startswith("_")}
+    check_weights(gpt_state_dict(checkpoint), path, read_anyway=init_from_anyway(path))  # before data is prepared
     asked = asked_settings(model_config, model_class)
     refused = [f"it has {k}={_resolved(saved, k)!r} and this run asks model.{k}={asked[k]!r}"
                for k in ARCHITECTURE if k in asked and _resolved(saved, k) != asked[k]]
