@@ -20,7 +20,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt.cli.run_folder import existing_run_problem, resolve_ckpt_path
 from lightning_gpuopt.cli.run_summary import command_line
 from lightning_gpuopt.internals import no_version_counter
-from lightning_gpuopt.model.checkpoint import CheckpointError, gptmodule_hparams, read_checkpoint
+from lightning_gpuopt.model.checkpoint import (
+    CheckpointError, check_weights, gpt_state_dict, gptmodule_hparams, init_from_anyway, read_checkpoint,
+)
 from lightning_gpuopt.model.config import PRESETS
 from lightning_gpuopt.model.hf import hf_architecture, is_hf_folder, resolve_hf
 
@@ -268,8 +270,9 @@ def merge_init_weights(
     if is_hf_folder(init_from):
         return merge_hf_init(parser, config, model_class, data_class), None
     path = os.fspath(Path(init_from).expanduser())
-    checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped, not read: the hyper-parameters are compared here
+    checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped: the hyper-parameters are compared here
     saved = {k: _norm(v) for k, v in gptmodule_hparams(checkpoint, path).items() if not k.startswith("_")}
+    check_weights(gpt_state_dict(checkpoint), path, read_anyway=init_from_anyway(path))  # before data is prepared
     asked = asked_settings(model_config, model_class)
     refused = [f"it has {k}={_resolved(saved, k)!r} and this run asks model.{k}={asked[k]!r}"
                for k in ARCHITECTURE if k in asked and _resolved(saved, k) != asked[k]]

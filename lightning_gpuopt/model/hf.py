@@ -20,14 +20,13 @@ import torch
 from torch import Tensor
 
 from lightning_gpuopt.internals import load_distributed_checkpoint
-from lightning_gpuopt.model.checkpoint import gpt_from_checkpoint, read_checkpoint
+from lightning_gpuopt.model.checkpoint import check_weights, gpt_from_checkpoint, read_checkpoint
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.hf_families import HF_FAMILIES, HFError, HFFamily, family_of, weight_names
 
 __all__ = [
     "END_OF_TEXT_TOKENS",
-    "check_weights",
     "hf_architecture",
     "is_hf_folder",
     "load_hf",
@@ -181,14 +180,6 @@ def _plan(folder: Path, model: GPT, family: HFFamily) -> dict[str, tuple[str, Pa
     return {ours: (theirs, shapes[theirs][1]) for ours, theirs in names.items()}
 
 
-def check_weights(model: GPT, state: dict[str, Tensor], where: str) -> None:
-    """Refuse weights that are not finite before they enter ``model`` (the checks every door for weights runs)."""
-    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise HFError(f"{where}: {len(bad)} tensors hold NaN or Inf ({bad[:3]}): the weights are damaged; nothing was "
-                      "loaded.")
-
-
 def _read_weights(folder: Path, model: GPT, family: HFFamily) -> dict[str, Tensor]:
     """Our state dict from the folder: the vocabulary padded with zero rows, Conv1D weights transposed."""
     from safetensors import safe_open
@@ -229,7 +220,9 @@ def load_hf_weights(model: GPT, path: Union[str, os.PathLike]) -> None:
             "into it; fine-tune under a strategy that builds the model on a device (DDP, one device)."
         )
     state = _read_weights(folder, model, family)
-    check_weights(model, state, str(folder))
+    # the one check of every door weights enter by (names, shapes, finite), before any is copied into the GPT
+    check_weights(state, folder, model.config, f"safetensors.torch.load_file on the files of {str(folder)!r} reads "
+                  "their tensors as they are")
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             tensor.copy_(state[name])

@@ -20,7 +20,7 @@ from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.batched_generation import GenerationJob, fit_to_context, generate_batched
-from lightning_gpuopt.model.checkpoint import load_gpt_weights
+from lightning_gpuopt.model.checkpoint import check_weights, gpt_state_dict, load_gpt_weights
 from lightning_gpuopt.model.hf import hf_architecture, is_hf_folder, load_hf_weights
 from lightning_gpuopt.model.generation_memory import generation_batch_size
 from lightning_gpuopt.model.gpt import GPT
@@ -341,6 +341,16 @@ class GPTModule(pl.LightningModule):
             counts["completions"] += 1
             counts["tokens"] += len(done.tokens)
         return counts
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """``--ckpt_path`` (fit, validate, test, predict): the weights checked as at every door (``check_weights``),
+        before Lightning loads them; a checkpoint IO that allows non-finite weights lets them through here too."""
+        trainer = attached_trainer(self)
+        source = getattr(trainer, "ckpt_path", None) or "the checkpoint"
+        allow = getattr(getattr(getattr(trainer, "strategy", None), "checkpoint_io", None), "allow_nonfinite", False)
+        if isinstance(checkpoint.get("state_dict"), dict):
+            check_weights(gpt_state_dict(checkpoint), source, self.config, finite=allow is not True)
 
     @override
     def configure_gradient_clipping(
