@@ -199,6 +199,54 @@ def long_functions(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
     return problems
 
 
+# Architecture names: only the config maps a family's name to what the code asks (docs/architecture.md,
+# "A model architecture"); every other module asks the config's capabilities and methods.
+ARCH_HOME = "model/config.py"
+
+
+def _families(config: Path = ROOT / ARCH_HOME) -> tuple[str, ...]:
+    """The names of ``Arch = Literal[...]`` in the config, read from its source."""
+    for node in ast.parse(config.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "Arch" for t in node.targets):
+            return tuple(e.value for e in ast.walk(node.value.slice) if isinstance(e, ast.Constant))
+    raise AssertionError(f"no `Arch = Literal[...]` in {config}")
+
+
+ARCH_NAMES = (*_families(), "mistral", "gemma", "phi")  # the families, and the next ones asked for
+
+
+def _names_an_architecture(node: ast.AST) -> bool:
+    """An ``arch`` attribute or variable, ``x.get("arch")`` / ``x["arch"]``, or a family's name as a string."""
+    if isinstance(node, ast.Attribute) and node.attr == "arch" or isinstance(node, ast.Name) and node.id == "arch":
+        return True
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.lower() in ARCH_NAMES or node.value == "arch"
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_an_architecture(e) for e in node.elts)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+        return bool(node.args) and _names_an_architecture(node.args[0])
+    return isinstance(node, ast.Subscript) and _names_an_architecture(node.slice)
+
+
+def architecture_tests(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Comparisons (``==``, ``!=``, ``in``, ``match``) that test an architecture's name outside the config."""
+    problems = []
+    for path in modules.values():
+        if path.relative_to(root).as_posix() == ARCH_HOME:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+            elif isinstance(node, ast.Match):
+                operands = [node.subject]
+            else:
+                continue
+            if any(_names_an_architecture(o) for o in operands):
+                problems.append(f"{path.relative_to(root.parent)}:{node.lineno}: tests an architecture's name "
+                                f"({ast.unparse(node)[:80]}): ask a capability or a method of GPTConfig instead")
+    return problems
+
+
 def test_every_module_is_in_a_layer_and_imports_downwards():
     problems = layer_violations(package_modules())
     assert not problems, "\n".join(problems)
@@ -222,6 +270,12 @@ def test_long_file_exceptions_are_still_needed():
 
 def test_no_function_over_60_lines_without_a_reason():
     problems = long_functions(package_modules())
+    assert not problems, "\n".join(problems)
+
+
+def test_no_architecture_name_is_tested_outside_the_config():
+    assert {"gpt2", "llama", "qwen2"} <= set(ARCH_NAMES)
+    problems = architecture_tests(package_modules())
     assert not problems, "\n".join(problems)
 
 
@@ -275,6 +329,19 @@ def test_long_files_and_functions_are_caught(fake, tmp_path):
                     "perf/g.py": f"def g():\n    # long: one table, row by row\n{body}"})
     assert [p.split(" has ")[0] for p in long_files(modules, tmp_path / PACKAGE)] == ["lightning_gpuopt/perf/big.py"]
     assert [p.split(": ")[1] for p in long_functions(modules, tmp_path / PACKAGE)] == ["f has 61 lines of code (> 60)"]
+
+
+def test_an_architecture_test_outside_the_config_is_caught(fake, tmp_path):
+    modules = fake({
+        "model/config.py": "def f(c):\n    return c.arch == 'llama'\n",  # the one place it may be asked
+        "model/gpt.py": "def f(c):\n    return c.arch != 'gpt2'\n",
+        "model/summary.py": "def f(p):\n    return p.get('arch') == 'llama'\n",
+        "strategies/choose.py": "def f(c, m):\n    return m.config.arch in ('qwen2',) or 'llama' == c.family\n",
+        "perf/ok.py": "def f(c):\n    return c.mlp == 'swiglu' and c.positions != 'learned'\n",
+    })
+    found = [p.split(": ")[0] for p in architecture_tests(modules, tmp_path / PACKAGE)]
+    assert found == ["lightning_gpuopt/model/gpt.py:2", "lightning_gpuopt/model/summary.py:2",
+                     "lightning_gpuopt/strategies/choose.py:2", "lightning_gpuopt/strategies/choose.py:2"]
 
 
 def face_homes(root: Path = ROOT) -> dict[str, str]:

@@ -347,9 +347,9 @@ CASES = [
     Case("non-positive-size", lambda c: GPTConfig(n_layer=0), ValueError, "GPTConfig.n_layer must be an integer >= 1"),
     Case("dropout-out-of-range", lambda c: GPTConfig(dropout=1.0), ValueError, r"dropout must be in \[0, 1\)"),
     Case("unknown-arch", lambda c: GPTConfig(arch="mistral"), ValueError,
-         "GPTConfig.arch must be 'gpt2' or 'llama', got 'mistral'"),
+         "GPTConfig.arch must be 'gpt2', 'llama' or 'qwen2', got 'mistral'"),
     Case("llama-option-on-gpt2", lambda c: GPTConfig(n_kv_head=2), ValueError,
-         r"GPTConfig.n_kv_head is an option of the Llama-style architecture.*set arch='llama' \(or a llama-\* preset\)"),
+         r"GPTConfig.n_kv_head needs fused_qkv=False, which this config \(arch='gpt2'\) does not have.*arch='llama'"),
     Case("n-kv-head-not-dividing", lambda c: GPTModule(preset="llama-tiny", n_kv_head=3), ValueError,
          r"n_kv_head=3 does not divide n_head=4.*Choose n_kv_head from \[1, 2, 4\]"),
     Case("mlp-width-given-twice", lambda c: GPTConfig(arch="llama", intermediate_size=256, ffn_dim_multiplier=1.3), ValueError,
@@ -437,8 +437,8 @@ CASES = [
          lambda c: choose_strategy(GPTConfig.from_name("tiny"), devices=8, devices_per_node=3, device_memory=16e9),
          ValueError, r"devices_per_node=3\) must be a positive integer dividing devices=8"),
     Case("tp-gpt2", lambda c: check_tensor_parallel(GPTConfig.from_name("774m"), 2), ValueError,
-         r"splits the Llama-style GPT only: GPT-2's fused c_attn projection cannot be split into whole heads. "
-         r"Use GPTConfig\(arch='llama'\)"),
+         r"cannot split this architecture \(arch='gpt2'\): GPT-2's fused c_attn projection cannot be split into whole "
+         r"heads.*Use separate projections and rotary positions \(fused_qkv=False, positions='rotary'"),
     Case("tp-size-not-dividing", lambda c: check_tensor_parallel(GPTConfig.from_name("llama-8b"), 16), ValueError,
          r"tensor_parallel_size=16 does not divide n_kv_head=8: .* Choose tensor_parallel_size from \[1, 2, 4, 8\]"),
     Case("tp-full-logits-loss", lambda c: check_tensor_parallel(GPTConfig.from_name("llama-1b", loss_impl="plain"), 2),

@@ -1,7 +1,8 @@
-"""The GPT model, GPT-2 or Llama style: a plain ``nn.Module``, read top to bottom.
+"""The GPT model, built from the capabilities its config names (GPT-2, Llama, Qwen2 style): a plain ``nn.Module``,
+read top to bottom.
 
 ``CausalSelfAttention -> MLP -> SwiGLU -> Block -> GPT``. Float8 training, sharding and compilation are applied
-from outside, so it stays plain PyTorch. The two architectures share module names (``docs/model.md``)."""
+from outside, so it stays plain PyTorch. The families share module names (``docs/model.md``)."""
 
 from __future__ import annotations
 
@@ -53,32 +54,35 @@ class CausalSelfAttention(nn.Module):
         self.head_size = config.head_size
         self.dropout = config.dropout
         self.attention = config.attention
-        self.arch = config.arch
-        if config.arch == "gpt2":
-            # query, key and value projections for all heads, in one matmul
-            self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.fused_qkv = config.fused_qkv
+        if config.fused_qkv:
+            # query, key and value projections for all heads, in one matmul (as many key/value heads as queries)
+            self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.qkv_bias)
         else:
             # one projection each (a tensor-parallel plan splits each by heads); keys and values have
             # n_kv_head heads, each shared by n_head / n_kv_head query heads (grouped-query attention)
-            kv_size = config.n_kv_head * config.head_size
-            self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-            self.k_proj = nn.Linear(config.n_embd, kv_size, bias=config.bias)
-            self.v_proj = nn.Linear(config.n_embd, kv_size, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+            self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(config.n_embd, config.kv_size, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(config.n_embd, config.kv_size, bias=config.qkv_bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.attn_out_bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self._flash_attn = _flash_attn_func() if config.attention == "flash-attn" else None
 
     def _qkv(self, x: Tensor, rope: Optional[Rope]) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries (B, T, nh, hs), keys and values (B, T, n_kv_head, hs); Llama's rotated by ``rope``."""
+        """Queries (B, T, nh, hs), keys and values (B, T, n_kv_head, hs); queries and keys rotated by ``rope`` (rotary
+        positions), after their biases are added (as Qwen2 does)."""
         B, T, C = x.shape
-        if self.arch == "gpt2":
+        if self.fused_qkv:
             q, k, v = self.c_attn(x).split(C, dim=2)
             shape = (B, T, self.n_head, self.head_size)
-            return q.view(shape), k.view(shape), v.view(shape)
-        # heads counted from the projections' outputs (-1), so a tensor-parallel plan may split them by heads
-        q = self.q_proj(x).view(B, T, -1, self.head_size)
-        k = self.k_proj(x).view(B, T, -1, self.head_size)
-        v = self.v_proj(x).view(B, T, -1, self.head_size)
+            q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        else:
+            # heads counted from the projections' outputs (-1), so a tensor-parallel plan may split them by heads
+            q = self.q_proj(x).view(B, T, -1, self.head_size)
+            k = self.k_proj(x).view(B, T, -1, self.head_size)
+            v = self.v_proj(x).view(B, T, -1, self.head_size)
+        if rope is None:  # learned positions: added to the embeddings already
+            return q, k, v
         return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def forward(
@@ -123,9 +127,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, config.ffn_size, bias=config.mlp_bias)
         self.gelu = nn.GELU(approximate="tanh")
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.ffn_size, config.n_embd, bias=config.mlp_bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -137,9 +141,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.ffn_size, bias=config.bias)
-        self.up_proj = nn.Linear(config.n_embd, config.ffn_size, bias=config.bias)
-        self.c_proj = nn.Linear(config.ffn_size, config.n_embd, bias=config.bias)  # "down_proj" in Llama
+        self.gate_proj = nn.Linear(config.n_embd, config.ffn_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.n_embd, config.ffn_size, bias=config.mlp_bias)
+        self.c_proj = nn.Linear(config.ffn_size, config.n_embd, bias=config.mlp_bias)  # "down_proj" in Llama
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -147,8 +151,8 @@ class SwiGLU(nn.Module):
 
 
 def _norm(config: GPTConfig) -> nn.Module:
-    if config.arch == "gpt2":
-        return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.norm_bias)
     return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
 
 
@@ -160,7 +164,7 @@ class Block(nn.Module):
         self.ln_1 = _norm(config)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = _norm(config)
-        self.mlp = MLP(config) if config.arch == "gpt2" else SwiGLU(config)
+        self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
     def forward(
         self, x: Tensor, cache: Optional[KVCache] = None, rope: Optional[Rope] = None, mask: Optional[Tensor] = None,
@@ -171,12 +175,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 or Llama style language model (``config.arch``): embeddings, ``n_layer`` pre-norm blocks, a final norm
-    and an output head (tied to the token embedding unless ``config.tie_embeddings=False``).
+    """GPT-2, Llama or Qwen2 style language model (``config``'s capabilities): embeddings, ``n_layer`` pre-norm
+    blocks, a final norm and an output head (tied to the token embedding unless ``config.tie_embeddings=False``).
 
     Example::
 
-        model = GPT(GPTConfig.from_name("tiny"))      # or "llama-tiny"
+        model = GPT(GPTConfig.from_name("tiny"))      # or "llama-tiny", "qwen2-tiny"
         logits = model(torch.randint(0, 512, (2, 16)))  # (2, 16, padded_vocab_size)
         text_ids = model.generate(prompt_ids, max_new_tokens=50, temperature=0.8, top_k=50)
 
@@ -190,8 +194,8 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
-                # learned positions for GPT-2 only: Llama rotates queries and keys instead (model/rope.py)
-                **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if config.arch == "gpt2" else {}),
+                # learned positions (GPT-2); rotary ones turn queries and keys instead (model/rope.py)
+                **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if config.positions == "learned" else {}),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=_norm(config),
@@ -206,7 +210,7 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation (both styles): N(0, 0.02) weights, zero biases, norm gains 1, and the residual
+        """GPT-2 initialisation (every family): N(0, 0.02) weights, zero biases, norm gains 1, and the residual
         projections ``c_proj`` scaled by 1/sqrt(2 * n_layer), so the residual stream's variance stays flat in depth."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -233,20 +237,9 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> int:
-        """Training FLOPs (forward + backward) per token at sequence length ``seq_len`` (``None``: ``block_size``).
-
-        PaLM's ``6 N + 12 L H Q T`` (Chowdhery et al., 2022, arXiv:2204.02311, Appendix B): 2 FLOPs per matmul
-        weight forward and 4 backward, plus the attention score and value matmuls of the query heads; causal
-        masking is not discounted. MFU is computed from it."""
-        cfg = self.config
-        T = cfg.block_size if seq_len is None else seq_len
-        if cfg.arch == "gpt2":
-            # every parameter but the position embedding (a lookup), as nanoGPT counts it: biases and LayerNorm
-            # gains included (1.5% of the FLOPs at width 64)
-            N = self.num_params() - self.transformer.wpe.weight.numel()
-        else:  # exactly the matmul weights: an untied token embedding (a lookup) and the RMSNorm gains left out
-            N = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * T
+        """Training FLOPs (forward + backward) per token at sequence length ``seq_len`` (``None``: ``block_size``):
+        :meth:`GPTConfig.flops_per_token` (PaLM's ``6 N + 12 L H Q T``). MFU is computed from it."""
+        return self.config.flops_per_token(seq_len)
 
     def forward(
         self, idx: Tensor, caches: Optional[list[KVCache]] = None, targets: Optional[Tensor] = None,
@@ -280,7 +273,7 @@ class GPT(nn.Module):
                 input_pos = (key_padding_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): real tokens before
         if input_pos is None:
             input_pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-        if self.config.arch == "gpt2":
+        if self.config.positions == "learned":
             x, rope = self.transformer.wte(idx) + self.transformer.wpe(input_pos), None
         else:  # the rotation angles of these positions, shared by every block
             x, rope = self.transformer.wte(idx), rope_cos_sin(input_pos, self.config.head_size, self.config.rope_theta)

@@ -23,7 +23,7 @@ from lightning_gpuopt.internals import load_distributed_checkpoint
 from lightning_gpuopt.model.checkpoint import check_weights, gpt_from_checkpoint, read_checkpoint
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
-from lightning_gpuopt.model.hf_families import HF_FAMILIES, HFError, HFFamily, family_of, weight_names
+from lightning_gpuopt.model.hf_families import HF_FAMILIES, HFError, HFFamily, family_of, transposed, weight_names
 
 __all__ = [
     "END_OF_TEXT_TOKENS",
@@ -146,11 +146,11 @@ def _tensor_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]
     return shapes
 
 
-def _expected_shape(ours: str, shape: tuple[int, ...], family: HFFamily, config: GPTConfig) -> tuple[int, ...]:
+def _expected_shape(ours: str, shape: tuple[int, ...], config: GPTConfig) -> tuple[int, ...]:
     """The shape the family stores our tensor ``ours`` (of ``shape``) in: the vocabulary unpadded, Conv1D in x out."""
     if ours in ("transformer.wte.weight", "lm_head.weight"):
         shape = (config.vocab_size, *shape[1:])
-    if ours.endswith(family.conv1d) and family.conv1d:
+    if transposed(config, ours):
         shape = shape[::-1]
     return shape
 
@@ -158,13 +158,13 @@ def _expected_shape(ours: str, shape: tuple[int, ...], family: HFFamily, config:
 def _plan(folder: Path, model: GPT, family: HFFamily) -> dict[str, tuple[str, Path]]:
     """Our name -> (the folder's name, its file), after checking every name and shape from the headers alone."""
     shapes = _tensor_shapes(_safetensors_files(folder))
-    names = weight_names(family, model)
+    names = weight_names(model)
     if model.config.tie_embeddings:
         shapes.pop("lm_head.weight", None)  # some writers store the tied head too: the embedding is read
     own = model.state_dict()
     missing = [theirs for theirs in names.values() if theirs not in shapes]
     unexpected = sorted(set(shapes) - set(names.values()))
-    wanted = {ours: _expected_shape(ours, tuple(own[ours].shape), family, model.config) for ours in names}
+    wanted = {ours: _expected_shape(ours, tuple(own[ours].shape), model.config) for ours in names}
     wrong = [
         f"{theirs} {list(shapes[theirs][0])} in the folder, {list(wanted[ours])} expected"
         for ours, theirs in names.items()
@@ -194,7 +194,7 @@ def _read_weights(folder: Path, model: GPT, family: HFFamily) -> dict[str, Tenso
         with safe_open(str(file), framework="pt") as f:
             for ours in ours_names:
                 tensor = f.get_tensor(plan[ours][0])
-                if family.conv1d and ours.endswith(family.conv1d):
+                if transposed(model.config, ours):
                     tensor = tensor.t()
                 target = torch.zeros_like(own[ours], device="cpu")  # (padded_vocab, C) for the vocabulary
                 target[: tensor.size(0)] = tensor.to(target.dtype)
@@ -276,11 +276,11 @@ def _export_tensors(model: GPT, family: HFFamily, dtype: torch.dtype) -> dict[st
     """The family's tensors: the vocabulary trimmed to ``vocab_size``, Conv1D weights transposed, contiguous."""
     state = model.state_dict()
     out = {}
-    for ours, theirs in weight_names(family, model).items():
+    for ours, theirs in weight_names(model).items():
         tensor = state[ours].detach().to("cpu")
         if ours in ("transformer.wte.weight", "lm_head.weight"):
             tensor = tensor[: model.config.vocab_size]
-        if family.conv1d and ours.endswith(family.conv1d):
+        if transposed(model.config, ours):
             tensor = tensor.t()
         out[theirs] = tensor.to(dtype).contiguous().clone()  # clone: no storage shared with the tied head
     return out

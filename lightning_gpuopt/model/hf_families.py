@@ -1,17 +1,17 @@
 """The Hugging Face families the GPT reads and writes: each ``transformers`` class's ``config.json`` fields as
-``GPTConfig`` fields and back, and the names and layout of its weights (``docs/huggingface.md``). A new family is
-one entry of :data:`HF_FAMILIES`; reading and writing folders is ``model/hf.py``'s."""
+``GPTConfig`` fields and back, and the capabilities a config needs to be written as that class (``docs/huggingface.md``).
+The weights' names and layout are the config's own mapping (``GPTConfig.hf_names``, ``hf_transposed``). A new family
+is one entry of :data:`HF_FAMILIES`; reading and writing folders is ``model/hf.py``'s."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 
-__all__ = ["HFError", "HF_FAMILIES", "HFFamily", "family_of", "weight_names"]
+__all__ = ["HFError", "HF_FAMILIES", "HFFamily", "family_of", "transposed", "weight_names"]
 
 
 class HFError(ValueError):
@@ -20,15 +20,14 @@ class HFError(ValueError):
 
 @dataclass(frozen=True)
 class HFFamily:
-    """One ``transformers`` class: its ``config.json`` fields as ``GPTConfig`` fields and back, and the names of the
-    weights (``renames``: regular-expression substitutions from ours to its, applied in order)."""
+    """One ``transformers`` class: its ``config.json`` fields as ``GPTConfig`` fields (``to_config``) and back
+    (``to_hf``), and ``writes``: whether a config's capabilities are that class's (the export's choice)."""
 
     hf_class: str
     model_type: str
     to_config: Callable[[dict[str, Any], str], dict[str, Any]]
     to_hf: Callable[[GPTConfig], dict[str, Any]]
-    renames: tuple[tuple[str, str], ...]
-    conv1d: tuple[str, ...] = ()  # our names whose weight the family stores as in x out (GPT-2's Conv1D)
+    writes: Callable[[GPTConfig], bool]
 
 
 def _refuse(where: str, field: str, value: Any, supported: str) -> HFError:
@@ -42,6 +41,7 @@ def _check_values(hf: dict[str, Any], where: str, allowed: dict[str, tuple[Any, 
             raise _refuse(where, name, hf[name], f"supported: {' or '.join(repr(v) for v in values)}")
 
 
+# ------------------------------------------------------------------------------------------------ GPT-2
 def _gpt2_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
     _check_values(hf, where, {
         "activation_function": ("gelu_new", "gelu_pytorch_tanh"),  # GELU with the tanh approximation, as ours
@@ -57,7 +57,21 @@ def _gpt2_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
     )
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
+def _gpt2_hf(c: GPTConfig) -> dict[str, Any]:
+    return dict(
+        n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, n_positions=c.block_size, n_ctx=c.block_size,
+        vocab_size=c.vocab_size, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=c.norm_eps,
+        resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, tie_word_embeddings=c.tie_embeddings,
+    )
+
+
+def _writes_gpt2(c: GPTConfig) -> bool:
+    return (c.positions, c.norm, c.mlp, c.fused_qkv) == ("learned", "layernorm", "gelu", True) and all(
+        (c.qkv_bias, c.attn_out_bias, c.mlp_bias, c.norm_bias)) and c.ffn_size == 4 * c.n_embd
+
+
+# ------------------------------------------------------------------------------------------------ Llama and Qwen2
+def _rope_theta(hf: dict[str, Any], where: str, default: float) -> float:
     """RoPE's base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x); scaled RoPE
     is refused: the GPT's rotary embedding has no scaling (``docs/huggingface.md``)."""
     params = dict(hf.get("rope_parameters") or {})
@@ -69,80 +83,98 @@ def _rope_theta(hf: dict[str, Any], where: str) -> float:
             "rotary embedding has no scaling: its logits would not be the model's. Use a model without rope_scaling "
             "(Llama 3 8B, Qwen2), or set rope_scaling to null in a copy of config.json if you accept the difference."
         )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return float(params.get("rope_theta", hf.get("rope_theta", default)))
 
 
-def _llama_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
+def _rotary_config(hf: dict[str, Any], where: str, theta: float) -> dict[str, Any]:
+    """The fields Llama and Qwen2 share (``hidden_act`` SiLU, a head size of ``hidden_size / num_attention_heads``)."""
     _check_values(hf, where, {"hidden_act": ("silu",), "pretraining_tp": (1,)})
     n_embd, n_head = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     if hf.get("head_dim") not in (None, n_embd // n_head):
         raise _refuse(where, "head_dim", hf["head_dim"], f"the GPT's head size is hidden_size / num_attention_heads = "
                       f"{n_embd // n_head}")
-    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
-        raise HFError(f"{where}: config.json has attention_bias={hf.get('attention_bias')!r} and "
-                      f"mlp_bias={hf.get('mlp_bias')!r}; the GPT has biases in every linear layer or in none.")
     return dict(
-        arch="llama", n_layer=hf.get("num_hidden_layers", 32), n_head=n_head,
-        n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
-        intermediate_size=hf.get("intermediate_size", 11008), block_size=hf.get("max_position_embeddings", 2048),
-        vocab_size=hf.get("vocab_size", 32000), bias=bool(hf.get("attention_bias", False)),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf, where),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
+        n_layer=hf.get("num_hidden_layers", 32), n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
+        n_embd=n_embd, intermediate_size=hf.get("intermediate_size", 11008),
+        block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf.get("vocab_size", 32000),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf, where, theta),
     )
 
 
-def _gpt2_hf(c: GPTConfig) -> dict[str, Any]:
-    return dict(
-        n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, n_positions=c.block_size, n_ctx=c.block_size,
-        vocab_size=c.vocab_size, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=c.norm_eps,
-        resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, tie_word_embeddings=c.tie_embeddings,
-    )
+def _llama_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    attention_bias = bool(hf.get("attention_bias", False))
+    return dict(arch="llama", **_rotary_config(hf, where, 10000.0), qkv_bias=attention_bias,
+                attn_out_bias=attention_bias, mlp_bias=bool(hf.get("mlp_bias", False)),
+                tie_embeddings=hf.get("tie_word_embeddings", False))
 
 
-def _llama_hf(c: GPTConfig) -> dict[str, Any]:
+def _qwen2_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    if hf.get("use_sliding_window"):
+        raise _refuse(where, "use_sliding_window", True, "every layer attends to its whole context")
+    return dict(arch="qwen2", **_rotary_config(hf, where, 10000.0), qkv_bias=True, attn_out_bias=False,
+                mlp_bias=False, tie_embeddings=hf.get("tie_word_embeddings", False))
+
+
+def _rotary_hf(c: GPTConfig) -> dict[str, Any]:
     return dict(
         num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
         hidden_size=c.n_embd, intermediate_size=c.ffn_size, head_dim=c.head_size, hidden_act="silu",
         max_position_embeddings=c.block_size, vocab_size=c.vocab_size, rms_norm_eps=c.norm_eps,
         rope_theta=c.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
+        attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
     )
 
 
-_LLAMA_RENAMES = (
-    (r"^transformer\.wte\.", "model.embed_tokens."),
-    (r"^transformer\.ln_f\.", "model.norm."),
-    (r"^transformer\.h\.(\d+)\.ln_1\.", r"model.layers.\1.input_layernorm."),
-    (r"^transformer\.h\.(\d+)\.ln_2\.", r"model.layers.\1.post_attention_layernorm."),
-    (r"^transformer\.h\.(\d+)\.attn\.c_proj\.", r"model.layers.\1.self_attn.o_proj."),
-    (r"^transformer\.h\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
-    (r"^transformer\.h\.(\d+)\.mlp\.c_proj\.", r"model.layers.\1.mlp.down_proj."),
-    (r"^transformer\.h\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
-)
+def _llama_hf(c: GPTConfig) -> dict[str, Any]:
+    return dict(_rotary_hf(c), attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
 
-# The families load_hf reads and save_hf writes, by their transformers class (config.json's "architectures").
+
+def _qwen2_hf(c: GPTConfig) -> dict[str, Any]:
+    return dict(_rotary_hf(c), use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
+
+
+def _rotary(c: GPTConfig) -> bool:
+    return (c.positions, c.norm, c.mlp, c.fused_qkv) == ("rotary", "rmsnorm", "swiglu", False)
+
+
+def _writes_llama(c: GPTConfig) -> bool:
+    return _rotary(c) and c.qkv_bias == c.attn_out_bias  # Llama's attention_bias covers q, k, v and o together
+
+
+def _writes_qwen2(c: GPTConfig) -> bool:
+    return _rotary(c) and c.qkv_bias and not c.attn_out_bias and not c.mlp_bias
+
+
+# The families load_hf reads and save_hf writes, by their transformers class (config.json's "architectures"); the
+# export takes the first whose capabilities a config has.
 HF_FAMILIES: dict[str, HFFamily] = {
-    "GPT2LMHeadModel": HFFamily(
-        "GPT2LMHeadModel", "gpt2", _gpt2_config, _gpt2_hf, renames=(),  # nanoGPT's names are GPT-2's
-        conv1d=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
-    ),
-    "LlamaForCausalLM": HFFamily("LlamaForCausalLM", "llama", _llama_config, _llama_hf, renames=_LLAMA_RENAMES),
+    "GPT2LMHeadModel": HFFamily("GPT2LMHeadModel", "gpt2", _gpt2_config, _gpt2_hf, _writes_gpt2),
+    "LlamaForCausalLM": HFFamily("LlamaForCausalLM", "llama", _llama_config, _llama_hf, _writes_llama),
+    "Qwen2ForCausalLM": HFFamily("Qwen2ForCausalLM", "qwen2", _qwen2_config, _qwen2_hf, _writes_qwen2),
 }
 
 
 def family_of(config: GPTConfig) -> HFFamily:
-    """The transformers family a GPT is written as (the one place export reads the architecture's name)."""
-    return HF_FAMILIES["GPT2LMHeadModel" if config.arch == "gpt2" else "LlamaForCausalLM"]
+    """The transformers class a GPT of ``config`` is written as: the first family whose capabilities it has."""
+    family = next((f for f in HF_FAMILIES.values() if f.writes(config)), None)
+    if family is None:
+        raise HFError(
+            f"No transformers class has this GPT's capabilities (positions={config.positions!r}, norm={config.norm!r}, "
+            f"mlp={config.mlp!r}, fused_qkv={config.fused_qkv}, qkv_bias={config.qkv_bias}, attn_out_bias="
+            f"{config.attn_out_bias}, mlp_bias={config.mlp_bias}): save_hf writes {', '.join(HF_FAMILIES)}."
+        )
+    return family
 
 
-def _hf_name(family: HFFamily, ours: str) -> str:
-    for pattern, replacement in family.renames:
-        if re.search(pattern, ours):
-            return re.sub(pattern, replacement, ours)
-    return ours
+def weight_names(model: GPT) -> dict[str, str]:
+    """Our state-dict name -> transformers', for every weight a folder holds (the head only when untied)."""
+    keys = [k for k in model.state_dict() if not (k == "lm_head.weight" and model.config.tie_embeddings)]
+    try:
+        return model.config.hf_names(keys)
+    except ValueError as err:
+        raise HFError(f"The GPT cannot be written as a transformers model: {err}") from err
 
 
-def weight_names(family: HFFamily, model: GPT) -> dict[str, str]:
-    """Our state-dict name -> the family's, for every weight a folder holds (the head only when untied)."""
-    names = [k for k in model.state_dict() if not (k == "lm_head.weight" and model.config.tie_embeddings)]
-    return {k: _hf_name(family, k) for k in names}
+def transposed(config: GPTConfig, ours: str) -> bool:
+    """Whether transformers stores our weight ``ours`` transposed (GPT-2's ``Conv1D``, in x out)."""
+    return config.hf_transposed(ours)

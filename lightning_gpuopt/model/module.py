@@ -54,13 +54,13 @@ class GPTModule(pl.LightningModule):
 
     Args:
         preset: A ``GPTConfig`` preset: ``tiny``, ``124m`` ... ``1.5b`` (GPT-2 style), ``llama-tiny``, ``llama-1b``
-            ... ``llama-70b`` (Llama 3 shapes).
+            ... ``llama-70b`` (Llama 3 shapes), ``qwen2-tiny``, ``qwen2-0.5b`` (Qwen2.5-0.5B's shape).
         vocab_size: Tokenizer vocabulary size (the ``gpuopt`` CLI links it from the data); ``None``: the preset's.
         block_size: Context length; ``None``: the preset's.
         n_layer: Override the preset's number of blocks.
         n_head: Override the preset's number of attention heads.
         n_embd: Override the preset's width.
-        n_kv_head: Override the preset's key/value heads (Llama-style presets; must divide ``n_head``).
+        n_kv_head: Override the preset's key/value heads (Llama and Qwen2 presets; must divide ``n_head``).
         dropout: Dropout probability.
         attention: ``"sdpa"`` or ``"flash-attn"`` (needs the ``flash`` extra).
         activation_checkpointing: Recompute each block's activations in the backward pass.

@@ -14,8 +14,8 @@ def preset_table(vocab_size: int = 50257, block_size: int = 1024) -> str:
     """Markdown table of every preset's shape, parameter counts and training FLOPs per token (on the meta device).
 
     Args:
-        vocab_size: Vocabulary the GPT-2 presets are counted at; the Llama and tiny presets keep their own.
-        block_size: Context length the GPT-2 presets are counted at.
+        vocab_size: Vocabulary the presets without one of their own (GPT-2's) are counted at; the others keep theirs.
+        block_size: Context length those presets are counted at.
     """
     rows = [
         "| preset | arch | n_layer | n_head | n_kv_head | n_embd | MLP width | tied head | vocabulary | context "
@@ -23,7 +23,7 @@ def preset_table(vocab_size: int = 50257, block_size: int = 1024) -> str:
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name, preset in PRESETS.items():
-        own = name.endswith("tiny") or preset.get("arch") == "llama"
+        own = "vocab_size" in preset  # a preset with its own vocabulary (Llama 3's, Qwen2's, the tiny ones') keeps it
         config = GPTConfig.from_name(name, **({} if own else dict(vocab_size=vocab_size, block_size=block_size)))
         with torch.device("meta"):
             model = GPT(config)

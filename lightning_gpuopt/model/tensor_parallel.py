@@ -1,8 +1,10 @@
-"""How the Llama-style GPT is split by tensor parallelism: ``parallelize_gpt``, applied before FSDP2.
+"""How the GPT is split by tensor parallelism: ``parallelize_gpt``, applied before FSDP2.
 
 Megatron-LM's split with sequence parallelism, as torchtitan's ``parallelize_llama``, from the parallel styles of
-``torch.distributed.tensor.parallel`` (torchao's float8 ones where the collectives can move float8). The plan,
-and why GPT-2's fused ``c_attn`` is refused: ``docs/parallel.md`` ("The tensor-parallel plan")."""
+``torch.distributed.tensor.parallel`` (torchao's float8 ones where the collectives can move float8). Which layers
+it splits is the config's (``GPTConfig.tensor_parallel_plan``: separate q/k/v projections and rotary positions,
+the Llama and Qwen2 families). The plan, and why GPT-2's fused ``c_attn`` is refused: ``docs/parallel.md``
+("The tensor-parallel plan")."""
 
 from __future__ import annotations
 
@@ -31,18 +33,13 @@ def check_tensor_parallel(config: GPTConfig, size: int) -> None:
     """
     if size == 1:
         return
-    if config.arch != "llama":
+    refusal = config.tensor_parallel_refusal()
+    if refusal:
         raise ValueError(
-            f"Tensor parallelism (tensor_parallel_size={size}) splits the Llama-style GPT only: GPT-2's fused c_attn "
-            "projection cannot be split into whole heads. Use GPTConfig(arch='llama') (a llama-* preset), or "
-            "tensor_parallel_size=1 (FSDP2 alone)."
+            f"Tensor parallelism (tensor_parallel_size={size}) cannot split this architecture (arch={config.arch!r}): "
+            f"{refusal}, or tensor_parallel_size=1 (FSDP2 alone)."
         )
-    splits = {
-        "n_head": config.n_head,
-        "n_kv_head": config.n_kv_head,
-        "ffn_size": config.ffn_size,
-        "padded_vocab_size": config.padded_vocab_size,
-    }
+    splits = config.tensor_parallel_splits()
     bad = {name: value for name, value in splits.items() if value % size}
     if bad:
         sizes = [s for s in (1, 2, 4, 8, 16, 32, 64) if all(v % s == 0 for v in splits.values())]
@@ -113,8 +110,11 @@ def moves_float8(mesh: Any) -> bool:
     return _backend(mesh) == "nccl"
 
 
+_NORM_BEFORE = {"attn": "ln_1", "mlp": "ln_2"}  # a block's sub-module and the norm its input comes from
+
+
 def parallelize_gpt(model: GPT, mesh: Any, float8_collectives: Optional[bool] = None) -> GPT:
-    """Split ``model`` (Llama style) over the tensor-parallel ``mesh``, in place (``docs/parallel.md``).
+    """Split ``model`` over the tensor-parallel ``mesh`` as its config's plan says, in place (``docs/parallel.md``).
 
     Example::
 
@@ -146,25 +146,20 @@ def parallelize_gpt(model: GPT, mesh: Any, float8_collectives: Optional[bool] = 
         # model(idx) without targets: every rank gets the logits of the whole vocabulary
         "lm_head": _colwise(model.lm_head, float8, input_layouts=Shard(1), output_layouts=Replicate()),
     })
+    plan = model.config.tensor_parallel_plan()  # {"attn": ((q_proj, k_proj, v_proj), c_proj), "mlp": ...}
     for block in model.transformer.h:
-        attn, mlp = block.attn, block.mlp
-        parallelize_module(block, mesh, {
-            "ln_1": SequenceParallel(),
-            # attention's inputs are (x, cache, rope, mask, key_padding_mask): x is gathered from its sequence shards,
-            # the others pass as they are
-            "attn": _gather_input(
-                [attn.q_proj, attn.k_proj, attn.v_proj], float8, (Shard(1), *[None] * 4), (Replicate(), *[None] * 4)
-            ),
-            "attn.q_proj": _colwise(attn.q_proj, float8),
-            "attn.k_proj": _colwise(attn.k_proj, float8),
-            "attn.v_proj": _colwise(attn.v_proj, float8),
-            "attn.c_proj": _rowwise(attn.c_proj, float8, output_layouts=Shard(1)),
-            "ln_2": SequenceParallel(),
-            "mlp": _gather_input([mlp.gate_proj, mlp.up_proj], float8, (Shard(1),), (Replicate(),)),
-            "mlp.gate_proj": _colwise(mlp.gate_proj, float8),
-            "mlp.up_proj": _colwise(mlp.up_proj, float8),
-            "mlp.c_proj": _rowwise(mlp.c_proj, float8, output_layouts=Shard(1)),
-        })
+        styles = {}
+        for name, (columns, row) in plan.items():
+            styles[_NORM_BEFORE[name]] = SequenceParallel()  # the norm before it runs on the sequence shards
+            part = block.get_submodule(name)
+            readers = [getattr(part, layer) for layer in columns]
+            # the attention's inputs are (x, cache, rope, mask, key_padding_mask), the MLP's (x,): x is gathered
+            # from its sequence shards, the others pass as they are
+            rest = [None] * 4 if name == "attn" else []
+            styles[name] = _gather_input(readers, float8, (Shard(1), *rest), (Replicate(), *rest))
+            styles.update({f"{name}.{layer}": _colwise(getattr(part, layer), float8) for layer in columns})
+            styles[f"{name}.{row}"] = _rowwise(getattr(part, row), float8, output_layouts=Shard(1))
+        parallelize_module(block, mesh, styles)
     if tied:  # each style made its own DTensor of the shared weight; both are Shard(0) of the same rows
         model.lm_head.weight = model.transformer.wte.weight
     return model

@@ -14,7 +14,6 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch import nn
 
 from lightning_gpuopt.model.config import GPTConfig
-from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel
 from lightning_gpuopt.perf.activations import measure_activation_bytes, measure_step_activation_bytes
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
@@ -42,7 +41,7 @@ class MemoryEstimate(dict):
     """Bytes on one device: ``params``, ``model_state``, ``activations``, ``logits`` (a dict); ``figures`` says
     where the numbers came from, for the message of :func:`choose_strategy`."""
 
-    figures: str = "GPT formula: 16 B per parameter (fp32 weights+grads+AdamW), 34 x n_embd B per token per layer"
+    figures: str = "16 B per parameter (fp32 weights+grads+AdamW), the block's activations per token per layer"
 
     @property
     def total(self) -> float:
@@ -58,12 +57,11 @@ def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precis
         block_size: Tokens per sequence.
         precision: The Trainer's precision string; ``32``/``64`` activations count double.
     """
-    with torch.device("meta"):
-        params = GPT(config).num_params()
+    params = config.num_params()
     tokens = micro_batch * block_size
     act_bytes = 4 if str(precision).startswith(("32", "64")) else 2
     h, layers = config.n_embd, config.n_layer
-    per_layer = _activation_elements(config)  # per token, 16-bit elements
+    per_layer = config.activation_elements()  # per token, 16-bit elements
     if config.activation_checkpointing:
         activations = tokens * (layers * act_bytes * h + per_layer * act_bytes)
     else:
@@ -75,21 +73,9 @@ def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precis
         logits=tokens * config.padded_vocab_size * 10,
     )
     kind = "16-bit" if act_bytes == 2 else "32-bit"
-    if config.arch == "llama":
-        est.figures = (f"Llama formula: 16 B per parameter (fp32 weights+grads+AdamW), {act_bytes} x (9 n_embd + 2 kv + 4 ffn) "
-                       f"B per token per layer ({kind} activations, precision {precision})")
-    else:
-        est.figures = (f"GPT formula: 16 B per parameter (fp32 weights+grads+AdamW), {17 * act_bytes} x n_embd B per token "
-                       f"per layer ({kind} activations, precision {precision})")
+    est.figures = (f"block formula ({config.mlp} MLP): 16 B per parameter (fp32 weights+grads+AdamW), {act_bytes} x "
+                   f"({config.activation_formula()}) B per token per layer ({kind} activations, precision {precision})")
     return est
-
-
-def _activation_elements(config: GPTConfig) -> int:
-    """Activation elements one block keeps per token for its backward (16-bit elements)."""
-    if config.arch == "gpt2":
-        return 17 * config.n_embd  # Korthikanti et al.'s 34 h bytes in 16-bit
-    kv = config.n_kv_head * config.head_size
-    return 9 * config.n_embd + 2 * kv + 4 * config.ffn_size
 
 
 def _config_of(model: Any) -> Optional[GPTConfig]:
@@ -263,7 +249,7 @@ def choose_strategy(
         trainer = Trainer(devices=8, strategy=strategy)   # in YAML: trainer.strategy: gpuopt-auto
 
     Args:
-        model: A ``GPTConfig``, ``GPT`` or ``GPTModule`` (estimated by the GPT formula), or any other
+        model: A ``GPTConfig``, ``GPT`` or ``GPTModule`` (estimated by the config's formulas), or any other
             ``nn.Module``/LightningModule (estimated from its parameters and measured activations).
         devices, devices_per_node: Devices of the run, all nodes together, and of one node (``None``: one node).
         device_memory: Bytes per device; ``None`` takes those of ``device``, the GPU to plan for
@@ -358,7 +344,7 @@ class _ShardingPlan:
             return state + scale * (self.est["activations"] + self.est["logits"]) / tp
         cfg, tokens = self.config, (micro_batch or self.micro_batch) * self.block_size
         act_bytes = 4 if str(self.precision).startswith(("32", "64")) else 2
-        whole = _activation_elements(cfg)
+        whole = cfg.activation_elements()
         split = (whole - 2 * cfg.n_embd) / tp + 2 * cfg.n_embd  # the two gathered block inputs are kept whole
         if cfg.activation_checkpointing:
             act = tokens * (cfg.n_layer * act_bytes * cfg.n_embd / tp + split * act_bytes)
@@ -394,7 +380,7 @@ class _ShardingPlan:
         elif nodes > 1:
             lines.append(f"across {nodes} nodes; this GPU's peak FLOP/s is unknown, so the network is not weighed")
         if chosen is None:
-            if self.config.arch == "llama" and self.unsplit:
+            if self.config.tensor_parallel_refusal() is None and self.unsplit:
                 lines.append(self._unsplit_reason())
             state = self.est["model_state"] / self.devices
             if state > self.budget:
@@ -404,8 +390,8 @@ class _ShardingPlan:
                 fix = "lower the micro-batch or set model.activation_checkpointing=true"
             chosen = 1 if state > self.budget else self.sizes[-1]
             return chosen, "; ".join(lines) + f"; it still does NOT fit: {fix}."
-        if self.config.arch != "llama" and not fits[1]:
-            lines.append("tensor parallelism splits the Llama-style GPT only (arch='llama')")
+        if self.config.tensor_parallel_refusal() and not fits[1]:
+            lines.append(f"tensor parallelism cannot split this model: {self.config.tensor_parallel_refusal()}")
         elif self.unsplit and chosen == self.sizes[-1] and not (fits[chosen] and scales[chosen]):
             lines.append(self._unsplit_reason())
         if needed is not None and not scales[chosen]:
@@ -420,8 +406,7 @@ class _ShardingPlan:
     def _unsplit_reason(self) -> str:
         """Why the tensor-parallel sizes above the largest considered were left out (their shares would be uneven)."""
         cfg, above = self.config, self.unsplit[0]
-        parts = {"n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "ffn_size": cfg.ffn_size,
-                 "padded_vocab_size": cfg.padded_vocab_size}
+        parts = cfg.tensor_parallel_splits()
         bad = ", ".join(f"{k}={v}" for k, v in parts.items() if v % above)
         return f"tensor parallel {above} or more is not considered: it does not divide {bad}"
 

@@ -120,3 +120,76 @@ def test_flash_attn_with_an_unknown_compute_dtype_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_attention_runs(flash_config(), REFERENCE_DEVICES["H100 SXM"], "bf16")
+
+
+# ------------------------------------------------------------------------------ the architecture as capabilities
+def test_each_family_names_its_capabilities_and_a_field_overrides_them():
+    gpt2, llama = GPTConfig.from_name("tiny"), GPTConfig.from_name("llama-tiny")
+    caps = ("positions", "norm", "mlp", "fused_qkv", "qkv_bias", "attn_out_bias", "mlp_bias", "norm_bias")
+    assert [getattr(gpt2, c) for c in caps] == ["learned", "layernorm", "gelu", True, True, True, True, True]
+    assert [getattr(llama, c) for c in caps] == ["rotary", "rmsnorm", "swiglu", False, False, False, False, False]
+    assert (gpt2.rope_theta, gpt2.multiple_of, llama.rope_theta, llama.multiple_of) == (None, None, 10000.0, 16)
+    # `bias` gives the biases not given one by one; RMSNorm has none to give
+    mixed = GPTConfig(arch="llama", bias=True, mlp_bias=False)
+    assert (mixed.qkv_bias, mixed.attn_out_bias, mixed.mlp_bias, mixed.norm_bias) == (True, True, False, False)
+    assert GPTConfig(bias=False).norm_bias is False
+    assert GPTConfig(intermediate_size=96, n_embd=64, n_head=4).ffn_size == 96  # a GELU MLP of another width
+    with pytest.raises(ValueError, match="norm_bias=True: RMSNorm has no bias"):
+        GPTConfig(arch="llama", norm_bias=True)
+    with pytest.raises(ValueError, match="GPTConfig.mlp must be 'gelu', 'swiglu' or None, got 'relu'"):
+        GPTConfig(mlp="relu")
+    with pytest.raises(ValueError, match="GPTConfig.fused_qkv must be True or False, got 1"):
+        GPTConfig(fused_qkv=1)
+    with pytest.raises(ValueError, match="multiple_of needs mlp='swiglu'"):
+        GPTConfig(multiple_of=64)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_config_counts_what_the_model_holds(name):
+    """num_params and flops_per_token are the config's, without a model: the same as the model's parameters."""
+    config = GPTConfig.from_name(name)
+    model = _meta_gpt(config)
+    assert config.num_params() == model.num_params()
+    matmuls = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert config.flops_per_token(64) - config.flops_per_token(32) == 12 * config.n_layer * config.n_embd * 32
+    keys = list(model.state_dict())
+    names = config.hf_names(keys)
+    assert list(names) == keys and len(set(names.values())) == len(keys)
+    if config.positions == "learned":  # GPT-2: nanoGPT's count, every parameter but the position embedding
+        assert config.flops_per_token(0) == 6 * (model.num_params() - config.block_size * config.n_embd)
+        assert names["transformer.h.0.attn.c_attn.weight"] == "transformer.h.0.attn.c_attn.weight"
+        assert config.hf_transposed("transformer.h.0.mlp.c_fc.weight") and not config.hf_transposed("lm_head.weight")
+    else:
+        assert config.flops_per_token(0) == 6 * matmuls
+        assert names["transformer.h.1.attn.c_proj.weight"] == "model.layers.1.self_attn.o_proj.weight"
+        assert names["transformer.h.0.ln_2.weight"] == "model.layers.0.post_attention_layernorm.weight"
+        assert names["transformer.wte.weight"] == "model.embed_tokens.weight"
+
+
+def test_capabilities_mix_across_families():
+    """A GPT-2 config with rotary positions, separate grouped q/k/v and SwiGLU is built by the same code paths, and
+    tensor parallelism plans it; a key transformers' GPT-2 does not have is refused by hf_names."""
+    config = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=32, vocab_size=128,
+                       positions="rotary", fused_qkv=False, mlp="swiglu", multiple_of=16)
+    model = GPT(config)
+    assert "wpe" not in model.transformer and model.transformer.h[0].attn.k_proj.weight.shape == (32, 64)
+    assert model.transformer.h[0].attn.k_proj.bias is not None  # GPT-2's biases stay
+    assert config.num_params() == model.num_params()
+    assert model(torch.randint(0, 128, (2, 8))).shape == (2, 8, 128)
+    assert config.tensor_parallel_refusal() is None
+    assert config.tensor_parallel_plan() == {"attn": (("q_proj", "k_proj", "v_proj"), "c_proj"),
+                                            "mlp": (("gate_proj", "up_proj"), "c_proj")}
+    with pytest.raises(ValueError, match="'transformer.h.0.attn.q_proj.weight' has no counterpart in transformers'"):
+        config.hf_names(model.state_dict())
+    gelu = GPTConfig(n_layer=1, n_head=4, n_embd=64, positions="rotary", fused_qkv=False)
+    assert gelu.tensor_parallel_plan()["mlp"] == (("c_fc",), "c_proj")
+    with pytest.raises(ValueError, match="fused c_attn projection cannot be split"):
+        GPTConfig().tensor_parallel_plan()
+
+
+def test_the_activation_formula_is_the_one_computed():
+    gpt2, llama = GPTConfig.from_name("1.5b"), GPTConfig.from_name("llama-8b")
+    assert gpt2.activation_elements() == 17 * 1600  # Korthikanti et al.'s 34 h bytes in 16-bit
+    assert gpt2.activation_formula() == "7 n_embd + 2 kv + 2 ffn"
+    assert llama.activation_elements() == 9 * 4096 + 2 * 1024 + 4 * 14336
+    assert llama.activation_formula() == "9 n_embd + 2 kv + 4 ffn"

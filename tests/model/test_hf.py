@@ -26,6 +26,12 @@ FAMILIES = {
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
     ),
+    # Qwen2 (Qwen2.5's shape): biases on q/k/v only, grouped KV heads, RoPE theta 1e6, the head tied
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
 }
 
 
@@ -55,7 +61,7 @@ def test_load_hf_gives_the_models_logits_and_pads_the_vocabulary_with_zeros(hf_f
     hf, folder = hf_folder
     ours = load_hf(folder)
     assert ours.config.vocab_size == VOCAB and ours.config.padded_vocab_size == 320
-    assert ours.config.n_kv_head == (2 if ours.config.arch == "llama" else 4)
+    assert ours.config.n_kv_head == (4 if ours.config.fused_qkv else 2)  # grouped KV heads for Llama and Qwen2
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = ours(ids)
@@ -101,12 +107,18 @@ def _tokenizer_json() -> str:
     return tokenizer.to_str()
 
 
-def test_a_gpt_of_our_own_goes_to_transformers_and_back(tmp_path):
+@pytest.mark.parametrize("preset, hf_class", [
+    ("tiny", "GPT2LMHeadModel"), ("llama-tiny", "LlamaForCausalLM"), ("qwen2-tiny", "Qwen2ForCausalLM")])
+def test_a_gpt_of_our_own_goes_to_transformers_and_back(tmp_path, preset, hf_class):
     torch.manual_seed(0)
-    ours = GPT(GPTConfig.from_name("llama-tiny", vocab_size=300, tie_embeddings=True)).eval()
+    ours = GPT(GPTConfig.from_name(preset, vocab_size=300, tie_embeddings=preset != "llama-tiny")).eval()
+    with torch.no_grad():  # biases and norm gains off their initial zeros and ones
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
     with pytest.warns(UserWarning, match="no tokenizer.json"):
         out = save_hf(ours, tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back).__name__ == hf_class
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(_logits(back, ids), ours(ids)[..., :300], atol=1e-4, rtol=0)
@@ -147,14 +159,15 @@ def test_a_pickle_only_folder_is_refused_without_unpickling(llama_folder):
 
 def test_an_unsupported_architecture_is_named(llama_folder):
     _edit_config(llama_folder, architectures=["MixtralForCausalLM"])
-    with pytest.raises(HFError, match=r"MixtralForCausalLM.*supported are GPT2LMHeadModel, LlamaForCausalLM"):
+    with pytest.raises(HFError, match=r"MixtralForCausalLM.*supported are GPT2LMHeadModel, LlamaForCausalLM, "
+                       "Qwen2ForCausalLM"):
         load_hf(llama_folder)
 
 
 @pytest.mark.parametrize("changes, match", [
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0}}, "RoPE scaling of type 'llama3'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"mlp_bias": True}, "attention_bias=False and mlp_bias=True"),
+    ({"head_dim": 32}, "head_dim=32.*hidden_size / num_attention_heads = 16"),
 ])
 def test_an_unsupported_field_is_named(llama_folder, changes, match):
     _edit_config(llama_folder, **changes)

@@ -241,7 +241,8 @@ def test_attention_split_by_heads_sums_to_the_whole():
 
 def test_llama_option_checks_name_the_fix():
     """More in tests/test_bad_inputs.py (unknown-arch, llama-option-on-gpt2, n-kv-head-not-dividing, ...)."""
-    with pytest.raises(ValueError, match=r"GPTConfig.n_kv_head, rope_theta are options of the Llama-style .*leave them out"):
+    needs = r"n_kv_head needs fused_qkv=False and rope_theta needs positions='rotary'.*leave n_kv_head, rope_theta"
+    with pytest.raises(ValueError, match=needs):
         GPTConfig(n_kv_head=2, rope_theta=1e4)
     with pytest.raises(ValueError, match="rope_theta must be > 0 or None, got 0"):
         llama(rope_theta=0)

@@ -176,11 +176,11 @@ def test_llama_70b_is_planned_on_the_meta_device():
     assert est["params"] == 70_553_706_496 and est["model_state"] == 16 * est["params"]
     per_layer = 2 * (9 * 8192 + 2 * 8 * 128 + 4 * 28672)  # bytes per token of one block (bf16)
     assert est["activations"] == 8192 * (80 * 2 * 8192 + per_layer)  # block inputs + one block recomputed
-    assert est["logits"] == 8192 * 128256 * 10 and "Llama formula" in est.figures
+    assert est["logits"] == 8192 * 128256 * 10 and "block formula (swiglu MLP)" in est.figures
     h100 = REFERENCE_DEVICES["H100 SXM"]
     strategy, reason = choose_strategy(cfg, devices=8, device=h100, micro_batch=1)
     assert isinstance(strategy, AtomicModelParallelStrategy) and "still does NOT fit" in reason  # 141 GB of state per GPU
-    assert "70,554M params -> 1128.9 GB weights+grads+AdamW" in reason and "Llama formula" in reason
+    assert "70,554M params -> 1128.9 GB weights+grads+AdamW" in reason and "block formula (swiglu MLP)" in reason
     _, reason = choose_strategy(cfg, devices=64, device=h100, micro_batch=1)
     assert "sharded over 64 devices it needs 42.0 GB per device and fits" in reason
 

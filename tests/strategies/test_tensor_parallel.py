@@ -36,7 +36,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 @pytest.mark.parametrize(
     ("config", "size", "match"),
     [
-        (dict(preset="tiny"), 2, "splits the Llama-style GPT only: GPT-2's fused c_attn .*arch='llama'"),
+        (dict(preset="tiny"), 2, r"cannot split this architecture \(arch='gpt2'\): GPT-2's fused c_attn .*fused_qkv=False"),
         (dict(preset="llama-8b"), 16, r"does not divide n_kv_head=8.*Choose tensor_parallel_size from \[1, 2, 4, 8\]"),
         (dict(preset="llama-tiny", vocab_size=301, padding_multiple=1), 2, "padded_vocab_size=301.*padding_multiple"),
         (dict(preset="llama-tiny", loss_impl="plain"), 2, "loss_impl='plain' needs the whole output head on one rank"),
