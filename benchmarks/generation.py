@@ -181,9 +181,10 @@ def run_config(name: str, model: _EndsEarly, rows: list[list[int]], new_tokens: 
             answers = _sequential(model, rows, new_tokens, sample, device)
         elif name == "grouped":
             answers = _grouped(model, rows, new_tokens, batch_size, temperature, top_k, generator, device)
-        elif name == "transformers":
-            torch.manual_seed(seed)  # transformers samples from the global generator
-            answers = _transformers(peer, model, rows, new_tokens, batch_size, temperature, top_k, device)
+        elif name == "transformers":  # it samples from the global generator: seeded, and put back after
+            with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                answers = _transformers(peer, model, rows, new_tokens, batch_size, temperature, top_k, device)
         else:
             requests = [Request(ids, new_tokens, key=i) for i, ids in enumerate(rows)]
             done = {d.key: d.tokens for d in generate_batched(model, requests, batch_size, temperature, top_k, eot_id=model.eot,

@@ -1,5 +1,6 @@
 """The Hugging Face families the GPT reads and writes: each ``transformers`` class's ``config.json`` fields as
-``GPTConfig`` fields and back, and the capabilities a config needs to be written as that class (``docs/huggingface.md``).
+``GPTConfig`` fields and back, and the capabilities a config needs to be written as that class
+(``docs/huggingface.md``).
 The weights' names and layout are the config's own mapping (``GPTConfig.hf_names``, ``hf_transposed``). A new family
 is one entry of :data:`HF_FAMILIES`; reading and writing folders is ``model/hf.py``'s."""
 

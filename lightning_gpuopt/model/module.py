@@ -133,6 +133,13 @@ class GPTModule(pl.LightningModule):
                        loss_impl=loss_impl, loss_chunk_size=loss_chunk_size)
         # Validate now, before any work: a bad shape fails at construction, not after data prep.
         if architecture:  # the data's vocab_size and block_size are checked to fit it at setup (check_data_fits)
+            clash = {k: (v, architecture.get(k)) for k, v in overrides.items()
+                     if k not in ("vocab_size", "block_size") and v is not None and v != architecture.get(k)}
+            if clash:
+                asked = ", ".join(f"{k}={v!r}" for k, (v, _) in clash.items())
+                theirs = ", ".join(f"{k}={a!r}" for k, (_, a) in clash.items())
+                raise ValueError(f"GPTModule.{asked} differ from the architecture given whole ({theirs}, e.g. a "
+                                 "Hugging Face folder's): leave them out.")
             self.config = GPTConfig(**{**architecture, **runtime})
         else:
             given = {k: v for k, v in overrides.items() if v is not None}

@@ -220,8 +220,8 @@ def test_nonfinite_weights_are_refused(llama_folder):
     tensors = load_file(llama_folder / "model.safetensors")
     tensors["model.norm.weight"][3] = float("nan")
     save_file(tensors, llama_folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"'transformer.ln_f.weight' holds NaN/Inf.*\n.*\nTo read the file anyway: "
-                       "safetensors"):
+    with pytest.raises(CheckpointError,
+                       match=r"'transformer.ln_f.weight' holds NaN/Inf.*\n.*\nTo read the file anyway: safetensors"):
         load_hf(llama_folder)
 
 
@@ -250,3 +250,15 @@ def test_save_hf_gathers_an_fsdp2_checkpoint_folder_on_the_cpu(fsdp2_trainer, tm
     down = back.state_dict()["model.layers.1.mlp.down_proj.weight"]
     assert torch.equal(down, full["transformer.h.1.mlp.c_proj.weight"])
     assert torch.equal(back.state_dict()["model.embed_tokens.weight"], full["transformer.wte.weight"][:300])
+
+
+def test_gptmodule_from_a_folder_takes_its_architecture_and_refuses_other_sizes(llama_folder):
+    from lightning_gpuopt.model import GPTModule
+
+    module = GPTModule(init_from=str(llama_folder), vocab_size=280, block_size=32)  # the data's sizes: they fit
+    assert module.hparams.architecture["n_kv_head"] == 2 and module.config.vocab_size == VOCAB
+    assert module.config.block_size == 64 and module.config.rope_theta == 50000.0
+    module.configure_model()
+    torch.testing.assert_close(module.model.transformer.ln_f.weight, hf_model("llama").model.norm.weight)
+    with pytest.raises(ValueError, match=r"GPTModule.n_layer=3 differ from the architecture given whole \(n_layer=2"):
+        GPTModule(init_from=str(llama_folder), n_layer=3)
