@@ -738,9 +738,9 @@ CASES = [
          r"holds a \['MixtralForCausalLM'\] model, which load_hf does not read: supported are GPT2LMHeadModel, "
          r"LlamaForCausalLM, Qwen2ForCausalLM"),
     Case("hf-rope-scaling",
-         lambda c: load_hf(_hf_folder(c, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0})),
-         HFError, r"RoPE scaling of type 'llama3' \(as Llama 3.1 and 3.2 do\), and the GPT's rotary embedding has no "
-         r"scaling"),
+         lambda c: load_hf(_hf_folder(c, rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 32.0})),
+         HFError, r"RoPE scaling of type 'yarn', which the GPT's rotary embedding does not have \(it has Llama 3.1's "
+         r"'llama3'"),
     Case("hf-shapes-unlike-config", lambda c: load_hf(_hf_folder(c, vocab_size=256)), HFError,
          r"do not match its config.json \(LlamaForCausalLM\): model.embed_tokens.weight \[300, 64\] in the folder, "
          r"\[256, 64\] expected.*Nothing was loaded"),

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.model.rope import LLAMA3_SCALING_KEYS
 
 __all__ = ["HFError", "HF_FAMILIES", "HFFamily", "family_of", "transposed", "weight_names"]
 
@@ -72,19 +73,21 @@ def _writes_gpt2(c: GPTConfig) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ Llama and Qwen2
-def _rope_theta(hf: dict[str, Any], where: str, default: float) -> float:
-    """RoPE's base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x); scaled RoPE
-    is refused: the GPT's rotary embedding has no scaling (``docs/huggingface.md``)."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
-    if kind != "default":
+def _rope(hf: dict[str, Any], where: str, default: float) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
+    ``rope_scaling`` (4.x): no scaling, or Llama 3.1's ``"llama3"``; any other kind is refused."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = params.get("rope_type", params.get("type")) or "default"
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default)))
+    if kind == "default":
+        return dict(rope_theta=theta)
+    if kind != "llama3" or any(k not in params for k in LLAMA3_SCALING_KEYS):
         raise HFError(
-            f"{where}: config.json asks for RoPE scaling of type {kind!r} (as Llama 3.1 and 3.2 do), and the GPT's "
-            "rotary embedding has no scaling: its logits would not be the model's. Use a model without rope_scaling "
-            "(Llama 3 8B, Qwen2), or set rope_scaling to null in a copy of config.json if you accept the difference."
+            f"{where}: config.json asks for RoPE scaling of type {kind!r}, which the GPT's rotary embedding does not "
+            f"have (it has Llama 3.1's 'llama3', with {', '.join(LLAMA3_SCALING_KEYS)}): its logits would not be the "
+            "model's. Use a model without it, or one of Llama 3.1's scaling."
         )
-    return float(params.get("rope_theta", hf.get("rope_theta", default)))
+    return dict(rope_theta=theta, rope_scaling={k: params[k] for k in LLAMA3_SCALING_KEYS})
 
 
 def _rotary_config(hf: dict[str, Any], where: str, theta: float) -> dict[str, Any]:
@@ -98,7 +101,7 @@ def _rotary_config(hf: dict[str, Any], where: str, theta: float) -> dict[str, An
         n_layer=hf.get("num_hidden_layers", 32), n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
         n_embd=n_embd, intermediate_size=hf.get("intermediate_size", 11008),
         block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf.get("vocab_size", 32000),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf, where, theta),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), **_rope(hf, where, theta),
     )
 
 
@@ -117,11 +120,12 @@ def _qwen2_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _rotary_hf(c: GPTConfig) -> dict[str, Any]:
+    scaling = {"rope_type": "llama3", **c.rope_scaling} if c.rope_scaling else {"rope_type": "default"}
     return dict(
         num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
         hidden_size=c.n_embd, intermediate_size=c.ffn_size, head_dim=c.head_size, hidden_act="silu",
         max_position_embeddings=c.block_size, vocab_size=c.vocab_size, rms_norm_eps=c.norm_eps,
-        rope_theta=c.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        rope_theta=c.rope_theta, rope_parameters={**scaling, "rope_theta": c.rope_theta},
         attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
     )
 
@@ -142,8 +146,8 @@ def _writes_llama(c: GPTConfig) -> bool:
     return _rotary(c) and c.qkv_bias == c.attn_out_bias  # Llama's attention_bias covers q, k, v and o together
 
 
-def _writes_qwen2(c: GPTConfig) -> bool:
-    return _rotary(c) and c.qkv_bias and not c.attn_out_bias and not c.mlp_bias
+def _writes_qwen2(c: GPTConfig) -> bool:  # Qwen2 has no RoPE scaling of Llama 3.1's kind
+    return _rotary(c) and c.qkv_bias and not c.attn_out_bias and not c.mlp_bias and not c.rope_scaling
 
 
 # The families load_hf reads and save_hf writes, by their transformers class (config.json's "architectures"); the

@@ -26,6 +26,13 @@ FAMILIES = {
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
     ),
+    # Llama 3.1/3.2: RoPE scaled ("llama3"), here from an original context of 16 so that it changes most frequencies
+    "llama3.1": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    ),
     # Qwen2 (Qwen2.5's shape): biases on q/k/v only, grouped KV heads, RoPE theta 1e6, the head tied
     "qwen2": lambda: transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -165,6 +172,7 @@ def test_an_unsupported_architecture_is_named(llama_folder):
 
 
 @pytest.mark.parametrize("changes, match", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 32.0}}, "RoPE scaling of type 'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0}}, "RoPE scaling of type 'llama3'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"head_dim": 32}, "head_dim=32.*hidden_size / num_attention_heads = 16"),
