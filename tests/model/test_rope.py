@@ -40,7 +40,8 @@ def test_llama3_scaling_keeps_short_wavelengths_divides_long_ones_and_is_checked
     from lightning_gpuopt.model import GPTConfig
     from lightning_gpuopt.model.rope import llama3_inv_freq
 
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     scaled = llama3_inv_freq(inv_freq, scaling)
     wavelen = 2 * math.pi / inv_freq
