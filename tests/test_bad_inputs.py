@@ -370,6 +370,8 @@ CASES = [
          "GPTConfig.arch must be 'gpt2', 'llama' or 'qwen2', got 'mistral'"),
     Case("llama-option-on-gpt2", lambda c: GPTConfig(n_kv_head=2), ValueError,
          r"GPTConfig.n_kv_head needs fused_qkv=False, which this config \(arch='gpt2'\) does not have.*arch='llama'"),
+    Case("norm-bias-on-rmsnorm", lambda c: GPTConfig(arch="qwen2", norm_bias=True), ValueError,
+         r"norm_bias=True: RMSNorm has no bias. Use norm='layernorm', or leave norm_bias out"),
     Case("n-kv-head-not-dividing", lambda c: GPTModule(preset="llama-tiny", n_kv_head=3), ValueError,
          r"n_kv_head=3 does not divide n_head=4.*Choose n_kv_head from \[1, 2, 4\]"),
     Case("mlp-width-given-twice", lambda c: GPTConfig(arch="llama", intermediate_size=256, ffn_dim_multiplier=1.3), ValueError,
