@@ -7,6 +7,7 @@ Everything that can be refused is refused before a weight is read: the architect
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -263,13 +264,16 @@ def _end_of_text_id(tokenizer_json: Optional[str]) -> Optional[int]:
 
 
 def _hf_config(config: GPTConfig, family: HFFamily, eos: Optional[int], dtype: torch.dtype) -> dict[str, Any]:
-    import transformers  # the version field only; the folder itself is plain JSON
-
+    """``config.json``: plain JSON, written without transformers (its version recorded where it is installed)."""
+    try:
+        version = {"transformers_version": importlib.metadata.version("transformers")}
+    except importlib.metadata.PackageNotFoundError:
+        version = {}
+    name = str(dtype).removeprefix("torch.")
     return {
         "architectures": [family.hf_class], "model_type": family.model_type, **family.to_hf(config),
-        "bos_token_id": eos, "eos_token_id": eos, "dtype": str(dtype).removeprefix("torch."),
-        "transformers_version": transformers.__version__,
-    }
+        "bos_token_id": eos, "eos_token_id": eos, "dtype": name, "torch_dtype": name, **version,
+    }  # "dtype" for transformers 5, "torch_dtype" for 4.x and the servers that read it
 
 
 def _export_tensors(model: GPT, family: HFFamily, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -378,17 +382,17 @@ def save_hf(source: Any, out_dir: Union[str, os.PathLike], tokenizer: Any = None
         dtype: The dtype of the weights written; ``None``: the model's (float32 from a checkpoint).
     """
     _check_writable(Path(out_dir).expanduser())  # before a checkpoint is read
+    text = _tokenizer_text(tokenizer)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
         checkpoint = _checkpoint_of(path)
         model = gpt_from_checkpoint(checkpoint, path)
-        tokenizer = tokenizer if tokenizer is not None else _run_tokenizer(checkpoint)
+        text = text if text is not None else _run_tokenizer(checkpoint)
     else:
         model = source if isinstance(source, GPT) else getattr(source, "model", None)
         if not isinstance(model, GPT):
             raise HFError(f"save_hf: {type(source).__name__} is not a GPT, a GPTModule with its model built, or a "
                           "checkpoint path.")
-    text = _tokenizer_text(tokenizer)
     if text is None:
         warnings.warn(f"save_hf: no tokenizer was given, so {str(out_dir)!r} gets no tokenizer.json; pass tokenizer= "
                       "(the run's tokenizer.json) for a folder transformers can generate text with.", stacklevel=2)

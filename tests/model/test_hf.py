@@ -270,3 +270,13 @@ def test_gptmodule_from_a_folder_takes_its_architecture_and_refuses_other_sizes(
     torch.testing.assert_close(module.model.transformer.ln_f.weight, hf_model("llama").model.norm.weight)
     with pytest.raises(ValueError, match=r"GPTModule.n_layer=3 differ from the architecture given whole \(n_layer=2"):
         GPTModule(init_from=str(llama_folder), n_layer=3)
+
+
+def test_save_hf_writes_bfloat16_weights_that_transformers_loads_as_such(llama_folder, tmp_path):
+    ours = load_hf(llama_folder)
+    out = save_hf(ours, tmp_path / "bf16", tokenizer=_tokenizer_json(), dtype=torch.bfloat16)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert back.dtype == torch.bfloat16
+    assert torch.equal(back.model.norm.weight, ours.transformer.ln_f.weight.to(torch.bfloat16))
