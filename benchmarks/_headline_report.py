@@ -130,6 +130,19 @@ def _tests_lines(result: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _generation_lines(result: dict[str, Any]) -> list[str]:
+    m = result["model"]
+    lines = [f"## Generation: {result['rows']} rows, prompts of {result['prompt_len'][0]} to {result['prompt_len'][1]} "
+             f"tokens, n_layer {m['n_layer']}, width {m['n_embd']} ({result['dtype']})", "",
+             "| configuration | batch | seconds | answer tokens/s | mean answer | vs one at a time | vs transformers |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["results"]:
+        lines.append(f"| `{r['config']}` | {r['batch']} | {r['seconds']:.2f} | {r['answer_tokens_per_sec']:,.0f} "
+                     f"| {r['mean_answer_tokens']:.1f} | {_f(r.get('speedup'), '.2f', suffix='x')} "
+                     f"| {_f(r.get('vs_transformers'), '.2f', suffix='x')} |")
+    return lines + [""]
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown page: device and versions, the headline table, the parts and what they found."""
     dev, parts = report["device"], report["parts"]
@@ -160,6 +173,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Parts", "", *_part_lines(parts), ""]
     if (parts.get("doctor") or {}).get("result"):
         lines += _doctor_lines(parts["doctor"]["result"])
+    if (parts.get("generation") or {}).get("result"):
+        lines += _generation_lines(parts["generation"]["result"])
     if (parts.get("gpu-tests") or {}).get("result"):
         lines += _tests_lines(parts["gpu-tests"]["result"])
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """Generation of a prompt set of mixed lengths whose answers end early: one prompt at a time, today's
-equal-length batches, and continuous batching, side by side in one process on one device.
+equal-length batches, continuous batching, and transformers' batched ``generate`` on the same weights, side by side
+in one process on one device.
 
 The same GPT (random weights: speed does not depend on them) answers the same rows (``--prompts``
 prompts of ``--min-len`` to ``--max-len`` tokens, ``--samples`` samples each, sampled at
@@ -12,6 +13,11 @@ prompts of ``--min-len`` to ``--max-len`` tokens, ``--samples`` samples each, sa
 ``continuous``    every row in batches of ``--batch-size`` whatever its length (left-padded), each
                   row stopping at its end-of-text and its place refilled with the next row:
                   ``generate_batched``, what ``gpuopt predict --generate.prompts_file`` runs
+``transformers``  the same weights written by ``save_hf`` and loaded by ``transformers``: its batched
+                  ``generate``, rows in batches of ``--batch-size`` in their order, left-padded, each
+                  batch run until its every row has ended (``eos_token_id``) or ``--new-tokens``; the
+                  end-of-text bias added by a logits processor. Needs ``transformers``; not in the default
+                  ``--configs``
 ================  ===================================================================================
 
 Answers end early: the end-of-text logit is raised by a fixed amount (``_EndsEarly``) so that a row
@@ -27,9 +33,10 @@ Example::
         --answer-len 64 --batch-size 256
 
 Reports the seconds for the whole set (median of ``--repeats`` timed runs, in alternating order, after
-one warm-up run each), the answer tokens per second, the mean answer length, and the speed-up over
-``sequential``; writes ``generation.json`` and ``generation.md`` to ``--out`` (default
-``benchmark-results/<device-slug>/`` in the current folder).
+one warm-up run each), the answer tokens per second, the mean answer length, the speed-up over
+``sequential`` and, with ``transformers`` run, the answer tokens per second against its; writes
+``generation.json`` and ``generation.md`` to ``--out`` (default ``benchmark-results/<device-slug>/`` in the
+current folder).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import math
 import os
 import platform
 import statistics
+import tempfile
 import time
 from itertools import groupby
 from pathlib import Path
@@ -54,10 +62,12 @@ from lightning_gpuopt.generation import KVCache
 from lightning_gpuopt.model import GPT, GPTConfig
 from lightning_gpuopt.generation.batched import Request, generate_batched
 from lightning_gpuopt.generation.sampling import generate, sample_next
+from lightning_gpuopt.model.hf import write_hf_folder
 
 __all__ = ["CONFIGS", "main", "run_config"]
 
-CONFIGS = ("sequential", "grouped", "continuous")
+CONFIGS = ("sequential", "grouped", "continuous", "transformers")
+DEFAULT_CONFIGS = ("sequential", "grouped", "continuous")
 BASELINE = "sequential"
 
 
@@ -114,9 +124,45 @@ def _grouped(model: _EndsEarly, rows: list[list[int]], new_tokens: int, batch_si
     return [answers[i] for i in range(len(rows))]
 
 
+def hf_peer(model: _EndsEarly) -> nn.Module:
+    """The same weights in ``transformers`` (written by ``write_hf_folder``, read by ``from_pretrained``), in eval mode,
+    on the GPT's device and in its dtype."""
+    from transformers import AutoModelForCausalLM
+
+    param = next(model.gpt.parameters())
+    with tempfile.TemporaryDirectory(prefix="generation-hf-") as tmp:
+        folder = write_hf_folder(model.gpt, Path(tmp) / "model")
+        peer = AutoModelForCausalLM.from_pretrained(folder, dtype=param.dtype)
+    return peer.to(param.device).eval()
+
+
+def _transformers(peer: nn.Module, model: _EndsEarly, rows: list[list[int]], new_tokens: int, batch_size: int,
+                  temperature: float, top_k: int, device: torch.device) -> list[list[int]]:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class EotBias(LogitsProcessor):  # the end-of-text bias of _EndsEarly
+        def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+            scores[:, model.eot] += model.bias
+            return scores
+
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k) if temperature > 0 else dict(do_sample=False)
+    answers = []
+    for start in range(0, len(rows), batch_size):
+        part = rows[start : start + batch_size]
+        width = max(len(r) for r in part)
+        idx = torch.tensor([[model.eot] * (width - len(r)) + r for r in part], device=device)  # (B, width), left-padded
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in part], device=device)
+        out = peer.generate(idx, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=model.eot,
+                            pad_token_id=model.eot, logits_processor=LogitsProcessorList([EotBias()]), **sampling)
+        answers += [_answer(o, model.eot) for o in out[:, width:].tolist()]
+    return answers
+
+
 def run_config(name: str, model: _EndsEarly, rows: list[list[int]], new_tokens: int, batch_size: int, temperature: float,
-               top_k: int, dtype: Optional[torch.dtype], seed: int = 0) -> tuple[float, list[list[int]]]:
-    """Seconds to answer every row in configuration ``name``, and the answers (token ids up to their end-of-text).
+               top_k: int, dtype: Optional[torch.dtype], seed: int = 0, peer: Optional[nn.Module] = None
+               ) -> tuple[float, list[list[int]]]:
+    """Seconds to answer every row in configuration ``name``, and the answers (token ids up to their end-of-text);
+    ``transformers`` runs ``peer`` (:func:`hf_peer`).
 
     Example::
 
@@ -136,6 +182,10 @@ def run_config(name: str, model: _EndsEarly, rows: list[list[int]], new_tokens: 
             answers = _sequential(model, rows, new_tokens, sample, device)
         elif name == "grouped":
             answers = _grouped(model, rows, new_tokens, batch_size, temperature, top_k, generator, device)
+        elif name == "transformers":  # it samples from the global generator: seeded, and put back after
+            with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                answers = _transformers(peer, model, rows, new_tokens, batch_size, temperature, top_k, device)
         else:
             requests = [Request(ids, new_tokens, key=i) for i, ids in enumerate(rows)]
             done = {d.key: d.tokens for d in generate_batched(model, requests, batch_size, temperature, top_k, eot_id=model.eot,
@@ -165,11 +215,13 @@ def _machine_line(m: dict[str, Any], end: Optional[float]) -> str:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| configuration | batch | seconds | answer tokens/s | mean answer | speed-up vs `sequential` |",
-             "|---|---:|---:|---:|---:|---:|"]
+    peer = any(r.get("vs_transformers") for r in rows)
+    lines = ["| configuration | batch | seconds | answer tokens/s | mean answer | speed-up vs `sequential` |"
+             + (" vs `transformers` |" if peer else ""), "|---|---:|---:|---:|---:|---:|" + ("---:|" if peer else "")]
     for r in rows:
         lines.append(f"| `{r['config']}` | {r['batch']} | {r['seconds']:.2f} | {r['answer_tokens_per_sec']:,.0f} | "
-                     f"{r['mean_answer_tokens']:.1f} | {r['speedup']:.2f}x |")
+                     f"{r['mean_answer_tokens']:.1f} | {r['speedup']:.2f}x |"
+                     + (f" {r['vs_transformers']:.2f}x |" if peer else ""))
     return "\n".join(lines)
 
 
@@ -187,7 +239,8 @@ def _workload(args: argparse.Namespace, device: torch.device) -> tuple[_EndsEarl
     lengths = torch.randint(args.min_len, args.max_len + 1, (args.prompts,), generator=g).tolist()
     prompts = [torch.randint(0, args.vocab_size - 1, (n,), generator=g).tolist() for n in lengths]
     rows = [p_ for p_ in prompts for _ in range(args.samples)]
-    return _EndsEarly(gpt, args.vocab_size - 1, bias), rows, bias
+    model = _EndsEarly(gpt, args.vocab_size - 1, bias)
+    return model, rows, bias
 
 
 def _arguments(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -213,7 +266,8 @@ def _arguments(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's); 1 on a machine whose cores other jobs share, where threads "
                         "that wait for each other slow every step many times over")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated subset of " + ", ".join(CONFIGS))
     p.add_argument("--out", default=None, help="output folder (default: benchmark-results/<device-slug> in the current folder)")
     args = p.parse_args(argv)
     args.names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -246,8 +300,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out) if args.out else Path("benchmark-results") / device_slug(device_name)
     check_out_folder(out)  # before the runs, not at the write after them
 
+    peer = hf_peer(model) if "transformers" in args.names else None
+
     def run(name: str) -> tuple[float, list[list[int]]]:
-        return run_config(name, model, rows, args.new_tokens, args.batch_size, args.temperature, args.top_k, dtype)
+        return run_config(name, model, rows, args.new_tokens, args.batch_size, args.temperature, args.top_k, dtype,
+                          peer=peer)
 
     measured_on = machine()
     for name in args.names:
@@ -267,8 +324,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                         "seconds_all": times[name], "mean_answer_tokens": mean,
                         "answer_tokens_per_sec": mean * len(rows) / seconds})
     base = next((r["seconds"] for r in results if r["config"] == BASELINE), None)
+    # Against transformers in answer tokens/s: its rows sample their own lengths (its own random stream)
+    peer = next((r["answer_tokens_per_sec"] for r in results if r["config"] == "transformers"), None)
     for r in results:
         r["speedup"] = base / r["seconds"] if base else float("nan")
+        r["vs_transformers"] = r["answer_tokens_per_sec"] / peer if peer else None  # > 1: faster than its generate
     end_load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     report = {"device": device_name, "machine": {**measured_on, "load_average_1min_end": end_load}, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "dtype": args.dtype,

@@ -2,8 +2,9 @@
 
 Runs, in value order, each part with its own limit (``benchmarks/_headline_plan.py``): the device
 facts and ``gpuopt doctor``; throughput at 124m, T 1024 (plain Lightning fp32, Lightning bf16-mixed,
-the gpuopt stack in bf16 and in float8, compiled, at a fixed micro-batch); the gpu-marked tests,
-correctness first; then what is left of the budget: 774m bf16 against float8, AutoBatchSize's search
+the gpuopt stack in bf16 and in float8, compiled, at a fixed micro-batch); generation at 124m (one
+prompt at a time, continuous batching, transformers' batched generate on the same weights); the
+gpu-marked tests, correctness first; then what is left of the budget: 774m bf16 against float8, AutoBatchSize's search
 and choice, float8 rowwise. It prints the plan first (``--plan`` prints only that), skips a part that
 would not fit in what is left and says why, stops a part that reaches its limit and goes on with the
 next, and rewrites its results after every part, so a stop from outside keeps what finished:
@@ -75,6 +76,14 @@ _VERSIONS = ("python", "torch", "lightning", "torchao", "triton", "torchmetrics"
 _TINY = dict(block_size=32, micro_batch_size=8, global_batch_size=16, steps=2, warmup_steps=1,
              tokenizer_vocab_size=384, num_workers=0, max_micro_batch_size=8)
 _GPU = dict(block_size=1024, global_batch_size=64, steps=20, warmup_steps=5, tokenizer_vocab_size=4096, num_workers=2)
+# benchmarks.generation's options: the GPU's at 124m (GPT-2 shape; 96 rows of 16 to 256 prompt tokens, answers of
+# about 24 tokens, batches of 32: rows end and are refilled), the smoke run's at a tiny width.
+_GENERATION_GPU = ("--device", "cuda", "--dtype", "bf16", "--n-layer", "12", "--n-embd", "768", "--n-head", "12",
+                   "--vocab-size", "50304", "--block-size", "1024", "--prompts", "24", "--samples", "4", "--min-len",
+                   "16", "--max-len", "256", "--new-tokens", "96", "--answer-len", "24", "--batch-size", "32")
+_GENERATION_TINY = ("--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--vocab-size", "384", "--block-size", "64",
+                    "--prompts", "8", "--samples", "2", "--min-len", "2", "--max-len", "16", "--new-tokens", "16",
+                    "--answer-len", "4", "--batch-size", "4", "--threads", "1")
 
 
 class OptionError(ValueError):
@@ -294,6 +303,8 @@ def _tests_cmd(args: argparse.Namespace, xml: Path) -> list[str]:
 
 def _cannot_run(part: Part) -> Optional[str]:
     """Why ``part`` cannot run in this checkout and environment (before its time is spent), or ``None``."""
+    if part.kind == "generation" and importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed (pip install transformers): it is the peer this part compares with"
     if part.kind == "tests":
         missing = [f for f in GPU_TEST_FILES if not (ROOT / f).is_file()]
         if missing:
@@ -314,6 +325,9 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
                "--json", str(folder / "doctor.json")]
     elif part.kind == "tests":
         cmd = _tests_cmd(args, out / "gpu-tests.xml")
+    elif part.kind == "generation":
+        cmd = [sys.executable, "-m", "benchmarks.generation", *(_GENERATION_TINY if args.tiny else _GENERATION_GPU),
+               "--repeats", "1", "--configs", "sequential,continuous,transformers", "--out", str(folder)]
     else:
         cmd = _throughput_cmd(part, args, limit_s, folder, estimates)
     # pytest from the checkout's root (its configuration, the test paths); the others where the command was
@@ -325,6 +339,8 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
         entry["result"] = _load_json(folder / "doctor.json")
     elif part.kind == "tests":
         entry["result"] = junit_summary(out / "gpu-tests.xml")
+    elif part.kind == "generation":
+        entry["result"] = _load_json(folder / "generation.json")
     else:
         found = sorted(folder.glob("throughput-*.json"))
         entry["result"] = _load_json(found[0]) if found else None

@@ -12,6 +12,7 @@ import importlib
 import logging
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -36,6 +37,7 @@ __all__ = [
     "forget_scaler_steps",
     "fused_sdp_choice",
     "is_last_batch",
+    "load_distributed_checkpoint",
     "last_batch_ready",
     "local_tensor",
     "mark_sigterm_received",
@@ -109,6 +111,7 @@ TOUCHED = (
     "import:lightning.pytorch.cli.LightningCLI._parse_ckpt_path",  # GPTCLI overrides it (cli/main.py)
     "import:lightning.pytorch.callbacks.RichProgressBar._get_train_description",  # overridden (callbacks/progress_bar.py)
     "import:lightning.pytorch.trainer.connectors.signal_connector.log",  # its "Received SIGTERM" line (sigterm_notice_logger)
+    "import:lightning.fabric.utilities.load._load_distributed_checkpoint",  # (load_distributed_checkpoint)
     # torch
     "import:torch._C._get_sdp_priority_order",  # SDPA backend priorities (sdp_priority_order)
     "import:torch._C._set_sdp_priority_order",  # (set_sdp_priority_order)
@@ -414,6 +417,13 @@ def torch_dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def load_distributed_checkpoint(folder: Any) -> dict[str, Any]:
+    """A distributed (FSDP2) checkpoint folder as one checkpoint dict, gathered on the CPU (all of it in memory)."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    return _load_distributed_checkpoint(Path(folder))
 
 
 def reparametrize_module(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:

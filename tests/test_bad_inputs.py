@@ -20,6 +20,8 @@ from lightning_gpuopt import GPT, GPTConfig, GPTModule, TextDataModule
 from lightning_gpuopt.callbacks import AutoBatchSize, CUDASettings, ExactResume, MFUMonitor, NonFiniteGuard
 from lightning_gpuopt.cli.main import main
 from lightning_gpuopt.model.checkpoint import CheckpointError, load_gpt
+from lightning_gpuopt.model.hf import load_hf
+from lightning_gpuopt.model.hf_families import HFError
 from lightning_gpuopt.model.config import check_attention_runs
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES
 from lightning_gpuopt.callbacks.auto_batch.search import per_device_batch
@@ -206,6 +208,24 @@ def _lightning_ckpt(ctx: Ctx) -> str:
     torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 4, "hyper_parameters": hparams,
                 "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path)
     return str(path)
+
+
+def _hf_folder(ctx: Ctx, **config_changes: Any) -> Path:
+    """A Hugging Face Llama folder (config.json, model.safetensors, no tokenizer.json), config.json edited."""
+    import json
+
+    from lightning_gpuopt.model.hf import write_hf_folder
+
+    folder = write_hf_folder(GPT(GPTConfig.from_name("llama-tiny", vocab_size=300, block_size=32)), ctx.tmp / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return folder
+
+
+def _hf_pickles_only(ctx: Ctx) -> None:
+    folder = _hf_folder(ctx)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    load_hf(folder)
 
 
 def _ckpt_carrying_a_tokenizer(ctx: Ctx) -> str:
@@ -405,7 +425,7 @@ CASES = [
     Case("tokenizer-not-a-tokenizer", lambda c: c.data(tokenizer=str(c.folder("t", {"tok.json": b"{}"}) / "tok.json")), ValueError,
          "is not a valid tokenizer.json"),
     Case("tokenizer-without-eot", lambda c: c.data(tokenizer=_tokenizer_without_eot(c)), ValueError,
-         "add it as a special token, or leave data.tokenizer unset"),
+         "add one as a special token, or leave data.tokenizer unset"),
     Case("tokenizer-larger-than-model", lambda c: c.fit(GPTModule(vocab_size=260, block_size=32), c.data()), ValueError,
          "set model.vocab_size >= 300"),
     Case("batch-larger-than-split", lambda c: c.fit(GPTModule(vocab_size=300, block_size=32), c.data(batch_size=2048)), ValueError,
@@ -714,6 +734,23 @@ CASES = [
          r"asks model.n_layer=3\. Drop those options \(the file's architecture is used\)"),
     Case("fit-init-from-missing", lambda c: _cli_before_data(c, ["--model.init_from", str(c.tmp / "none.ckpt")]), SystemExit,
          r"Checkpoint .*none.ckpt' does not exist: check the path"),
+    Case("hf-pickle-only-folder", _hf_pickles_only, HFError,
+         r"holds its weights only as pickles \(pytorch_model.bin\), which are not read: unpickling runs whatever code"),
+    Case("hf-unsupported-architecture", lambda c: load_hf(_hf_folder(c, architectures=["MixtralForCausalLM"])), HFError,
+         r"holds a \['MixtralForCausalLM'\] model, which load_hf does not read: supported are GPT2LMHeadModel, "
+         r"LlamaForCausalLM, Qwen2ForCausalLM"),
+    Case("hf-rope-scaling",
+         lambda c: load_hf(_hf_folder(c, rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 32.0})),
+         HFError, r"RoPE scaling of type 'yarn', which the GPT's rotary embedding does not have \(it has Llama 3.1's "
+         r"'llama3'"),
+    Case("hf-shapes-unlike-config", lambda c: load_hf(_hf_folder(c, vocab_size=256)), HFError,
+         r"do not match its config.json \(LlamaForCausalLM\): model.embed_tokens.weight \[300, 64\] in the folder, "
+         r"\[256, 64\] expected.*Nothing was loaded"),
+    Case("hf-init-from-without-tokenizer",
+         lambda c: _cli_before_data(c, ["--model.init_from", str(_hf_folder(c))]), SystemExit,
+         r"has no tokenizer.json, and the data needs the tokenizer the model was trained with .*give --data.tokenizer"),
+    Case("export-output-not-writable", lambda c: main(["export", _lightning_ckpt(c), c.yaml("") + "/out"]), SystemExit,
+         r"bad.yaml/out' cannot be written: .*bad.yaml' is not a folder"),
     Case("data-loss-on-completion-plain-text", lambda c: c.data(loss_on="completion"), ValueError,
          r"data.loss_on='completion' needs prompt/completion records, and data.source=.* is plain text: give a .jsonl file"),
     Case("data-jsonl-bad-record", _bad_records, ValueError,
@@ -729,7 +766,8 @@ CASES = [
          NonFiniteCheckpointError, r"1 of 1 optimizer-state tensors hold NaN/Inf \(first: 'optimizer_states.0.state.0.exp_avg_sq'\).* "
          r"not necessarily good.*Add lightning_gpuopt.callbacks.NonFiniteGuard"),
     Case("checkpoint-nonfinite-on-load", lambda c: AtomicCheckpointIO().load_checkpoint(_nonfinite_ckpt(c)), CheckpointError,
-         r"holds NaN/Inf in 1 weight and 0 optimizer-state tensors .*Use an earlier checkpoint of the run"),
+         r"inf.ckpt' refused: 'w' holds NaN/Inf \(1 of 1 weight tensors do\).*\nUse an earlier checkpoint of that run.*\n"
+         r"To read the file anyway: AtomicCheckpointIO\(allow_nonfinite=True\)\."),
     Case("checkpoint-nonfinite-weights", lambda c: AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}}, c.tmp / "last.ckpt"),
          NonFiniteCheckpointError, r"Not writing the checkpoint .*1 of 1 weight tensors hold NaN/Inf \(first: 'w'\), the run has diverged"),
 ]

@@ -12,9 +12,9 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_gpuopt.option_checks import option
-from lightning_gpuopt.model.checkpoint import CheckpointError, read_checkpoint
+from lightning_gpuopt.model.checkpoint import CheckpointError, check_weights, read_checkpoint, weights_refusal
 from lightning_gpuopt.checkpoint.atomic_files import PathLike, atomic_save, fsync_path
-from lightning_gpuopt.checkpoint.safety import check_finite_weights, nonfinite_optimizer_state, nonfinite_weights
+from lightning_gpuopt.checkpoint.safety import check_finite_weights, nonfinite_optimizer_state
 
 __all__ = ["AtomicCheckpointIO"]
 
@@ -74,14 +74,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def _check_finite_on_load(checkpoint: dict[str, Any], path: PathLike) -> None:
+    """The weights as every door checks them (``check_weights``), and the optimizer state a resume would update with."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
-    bad = nonfinite_weights(state)
-    bad_optimizer, _ = nonfinite_optimizer_state(checkpoint)
-    if bad or bad_optimizer:
-        first = (bad or bad_optimizer)[0]
-        raise CheckpointError(
-            f"{str(path)!r} holds NaN/Inf in {len(bad)} weight and {len(bad_optimizer)} optimizer-state tensors (first: "
-            f"{first!r}): it was written by a run that had diverged, so a resume would skip every step and a "
-            "prediction would sample noise. Use an earlier checkpoint of the run, or start a new one; "
-            f"{option('AtomicCheckpointIO', 'allow_nonfinite', True)} reads it anyway."
-        )
+    anyway = option("AtomicCheckpointIO", "allow_nonfinite", True)
+    if isinstance(state, dict):
+        check_weights(state, path, read_anyway=anyway)
+    bad, total = nonfinite_optimizer_state(checkpoint)
+    if bad:
+        raise CheckpointError(weights_refusal(
+            path, f"{bad[0]!r} holds NaN/Inf ({len(bad)} of {total} optimizer-state tensors do): the run that wrote it had "
+            "diverged, so a resume would skip every step", "Use an earlier checkpoint of that run, or start a new one", anyway))

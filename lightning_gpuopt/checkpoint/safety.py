@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_gpuopt.model.checkpoint import nonfinite_weights  # one scan for every reader and writer
 from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.perf.units import GB
 
@@ -45,21 +46,6 @@ class NonFiniteCheckpointError(RuntimeError):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
-
-
-def nonfinite_weights(state_dict: Any) -> list[str]:
-    """Names of the floating-point tensors in ``state_dict`` that hold a NaN or Inf (this rank's shards)."""
-    if not isinstance(state_dict, dict):
-        return []
-    names, tensors = [], []
-    for name, value in state_dict.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-            names.append(name)
-            tensors.append(_local(value).detach())
-    if not tensors:
-        return []
-    flags = [bool(f) for f in torch.stack([(~torch.isfinite(t)).any().cpu() for t in tensors]).tolist()]
-    return [n for n, bad in zip(names, flags) if bad]
 
 
 def _flat_tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

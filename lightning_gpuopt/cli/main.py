@@ -49,6 +49,7 @@ from lightning_gpuopt.cli.config_checks import (
 from lightning_gpuopt.cli.errors import check_fit_ended_finite, explain_parser_error, run_reporting_errors
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.cli.doctor import main as doctor_main
+from lightning_gpuopt.cli.export import main as export_main
 from lightning_gpuopt.model import GPTModule
 from lightning_gpuopt.perf.parallel import tensor_parallel_size
 from lightning_gpuopt.internals import parse_whole_lists, parser_options, subcommand_parsers
@@ -88,7 +89,8 @@ _DESCRIPTION = (
     "ModelCheckpoint keeping checkpoints/last.ckpt (resume with --ckpt_path last). "
     "gpuopt fit --print_config shows it all."
 )
-_DOCTOR_EPILOG = "gpuopt doctor: what this package will do on this machine (gpuopt doctor --help)."
+_DOCTOR_EPILOG = ("gpuopt doctor: what this package will do on this machine (gpuopt doctor --help). "
+                  "gpuopt export CKPT OUT_DIR: a checkpoint as a Hugging Face folder (gpuopt export --help).")
 _OWN_CLASSES = (  # said at the top of every subcommand's help, under a one-line usage: some 800 lines of options follow
     "The model is GPTModule (--model.* below) on TextDataModule (--data.*) unless you name a class of your own: --model "
     "my_pkg.MyModule trains any LightningModule, --data my_pkg.MyData reads any LightningDataModule (without one, the "
@@ -433,13 +435,17 @@ def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Run the ``gpuopt`` CLI (``gpuopt doctor`` before LightningCLI parses anything). Every option can also come from
+    """Run the ``gpuopt`` CLI (``gpuopt doctor`` and ``gpuopt export`` before LightningCLI parses anything). Every
+    option can also come from
     ``GPUOPT_<SUBCOMMAND>__<GROUP>__<OPTION>``, under a ``--config`` file or a flag; messages name fixes as this
     command's options (:func:`~lightning_gpuopt.option_checks.option`)."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["doctor"]:
         with command_line_options():
             sys.exit(doctor_main(argv[1:]))
+    if argv[:1] == ["export"]:
+        with command_line_options():
+            sys.exit(export_main(argv[1:]))
 
     def run() -> None:
         with quiet_lightning():

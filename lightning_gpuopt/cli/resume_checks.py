@@ -20,8 +20,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt.cli.run_folder import existing_run_problem, resolve_ckpt_path
 from lightning_gpuopt.cli.run_summary import command_line
 from lightning_gpuopt.internals import no_version_counter
-from lightning_gpuopt.model.checkpoint import CheckpointError, gptmodule_hparams, read_checkpoint
+from lightning_gpuopt.model.checkpoint import (
+    CheckpointError, check_weights, gpt_state_dict, gptmodule_hparams, init_from_anyway, read_checkpoint,
+)
 from lightning_gpuopt.model.config import PRESETS
+from lightning_gpuopt.model.hf import hf_architecture, is_hf_folder, resolve_hf
 
 __all__ = [
     "ARCHITECTURE",
@@ -30,6 +33,7 @@ __all__ = [
     "asked_settings",
     "check_steps_left",
     "merge_checkpoint_settings",
+    "merge_hf_init",
     "merge_init_weights",
     "prepare_resumed_fit",
     "resolve_run_folder",
@@ -77,7 +81,10 @@ class CheckpointSettings:
     option: str = "--ckpt_path"  # how the checkpoint was named: --ckpt_path, or --model.init_from for weights alone
 
     def check_model(self, model: Any) -> None:
-        """Refuse a built model whose data-linked shape (``block_size``, ``vocab_size``) is not the checkpoint's."""
+        """Refuse a built model whose data-linked shape (``block_size``, ``vocab_size``) is not the checkpoint's (a
+        saved ``architecture`` fixes them: the data's sizes are only checked to fit it, at setup)."""
+        if self.saved.get("architecture"):
+            return
         errors = []
         for name, flag in (("block_size", "data.block_size"), ("vocab_size", "data.vocab_size")):
             saved, built = self.saved.get(name), getattr(model.config, name, None)
@@ -256,10 +263,16 @@ def merge_init_weights(
         return config, None
     if group.get("ckpt_path"):
         rank_zero_info(f"model.init_from={init_from!r} is not read: --ckpt_path {group.get('ckpt_path')} holds the weights.")
-        return parser.parse_object({subcommand: {"model": {"init_from": None}}}, config), None
+        merged: dict[str, Any] = {"model": {"init_from": None}}
+        if is_hf_folder(init_from) and data_class is not None and group.get("data") is not None:
+            merged["data"] = _hf_tokenizer(resolve_hf(init_from), group.data)  # the run's tokenizer, as at its start
+        return parser.parse_object({subcommand: merged}, config), None
+    if is_hf_folder(init_from):
+        return merge_hf_init(parser, config, model_class, data_class), None
     path = os.fspath(Path(init_from).expanduser())
-    checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped, not read: the hyper-parameters are compared here
+    checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped: the hyper-parameters are compared here
     saved = {k: _norm(v) for k, v in gptmodule_hparams(checkpoint, path).items() if not k.startswith("_")}
+    check_weights(gpt_state_dict(checkpoint), path, read_anyway=init_from_anyway(path))  # before data is prepared
     asked = asked_settings(model_config, model_class)
     refused = [f"it has {k}={_resolved(saved, k)!r} and this run asks model.{k}={asked[k]!r}"
                for k in ARCHITECTURE if k in asked and _resolved(saved, k) != asked[k]]
@@ -274,6 +287,45 @@ def merge_init_weights(
         asked_data = asked_settings(data_config, data_class, linked=False)
         merged["data"] = {k: saved[k] for k in ("block_size", "vocab_size") if saved.get(k) is not None and k not in asked_data}
     return parser.parse_object({subcommand: merged}, config), settings
+
+
+def _hf_tokenizer(folder: Path, data: Any) -> dict[str, Any]:
+    """The data options a Hugging Face folder sets: its ``tokenizer.json``, unless ``data.tokenizer`` is given."""
+    data = data.as_dict() if hasattr(data, "as_dict") else dict(data or {})
+    if data.get("tokenizer"):
+        return {}
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(
+            f"model.init_from={str(folder)!r} has no tokenizer.json, and the data needs the tokenizer the model was "
+            "trained with (its token ids are the model's): give --data.tokenizer PATH/tokenizer.json."
+        )
+    return {"tokenizer": str(file)}
+
+
+def merge_hf_init(parser: Any, config: Any, model_class: type, data_class: Optional[type] = None) -> Any:
+    """Take a Hugging Face folder's architecture (``model.architecture``, from its ``config.json``: no weight read)
+    and tokenizer (``data.tokenizer``, unless given) into ``config``; options that would change the architecture are
+    refused. ``hf:NAME`` is downloaded first; the folder's path replaces it in ``model.init_from``."""
+    subcommand = config.get("subcommand")
+    group = config[subcommand]
+    model_config = group.model.as_dict() if hasattr(group.model, "as_dict") else dict(group.model)
+    folder = resolve_hf(model_config["init_from"])
+    architecture = hf_architecture(folder)
+    asked = asked_settings(model_config, model_class)
+    refused = [f"model.{k}={asked[k]!r}" for k in (*ARCHITECTURE, "architecture") if k in asked]
+    if refused:
+        raise ValueError(
+            f"model.init_from={str(folder)!r} is a Hugging Face folder, whose config.json sets the architecture, and "
+            f"this run asks {', '.join(refused)}: drop those options."
+        )
+    merged: dict[str, Any] = {"model": {"architecture": architecture, "init_from": str(folder)}}
+    if data_class is not None and group.get("data") is not None:
+        merged["data"] = _hf_tokenizer(folder, group.data)
+    rank_zero_info(f"model.init_from: the GPT starts from the Hugging Face model in {folder} "
+                   f"({architecture['n_layer']} layers, width {architecture['n_embd']}); "
+                   "the optimizer and the learning-rate schedule start fresh.")
+    return parser.parse_object({subcommand: merged}, config)
 
 
 @dataclass

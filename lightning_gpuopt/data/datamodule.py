@@ -18,9 +18,9 @@ from lightning_gpuopt.data.sampler import ResumableSampler
 from lightning_gpuopt.data.sources import Corpus, resolve_source
 from lightning_gpuopt.data.tokenizer import MIN_VOCAB_SIZE as _MIN_VOCAB
 from lightning_gpuopt.data.tokenizer import (
-    EOT_TOKEN,
     carried_tokenizer,
     check_same_tokenizer,
+    end_of_text_id,
     load_tokenizer,
     plain_text,
     tokenizer_fingerprint,
@@ -394,8 +394,9 @@ class TextDataModule(pl.LightningDataModule):
 
     @property
     def eot_id(self) -> int:
-        """The id of the end-of-text token (``<|endoftext|>``), which ends every document and a generated answer."""
-        return self._require_tokenizer().token_to_id(EOT_TOKEN)
+        """The id of the end-of-text token (``<|endoftext|>``, or a loaded tokenizer's own, e.g. Llama 3's
+        ``<|end_of_text|>``), which ends every document and a generated answer."""
+        return end_of_text_id(self._require_tokenizer())
 
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """Text of token ids (a list or a 1-D tensor)."""

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from lightning_gpuopt.data.cache import TOKENIZER, cache_lock, check_cache, check_writable, remove_leftovers, write_meta
 from lightning_gpuopt.data.sources import AnswerText, Corpus
-from lightning_gpuopt.data.tokenizer import EOT_TOKEN, train_bpe_tokenizer
+from lightning_gpuopt.data.tokenizer import end_of_text_id, train_bpe_tokenizer
 from lightning_gpuopt.data.tokens import token_dtype, write_tokens
 from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.perf.units import GB
@@ -115,7 +115,7 @@ def prepare_tokens(
     os.replace(tmp, out / TOKENIZER)
     vocab = tokenizer.get_vocab_size()
     dtype = token_dtype(vocab)
-    eot = tokenizer.token_to_id(EOT_TOKEN)
+    eot = end_of_text_id(tokenizer)
 
     log(f"Tokenising {corpus.description} into {out} ...")
     splits: dict[str, dict[str, Any]] = {}

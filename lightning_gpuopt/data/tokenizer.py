@@ -13,17 +13,23 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from lightning_gpuopt.option_checks import check_int
 
 __all__ = [
+    "END_OF_TEXT_TOKENS",
     "EOT_TOKEN",
     "MIN_VOCAB_SIZE",
     "carried_tokenizer",
     "check_same_tokenizer",
+    "end_of_text_id",
+    "end_of_text_token",
     "load_tokenizer",
     "plain_text",
     "tokenizer_fingerprint",
     "train_bpe_tokenizer",
 ]
 
-EOT_TOKEN = "<|endoftext|>"  # separates documents in the token stream, as in GPT-2
+EOT_TOKEN = "<|endoftext|>"  # separates documents in the token stream, as in GPT-2 (a BPE trained here has it)
+# The end-of-text tokens a loaded tokenizer may use, the first it has taken: GPT-2's and Qwen2's, Llama 3's
+# ("<|end_of_text|>"), Llama 2's. The Hugging Face export (model/hf.py) keeps the same tuple.
+END_OF_TEXT_TOKENS = (EOT_TOKEN, "<|end_of_text|>", "</s>")
 MIN_VOCAB_SIZE = 257  # the 256 byte tokens and <|endoftext|>
 
 
@@ -61,8 +67,23 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def end_of_text_token(tokenizer: Tokenizer) -> Optional[str]:
+    """The token that ends a text in ``tokenizer``: the first of :data:`END_OF_TEXT_TOKENS` it has (``None``: none)."""
+    return next((t for t in END_OF_TEXT_TOKENS if tokenizer.token_to_id(t) is not None), None)
+
+
+def end_of_text_id(tokenizer: Tokenizer) -> int:
+    """The id of ``tokenizer``'s end-of-text token (:func:`end_of_text_token`); a ``ValueError`` without one."""
+    token = end_of_text_token(tokenizer)
+    if token is None:
+        raise ValueError(f"The tokenizer has none of the end-of-text tokens {list(END_OF_TEXT_TOKENS)}, which separate "
+                         "documents: add one as a special token.")
+    return tokenizer.token_to_id(token)
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a ``tokenizer.json`` (``Tokenizer.save``'s, e.g. a Hugging Face model's) that defines ``<|endoftext|>``."""
+    """Load a ``tokenizer.json`` (``Tokenizer.save``'s, e.g. a Hugging Face model's) that defines an end-of-text token
+    (one of :data:`END_OF_TEXT_TOKENS`: ``<|endoftext|>``, Llama 3's ``<|end_of_text|>``, ``</s>``)."""
     path = Path(path).expanduser()
     if path.is_dir():
         inside = path / "tokenizer.json"
@@ -74,10 +95,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for malformed files
         raise ValueError(f"data.tokenizer={str(path)!r} is not a valid tokenizer.json: {err}") from err
-    if tokenizer.token_to_id(EOT_TOKEN) is None:
+    if end_of_text_token(tokenizer) is None:
         raise ValueError(
-            f"data.tokenizer={str(path)!r} has no {EOT_TOKEN!r} token, which separates documents: add it as a "
-            "special token, or leave data.tokenizer unset to train one on the corpus."
+            f"data.tokenizer={str(path)!r} has none of the end-of-text tokens {list(END_OF_TEXT_TOKENS)}, which "
+            "separate documents: add one as a special token, or leave data.tokenizer unset to train one on the corpus."
         )
     return plain_text(tokenizer)
 

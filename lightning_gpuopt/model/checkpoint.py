@@ -8,7 +8,7 @@ import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -18,7 +18,11 @@ from lightning_gpuopt.model.gpt import GPT
 
 from lightning_gpuopt.internals import COMPILED_PREFIX
 
-__all__ = ["CheckpointError", "gpt_state_dict", "gptmodule_hparams", "load_gpt", "load_gpt_weights", "read_checkpoint"]
+__all__ = [
+    "CheckpointError", "check_weights", "gpt_config_from_hparams", "gpt_from_checkpoint", "gpt_state_dict",
+    "gptmodule_hparams", "init_from_anyway", "load_gpt", "load_gpt_weights", "nonfinite_weights", "read_checkpoint",
+    "weights_refusal",
+]
 
 MapLocation = Union[str, torch.device, Callable, dict, None]
 
@@ -30,6 +34,81 @@ _CONFIG_HPARAMS = (
 
 class CheckpointError(ValueError):
     """A checkpoint file that is missing, truncated, not a torch checkpoint, or not a ``GPTModule``'s."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
+
+
+def nonfinite_weights(state_dict: Any) -> list[str]:
+    """Names of the floating-point tensors in ``state_dict`` that hold a NaN or Inf (this rank's shards)."""
+    if not isinstance(state_dict, dict):
+        return []
+    names, tensors = [], []
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() and not value.is_meta:
+            names.append(name)
+            tensors.append(_local(value).detach())
+    if not tensors:
+        return []
+    flags = [bool(f) for f in torch.stack([(~torch.isfinite(t)).any().cpu() for t in tensors]).tolist()]
+    return [n for n, bad in zip(names, flags) if bad]
+
+
+def weights_refusal(source: Any, problem: str, fix: str, read_anyway: str) -> str:
+    """The one message of every door weights enter by (``--ckpt_path``, ``init_from``, :func:`load_gpt`, ``predict``,
+    an import): the file and the tensor, the fix, and how to read the file anyway; three lines."""
+    return f"Weights of {str(source)!r} refused: {problem}.\n{fix}.\nTo read the file anyway: {read_anyway}."
+
+
+def check_weights(
+    state_dict: dict[str, Any], source: Any, config: Optional[GPTConfig] = None, read_anyway: Optional[str] = None,
+    finite: bool = True,
+) -> None:
+    """Raise :class:`CheckpointError` (:func:`weights_refusal`'s message) if the weights ``state_dict`` read from
+    ``source`` hold NaN/Inf, or, given ``config``, are not a ``GPT(config)``'s: the same tensor names and shapes.
+
+    The check of every door weights enter by: ``--ckpt_path`` and ``predict`` (``GPTModule.on_load_checkpoint`` and
+    ``AtomicCheckpointIO``), ``GPTModule(init_from=...)``, :func:`load_gpt`, and an import of other weights.
+
+    Args:
+        state_dict: A plain ``GPT``'s state dict (no ``model.`` prefix: :func:`gpt_state_dict` of a checkpoint).
+        source: The file (or name) the weights came from, for the message.
+        config: The architecture they must fit; ``None``: only finiteness is checked.
+        read_anyway: How to read the file anyway, for the message; ``None``: ``torch.load`` of it.
+        finite: Check finiteness (``False``: names and shapes only, where another reader checked it already).
+    """
+    anyway = read_anyway or f"torch.load({str(source)!r}, weights_only=True) reads its tensors as they are"
+    if config is not None:
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in GPT(config).state_dict().items()}
+        given = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+        wrong = [k for k in expected if k in given and given[k] != expected[k]]
+        missing = [k for k in expected if k not in given]
+        unexpected = [k for k in given if k not in expected]
+        if wrong or missing or unexpected:
+            if wrong:
+                first = f"{wrong[0]!r} is {list(given[wrong[0]])} in the file and {list(expected[wrong[0]])} in the model"
+            elif missing:
+                first = f"{missing[0]!r} is missing from the file"
+            else:
+                first = f"{unexpected[0]!r} is in the file and not in the model"
+            counts = f"{len(wrong)} of other shape, {len(missing)} missing, {len(unexpected)} unexpected"
+            raise CheckpointError(weights_refusal(
+                source, f"they do not fit the model's architecture ({_architecture(config)}): {first} ({counts})",
+                "Build the model with the file's architecture (its preset, n_layer, n_head, n_embd, n_kv_head, block_size "
+                "and vocab_size), or give weights of this one", anyway))
+    bad = nonfinite_weights(state_dict) if finite else []
+    if bad:
+        total = sum(1 for v in state_dict.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+        raise CheckpointError(weights_refusal(
+            source, f"{bad[0]!r} holds NaN/Inf ({len(bad)} of {total} weight tensors do): the run that wrote them had "
+            "diverged", "Use an earlier checkpoint of that run, or start from other weights", anyway))
+
+
+def _architecture(config: GPTConfig) -> str:
+    return (f"arch={config.arch}, n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, "
+            f"vocab_size={config.vocab_size}, block_size={config.block_size}")
 
 
 def read_checkpoint(
@@ -145,9 +224,39 @@ def gptmodule_hparams(checkpoint: Any, path: Union[str, os.PathLike]) -> dict[st
     return hparams
 
 
-def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", **overrides: Any) -> GPT:
+def gpt_config_from_hparams(hparams: dict[str, Any], **overrides: Any) -> GPTConfig:
+    """The ``GPTConfig`` a ``GPTModule``'s saved hyper-parameters describe: its whole ``architecture`` when saved (a run
+    started from a Hugging Face folder), else its preset and overrides."""
+    fields = {k: hparams[k] for k in _CONFIG_HPARAMS if hparams.get(k) is not None}
+    architecture = hparams.get("architecture")
+    if architecture:
+        runtime = {k: v for k, v in fields.items() if k in ("dropout", "attention", "activation_checkpointing")}
+        return GPTConfig(**{**architecture, **runtime, **overrides})
+    return GPTConfig.from_name(hparams["preset"], **{**fields, **overrides})
+
+
+def gpt_from_checkpoint(checkpoint: Any, path: Union[str, os.PathLike], allow_nonfinite: bool = False,
+                        **overrides: Any) -> GPT:
+    """The plain :class:`GPT` of a loaded ``GPTModule`` checkpoint (from ``path``, named in errors), on the CPU, its
+    weights checked first (:func:`check_weights`)."""
+    hparams = gptmodule_hparams(checkpoint, path)
+    try:
+        config = gpt_config_from_hparams(hparams, **overrides)
+    except ValueError as err:
+        raise CheckpointError(f"The hyper-parameters saved in {str(path)!r} do not make a valid GPTConfig: {err}") from err
+    state = gpt_state_dict(checkpoint)
+    check_weights(state, path, config, f"load_gpt({str(path)!r}, allow_nonfinite=True)", finite=not allow_nonfinite)
+    model = GPT(config)
+    model.load_state_dict(state, strict=True)  # copies into the tied embedding / head as one tensor
+    return model
+
+
+def load_gpt(
+    path: Union[str, os.PathLike], map_location: MapLocation = "cpu", allow_nonfinite: bool = False, **overrides: Any
+) -> GPT:
     """Load a ``GPTModule`` checkpoint into a plain PyTorch :class:`GPT` in eval mode, for inference without Lightning;
-    its ``GPTConfig`` is rebuilt from the saved hyper-parameters.
+    its ``GPTConfig`` is rebuilt from the saved hyper-parameters (its whole ``architecture`` for a run started from a
+    Hugging Face folder).
 
     Example::
 
@@ -157,38 +266,26 @@ def load_gpt(path: Union[str, os.PathLike], map_location: MapLocation = "cpu", *
     Args:
         path: A ``.ckpt`` file written by a Trainer fitting a ``GPTModule``.
         map_location: Where the weights are loaded (``"cpu"``, ``"cuda"``, ...).
+        allow_nonfinite: Load weights that hold NaN/Inf (refused by default: :func:`check_weights`).
         **overrides: ``GPTConfig`` fields to change for inference, e.g. ``attention="sdpa"`` for a model
             trained with flash-attn.
     """
     checkpoint = read_checkpoint(path, map_location=map_location)
-    hparams = gptmodule_hparams(checkpoint, path)
-    fields = {k: hparams[k] for k in _CONFIG_HPARAMS if hparams.get(k) is not None}
-    try:
-        config = GPTConfig.from_name(hparams["preset"], **{**fields, **overrides})
-    except ValueError as err:
-        raise CheckpointError(f"The hyper-parameters saved in {str(path)!r} do not make a valid GPTConfig: {err}") from err
-    model = GPT(config)
-    state = gpt_state_dict(checkpoint)
-    missing = sorted(set(model.state_dict()) - set(state))
-    unexpected = sorted(set(state) - set(model.state_dict()))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"The weights in {str(path)!r} do not match the GPT its hyper-parameters describe: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}. Was the checkpoint written by a modified model, or saved with "
-            "ModelCheckpoint(save_weights_only=...) of another module?"
-        )
-    try:
-        model.load_state_dict(state, strict=True)  # copies into the tied embedding / head as one tensor
-    except RuntimeError as err:  # shape mismatches
-        raise CheckpointError(f"The weights in {str(path)!r} do not fit the GPT its hyper-parameters describe: {err}") from err
+    model = gpt_from_checkpoint(checkpoint, path, allow_nonfinite, **overrides)
     if isinstance(map_location, (str, torch.device)):
         model.to(map_location)
     return model.eval()
 
 
+def init_from_anyway(path: Union[str, os.PathLike]) -> str:
+    """How to read an ``init_from`` file that :func:`check_weights` refused."""
+    return (f"torch.load({str(path)!r}, weights_only=True) reads its tensors as they are, and "
+            "lightning_gpuopt.model.load_gpt(path, allow_nonfinite=True) its GPT")
+
+
 def load_gpt_weights(model: GPT, path: Union[str, os.PathLike]) -> None:
     """Copy only the weights of a ``GPTModule`` checkpoint into ``model``, a GPT of the same architecture whose
-    parameters are on a device (``GPTModule(init_from=...)``: fine-tuning from them)."""
+    parameters are on a device (``GPTModule(init_from=...)``: fine-tuning from them), after :func:`check_weights`."""
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(
             f"model.init_from={str(path)!r}: the GPT was built on the meta device (sharded or empty-initialised), so the "
@@ -198,15 +295,5 @@ def load_gpt_weights(model: GPT, path: Union[str, os.PathLike]) -> None:
     checkpoint = read_checkpoint(path)
     gptmodule_hparams(checkpoint, path)  # a GPTModule's checkpoint, or a clear error
     state = gpt_state_dict(checkpoint)
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    wrong = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in own if k in state and state[k].shape != own[k].shape]
-    if missing or unexpected or wrong:
-        shown = "; ".join(f"{k}: {list(a)} in the file, {list(b)} in the model" for k, a, b in wrong[:3])
-        raise CheckpointError(
-            f"model.init_from={str(path)!r} holds a GPT of another architecture than this run's"
-            + (f" ({shown})" if shown else f" (missing {missing[:3]}, unexpected {unexpected[:3]})")
-            + ": build the model with the checkpoint's preset, n_layer, n_head, n_embd, block_size and tokenizer "
-            "(gpuopt fit --model.init_from takes them from the file: drop the options that differ)."
-        )
+    check_weights(state, path, model.config, init_from_anyway(path))
     model.load_state_dict(state, strict=True)

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Literal, Optional
 
 from lightning_gpuopt.option_checks import check_bool, check_choice, check_int, check_number, option
 from lightning_gpuopt.model.loss import LOSS_IMPLS, LossImpl
+from lightning_gpuopt.model.rope import check_rope_scaling
 from lightning_gpuopt.perf.device import DeviceFacts
 
 __all__ = ["GPTConfig", "PRESETS", "check_attention_runs", "check_data_fits", "llama_ffn_size"]
@@ -69,7 +70,8 @@ _HF_NAMES = {
 # the MLP come from Meta's rule (llama_ffn_size) with Meta's ffn_dim_multiplier and multiple_of (their
 # params.json; torchtitan's llama3 configs for 8B and 70B), and give those intermediate sizes: 8192, 8192,
 # 14336, 28672 (tested). block_size is the 8,192-token context Llama 3 was pre-trained at; the released
-# models' 128K comes from a later long-context phase (and its rope_scaling, not applied here: model/rope.py).
+# models' 128K comes from a later long-context phase (its rope_scaling, left out of the presets:
+# GPTConfig.rope_scaling).
 _LLAMA3 = dict(arch="llama", vocab_size=128256, block_size=8192, rope_theta=500000.0, norm_eps=1e-5)
 
 # Named architectures. The GPT-2 family sizes (124m ... 1.5b) follow Radford et al. (2019); 175m is
@@ -114,7 +116,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # The options that need a capability, with it (and the value a config with that capability takes when not given).
 _NEEDS = {
-    "rope_theta": ("positions", "rotary", 10000.0), "ffn_dim_multiplier": ("mlp", "swiglu", None),
+    "rope_theta": ("positions", "rotary", 10000.0), "rope_scaling": ("positions", "rotary", None),
+    "ffn_dim_multiplier": ("mlp", "swiglu", None),
     "multiple_of": ("mlp", "swiglu", 256),
 }
 
@@ -181,6 +184,8 @@ class GPTConfig:
     ffn_dim_multiplier: Optional[float] = None  # scales the SwiGLU rule's 8/3 * n_embd (1.3 in Llama 3 8B/70B)
     multiple_of: Optional[int] = None  # the SwiGLU rule rounds the width up to this (None: 256)
     rope_theta: Optional[float] = None  # base of the rotary angles (None: the family's; Llama 3: 500,000)
+    # Llama 3.1/3.2's scaling of the rotary frequencies ("llama3": model/rope.py's LLAMA3_SCALING_KEYS); None: none
+    rope_scaling: Optional[dict[str, float]] = None
     # The capabilities; None: the family's.
     positions: Optional[Positions] = None  # "learned" (transformer.wpe) or "rotary" (queries and keys turned)
     norm: Optional[Norm] = None  # "layernorm" or "rmsnorm", before attention, before the MLP and at the end
@@ -236,6 +241,7 @@ class GPTConfig:
             check_int("GPTConfig", name, getattr(self, name), minimum=1, optional=True)
         for name in ("norm_eps", "ffn_dim_multiplier", "rope_theta"):
             check_number("GPTConfig", name, getattr(self, name), low=0, low_open=True, optional=True)
+        check_rope_scaling(self.rope_scaling)
         for name in ("positions", "norm", "mlp", "fused_qkv"):
             if getattr(self, name) is None:
                 setattr(self, name, family[name])

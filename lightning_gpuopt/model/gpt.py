@@ -276,7 +276,8 @@ class GPT(nn.Module):
         if self.config.positions == "learned":
             x, rope = self.transformer.wte(idx) + self.transformer.wpe(input_pos), None
         else:  # the rotation angles of these positions, shared by every block
-            x, rope = self.transformer.wte(idx), rope_cos_sin(input_pos, self.config.head_size, self.config.rope_theta)
+            x, rope = self.transformer.wte(idx), rope_cos_sin(
+                input_pos, self.config.head_size, self.config.rope_theta, self.config.rope_scaling)
         x = self.transformer.drop(x)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             cache = caches[i] if caches else None

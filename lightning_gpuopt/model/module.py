@@ -20,7 +20,8 @@ from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.generation.batched import GenerationJob, fit_to_context, generate_batched
-from lightning_gpuopt.model.checkpoint import load_gpt_weights
+from lightning_gpuopt.model.checkpoint import check_weights, gpt_state_dict, load_gpt_weights
+from lightning_gpuopt.model.hf import hf_architecture, is_hf_folder, load_hf_weights
 from lightning_gpuopt.generation.memory import generation_batch_size
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
@@ -79,7 +80,11 @@ class GPTModule(pl.LightningModule):
         temperature: Sampling temperature for ``predict_step`` (0 is greedy).
         top_k: Top-k sampling for ``predict_step``.
         init_from: A ``GPTModule`` checkpoint whose weights the GPT starts from (fine-tuning: a fresh optimizer and
-            schedule); its architecture must be this module's.
+            schedule); its architecture must be this module's. Or a Hugging Face model folder (``hf:NAME``): its
+            architecture is read from its ``config.json`` into ``architecture`` (``docs/huggingface.md``).
+        architecture: Every ``GPTConfig`` field of the architecture, in place of ``preset`` and the size overrides
+            (``vocab_size`` and ``block_size`` are then the data's, which must fit it); saved by a run started from
+            a Hugging Face folder, so that its resume and ``load_gpt`` rebuild that architecture.
     """
 
     LOGGED_METRICS = ("train/loss", "train/ppl", "val/loss", "val/ppl", "test/loss", "test/ppl")  # for a monitor
@@ -110,8 +115,11 @@ class GPTModule(pl.LightningModule):
         temperature: float = 0.8,
         top_k: Optional[int] = 50,
         init_from: Optional[str] = None,
+        architecture: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
+        if init_from and architecture is None and is_hf_folder(init_from):  # read before any weight, saved whole
+            architecture = hf_architecture(init_from)
         self.save_hyperparameters()
         overrides = dict(
             vocab_size=vocab_size,
@@ -121,16 +129,21 @@ class GPTModule(pl.LightningModule):
             n_embd=n_embd,
             n_kv_head=n_kv_head,
         )
+        runtime = dict(dropout=dropout, attention=attention, activation_checkpointing=activation_checkpointing,
+                       loss_impl=loss_impl, loss_chunk_size=loss_chunk_size)
         # Validate now, before any work: a bad shape fails at construction, not after data prep.
-        self.config = GPTConfig.from_name(
-            preset,
-            **{k: v for k, v in overrides.items() if v is not None},
-            dropout=dropout,
-            attention=attention,
-            activation_checkpointing=activation_checkpointing,
-            loss_impl=loss_impl,
-            loss_chunk_size=loss_chunk_size,
-        )
+        if architecture:  # the data's vocab_size and block_size are checked to fit it at setup (check_data_fits)
+            clash = {k: (v, architecture.get(k)) for k, v in overrides.items()
+                     if k not in ("vocab_size", "block_size") and v is not None and v != architecture.get(k)}
+            if clash:
+                asked = ", ".join(f"{k}={v!r}" for k, (v, _) in clash.items())
+                theirs = ", ".join(f"{k}={a!r}" for k, (_, a) in clash.items())
+                raise ValueError(f"GPTModule.{asked} differ from the architecture given whole ({theirs}, e.g. a "
+                                 "Hugging Face folder's): leave them out.")
+            self.config = GPTConfig(**{**architecture, **runtime})
+        else:
+            given = {k: v for k, v in overrides.items() if v is not None}
+            self.config = GPTConfig.from_name(preset, **given, **runtime)
         own = "GPTModule"
         check_number(own, "learning_rate", learning_rate, low=0, low_open=True)
         check_number(own, "weight_decay", weight_decay, low=0, hint=": a negative decay makes the weights grow every "
@@ -174,8 +187,11 @@ class GPTModule(pl.LightningModule):
         if self.model is not None:  # idempotent: Lightning may call it more than once
             return
         self.model = GPT(self.config)  # float8 layers are converted here, as it is assigned (Float8Precision)
-        if self.hparams.get("init_from"):  # before sharding and compiling: the plain GPT takes the weights
-            load_gpt_weights(self.model, self.hparams.init_from)
+        init_from = self.hparams.get("init_from")
+        if init_from and is_hf_folder(init_from):  # before sharding and compiling: the plain GPT takes the weights
+            load_hf_weights(self.model, init_from)
+        elif init_from:
+            load_gpt_weights(self.model, init_from)
         mesh = self.device_mesh  # set by ModelParallelStrategy before this hook
         if mesh is not None:
             if _tensor_parallel_size(mesh) > 1:
@@ -332,6 +348,16 @@ class GPTModule(pl.LightningModule):
             counts["completions"] += 1
             counts["tokens"] += len(done.tokens)
         return counts
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """``--ckpt_path`` (fit, validate, test, predict): the weights checked as at every door (``check_weights``),
+        before Lightning loads them; a checkpoint IO that allows non-finite weights lets them through here too."""
+        trainer = attached_trainer(self)
+        source = getattr(trainer, "ckpt_path", None) or "the checkpoint"
+        allow = getattr(getattr(getattr(trainer, "strategy", None), "checkpoint_io", None), "allow_nonfinite", False)
+        if isinstance(checkpoint.get("state_dict"), dict):
+            check_weights(gpt_state_dict(checkpoint), source, self.config, finite=allow is not True)
 
     @override
     def configure_gradient_clipping(

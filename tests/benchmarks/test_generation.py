@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.generation import CONFIGS, _arguments, _workload, main, run_config
+from benchmarks.generation import DEFAULT_CONFIGS as CONFIGS, _arguments, _workload, main, run_config
 
 
 def test_generation_benchmark_reports_every_configuration(tmp_path):
@@ -58,3 +58,19 @@ def test_results_go_to_the_current_folder_not_over_the_recorded_ones(tmp_path, m
     written = json.loads((tmp_path / "benchmark-results/cpu/generation.json").read_text())
     assert written["machine"]["cores"] >= 1 and written["machine"]["cpu"]  # a figure says the machine it ran on
     assert f"{written['machine']['cores']} cores" in (tmp_path / "benchmark-results/cpu/generation.md").read_text()
+
+
+def test_transformers_generate_on_the_same_weights_answers_as_continuous_batching():
+    """Greedy, without the end-of-text bias: transformers' batched generate (left-padded, mixed lengths) on the weights
+    write_hf_folder exported gives every row the answer continuous batching gives."""
+    pytest.importorskip("transformers", reason="the peer configuration needs transformers (the dev extra)")
+    from benchmarks.generation import _EndsEarly, hf_peer
+
+    args = _arguments(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--vocab-size", "300", "--block-size", "48",
+                       "--prompts", "6", "--samples", "1", "--min-len", "2", "--max-len", "16", "--new-tokens", "12"])
+    model, rows, _ = _workload(args, torch.device("cpu"))
+    plain = _EndsEarly(model.gpt, model.eot, 0.0)
+    peer = hf_peer(plain)
+    ours = run_config("continuous", plain, rows, 12, 4, 0.0, 50, None)[1]
+    theirs = run_config("transformers", plain, rows, 12, 4, 0.0, 50, None, peer=peer)[1]
+    assert theirs == ours and sum(map(len, ours)) > 6 * 6  # answers, not ended at once

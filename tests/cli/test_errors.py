@@ -108,3 +108,31 @@ def test_an_infinite_gradient_clip_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines()[0] == (
         "gpuopt: error: trainer.gradient_clip_val must be a finite number, got inf: give a finite value for "
         "--trainer.gradient_clip_val (or trainer.gradient_clip_val in the --config file).")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("door", ["fit --model.init_from", "predict --model.init_from", "predict --ckpt_path"])
+def test_nonfinite_weights_are_refused_at_every_cli_door_with_the_tensor_named(door, value, tmp_path, text_dir, cache_dir,
+                                                                              capsys, monkeypatch):
+    from lightning_gpuopt import GPTModule
+
+    torch.manual_seed(0)
+    module = GPTModule(preset="tiny", vocab_size=300, block_size=32)
+    module.configure_model()
+    state = {f"model.{k}": v.clone() for k, v in module.model.state_dict().items()}
+    state["model.transformer.h.0.attn.c_attn.weight"][1, 2] = value
+    path = tmp_path / "start.ckpt"
+    torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 3, "hyper_parameters": dict(module.hparams),
+                "state_dict": state}, path)
+    monkeypatch.chdir(tmp_path)
+    subcommand, option = door.split()
+    extra = ["--trainer.max_steps", "2"] if subcommand == "fit" else ["--data.prompts", '["a"]', "--model.max_new_tokens", "4"]
+    with pytest.raises(SystemExit) as info:
+        main([subcommand, *_data(text_dir), option, str(path), "--trainer.default_root_dir", str(tmp_path / "run"), *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"gpuopt: error: Weights of '{path}' refused: 'transformer.h.0.attn.c_attn.weight' holds NaN/Inf (1 of "
+            in err.replace("'model.transformer", "'transformer"))
+    assert "Use an earlier checkpoint of that run, or start from other weights.\nTo read the file anyway: " in err
+    if option == "--model.init_from":
+        assert not cache_dir.exists()  # refused before data preparation

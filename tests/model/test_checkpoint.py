@@ -106,7 +106,7 @@ def test_missing_weights_are_named(tmp_path):
     state = {f"model.{k}": v for k, v in GPT(GPTConfig.from_name("tiny")).state_dict().items()}
     del state["model.transformer.h.1.mlp.c_fc.weight"]
     torch.save({"hyper_parameters": {"preset": "tiny"}, "state_dict": state}, tmp_path / "m.ckpt")
-    with pytest.raises(CheckpointError, match=r"missing \['transformer.h.1.mlp.c_fc.weight'\]"):
+    with pytest.raises(CheckpointError, match=r"'transformer.h.1.mlp.c_fc.weight' is missing from the file"):
         load_gpt(tmp_path / "m.ckpt")
 
 
@@ -125,3 +125,83 @@ def test_a_llama_style_run_loads_into_a_plain_gpt(tmp_path):
     module.model.eval()
     with torch.no_grad():
         assert torch.equal(gpt(idx), module.model(idx))
+
+
+_BAD_TENSOR = "transformer.h.1.mlp.c_proj.weight"
+
+
+def _checkpoint_with(tmp_path, value: float, **arch):
+    """A GPTModule checkpoint (tiny, vocabulary 64, block 32) with ``value`` in one weight of ``_BAD_TENSOR``."""
+    torch.manual_seed(0)
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=32, **arch)
+    module.configure_model()
+    state = {f"model.{k}": v.clone() for k, v in module.model.state_dict().items()}
+    state[f"model.{_BAD_TENSOR}"][0, 0] = value
+    path = tmp_path / "bad.ckpt"
+    torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 3, "epoch": 0, "hyper_parameters": dict(module.hparams),
+                "state_dict": state, "loops": {}, "optimizer_states": [], "lr_schedulers": []}, path)
+    return path
+
+
+def _loader():
+    ids = torch.randint(0, 64, (4, 33))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=2)
+
+
+def _trainer(**kw):
+    return pl.Trainer(max_steps=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, **kw)
+
+
+# Every door weights enter by, in Python: each refuses NaN/Inf weights with the same message.
+_DOORS = {
+    "init_from": lambda p: GPTModule(preset="tiny", vocab_size=64, block_size=32, init_from=str(p)).configure_model(),
+    "load_gpt": lambda p: load_gpt(p),
+    "fit-ckpt_path": lambda p: _trainer().fit(GPTModule(preset="tiny", vocab_size=64, block_size=32), _loader(), ckpt_path=p),
+    "fit-ckpt_path-atomic-io": lambda p: _trainer(plugins=[AtomicCheckpointIO()]).fit(
+        GPTModule(preset="tiny", vocab_size=64, block_size=32), _loader(), ckpt_path=p),
+    "predict-ckpt_path": lambda p: _trainer().predict(GPTModule(preset="tiny", vocab_size=64, block_size=32), _loader(),
+                                                       ckpt_path=p),
+}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("door", list(_DOORS))
+def test_every_door_refuses_nonfinite_weights_naming_the_file_and_tensor(door, value, tmp_path):
+    path = _checkpoint_with(tmp_path, value)
+    with pytest.raises(CheckpointError) as info:
+        _DOORS[door](path)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f"Weights of '{path}' refused: '") and "holds NaN/Inf (1 of " in lines[0]
+    assert _BAD_TENSOR in lines[0] and lines[0].endswith("weight tensors do): the run that wrote them had diverged.")
+    assert lines[1] == "Use an earlier checkpoint of that run, or start from other weights."
+    assert lines[2].startswith("To read the file anyway: ")
+
+
+def test_the_way_to_read_refused_weights_anyway_reads_them(tmp_path):
+    path = _checkpoint_with(tmp_path, float("nan"))
+    with pytest.raises(CheckpointError, match=r"To read the file anyway: load_gpt\(.*bad.ckpt', allow_nonfinite=True\)\.$"):
+        load_gpt(path)
+    gpt = load_gpt(path, allow_nonfinite=True)
+    assert torch.isnan(gpt.state_dict()[_BAD_TENSOR][0, 0])
+    with pytest.raises(CheckpointError, match=r"AtomicCheckpointIO\(allow_nonfinite=True\)\.$"):
+        _DOORS["fit-ckpt_path-atomic-io"](path)
+    io = AtomicCheckpointIO(allow_nonfinite=True)  # the option the message names: the weights are read
+    assert torch.isnan(io.load_checkpoint(path)["state_dict"][f"model.{_BAD_TENSOR}"][0, 0])
+
+
+@pytest.mark.parametrize("door", ["init_from", "load_gpt", "fit-ckpt_path"])
+def test_every_door_refuses_weights_of_another_architecture_naming_the_tensor(door, tmp_path):
+    path = _checkpoint_with(tmp_path, 0.0, n_embd=128)  # a wider model than the tiny one each door builds
+    if door == "load_gpt":  # builds what the file describes: another architecture only through an override
+        path_, call = path, lambda p: load_gpt(p, n_embd=64)
+    else:
+        path_, call = path, _DOORS[door]
+    with pytest.raises(CheckpointError) as info:
+        call(path_)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 3
+    assert "refused: they do not fit the model's architecture (arch=gpt2, n_layer=2, n_head=4, n_embd=64" in lines[0]
+    assert "'transformer.wte.weight' is [64, 128] in the file and [64, 64] in the model" in lines[0]
+    assert lines[1].startswith("Build the model with the file's architecture")

@@ -30,3 +30,28 @@ def test_rotary_embedding_depends_on_distance_and_takes_positions_per_row():
     rotated = apply_rope(x, cos, sin)
     torch.testing.assert_close(rotated[1], apply_rope(x[1:], *rope_cos_sin(pos[1], 16, 10000.0))[0])
     assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5)  # a rotation
+
+
+def test_llama3_scaling_keeps_short_wavelengths_divides_long_ones_and_is_checked():
+    import math
+
+    import pytest
+
+    from lightning_gpuopt.model import GPTConfig
+    from lightning_gpuopt.model.rope import llama3_inv_freq
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    scaled = llama3_inv_freq(inv_freq, scaling)
+    wavelen = 2 * math.pi / inv_freq
+    short, long = wavelen < 64 / 4, wavelen > 64 / 1
+    assert short.any() and long.any() and (~short & ~long).any()
+    assert torch.equal(scaled[short], inv_freq[short]) and torch.allclose(scaled[long], inv_freq[long] / 8)
+    between = ~short & ~long  # smoothly between the two
+    assert ((scaled[between] < inv_freq[between]) & (scaled[between] > inv_freq[between] / 8)).all()
+    assert GPTConfig.from_name("llama-tiny", rope_scaling=scaling).rope_scaling == scaling
+    with pytest.raises(ValueError, match=r"rope_scaling needs positions='rotary'"):
+        GPTConfig.from_name("tiny", rope_scaling=scaling)
+    with pytest.raises(ValueError, match=r"give Llama 3.1's scaling, a dict of the positive numbers"):
+        GPTConfig.from_name("llama-tiny", rope_scaling={"factor": 8.0})
