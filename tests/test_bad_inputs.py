@@ -239,7 +239,7 @@ def _in_use(ctx: Ctx) -> None:
     refuses this process as it refuses another)."""
     import fcntl
 
-    from lightning_gpuopt.cli.run_folder import LOCK_FILE
+    from lightning_gpuopt.run.folder import LOCK_FILE
 
     folder = ctx.tmp / "run"
     folder.mkdir(parents=True, exist_ok=True)
