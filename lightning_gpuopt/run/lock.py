@@ -165,7 +165,7 @@ def hold_output(
         kill = f" (kill {used.pid})" if used.pid is not None else ""
         raise PathInUse(output, used.holder,
             f"{output} is being written by another {used.holder}: two writers would lose each other's lines. "
-            f"Wait for it to end (or stop it{kill}), or {where}; overwriting never replaces a file a live run writes."
+            f"Wait for it to end or stop it{kill}, or {where}; overwriting never replaces a file a live run writes."
         ) from None
     keep_held(lock)
     return lock
