@@ -533,7 +533,7 @@ CASES = [
          SystemExit, r"gpuopt: error: generate.output=.* exists .* give another --generate.output, or --generate.overwrite true"),
     Case("predict-output-in-use", _output_in_use, SystemExit,
          r"g.jsonl is being written by another gpuopt predict \(pid \d+ on .*\): two writers would lose each other's lines\. "
-         r"Wait for it to end \(or stop it \(kill \d+\)\), or give this run another --generate.output; overwriting never "
+         r"Wait for it to end or stop it \(kill \d+\), or give this run another --generate.output; overwriting never "
          r"replaces a file a live run writes"),
     Case("predict-partial-left", _partial_left, SystemExit,
          r"g.jsonl.partial holds 1 completions of a run that ended before it wrote g.jsonl \(killed: its lock is free\), and "

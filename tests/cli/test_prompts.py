@@ -308,7 +308,7 @@ def test_a_second_predict_on_a_live_output_is_refused_with_its_pid_and_the_first
             assert info.value.code == 2
             err = capsys.readouterr().err
             assert f"{output} is being written by another gpuopt predict (pid {first.pid} on " in err
-            assert f"(or stop it (kill {first.pid})), or give this run another --generate.output" in err
+            assert f"or stop it (kill {first.pid}), or give this run another --generate.output" in err
             assert "overwriting never replaces a file a live run writes" in err
             assert "killed" not in err and len(err.strip().splitlines()) <= 3
             assert partial.read_bytes() == before and not output.exists()  # the live run's file, untouched
