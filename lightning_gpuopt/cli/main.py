@@ -160,12 +160,12 @@ class GPTCLI(LightningCLI):
     @property
     def trains_gpt(self) -> bool:
         """Whether the model is ``GPTModule``, parsed flat (not a module of your own, see :mod:`.named_classes`)."""
-        return self._model_class is GPTModule and not self.subclass_mode_model
+        return self.model_class is GPTModule and not self.subclass_mode_model
 
     @property
     def reads_text(self) -> bool:
         """Whether the data is ``TextDataModule``, parsed flat."""
-        return self._datamodule_class is TextDataModule and not self.subclass_mode_data
+        return self.datamodule_class is TextDataModule and not self.subclass_mode_data
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         if self.trains_gpt and self.reads_text:

@@ -137,7 +137,8 @@ def _last(subcommand: str, trainer_config: Any) -> Optional[str]:
         return str(found[0])
     found = run_checkpoints(dirs)
     if found:  # a ModelCheckpoint without save_last (a list of one's own, Lightning's default one)
-        others = f"; the others: {', '.join(p.name for p in found[1:4])}{' ...' if len(found) > 4 else ''}" if found[1:] else ""
+        more = " ..." if len(found) > 4 else ""
+        others = f"; the others: {', '.join(p.name for p in found[1:4])}{more}" if found[1:] else ""
         rank_zero_info(f"{subcommand} --ckpt_path last: no last.ckpt in {where}, so the run's newest checkpoint, "
                        f"{found[0]}{others}. Pass --ckpt_path PATH to resume from another.")
         return str(found[0])
@@ -152,7 +153,8 @@ def _last(subcommand: str, trainer_config: Any) -> Optional[str]:
 
 def existing_run_problem(
     ckpt_path: Any, trainer_config: Any,
-    commands: tuple[str, str] = ("gpuopt fit ... --ckpt_path last", "gpuopt fit ... --trainer.default_root_dir NEW_FOLDER"),
+    commands: tuple[str, str] = ("gpuopt fit ... --ckpt_path last",
+                                 "gpuopt fit ... --trainer.default_root_dir NEW_FOLDER"),
 ) -> Optional[str]:
     """The error for a ``fit`` without ``--ckpt_path`` (nor ``fast_dev_run``) whose checkpoint folders already hold a
     checkpoint, naming the two ``commands`` to choose from, continue and new run (a re-run is as often a new
@@ -177,9 +179,10 @@ def _lock(folder: Path) -> Optional[HeldLock]:
     try:
         return take_lock(folder / LOCK_FILE)
     except PathInUse as used:
+        root = option("Trainer", "default_root_dir")
         raise PathInUse(folder, used.holder, (
             f"{folder} is in use by another {_fit()} ({used.holder}): two runs in one folder write over each other's "
-            f"checkpoints. Wait for it to end (or stop it), or give this run another {option('Trainer', 'default_root_dir')}."
+            f"checkpoints. Wait for it to end (or stop it), or give this run another {root}."
         )) from None
 
 
@@ -240,8 +243,9 @@ def _lock_checkpoint_folder(folder: Path) -> Optional[_FolderLock]:
         where = ("a ModelCheckpoint dirpath in trainer.callbacks" if from_command_line()
                  else "the dirpath of a ModelCheckpoint in Trainer(callbacks=...)")
         raise PathInUse(folder, "", (
-            f"the checkpoint folder {folder} ({where}) is in use by another {_fit()}: two runs in one folder write over "
-            "each other's checkpoints. Wait for it to end (or stop it), or give this run's ModelCheckpoint another dirpath."
+            f"the checkpoint folder {folder} ({where}) is in use by another {_fit()}: two runs in one folder write "
+            "over each other's checkpoints. Wait for it to end (or stop it), or give this run's ModelCheckpoint "
+            "another dirpath."
         )) from None
     except OSError:  # a file, or a folder this process cannot write: the checks of the options name it, next
         return None

@@ -52,7 +52,8 @@ class HeldLock:
 
     def __init__(self, handle: IO[str], path: Path, created: list[Path], previous: str, remove: bool) -> None:
         self.handle, self.path, self.previous = handle, path, previous
-        self._created, self._remove = created, remove  # created: the lock file (if new), then new folders, innermost first
+        # created: the lock file (if taking it made it), then the folders it made, innermost first
+        self._created, self._remove = created, remove
 
     def close(self, tidy: bool = False) -> None:
         """Let go. The lock file is removed if it is one of an output (``remove``), or with ``tidy`` if taking it
@@ -70,8 +71,6 @@ class HeldLock:
                     folder.rmdir()
                 except OSError:
                     return
-
-    release = close
 
     def __enter__(self) -> "HeldLock":
         return self

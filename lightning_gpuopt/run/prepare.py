@@ -85,7 +85,7 @@ def prepare_run(
         run.ckpt_path = resolve_ckpt_path(ckpt_path, stage, trainer)
         if stage == "fit":
             problem = existing_run_problem(run.ckpt_path, trainer, (
-                f"prepare_run(..., ckpt_path='last')", f"Trainer(default_root_dir=NEW_FOLDER)"))
+                "prepare_run(..., ckpt_path='last')", "Trainer(default_root_dir=NEW_FOLDER)"))
             if problem:
                 raise ValueError(problem)
         run.checkpoint = _check_checkpoint(trainer, model, datamodule, run.ckpt_path, stage)
@@ -114,6 +114,6 @@ def _check_checkpoint(trainer: Any, model: Any, datamodule: Any, ckpt_path: Any,
     if stage == "fit":
         check_steps_left(checkpoint.global_step, path, trainer, checkpoint.epochs_done)
     checkpoint.report(model)
-    if datamodule is not None and hasattr(datamodule, "use_checkpoint_tokenizer"):  # the run's token ids keep their meaning
+    if datamodule is not None and hasattr(datamodule, "use_checkpoint_tokenizer"):  # token ids keep their meaning
         datamodule.use_checkpoint_tokenizer(loaded.get(type(datamodule).__qualname__))
     return checkpoint

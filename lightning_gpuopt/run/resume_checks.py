@@ -35,7 +35,8 @@ def normalized(value: Any) -> Any:
 
 
 def resolved_architecture(saved: dict[str, Any], name: str) -> Any:
-    """A ``GPTModule`` checkpoint's value of an architecture field, with the preset's where the override was ``None``."""
+    """A ``GPTModule``'s value of an architecture field in ``saved`` (hyper-parameters), with the preset's where the
+    override was ``None``."""
     if name == "preset" or saved.get(name) is not None:
         return saved.get(name)
     return PRESETS.get(saved.get("preset"), {}).get(name)
@@ -58,15 +59,16 @@ def check_architecture(checkpoint: "OwnCheckpoint", model: Any) -> None:
     if wrong:
         raise ValueError(
             f"The architecture cannot change when loading the checkpoint {checkpoint.path!r}: {type(model).__name__} "
-            f"is built with " + "; ".join(wrong) + f". Build it with the checkpoint's values, or start a new run without "
-            f"{_ckpt_option()}."
+            f"is built with " + "; ".join(wrong) + ". Build it with the checkpoint's values, or start a new run "
+            f"without {_ckpt_option()}."
         )
 
 
 def epochs_done(checkpoint: dict[str, Any]) -> Optional[int]:
     """The training epochs a Lightning checkpoint has processed, as the fit loop counts them to stop at ``max_epochs``
     (``epoch_progress.current.processed``, else ``epoch``; ``None``: neither)."""
-    progress = (((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("epoch_progress") or {}).get("current") or {}
+    fit_loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    progress = (fit_loop.get("epoch_progress") or {}).get("current") or {}
     done = progress.get("processed", checkpoint.get("epoch"))
     return done if isinstance(done, int) else None
 
@@ -128,8 +130,10 @@ class OwnCheckpoint:
     def differences(self, model: Any) -> dict[str, tuple[Any, Any]]:
         """The hyper-parameters of ``model`` (as built) unlike the checkpoint's: ``{name: (checkpoint's, model's)}``,
         with :data:`_ABSENT` for a name one side lacks."""
-        built = {k: normalized(v) for k, v in dict(getattr(model, "hparams", None) or {}).items() if not str(k).startswith("_")}
-        pairs = {k: (self.hparams.get(k, _ABSENT), built.get(k, _ABSENT)) for k in dict.fromkeys([*self.hparams, *built])}
+        hparams = dict(getattr(model, "hparams", None) or {})
+        built = {k: normalized(v) for k, v in hparams.items() if not str(k).startswith("_")}
+        names = dict.fromkeys([*self.hparams, *built])
+        pairs = {k: (self.hparams.get(k, _ABSENT), built.get(k, _ABSENT)) for k in names}
         return {k: pair for k, pair in pairs.items() if not _same(*pair)}
 
     def check_weights(self, model: Any) -> None:
@@ -139,7 +143,8 @@ class OwnCheckpoint:
         wrong = [(k, self.shapes[k], built[k]) for k in self.shapes if k in built and built[k] != self.shapes[k]]
         if not wrong:
             return
-        shown = "; ".join(f"{k} {list(saved)} in the checkpoint, {list(now)} in the model" for k, saved, now in wrong[:3])
+        shown = "; ".join(f"{k} {list(saved)} in the checkpoint, {list(now)} in the model"
+                          for k, saved, now in wrong[:3])
         options = ", ".join(f"{k}={old!r}" for k, (old, _) in self.differences(model).items() if old is not _ABSENT)
         hint = f"the checkpoint's options ({options})" if options else "the options the checkpoint was trained with"
         raise ValueError(
@@ -159,10 +164,10 @@ class OwnCheckpoint:
             rank_zero_info(f"fit {_ckpt_option()} {self.path}: applied over the checkpoint's: {shown}.")
             return
         rank_zero_info(
-            f"fit {_ckpt_option()} {self.path}: {type(model).__name__} is built with hyper-parameters unlike the checkpoint's "
-            f"({shown}); the checkpoint's optimizer and scheduler state (learning rates included) is restored as saved, "
-            "so an optimizer setting among them takes no effect. To apply one, start a new run, or change "
-            "checkpoint['optimizer_states'] in the module's on_load_checkpoint."
+            f"fit {_ckpt_option()} {self.path}: {type(model).__name__} is built with hyper-parameters unlike the "
+            f"checkpoint's ({shown}); the checkpoint's optimizer and scheduler state (learning rates included) is "
+            "restored as saved, so an optimizer setting among them takes no effect. To apply one, start a new run, or "
+            "change checkpoint['optimizer_states'] in the module's on_load_checkpoint."
         )
 
 

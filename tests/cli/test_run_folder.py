@@ -18,7 +18,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpuopt.cli.main import main
 from lightning_gpuopt.run.folder import LOCK_FILE, checkpoint_dirs, resolve_ckpt_path
-from lightning_gpuopt.run.lock import holds_locks as holds_run_folder
+from lightning_gpuopt.run.lock import holds_locks
 from lightning_gpuopt.model.checkpoint import read_checkpoint
 from tests._paths import REPO
 
@@ -185,11 +185,11 @@ def test_last_with_no_checkpoint_says_where_it_looked(tmp_path):
 
 
 def test_one_holder_per_launch_whatever_launched_it():
-    assert holds_run_folder({}) and holds_run_folder({"RANK": "0", "LOCAL_RANK": "0", "SLURM_PROCID": "0"})
-    assert not holds_run_folder({"LOCAL_RANK": "1"})  # a rank Lightning's DDP launcher started
-    assert not holds_run_folder({"RANK": "3", "LOCAL_RANK": "1"})  # torchrun
-    assert not holds_run_folder({"NODE_RANK": "1", "LOCAL_RANK": "0"})  # rank 0 of the second node
-    assert not holds_run_folder({"SLURM_PROCID": "2"})
+    assert holds_locks({}) and holds_locks({"RANK": "0", "LOCAL_RANK": "0", "SLURM_PROCID": "0"})
+    assert not holds_locks({"LOCAL_RANK": "1"})  # a rank Lightning's DDP launcher started
+    assert not holds_locks({"RANK": "3", "LOCAL_RANK": "1"})  # torchrun
+    assert not holds_locks({"NODE_RANK": "1", "LOCAL_RANK": "0"})  # rank 0 of the second node
+    assert not holds_locks({"SLURM_PROCID": "2"})
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
@@ -223,7 +223,7 @@ def test_a_second_fit_on_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_l
 def test_a_checkpoint_folder_outside_the_run_folder_has_one_writer_too(tmp_path):
     """Two runs with their own roots and one ModelCheckpoint dirpath would write over each other's last.ckpt."""
     from lightning_gpuopt.run.folder import hold_run_folder
-    from lightning_gpuopt.run.lock import release_held as release_run_folder
+    from lightning_gpuopt.run.lock import release_held
 
     shared = tmp_path / "ckpts"
     def config(root):
@@ -238,9 +238,9 @@ def test_a_checkpoint_folder_outside_the_run_folder_has_one_writer_too(tmp_path)
         assert os.listdir(shared) == []  # nothing written into the checkpoint folder
         assert _lock_free(tmp_path / "b") and not _lock_free(tmp_path / "a")  # the refused run let go of its root only
     finally:
-        release_run_folder()
+        release_held()
     hold_run_folder(config("b"), env={})  # free again
-    release_run_folder()
+    release_held()
 
 
 def _lock_free(folder):

@@ -80,7 +80,8 @@ def test_a_python_resume_gets_the_checks_through_the_run_layer(tmp_path, caplog)
     with prepare_run(trainer, model) as run:
         trainer.fit(model, ckpt_path=run.ckpt_path)
     last = root / "checkpoints" / "last.ckpt"
-    with pytest.raises(ValueError, match=r"holds a run this fit would overwrite .*`prepare_run\(\.\.\., ckpt_path='last'\)`"):
+    with pytest.raises(ValueError, match=r"holds a run this fit would overwrite .*"
+                                         r"`prepare_run\(\.\.\., ckpt_path='last'\)`"):
         with prepare_run(_trainer(root, 4), Regressor()):
             pass
     with pytest.raises(ValueError, match=r"is at step 2 and trainer.max_steps=2, so this fit would train nothing .*"
@@ -88,7 +89,8 @@ def test_a_python_resume_gets_the_checks_through_the_run_layer(tmp_path, caplog)
         with prepare_run(_trainer(root, 2), Regressor(), ckpt_path="last"):
             pass
     with pytest.raises(ValueError, match=r"does not fit Regressor as configured: 3 of 4 weights differ in shape "
-                                         r"\(first: net.0.weight \[16, 16\] in the checkpoint, \[32, 16\] in the model.*"
+                                         r"\(first: net.0.weight \[16, 16\] in the checkpoint, \[32, 16\] in the "
+                                         r"model.*"
                                          r"Build the module with the checkpoint's options \(d=16\)"):
         with prepare_run(_trainer(root, 4), Regressor(d=32), ckpt_path="last"):
             pass
