@@ -241,15 +241,12 @@ class GPTCLI(LightningCLI):
         if self.subcommand and not self.config[self.subcommand].get("generate", {}).get("prompts_file"):  # else that file
             check_stage_data(self.subcommand, self.model, self.datamodule)
         settings = getattr(self, "checkpoint_settings", None)
-        if isinstance(settings, OwnCheckpoint):
-            settings.check_weights(self.model)
+        if isinstance(settings, OwnCheckpoint):  # the run layer's checks, as prepare_run makes them
+            settings.check(self.model, self.config[self.subcommand].get("trainer"))
         elif settings is not None:
             settings.check_model(self.model)
-        if settings is not None and self.subcommand == "fit":  # after the architecture checks: the first thing to fix
-            check_steps_left(settings.global_step, settings.path, self.config.fit.get("trainer"), settings.epochs_done)
-        if isinstance(settings, OwnCheckpoint):
-            settings.report(self.model)
-        elif settings is not None:
+            if self.subcommand == "fit":  # after the architecture checks: the first thing to fix
+                check_steps_left(settings.global_step, settings.path, self.config.fit.get("trainer"), settings.epochs_done)
             settings.report()
             if self.reads_text:  # before data preparation: the run's token ids keep their meaning
                 self.datamodule.use_checkpoint_tokenizer(settings.data_state)

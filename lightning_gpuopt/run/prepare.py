@@ -17,7 +17,7 @@ from typing import Any, Optional
 from lightning_gpuopt.model.checkpoint import read_checkpoint
 from lightning_gpuopt.run.callbacks import merge_callbacks, prepare_resumed_fit
 from lightning_gpuopt.run.folder import existing_run_problem, hold_run_folder, resolve_ckpt_path
-from lightning_gpuopt.run.resume_checks import OwnCheckpoint, check_architecture, check_steps_left
+from lightning_gpuopt.run.resume_checks import OwnCheckpoint
 
 __all__ = ["Run", "prepare_run"]
 
@@ -109,11 +109,7 @@ def _check_checkpoint(trainer: Any, model: Any, datamodule: Any, ckpt_path: Any,
     path = os.fspath(ckpt_path)
     loaded = read_checkpoint(path, mmap=True)  # tensors mapped, not read: shapes and hyper-parameters are used
     checkpoint = OwnCheckpoint.of(path, stage, loaded)
-    check_architecture(checkpoint, model)
-    checkpoint.check_weights(model)
-    if stage == "fit":
-        check_steps_left(checkpoint.global_step, path, trainer, checkpoint.epochs_done)
-    checkpoint.report(model)
+    checkpoint.check(model, trainer)
     if datamodule is not None and hasattr(datamodule, "use_checkpoint_tokenizer"):  # token ids keep their meaning
         datamodule.use_checkpoint_tokenizer(loaded.get(type(datamodule).__qualname__))
     return checkpoint

@@ -127,6 +127,16 @@ class OwnCheckpoint:
             checkpoint.get("global_step"), epochs_done(checkpoint),
         )
 
+    def check(self, model: Any, trainer: Any) -> None:
+        """Every check of the checkpoint against the built ``model`` and, for a ``fit``, ``trainer`` (a ``Trainer`` or
+        the command's parsed ``trainer`` group), first thing to fix first: the architecture, the weights' shapes, the
+        steps left; then the settings that differ are said."""
+        check_architecture(self, model)
+        self.check_weights(model)
+        if self.subcommand == "fit":
+            check_steps_left(self.global_step, self.path, trainer, self.epochs_done)
+        self.report(model)
+
     def differences(self, model: Any) -> dict[str, tuple[Any, Any]]:
         """The hyper-parameters of ``model`` (as built) unlike the checkpoint's: ``{name: (checkpoint's, model's)}``,
         with :data:`_ABSENT` for a name one side lacks."""
