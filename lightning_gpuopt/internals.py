@@ -108,7 +108,6 @@ TOUCHED = (
     "import:lightning.pytorch.loops.fetchers._DataFetcher.setup",  # moved onto a rebuilt loader (rebuild_train_loader)
     "checkpoint._enable_version_counter",  # ModelCheckpoint's, no public setter (no_version_counter)
     "module._compiler_ctx",  # set by Trainer.fit on a compiled LightningModule (compiled_by_lightning)
-    "import:lightning.pytorch.cli.LightningCLI._parse_ckpt_path",  # GPTCLI overrides it (cli/main.py)
     "import:lightning.pytorch.callbacks.RichProgressBar._get_train_description",  # overridden (callbacks/progress_bar.py)
     "import:lightning.pytorch.trainer.connectors.signal_connector.log",  # its "Received SIGTERM" line (sigterm_notice_logger)
     "import:lightning.fabric.utilities.load._load_distributed_checkpoint",  # (load_distributed_checkpoint)

@@ -5,7 +5,8 @@ Every module of ``lightning_gpuopt`` is parsed with ``ast`` (imports inside func
 
 * Layers, bottom to top: ``base`` (``perf/`` and the top-level helpers ``internals``, ``option_checks``,
   ``protocols``, ``resume``) -> ``precision/`` -> ``generation/`` -> ``model/``, ``data/`` -> ``checkpoint/``
-  -> ``callbacks/``, ``strategies/`` -> ``cli/`` and the package root. A module imports its own group and lower layers only.
+  -> ``callbacks/``, ``strategies/`` -> ``run/`` -> ``cli/`` and the package root. A module imports its own group and
+  lower layers only.
   ``model`` and ``data`` do not import each other, nor do ``callbacks`` and ``strategies``; the top-level
   modules within ``base`` may.
 * No cycles between modules.
@@ -44,6 +45,7 @@ LAYERS = (
     Layer("model/data", frozenset({"model", "data"}), False),
     Layer("checkpoint", frozenset({"checkpoint"}), True),
     Layer("callbacks/strategies", frozenset({"callbacks", "strategies"}), False),
+    Layer("run", frozenset({"run"}), True),
     Layer("cli", frozenset({"", "__main__", "cli"}), True),
 )
 

@@ -259,7 +259,7 @@ def _in_use(ctx: Ctx) -> None:
     refuses this process as it refuses another)."""
     import fcntl
 
-    from lightning_gpuopt.cli.run_folder import LOCK_FILE
+    from lightning_gpuopt.run.folder import LOCK_FILE
 
     folder = ctx.tmp / "run"
     folder.mkdir(parents=True, exist_ok=True)
@@ -304,6 +304,31 @@ def _predict(ctx: Ctx, *args: str, prompts: str = "a prompt\n", name: str = "p.t
     finally:
         assert not (ctx.cache.exists() and any(ctx.cache.iterdir())), "an error after data preparation"
         assert not list(ctx.tmp.glob("g.jsonl*")), "an error after the output was opened"
+
+
+def _output_in_use(ctx: Ctx) -> None:
+    """:func:`_predict` with ``--generate.overwrite`` while g.jsonl is held as a running predict holds it."""
+    from lightning_gpuopt.run import hold_output
+
+    with hold_output(ctx.tmp / "g.jsonl", "gpuopt predict", "--generate.output"):
+        _predict(ctx, "--generate.overwrite", "true")
+
+
+def _partial_left(ctx: Ctx) -> None:
+    """:func:`_predict` beside the ``.partial`` of a run that was killed (its lock free); it must stay."""
+    partial = ctx.tmp / "g.jsonl.partial"
+    partial.write_text('{"index": 0, "sample": 0, "completion": "a"}\n')
+    try:
+        main(["predict", "--generate.prompts_file", ctx.yaml("a prompt\n"), "--generate.output", str(ctx.tmp / "g.jsonl")])
+    finally:
+        assert partial.read_text().count("\n") == 1
+
+
+def _doctor_json_in_use(ctx: Ctx) -> None:
+    from lightning_gpuopt.run import hold_output
+
+    with hold_output(ctx.tmp / "d.json", "gpuopt doctor", "--json"):
+        main(["doctor", "--json", str(ctx.tmp / "d.json")])
 
 
 def _bad_records(ctx: Ctx) -> None:
@@ -528,6 +553,15 @@ CASES = [
     Case("predict-output-exists",
          lambda c: main(["predict", "--generate.prompts_file", c.yaml("a prompt\n"), "--generate.output", _existing_file(c)]),
          SystemExit, r"gpuopt: error: generate.output=.* exists .* give another --generate.output, or --generate.overwrite true"),
+    Case("predict-output-in-use", _output_in_use, SystemExit,
+         r"g.jsonl is being written by another gpuopt predict \(pid \d+ on .*\): two writers would lose each other's lines\. "
+         r"Wait for it to end or stop it \(kill \d+\), or give this run another --generate.output; overwriting never "
+         r"replaces a file a live run writes"),
+    Case("predict-partial-left", _partial_left, SystemExit,
+         r"g.jsonl.partial holds 1 completions of a run that ended before it wrote g.jsonl \(killed: its lock is free\), and "
+         r"this run would start by emptying it: keep them \(mv .* or give --generate.overwrite true to replace it"),
+    Case("doctor-json-in-use", _doctor_json_in_use, SystemExit,
+         r"d.json is being written by another gpuopt doctor \(pid \d+ on .*\).* or give this run another --json"),
     Case("accumulate-grad-batches-zero", lambda c: _cli_before_data(c, ["--trainer.accumulate_grad_batches", "0"]), SystemExit,
          r"trainer.accumulate_grad_batches must be an integer >= 1, got 0 .*use 1 for a step per batch"),
     Case("val-check-interval-zero", lambda c: _cli_before_data(c, ["--trainer.val_check_interval", "0"]), SystemExit,

@@ -7,10 +7,8 @@ parser defaults, not forced callbacks, so ``--print_config`` shows them and a co
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info
@@ -23,7 +21,7 @@ __all__ = [
     "check_run_length",
     "default_stack",
     "dropped_stack_note",
-    "fill_checkpoint_dirs",
+    
     "float32_note",
     "is_stack_callbacks",
     "precision_for_estimate",
@@ -170,15 +168,6 @@ def precision_for_estimate(precision: Optional[str], plugins: Any) -> str:
         return str(precision)
     listed = plugins if isinstance(plugins, (list, tuple)) else [plugins]
     return "bf16-mixed" if any(isinstance(p, MixedPrecision) for p in listed) else "32-true"
-
-
-def fill_checkpoint_dirs(trainer: Trainer) -> None:
-    """Give every ``ModelCheckpoint`` without a ``dirpath`` the folder ``<default_root_dir>/checkpoints``, where the
-    next ``--ckpt_path last`` looks (Lightning's default, the logger's new ``version_N``, a new process cannot know)."""
-    folder = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
-            callback.dirpath = folder
 
 
 def check_run_length(trainer_config: Any) -> Optional[str]:

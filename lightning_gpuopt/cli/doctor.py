@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple, Optional, Sequence
 
@@ -34,6 +35,7 @@ from lightning_gpuopt.perf.oom import free_memory, is_oom_error
 from lightning_gpuopt.perf.sdpa import attention_kernel, auto_sdpa_order, set_sdpa_priority
 from lightning_gpuopt.perf.units import GiB
 from lightning_gpuopt.precision.bf16 import autocast_precision
+from lightning_gpuopt.run.lock import PathInUse, hold_output
 from lightning_gpuopt.precision.float8_layers import (
     FP8_INSTALL_HINT,
     convert_linears_to_float8,
@@ -442,10 +444,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "in a folder you can write, --json PATH")
         except ValueError as err:
             parser.error(str(err))
-    checks = run_checks(steps=args.steps, preset=args.preset)
-    print(format_table(checks))
-    code = exit_code(checks)
-    if args.json is not None:
-        payload = {"exit_code": code, "checks": [dataclasses.asdict(c) for c in checks]}
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    try:  # one writer: a second doctor writing the same file is refused, naming its pid, before the work
+        lock = hold_output(args.json, "gpuopt doctor", "--json") if args.json is not None else None
+    except PathInUse as err:
+        parser.error(str(err))
+    with lock or nullcontext():
+        checks = run_checks(steps=args.steps, preset=args.preset)
+        print(format_table(checks))
+        code = exit_code(checks)
+        if args.json is not None:
+            payload = {"exit_code": code, "checks": [dataclasses.asdict(c) for c in checks]}
+            args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return code

@@ -18,6 +18,7 @@ from lightning_gpuopt.cli.config_checks import check_output_file
 from lightning_gpuopt.cli.generation_progress import GenerationProgress
 from lightning_gpuopt.cli.prompts import Scorer, check_scorer, load_scorer, plan_requests, read_prompts
 from lightning_gpuopt.generation.batched import Finished, GenerationJob
+from lightning_gpuopt.run.lock import hold_output
 
 __all__ = ["add_generate_arguments", "check_generate_options", "completions_path", "generate_from_file", "generate_options_given"]
 
@@ -83,8 +84,7 @@ def check_generate_options(config: Any, generate: Any, error: Callable[[str], No
     records = read_prompts(generate["prompts_file"])
     output = completions_path(config)
     overwrite = generate.get("overwrite", False)
-    check_output_file("generate.output", output, overwrite, "generate.overwrite")
-    _check_no_partial(output, overwrite)
+    _hold("generate.output", output, overwrite)
     if not generate.get("scorer"):
         if generate.get("kept_output"):
             error("generate.kept_output is written with a scorer only: add --generate.scorer module:function.")
@@ -93,24 +93,38 @@ def check_generate_options(config: Any, generate: Any, error: Callable[[str], No
     if os.path.abspath(kept) == os.path.abspath(output):
         error(f"generate.kept_output and generate.output are the same file ({output}): every completion and the kept ones "
               f"go to two files, so name another --generate.kept_output (or leave it out: {kept_path(output).name}).")
-    check_output_file("generate.kept_output", kept, overwrite, "generate.overwrite")
-    _check_no_partial(kept, overwrite)
+    _hold("generate.kept_output", kept, overwrite)
     scorer = load_scorer(generate["scorer"])
     check_scorer(scorer, generate["scorer"], records[0])
     return scorer
 
 
-def _check_no_partial(output: Path, overwrite: bool) -> None:
-    """A ``.partial`` file beside ``output`` holds the completions of a run killed before it could sort them in
-    (``kill -9``): refused unless ``overwrite``, so a new run does not start by emptying it."""
+def _hold(option: str, output: Path, overwrite: bool) -> None:
+    """Hold ``output`` for this run (one writer: a live ``gpuopt predict`` writing it is refused, naming its pid,
+    whatever ``overwrite`` says), then check it as a file to write and its ``.partial``; held until the command ends."""
+    check_output_file(option, output)  # a folder, or a folder this process cannot write: before the lock file
+    lock = hold_output(output, "gpuopt predict", f"--{option}")
+    check_output_file(option, output, overwrite, "generate.overwrite")
+    _check_no_partial(output, overwrite, lock.previous if lock is not None else "")
+
+
+def _check_no_partial(output: Path, overwrite: bool, previous: str = "") -> None:
+    """A ``.partial`` beside ``output``, with its lock held by this process, was left by a run that ended before it
+    could sort its completions in (``kill -9``, an out-of-memory kill; ``previous``: what its lock file said): an
+    empty one is removed, one with completions refused unless ``overwrite``, so a new run does not start by emptying it."""
     partial = output.with_name(output.name + ".partial")
-    if partial.is_file() and not overwrite:
-        lines = partial.read_bytes().count(b"\n")
-        raise ValueError(
-            f"{partial} holds {lines} completions of a run that was killed before it wrote {output.name} (kill -9), and "
-            f"this run would start by emptying it: keep them (mv {partial} {output.stem}.killed{output.suffix}; a JSONL "
-            "file, one completion a line, unsorted) or give --generate.overwrite true to replace it."
-        )
+    if not partial.is_file():
+        return
+    lines = partial.read_bytes().count(b"\n")
+    if lines == 0 or overwrite:
+        partial.unlink()  # nothing finished in it, or replacing it was asked: its writer is gone (the lock is ours)
+        return
+    who = f"{previous}, which" if previous else "a run that"
+    raise ValueError(
+        f"{partial} holds {lines} completions of {who} ended before it wrote {output.name} (killed: its lock is free), "
+        f"and this run would start by emptying it: keep them (mv {partial} {output.stem}.killed{output.suffix}; a "
+        "JSONL file, one completion a line, unsorted) or give --generate.overwrite true to replace it."
+    )
 
 
 def generate_from_file(

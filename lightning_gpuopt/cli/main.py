@@ -31,7 +31,6 @@ from lightning_gpuopt.cli.defaults import (
     check_run_length,
     default_stack,
     dropped_stack_note,
-    fill_checkpoint_dirs,
     float32_note,
     is_stack_callbacks,
     replace_precision_plugins,
@@ -67,16 +66,17 @@ from lightning_gpuopt.cli.generate import (
 )
 from lightning_gpuopt.generation.batched import fit_to_context
 from lightning_gpuopt.cli.resume_checks import (
-    OwnCheckpoint,
-    check_steps_left,
+    checkpoint_file,
     merge_checkpoint_settings,
     merge_init_weights,
-    prepare_resumed_fit,
     resolve_run_folder,
 )
 from lightning_gpuopt.cli.quiet import quiet_lightning
 from lightning_gpuopt.cli.typehints import int_before_float
-from lightning_gpuopt.cli.run_folder import hold_run_folder, release_run_folder
+from lightning_gpuopt.run.callbacks import merge_callbacks, prepare_resumed_fit
+from lightning_gpuopt.run.folder import hold_run_folder
+from lightning_gpuopt.run.lock import release_held
+from lightning_gpuopt.run.resume_checks import OwnCheckpoint, check_steps_left
 from lightning_gpuopt.cli.run_summary import has_predict_data, model_line, where_things_went
 from lightning_gpuopt.strategies import AUTO_STRATEGY, end_distributed
 
@@ -152,8 +152,8 @@ class GPTCLI(LightningCLI):
         try:
             super().__init__(*args, **kwargs)
             finished = True
-        finally:  # a fit holds its run folder from its start (_parse_ckpt_path) to here, however it ended
-            release_run_folder(tidy=not finished)  # a refused run leaves no lock file in a folder it made
+        finally:  # a fit holds its run folder (predict its output files) from parse_arguments to here, however it ended
+            release_held(tidy=not finished)  # a refused run leaves no lock file in a folder it made
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         if self.parser_class is LightningArgumentParser:
@@ -163,12 +163,12 @@ class GPTCLI(LightningCLI):
     @property
     def trains_gpt(self) -> bool:
         """Whether the model is ``GPTModule``, parsed flat (not a module of your own, see :mod:`.named_classes`)."""
-        return self._model_class is GPTModule and not self.subclass_mode_model
+        return self.model_class is GPTModule and not self.subclass_mode_model
 
     @property
     def reads_text(self) -> bool:
         """Whether the data is ``TextDataModule``, parsed flat."""
-        return self._datamodule_class is TextDataModule and not self.subclass_mode_data
+        return self.datamodule_class is TextDataModule and not self.subclass_mode_data
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         if self.trains_gpt and self.reads_text:
@@ -193,8 +193,20 @@ class GPTCLI(LightningCLI):
             # main(args): the list replaces the command line, so whatever sys.argv holds (a test runner's own
             # arguments, a script's) is not a mix-up worth LightningCLI's warning about passing both
             self.config = parser.parse_args(list(args))
-            return
-        super().parse_arguments(parser, args)
+        else:
+            super().parse_arguments(parser, args)
+        self._prepare_run()
+        # LightningCLI then merges a checkpoint's hyper-parameters over the configuration, without the checks above
+        # and over the options asked; it is shown no ckpt_path until the classes are about to be built.
+        subcommand = self.config.get("subcommand")
+        self._ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if subcommand:
+            self.config[subcommand]["ckpt_path"] = None
+
+    def before_instantiate_classes(self) -> None:
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            self.config[subcommand]["ckpt_path"] = self._ckpt_path
 
     def before_fit(self) -> None:
         rank_zero_info(model_line(self.model))
@@ -209,9 +221,9 @@ class GPTCLI(LightningCLI):
         env = {"PYTHONPATH": path} if path and not (self.trains_gpt and self.reads_text) else None
         rank_zero_info("\n".join(where_things_went(self.trainer, self.argv, can_predict, env)))
 
-    def _parse_ckpt_path(self) -> None:
-        # Replaces LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
-        # name (run_folder), so every checkpoint gets the checks of resume_checks before anything is built. A
+    def _prepare_run(self) -> None:
+        # In place of LightningCLI's merge of the checkpoint's hyper-parameters: `last` and `hpc` become the file they
+        # name (run/folder.py), so every checkpoint gets the checks of resume_checks before anything is built. A
         # module of your own is built as configured; its checkpoint is read here and compared once it is built.
         self._check_options(self.config.get("subcommand"))  # before the run folder is held or a file read
         fit = self.config.get("fit") if self.config.get("subcommand") == "fit" else None
@@ -223,7 +235,8 @@ class GPTCLI(LightningCLI):
             self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule, data_class)
             self.config, self.init_settings = merge_init_weights(self.parser, self.config, GPTModule, data_class)
         else:
-            self.checkpoint_settings = OwnCheckpoint.read(self.config)
+            path = checkpoint_file(self.config)
+            self.checkpoint_settings = OwnCheckpoint.read(path, self.config["subcommand"]) if path else None
 
     def after_instantiate_classes(self) -> None:
         if self.subcommand == "predict" and self.trains_gpt:  # before any work: new tokens the context cannot hold
@@ -231,15 +244,12 @@ class GPTCLI(LightningCLI):
         if self.subcommand and not self.config[self.subcommand].get("generate", {}).get("prompts_file"):  # else that file
             check_stage_data(self.subcommand, self.model, self.datamodule)
         settings = getattr(self, "checkpoint_settings", None)
-        if isinstance(settings, OwnCheckpoint):
-            settings.check_weights(self.model)
+        if isinstance(settings, OwnCheckpoint):  # the run layer's checks, as prepare_run makes them
+            settings.check(self.model, self.config[self.subcommand].get("trainer"))
         elif settings is not None:
             settings.check_model(self.model)
-        if settings is not None and self.subcommand == "fit":  # after the architecture checks: the first thing to fix
-            check_steps_left(settings.global_step, settings.path, self.config.fit.get("trainer"), settings.epochs_done)
-        if isinstance(settings, OwnCheckpoint):
-            settings.report(self.model)
-        elif settings is not None:
+            if self.subcommand == "fit":  # after the architecture checks: the first thing to fix
+                check_steps_left(settings.global_step, settings.path, self.config.fit.get("trainer"), settings.epochs_done)
             settings.report()
             if self.reads_text:  # before data preparation: the run's token ids keep their meaning
                 self.datamodule.use_checkpoint_tokenizer(settings.data_state)
@@ -317,10 +327,7 @@ class GPTCLI(LightningCLI):
         if self.trains_gpt:
             check_monitored_metrics(listed, GPTModule.LOGGED_METRICS, "GPTModule")
         trainer = super().instantiate_trainer(**kwargs)
-        for cls in (ExactResume, SigtermCheckpoint):
-            for extra in [c for c in trainer.callbacks if type(c) is cls][1:]:
-                trainer.callbacks.remove(extra)
-        fill_checkpoint_dirs(trainer)
+        merge_callbacks(trainer)  # the stack's ExactResume and SigtermCheckpoint once; checkpoint folders filled in
         if self.subcommand in ("validate", "test", "predict"):  # they save nothing: a ModelCheckpoint restored from the
             for callback in [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]:  # file would only warn
                 trainer.callbacks.remove(callback)  # that its folder moved

@@ -2,10 +2,10 @@
 
 LightningCLI parses the checkpoint's hyper-parameters over the configuration, dropping options given with
 ``--ckpt_path`` without a word. Here, before anything is built, an asked architecture change is refused, other
-asked settings are applied and reported, a fit with nothing left to train is refused, and the data gets the
-run's tokenizer; a module of one's own is checked after it is built (:class:`OwnCheckpoint`). The rules:
-``docs/reliability.md``. The CLI replaces ``LightningCLI._parse_ckpt_path`` with :func:`merge_checkpoint_settings`
-(``tests/cli/test_resume_checks.py`` fails if an upgrade renames it)."""
+asked settings are applied and reported, and the data gets the run's tokenizer; the checks that need no
+configuration (a module of one's own, the steps left) are the run layer's (:mod:`lightning_gpuopt.run`). The rules:
+``docs/reliability.md``. The CLI runs :func:`merge_checkpoint_settings` after parsing, in place of LightningCLI's
+merge, which is shown no ``ckpt_path`` (``GPTCLI.parse_arguments``)."""
 
 from __future__ import annotations
 
@@ -17,37 +17,29 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_gpuopt.cli.run_folder import existing_run_problem, resolve_ckpt_path
 from lightning_gpuopt.cli.run_summary import command_line
-from lightning_gpuopt.internals import no_version_counter
 from lightning_gpuopt.model.checkpoint import (
     CheckpointError, check_weights, gpt_state_dict, gptmodule_hparams, init_from_anyway, read_checkpoint,
 )
-from lightning_gpuopt.model.config import PRESETS
 from lightning_gpuopt.model.hf import hf_architecture, is_hf_folder, resolve_hf
+from lightning_gpuopt.run.folder import existing_run_problem, resolve_ckpt_path
+from lightning_gpuopt.run.resume_checks import ARCHITECTURE, epochs_done, normalized as _norm
+from lightning_gpuopt.run.resume_checks import resolved_architecture as _resolved
 
 __all__ = [
-    "ARCHITECTURE",
     "CheckpointSettings",
-    "OwnCheckpoint",
     "asked_settings",
-    "check_steps_left",
+    "checkpoint_file",
     "merge_checkpoint_settings",
     "merge_hf_init",
     "merge_init_weights",
-    "prepare_resumed_fit",
     "resolve_run_folder",
 ]
 
-ARCHITECTURE = ("preset", "n_layer", "n_head", "n_embd", "n_kv_head")  # block_size and vocab_size come from the data
 _SPECIAL_CKPT_PATHS = {"last", "best", "hpc", "registry"}
 
 # TextDataModule options that only predict reads: never a difference from the training run worth reporting.
 _PREDICT_ONLY_DATA = frozenset({"prompts", "samples_per_prompt"})
-
-
-def _norm(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def asked_settings(model_config: dict[str, Any], model_class: type, linked: bool = True) -> dict[str, Any]:
@@ -109,13 +101,6 @@ class CheckpointSettings:
             rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: data unlike the training run's: {data}.")
 
 
-def _resolved(saved: dict[str, Any], name: str) -> Any:
-    """The checkpoint's value of an architecture field, with the preset's where the override was ``None``."""
-    if name == "preset" or saved.get(name) is not None:
-        return saved.get(name)
-    return PRESETS.get(saved.get("preset"), {}).get(name)
-
-
 def _refusal(path: str, problems: list[str], option: str = "--ckpt_path") -> str:
     if option == "--ckpt_path":
         return (
@@ -126,6 +111,13 @@ def _refusal(path: str, problems: list[str], option: str = "--ckpt_path") -> str
         f"model.init_from={path!r} holds weights of another architecture than this run's: " + "; ".join(problems) + ". "
         "Drop those options (the file's architecture is used), or start from a checkpoint of this architecture."
     )
+
+
+def checkpoint_file(config: Any) -> Optional[str]:
+    """The local checkpoint file a parsed configuration's ``ckpt_path`` names (``None``: none is given)."""
+    subcommand = config.get("subcommand")
+    ckpt_path = config[subcommand].get("ckpt_path") if subcommand else None
+    return os.fspath(ckpt_path) if _local_file(ckpt_path) else None
 
 
 def _local_file(ckpt_path: Any) -> bool:
@@ -161,30 +153,6 @@ def _config_hint(group: Any) -> str:
     configs = group.get("config") or []
     paths = [str(getattr(c, "relative", c)) for c in (configs if isinstance(configs, list) else [configs])]
     return " ".join(f"--config {p}" for p in paths) + " ..." if paths else "..."
-
-
-def epochs_done(checkpoint: dict[str, Any]) -> Optional[int]:
-    """The training epochs a Lightning checkpoint has processed, as the fit loop counts them to stop at ``max_epochs``
-    (``epoch_progress.current.processed``, else ``epoch``; ``None``: neither)."""
-    progress = (((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("epoch_progress") or {}).get("current") or {}
-    done = progress.get("processed", checkpoint.get("epoch"))
-    return done if isinstance(done, int) else None
-
-
-def check_steps_left(step: Optional[int], path: str, trainer: Any, epochs: Optional[int] = None) -> None:
-    """Refuse a resumed ``fit`` whose ``trainer.max_steps`` or ``max_epochs`` the checkpoint (at ``step``, with
-    ``epochs`` processed; ``None``: not checked) has reached: Lightning would train nothing and exit 0."""
-    trainer = trainer or {}
-    reached = (("max_steps", step, f"is at step {step}"),
-               ("max_epochs", epochs, f"has trained {epochs} epoch{'' if epochs == 1 else 's'}"))
-    for option, done, where in reached:
-        limit = trainer.get(option)
-        if isinstance(done, int) and isinstance(limit, int) and 0 <= limit <= done:
-            raise ValueError(
-                f"The checkpoint {path!r} {where} and trainer.{option}={limit}, so this fit would train nothing (and "
-                f"write no checkpoint). To train on, raise trainer.{option} above {done} (e.g. --trainer.{option} "
-                f"{2 * done if done else 1}); to evaluate the checkpoint, use gpuopt validate --ckpt_path {path}."
-            )
 
 
 def merge_checkpoint_settings(
@@ -326,100 +294,3 @@ def merge_hf_init(parser: Any, config: Any, model_class: type, data_class: Optio
                    f"({architecture['n_layer']} layers, width {architecture['n_embd']}); "
                    "the optimizer and the learning-rate schedule start fresh.")
     return parser.parse_object({subcommand: merged}, config)
-
-
-@dataclass
-class OwnCheckpoint:
-    """What a ``--ckpt_path`` checkpoint of a module of your own says, checked against the module as built."""
-
-    path: str
-    subcommand: str
-    hparams: dict[str, Any]  # its hyper_parameters (empty when the module saved none)
-    shapes: dict[str, tuple[int, ...]]  # of each tensor of its state_dict
-    global_step: Optional[int] = None
-    epochs_done: Optional[int] = None
-
-    @classmethod
-    def read(cls, config: Any) -> Optional["OwnCheckpoint"]:
-        """The checkpoint a parsed configuration's ``ckpt_path`` names (``None``: no local file is given)."""
-        subcommand = config.get("subcommand")
-        ckpt_path = config[subcommand].get("ckpt_path") if subcommand else None
-        if not _local_file(ckpt_path):
-            return None
-        path = os.fspath(ckpt_path)
-        checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped, not read: only shapes are used
-        state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
-        if not isinstance(state, dict):
-            raise CheckpointError(
-                f"{path!r} is not a Lightning checkpoint (no 'state_dict'): give a checkpoint written by a Trainer, "
-                "e.g. .../checkpoints/last.ckpt."
-            )
-        hparams = checkpoint.get("hyper_parameters") or {}
-        return cls(
-            path, subcommand, {k: _norm(v) for k, v in dict(hparams).items() if not str(k).startswith("_")},
-            {k: tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")},
-            checkpoint.get("global_step"), epochs_done(checkpoint),
-        )
-
-    def differences(self, model: Any) -> dict[str, tuple[Any, Any]]:
-        """The hyper-parameters of ``model`` (as built) unlike the checkpoint's: ``{name: (checkpoint's, model's)}``,
-        with :data:`_ABSENT` for a name one side lacks."""
-        built = {k: _norm(v) for k, v in dict(getattr(model, "hparams", None) or {}).items() if not str(k).startswith("_")}
-        pairs = {k: (self.hparams.get(k, _ABSENT), built.get(k, _ABSENT)) for k in dict.fromkeys([*self.hparams, *built])}
-        return {k: pair for k, pair in pairs.items() if not _same(*pair)}
-
-    def check_weights(self, model: Any) -> None:
-        """Refuse a model whose weights have other shapes than the checkpoint's, before Lightning's ``load_state_dict``
-        (only tensors both hold: missing or extra names are ``strict_loading``'s)."""
-        built = {k: tuple(v.shape) for k, v in model.state_dict().items() if hasattr(v, "shape")}
-        wrong = [(k, self.shapes[k], built[k]) for k in self.shapes if k in built and built[k] != self.shapes[k]]
-        if not wrong:
-            return
-        shown = "; ".join(f"{k} {list(saved)} in the checkpoint, {list(now)} in the model" for k, saved, now in wrong[:3])
-        options = ", ".join(f"{k}={old!r}" for k, (old, _) in self.differences(model).items() if old is not _ABSENT)
-        hint = f"the checkpoint's options ({options})" if options else "the options the checkpoint was trained with"
-        raise ValueError(
-            f"The checkpoint {self.path!r} does not fit {type(model).__name__} as configured: {len(wrong)} of "
-            f"{len(built)} weights differ in shape (first: {shown}). Build the module with {hint}, or start a new run "
-            "in a new trainer.default_root_dir without --ckpt_path."
-        )
-
-    def report(self, model: Any) -> None:
-        """On a resumed ``fit``, say once which hyper-parameters differ from the checkpoint's and that its optimizer
-        state is restored as saved (logged once, rank 0)."""
-        differences = self.differences(model)
-        if self.subcommand != "fit" or not differences:
-            return
-        shown = ", ".join(f"{k} {_text(old)} -> {_text(new)}" for k, (old, new) in differences.items())
-        rank_zero_info(
-            f"fit --ckpt_path {self.path}: {type(model).__name__} is built with hyper-parameters unlike the checkpoint's "
-            f"({shown}); the checkpoint's optimizer and scheduler state (learning rates included) is restored as saved, "
-            "so an optimizer setting among them takes no effect. To apply one, start a new run, or change "
-            "checkpoint['optimizer_states'] in the module's on_load_checkpoint."
-        )
-
-
-_ABSENT = object()  # a hyper-parameter that one side (the checkpoint or the built module) does not have
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # a tensor or array hyper-parameter: no single truth value
-        return repr(a) == repr(b)
-
-
-def _text(value: Any) -> str:
-    return "(none)" if value is _ABSENT else repr(value)
-
-
-def prepare_resumed_fit(trainer: Any) -> None:
-    """On a resumed ``fit``, make each ``ModelCheckpoint`` replace a file of the same name (the stopped run's) instead
-    of adding ``-vN`` beside it (``internals.no_version_counter``: no public setter), and add
-    ``ResumedOptimizerSettings``, which applies asked optimizer settings over the restored ones."""
-    from lightning_gpuopt.callbacks.resumed_optimizer import ResumedOptimizerSettings
-
-    for callback in trainer.checkpoint_callbacks:
-        no_version_counter(callback)
-    if not any(isinstance(c, ResumedOptimizerSettings) for c in trainer.callbacks):
-        trainer.callbacks.append(ResumedOptimizerSettings())

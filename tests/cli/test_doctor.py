@@ -198,3 +198,20 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_checks(where, 
     said = capsys.readouterr().err.strip().splitlines()[-1]
     assert said.startswith(f"gpuopt doctor: error: --json='{path}' ")
     assert said.endswith("the checks are written there at the end. Give a file in a folder you can write, --json PATH.")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
+def test_a_json_file_another_doctor_writes_is_refused_naming_its_pid(tmp_path, capsys):
+    """One writer per output: the lock a running doctor holds on its --json file (taken here, as a second open of it
+    is refused in one process too) stops a second one before its checks."""
+    from lightning_gpuopt.run import hold_output
+
+    path = tmp_path / "doctor.json"
+    with hold_output(path, "gpuopt doctor", "--json"):
+        with pytest.raises(SystemExit) as info:
+            main(["doctor", "--json", str(path)])
+    assert info.value.code == 2
+    said = capsys.readouterr().err
+    assert f"{path} is being written by another gpuopt doctor (pid {os.getpid()} on " in said
+    assert "or give this run another --json" in said and len(said.strip().splitlines()) <= 3
+    assert not path.exists() and not list(tmp_path.iterdir())  # nothing written, the lock file gone with its holder

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_gpuopt.cli.main import main, make_cli
-from lightning_gpuopt.cli.resume_checks import check_steps_left, epochs_done
+from lightning_gpuopt.run.resume_checks import check_steps_left, epochs_done
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*does not have many workers.*", "ignore:.*has no bf16 peak FLOP/s.*", "ignore:.*smaller than the logging interval.*",

@@ -4,7 +4,11 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,10 @@ from lightning_gpuopt.cli.main import main
 from lightning_gpuopt.cli.prompts import check_scorer, load_scorer, plan_requests, read_prompts
 from lightning_gpuopt.model import load_gpt
 from lightning_gpuopt.generation.batched import Finished
+from tests._paths import REPO
+
+
+calls = {"n": 0}  # the test scorers' calls in this process
 
 
 def _encode(text):
@@ -225,20 +233,92 @@ def test_a_scorer_failing_mid_run_keeps_every_completion_finished_in_that_step(t
 
 
 def test_a_partial_file_left_by_a_kill_is_not_emptied_by_the_next_run(tmp_path, text_dir, cache_dir, capsys):
+    """A leftover .partial (its lock free: the writer is gone) is refused in 3 lines or fewer, kept, and replaced with
+    --generate.overwrite; the lock file a kill -9 left names the dead writer."""
     (tmp_path / "p.txt").write_text("the model\n")
     partial = tmp_path / "g.jsonl.partial"
     partial.write_text('{"index": 0, "sample": 0, "completion": "kept"}\n{"index": 1, "sample": 0, "completion": "too"}\n')
+    (tmp_path / ".g.jsonl.lock").write_text("gpuopt predict (pid 4242 on node-7, since 2026-01-01 00:00:00)\n")
     args = ["predict", *_data_args(text_dir), "--model.max_new_tokens", "2", "--generate.prompts_file", str(tmp_path / "p.txt"),
             "--generate.output", str(tmp_path / "g.jsonl")]
     with pytest.raises(SystemExit) as info:
         main(args)
     assert info.value.code == 2
-    assert (f"{partial} holds 2 completions of a run that was killed before it wrote g.jsonl (kill -9), and this run "
-            "would start by emptying it: keep them (mv ") in capsys.readouterr().err.replace("\n", " ")
+    err = capsys.readouterr().err
+    assert (f"{partial} holds 2 completions of gpuopt predict (pid 4242 on node-7, since 2026-01-01 00:00:00), which ended "
+            "before it wrote g.jsonl (killed: its lock is free), and this run would start by emptying it: keep them (mv "
+            ) in err.replace("\n", " ")
+    assert "or give --generate.overwrite true to replace it." in err and len(err.strip().splitlines()) <= 3
     assert partial.read_text().count("\n") == 2 and not (tmp_path / "g.jsonl").exists()
+    assert not (tmp_path / ".g.jsonl.lock").exists()  # a refused run lets go of the output and removes its lock file
     with pytest.warns(UserWarning, match="samples an untrained"):
         main([*args, "--generate.overwrite", "true"])
     assert not partial.exists() and len((tmp_path / "g.jsonl").read_text().splitlines()) == 1
+    assert not (tmp_path / ".g.jsonl.lock").exists()
+
+
+def test_an_empty_partial_left_behind_is_removed_quietly(tmp_path, text_dir, cache_dir, capsys):
+    """A run stopped before any completion finished (a SIGTERM while the checkpoint loaded) left an empty .partial."""
+    (tmp_path / "p.txt").write_text("the model\n")
+    (tmp_path / "g.jsonl.partial").write_text("")
+    with pytest.warns(UserWarning, match="samples an untrained"):
+        main(["predict", *_data_args(text_dir), "--model.max_new_tokens", "2", "--generate.prompts_file",
+              str(tmp_path / "p.txt"), "--generate.output", str(tmp_path / "g.jsonl")])
+    assert "partial" not in capsys.readouterr().err
+    assert len((tmp_path / "g.jsonl").read_text().splitlines()) == 1 and not list(tmp_path.glob("*.partial"))
+
+
+def wait_at_second_completion(record, completion):
+    """A scorer that, scoring the second completion (call 1 is the check), says so in a file and waits for a gate."""
+    calls["n"] += 1
+    if calls["n"] == 3:
+        Path(os.environ["GPUOPT_TEST_STARTED"]).write_text("scoring the second completion\n")
+        deadline = time.monotonic() + 240
+        while not Path(os.environ["GPUOPT_TEST_GATE"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return 1
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
+def test_a_second_predict_on_a_live_output_is_refused_with_its_pid_and_the_first_finishes(
+        trained, tmp_path, text_dir, cache_dir, capsys):
+    """Two real processes on one output: the second, even with --generate.overwrite, is refused naming the first's pid
+    and touches nothing; the first then writes every completion."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"the model {i}\n" for i in range(6)))
+    output, started, gate = tmp_path / "g.jsonl", tmp_path / "started", tmp_path / "gate"
+    args = ["predict", *_data_args(text_dir), "--ckpt_path", str(trained), "--model.max_new_tokens", "2",
+            "--generate.prompts_file", str(prompts), "--generate.batch_size", "1", "--generate.output", str(output)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "GPUOPT_TEST_STARTED": str(started),
+           "GPUOPT_TEST_GATE": str(gate)}
+    first = subprocess.Popen([sys.executable, "-m", "lightning_gpuopt", *args,
+                              "--generate.scorer", "tests.cli.test_prompts:wait_at_second_completion"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not started.exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-4000:]
+            time.sleep(0.1)
+        partial = tmp_path / "g.jsonl.partial"
+        before = partial.read_bytes()
+        assert before.count(b"\n") == 1  # the first completion, written as it finished
+        for extra in ([], ["--generate.overwrite", "true"]):
+            with pytest.raises(SystemExit) as info:
+                main([*args, *extra])
+            assert info.value.code == 2
+            err = capsys.readouterr().err
+            assert f"{output} is being written by another gpuopt predict (pid {first.pid} on " in err
+            assert f"or stop it (kill {first.pid}), or give this run another --generate.output" in err
+            assert "overwriting never replaces a file a live run writes" in err
+            assert "killed" not in err and len(err.strip().splitlines()) <= 3
+            assert partial.read_bytes() == before and not output.exists()  # the live run's file, untouched
+    finally:
+        gate.write_text("")
+        _, err = first.communicate(timeout=240)
+    assert first.returncode == 0, err[-4000:]
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["index"] for r in lines] == list(range(6)) and all(r["score"] == 1 for r in lines)
+    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob(".g.jsonl*"))
 
 
 def test_predict_restores_no_checkpoint_callback(trained, tmp_path, text_dir, monkeypatch):
@@ -248,9 +328,6 @@ def test_predict_restores_no_checkpoint_callback(trained, tmp_path, text_dir, mo
         warnings.filterwarnings("error", message=".*dirpath has changed")
         main(["predict", *_data_args(text_dir), "--ckpt_path", str(trained), "--data.prompts", "[the model]",
               "--model.max_new_tokens", "2"])
-
-
-calls = {"n": 0}
 
 
 def sigterm_at_third_completion(record, completion):

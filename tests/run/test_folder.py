@@ -17,7 +17,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpuopt.cli.main import main
-from lightning_gpuopt.cli.run_folder import LOCK_FILE, checkpoint_dirs, holds_run_folder, resolve_ckpt_path
+from lightning_gpuopt.run.folder import LOCK_FILE, checkpoint_dirs, resolve_ckpt_path
+from lightning_gpuopt.run.lock import holds_locks
 from lightning_gpuopt.model.checkpoint import read_checkpoint
 from tests._paths import REPO
 
@@ -184,11 +185,11 @@ def test_last_with_no_checkpoint_says_where_it_looked(tmp_path):
 
 
 def test_one_holder_per_launch_whatever_launched_it():
-    assert holds_run_folder({}) and holds_run_folder({"RANK": "0", "LOCAL_RANK": "0", "SLURM_PROCID": "0"})
-    assert not holds_run_folder({"LOCAL_RANK": "1"})  # a rank Lightning's DDP launcher started
-    assert not holds_run_folder({"RANK": "3", "LOCAL_RANK": "1"})  # torchrun
-    assert not holds_run_folder({"NODE_RANK": "1", "LOCAL_RANK": "0"})  # rank 0 of the second node
-    assert not holds_run_folder({"SLURM_PROCID": "2"})
+    assert holds_locks({}) and holds_locks({"RANK": "0", "LOCAL_RANK": "0", "SLURM_PROCID": "0"})
+    assert not holds_locks({"LOCAL_RANK": "1"})  # a rank Lightning's DDP launcher started
+    assert not holds_locks({"RANK": "3", "LOCAL_RANK": "1"})  # torchrun
+    assert not holds_locks({"NODE_RANK": "1", "LOCAL_RANK": "0"})  # rank 0 of the second node
+    assert not holds_locks({"SLURM_PROCID": "2"})
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
@@ -221,7 +222,8 @@ def test_a_second_fit_on_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_l
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
 def test_a_checkpoint_folder_outside_the_run_folder_has_one_writer_too(tmp_path):
     """Two runs with their own roots and one ModelCheckpoint dirpath would write over each other's last.ckpt."""
-    from lightning_gpuopt.cli.run_folder import hold_run_folder, release_run_folder
+    from lightning_gpuopt.run.folder import hold_run_folder
+    from lightning_gpuopt.run.lock import release_held
 
     shared = tmp_path / "ckpts"
     def config(root):
@@ -230,15 +232,15 @@ def test_a_checkpoint_folder_outside_the_run_folder_has_one_writer_too(tmp_path)
 
     hold_run_folder(config("a"), env={})
     try:
-        with pytest.raises(ValueError, match=r"the checkpoint folder .*ckpts \(a ModelCheckpoint dirpath in "
-                                             r"trainer.callbacks\) is in use by another gpuopt fit.*another dirpath"):
+        with pytest.raises(ValueError, match=r"the checkpoint folder .*ckpts \(the dirpath of a ModelCheckpoint in "
+                                             r"Trainer\(callbacks=...\)\) is in use by another fit.*another dirpath"):
             hold_run_folder(config("b"), env={})  # a lock on another open file description: refused in one process too
         assert os.listdir(shared) == []  # nothing written into the checkpoint folder
         assert _lock_free(tmp_path / "b") and not _lock_free(tmp_path / "a")  # the refused run let go of its root only
     finally:
-        release_run_folder()
+        release_held()
     hold_run_folder(config("b"), env={})  # free again
-    release_run_folder()
+    release_held()
 
 
 def _lock_free(folder):

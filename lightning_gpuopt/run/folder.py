@@ -9,34 +9,27 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import socket
-import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_gpuopt.option_checks import from_command_line, option
+from lightning_gpuopt.run.lock import HeldLock, PathInUse, holds_locks, keep_held, take_lock
 
 __all__ = [
     "LOCK_FILE",
     "checkpoint_dirs",
     "existing_run_problem",
     "hold_run_folder",
-    "holds_run_folder",
     "last_checkpoints",
-    "release_run_folder",
     "resolve_ckpt_path",
     "run_checkpoints",
 ]
 
-LOCK_FILE = ".gpuopt-fit.lock"  # the file in a run folder whose flock a running gpuopt fit holds
-
-# Environment variables that give a process's rank (torchrun, Lightning's launcher, Slurm, LSF, MPI): a process
-# with any of them above 0 is one a launch started, not the one that holds the run folder.
-_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK",
-                   "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-_held: list[Any] = []  # the lock file and checkpoint folders this process holds (one fit at a time): close() frees each
+LOCK_FILE = ".gpuopt-fit.lock"  # the file in a run folder whose flock a running fit holds
 
 _LAST = re.compile(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-(\d+))?$")
 _HPC = re.compile(r"^hpc_ckpt_(\d+)$")
@@ -144,7 +137,8 @@ def _last(subcommand: str, trainer_config: Any) -> Optional[str]:
         return str(found[0])
     found = run_checkpoints(dirs)
     if found:  # a ModelCheckpoint without save_last (a list of one's own, Lightning's default one)
-        others = f"; the others: {', '.join(p.name for p in found[1:4])}{' ...' if len(found) > 4 else ''}" if found[1:] else ""
+        more = " ..." if len(found) > 4 else ""
+        others = f"; the others: {', '.join(p.name for p in found[1:4])}{more}" if found[1:] else ""
         rank_zero_info(f"{subcommand} --ckpt_path last: no last.ckpt in {where}, so the run's newest checkpoint, "
                        f"{found[0]}{others}. Pass --ckpt_path PATH to resume from another.")
         return str(found[0])
@@ -159,7 +153,8 @@ def _last(subcommand: str, trainer_config: Any) -> Optional[str]:
 
 def existing_run_problem(
     ckpt_path: Any, trainer_config: Any,
-    commands: tuple[str, str] = ("gpuopt fit ... --ckpt_path last", "gpuopt fit ... --trainer.default_root_dir NEW_FOLDER"),
+    commands: tuple[str, str] = ("gpuopt fit ... --ckpt_path last",
+                                 "gpuopt fit ... --trainer.default_root_dir NEW_FOLDER"),
 ) -> Optional[str]:
     """The error for a ``fit`` without ``--ckpt_path`` (nor ``fast_dev_run``) whose checkpoint folders already hold a
     checkpoint, naming the two ``commands`` to choose from, continue and new run (a re-run is as often a new
@@ -176,76 +171,37 @@ def existing_run_problem(
     )
 
 
-def holds_run_folder(env: Mapping[str, str]) -> bool:
-    """Whether this process holds the run folder: every rank variable in ``env`` is 0 or unset, so the run has one
-    holder however it was launched (Lightning's DDP launcher, ``torchrun``, Slurm)."""
-    return all(env.get(name, "0").strip() in ("", "0") for name in _RANK_VARIABLES)
+def _fit() -> str:
+    return "gpuopt fit" if from_command_line() else "fit"
 
 
-class _LockFile:
-    """The open lock file of a run folder, and what taking it created (removed again by :meth:`tidy`)."""
-
-    def __init__(self, handle: IO[str], path: Path, created: list[Path]) -> None:
-        self.handle, self.path, self.created = handle, path, created  # created: the lock file, then new folders
-
-    def close(self) -> None:
-        self.handle.close()
-
-    def tidy(self) -> None:
-        """Remove the lock file, if taking it created it, and the folders it created that are empty then (after a run
-        that failed: refused for its model or data, before it wrote anything, or stopped by an error)."""
-        if self.path not in self.created:
-            return
-        self.path.unlink(missing_ok=True)
-        for folder in self.created[1:]:  # innermost first
-            try:
-                folder.rmdir()
-            except OSError:
-                return
-
-
-def _lock(folder: Path) -> Optional[_LockFile]:
-    import fcntl
-
+def _lock(folder: Path) -> Optional[HeldLock]:
     try:
-        created = [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / LOCK_FILE
-        created = ([path] if not path.exists() else []) + created
-        handle = open(path, "a+")  # created if missing, never truncated before the lock is ours
-    except OSError:  # a file, or a folder this process cannot write: the checks of the options name it, next
-        return None
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise ValueError(
-            f"{folder} is in use by another gpuopt fit ({holder}): two runs in one folder write over each other's "
-            "checkpoints. Wait for it to end (or stop it), or give this run another --trainer.default_root_dir."
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    handle.flush()
-    return _LockFile(handle, path, created)
+        return take_lock(folder / LOCK_FILE)
+    except PathInUse as used:
+        root = option("Trainer", "default_root_dir")
+        raise PathInUse(folder, used.holder, (
+            f"{folder} is in use by another {_fit()} ({used.holder}): two runs in one folder write over each other's "
+            f"checkpoints. Wait for it to end (or stop it), or give this run another {root}."
+        )) from None
 
 
-def hold_run_folder(trainer_config: Any, env: Mapping[str, str] = os.environ) -> None:
-    """Hold the run folder of a ``fit`` (``default_root_dir``, else the working folder) until
-    :func:`release_run_folder` or the process's end; a folder another ``fit`` holds stops this one, naming it."""
-    if not holds_run_folder(env):
-        return
+def hold_run_folder(trainer: Any, env: Mapping[str, str] = os.environ, keep: bool = True) -> list[Any]:
+    """Hold the run folder of a ``fit`` (``default_root_dir``, else the working folder), and each checkpoint folder
+    outside it, until the process's end or, with ``keep``, :func:`~lightning_gpuopt.run.lock.release_held`; return
+    the locks (``close(tidy)`` lets go of one). A folder another ``fit`` holds stops this one, naming it.
+    ``trainer``: a ``Trainer``, or the ``gpuopt`` command's parsed ``trainer`` group."""
+    if not holds_locks(env):
+        return []
     try:
         import fcntl  # noqa: F401
     except ImportError:  # not on POSIX: said once
-        rank_zero_info("gpuopt fit: no file locks on this platform, so a second fit on the same folder is not refused.")
-        return
-    root = Path(os.path.realpath(_get(trainer_config, "default_root_dir", os.getcwd())))
+        rank_zero_info(f"{_fit()}: no file locks on this platform, so a second fit on the same folder is not refused.")
+        return []
+    root = Path(os.path.realpath(_get(trainer, "default_root_dir", os.getcwd())))
     held = [_lock(root)]
     try:
-        for folder in checkpoint_dirs(trainer_config):  # a ModelCheckpoint dirpath outside the run folder
+        for folder in checkpoint_dirs(trainer):  # a ModelCheckpoint dirpath outside the run folder
             if not folder.is_relative_to(root) and "://" not in str(folder):
                 held.append(_lock_checkpoint_folder(folder))
     except ValueError:
@@ -253,7 +209,10 @@ def hold_run_folder(trainer_config: Any, env: Mapping[str, str] = os.environ) ->
             if lock is not None:
                 lock.close()
         raise
-    _held.extend(lock for lock in held if lock is not None)
+    held = [lock for lock in held if lock is not None]
+    if keep:
+        keep_held(*held)
+    return held
 
 
 class _FolderLock:
@@ -270,8 +229,10 @@ class _FolderLock:
             os.close(self.fd)
             raise
 
-    def close(self) -> None:
-        os.close(self.fd)
+    def close(self, tidy: bool = False) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _lock_checkpoint_folder(folder: Path) -> Optional[_FolderLock]:
@@ -279,20 +240,12 @@ def _lock_checkpoint_folder(folder: Path) -> Optional[_FolderLock]:
         folder.mkdir(parents=True, exist_ok=True)
         return _FolderLock(folder)
     except BlockingIOError:
-        raise ValueError(
-            f"the checkpoint folder {folder} (a ModelCheckpoint dirpath in trainer.callbacks) is in use by another gpuopt "
-            "fit: two runs in one folder write over each other's checkpoints. Wait for it to end (or stop it), or give "
-            "this run's ModelCheckpoint another dirpath."
-        ) from None
+        where = ("a ModelCheckpoint dirpath in trainer.callbacks" if from_command_line()
+                 else "the dirpath of a ModelCheckpoint in Trainer(callbacks=...)")
+        raise PathInUse(folder, "", (
+            f"the checkpoint folder {folder} ({where}) is in use by another {_fit()}: two runs in one folder write "
+            "over each other's checkpoints. Wait for it to end (or stop it), or give this run's ModelCheckpoint "
+            "another dirpath."
+        )) from None
     except OSError:  # a file, or a folder this process cannot write: the checks of the options name it, next
         return None
-
-
-def release_run_folder(tidy: bool = False) -> None:
-    """Let go of the folder :func:`hold_run_folder` holds (at the end of a ``fit``; the process's end does it too);
-    ``tidy``: a run that failed also removes the lock file and the folders it created when nothing else is there."""
-    while _held:
-        held = _held.pop()
-        held.close()
-        if tidy and isinstance(held, _LockFile):
-            held.tidy()
