@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from contextlib import nullcontext
 from typing import Optional
 
 from lightning_gpuopt.model.checkpoint import CheckpointError
 from lightning_gpuopt.model.hf import save_hf
 from lightning_gpuopt.model.hf_families import HFError
+from lightning_gpuopt.run.lock import PathInUse, hold_output
 
 __all__ = ["main"]
 
@@ -33,8 +35,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="tokenizer.json to write (default: the one the checkpoint's run carries)")
     args = parser.parse_args(argv)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    try:  # one writer: a second export into the same folder is refused, naming its pid, before the work
+        lock = hold_output(args.out_dir, "gpuopt export", "OUT_DIR")
+    except PathInUse as err:
+        parser.exit(2, f"gpuopt export: error: {err}\n")
     try:
-        out = save_hf(args.ckpt, args.out_dir, tokenizer=args.tokenizer, dtype=dtype)
+        with lock or nullcontext():
+            out = save_hf(args.ckpt, args.out_dir, tokenizer=args.tokenizer, dtype=dtype)
     except (HFError, CheckpointError) as err:
         parser.exit(2, f"gpuopt export: error: {err}\n")
     print(f"Wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}).")

@@ -136,3 +136,16 @@ def test_export_refuses_an_unwritable_output_before_reading(tmp_path, capsys):
         main(["export", str(tmp_path / "none.ckpt"), str(tmp_path / "a_file" / "out")])
     assert exit_.value.code == 2
     assert "a_file' is not a folder" in capsys.readouterr().err
+
+
+def test_export_into_a_folder_another_writer_holds_is_refused_with_its_pid(tmp_path, capsys):
+    from lightning_gpuopt.run import hold_output
+
+    out = tmp_path / "out"
+    with hold_output(out, "gpuopt export", "OUT_DIR"):  # a second open of the lock is refused as another process is
+        with pytest.raises(SystemExit) as exit_:
+            main(["export", str(tmp_path / "none.ckpt"), str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{out} is being written by another gpuopt export (pid " in err and "OUT_DIR" in err
+    assert not out.exists()
