@@ -39,8 +39,16 @@ CONFIGS: dict[str, str] = {
     "(compile_scope='model')",
     "gpuopt-bf16-compile-bf16res": "gpuopt-bf16-compile with a bf16 residual stream (residual_dtype='bfloat16')",
     "gpuopt-bf16-compile-model-bf16res": "both: one whole-model graph with the loss, and a bf16 residual stream",
+    "gpuopt-bf16-compile-autotune": "gpuopt-bf16-compile in compile_mode='max-autotune-no-cudagraphs' (Triton GEMM "
+    "templates: bias, GELU and residual epilogues fused; minutes of compile)",
+    "gpuopt-bf16-compile-cudagraphs": "gpuopt-bf16-compile in compile_mode='reduce-overhead' (CUDA graphs: for "
+    "launch-bound small micro-batches)",
 }
-VARIANTS = ("gpuopt-bf16-compile-model", "gpuopt-bf16-compile-bf16res", "gpuopt-bf16-compile-model-bf16res")
+# A variant's torch.compile mode; the other compiled configurations take --compile-mode.
+VARIANT_MODES = {"gpuopt-bf16-compile-autotune": "max-autotune-no-cudagraphs",
+                 "gpuopt-bf16-compile-cudagraphs": "reduce-overhead"}
+VARIANTS = ("gpuopt-bf16-compile-model", "gpuopt-bf16-compile-bf16res", "gpuopt-bf16-compile-model-bf16res",
+            *VARIANT_MODES)
 DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c not in VARIANTS)  # what --configs runs when not given
 
 # Configurations that compile the model (slow to start on CPU).
@@ -127,6 +135,7 @@ class LightningParts:
     auto_batch: Optional[Any]  # the AutoBatchSize callback, also in ``callbacks``
     compile_scope: str = "block"  # GPTModule.compile_scope
     residual_dtype: str = "float32"  # GPTModule.residual_dtype
+    compile_mode: Optional[str] = None  # GPTModule.compile_mode (None: BenchSettings.compile_mode)
 
 
 def _import_auto_batch_size() -> Any:
@@ -223,4 +232,4 @@ def lightning_parts(name: str, settings: BenchSettings) -> LightningParts:
     scope = "model" if "-model" in name else "block"
     residual = "bfloat16" if name.endswith("-bf16res") else "float32"
     return LightningParts(None, [plugin], callbacks, compile=name in COMPILED, auto_batch=auto_batch,
-                          compile_scope=scope, residual_dtype=residual)
+                          compile_scope=scope, residual_dtype=residual, compile_mode=VARIANT_MODES.get(name))

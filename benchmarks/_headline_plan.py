@@ -78,6 +78,13 @@ PARTS: tuple[Part, ...] = (
     Part("774m-accum", "774m, micro-batch 16 x 4 (global batch 64): gpuopt bf16 against float8 (tensorwise), "
          "compiled; 3 repeats, alternating", "throughput", "774m", ("gpuopt-bf16-compile", "gpuopt-fp8-compile"),
          micro_batch_size=16, repeats=3),
+    Part("cuda-graphs-124m", "124m, micro-batch 8 x 8, where the step is launch-bound: the default compile mode "
+         "against reduce-overhead (CUDA graphs); 3 repeats, alternating", "throughput", "124m",
+         ("gpuopt-bf16-compile", "gpuopt-bf16-compile-cudagraphs"), micro_batch_size=8, repeats=3),
+    Part("autotune-124m", "124m, micro-batch 64: the default compile mode against max-autotune-no-cudagraphs "
+         "(fused GEMM epilogues; minutes of compile, cached for the later repeats); 3 repeats, alternating",
+         "throughput", "124m", ("gpuopt-bf16-compile", "gpuopt-bf16-compile-autotune"), micro_batch_size=64,
+         repeats=3),
 )
 
 # The gpu-marked test files, correctness first: float8 and bf16 numerics, the attention kernel and
@@ -119,6 +126,8 @@ _H100: dict[str, float] = {
     "124m/gpuopt-bf16-compile/mb64": 12, "124m/gpuopt-bf16-compile-bf16res/mb64": 12,
     "124m/gpuopt-bf16-compile-model/mb64": 25, "124m/gpuopt-bf16-compile-model-bf16res/mb64": 25,
     "774m/gpuopt-bf16-compile/mb16": 26, "774m/gpuopt-fp8-compile/mb16": 26,
+    "124m/gpuopt-bf16-compile/mb8": 12, "124m/gpuopt-bf16-compile-cudagraphs/mb8": 20,
+    "124m/gpuopt-bf16-compile-autotune/mb64": 80,
     "pytest": 17,
     "tests/precision/test_gpu.py": 16, "tests/model/test_gpt.py": 2, "tests/model/test_llama.py": 2,
     "tests/callbacks/test_cuda_settings.py": 14,
@@ -135,7 +144,8 @@ ESTIMATES: dict[str, dict[str, float]] = {
         "tiny/baseline": 1, "tiny/lightning-bf16": 1, "tiny/gpuopt-bf16-compile": 1, "tiny/gpuopt-fp8-compile": 2,
         "tiny/gpuopt-fp8-compile/rowwise": 2, "tiny/gpuopt-bf16-compile-auto": 3, "tiny/torch-loop": 1,
         "tiny/gpuopt-bf16-compile-model": 1, "tiny/gpuopt-bf16-compile-bf16res": 1,
-        "tiny/gpuopt-bf16-compile-model-bf16res": 1,
+        "tiny/gpuopt-bf16-compile-model-bf16res": 1, "tiny/gpuopt-bf16-compile-cudagraphs": 1,
+        "tiny/gpuopt-bf16-compile-autotune": 1,
         "pytest": 7, **{f: 0.2 for f in GPU_TEST_FILES},
     },
 }

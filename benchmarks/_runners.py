@@ -214,7 +214,7 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device, accu
         learning_rate=settings.learning_rate,
         warmup_steps=settings.warmup_steps,
         compile=parts.compile,
-        compile_mode=settings.compile_mode if parts.compile else None,
+        compile_mode=(parts.compile_mode or settings.compile_mode) if parts.compile else None,
         compile_scope=parts.compile_scope,
         residual_dtype=parts.residual_dtype,
     )

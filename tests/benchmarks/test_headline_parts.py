@@ -74,3 +74,20 @@ def test_the_parts_run_at_the_tiny_preset_as_the_command_runs_them(text_dir, cac
     assert loop["first_batch_token_sum"] == scoped["gpuopt-bf16-compile"]["first_batch_token_sum"]
     assert loop["first_loss"] == pytest.approx(losses[0], abs=0.05)  # its own loss from the full logits
     assert loop["settings_by_hand"] == "no CUDA settings (CPU)" and loop["micro_batch_tried"] == []
+
+
+def test_the_option_configurations_set_the_module_options_they_name():
+    from benchmarks._configs import VARIANTS, lightning_parts
+
+    settings = BenchSettings(preset="tiny", vocab_size=512, tokenizer_vocab_size=512, compile_mode="max-autotune")
+    got = {n: (p.compile, p.compile_scope, p.residual_dtype, p.compile_mode)
+           for n in ("gpuopt-bf16-compile", *VARIANTS) for p in [lightning_parts(n, settings)]}
+    assert got == {
+        "gpuopt-bf16-compile": (True, "block", "float32", None),  # None: --compile-mode's (settings.compile_mode)
+        "gpuopt-bf16-compile-model": (True, "model", "float32", None),
+        "gpuopt-bf16-compile-bf16res": (True, "block", "bfloat16", None),
+        "gpuopt-bf16-compile-model-bf16res": (True, "model", "bfloat16", None),
+        "gpuopt-bf16-compile-autotune": (True, "block", "float32", "max-autotune-no-cudagraphs"),
+        "gpuopt-bf16-compile-cudagraphs": (True, "block", "float32", "reduce-overhead"),
+    }
+    assert not set(VARIANTS) & set(throughput.parse_args([]).configs.split(","))  # run by name only
