@@ -132,8 +132,9 @@ def test_compiled_configurations_and_torch_loop_match_on_cpu(text_dir, cache_dir
     summary = report["summary"]
     assert [summary[n]["status"] for n in configs] == ["ok"] * 3
     loop = summary["torch-loop"]
-    # Without gpuopt-bf16-compile-auto in the run, the loop uses the fixed micro-batch and says what to compare with.
-    assert (loop["micro_batch_size"], loop["accumulate_grad_batches"], loop["tokens_per_step"]) == (8, 1, 256)
+    # Without gpuopt-bf16-compile-auto in the run, the loop starts from the fixed micro-batch, accumulating to the
+    # global batch, and says what to compare with.
+    assert (loop["micro_batch_size"], loop["accumulate_grad_batches"], loop["tokens_per_step"]) == (8, 2, 512)
     assert "compare with gpuopt-bf16-compile" in loop["compare_with"]
     assert loop["first_batch_token_sum"] == summary["baseline"]["first_batch_token_sum"]
     assert loop["first_loss"] == pytest.approx(summary["gpuopt-bf16-compile"]["first_loss"], abs=0.02)
