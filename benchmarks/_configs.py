@@ -31,9 +31,9 @@ CONFIGS: dict[str, str] = {
     FP8_FIXED: "gpuopt-bf16-compile with Float8Precision in place of BF16Precision (SM >= 8.9), fixed micro-batch",
     AUTO_BF16: "gpuopt-bf16-compile with AutoBatchSize (bigger micro-batch, same global batch)",
     FP8_AUTO: "the same with Float8Precision in place of BF16Precision (SM >= 8.9)",
-    TORCH_LOOP: "hand-written nanoGPT-style loop: the same GPT, bf16 autocast, whole-model torch.compile, full logits "
-    "into F.cross_entropy, fused AdamW, TF32 and the SDPA kernel order of CUDASettings set by hand; its own micro-batch "
-    "(halved until it fits) with accumulation to the same global batch",
+    TORCH_LOOP: "hand-written nanoGPT-style loop: the same GPT, bf16 autocast, whole-model torch.compile, full "
+    "logits into F.cross_entropy, fused AdamW, TF32 and the SDPA kernel order of CUDASettings set by hand; its own "
+    "micro-batch (halved until it fits) with accumulation to the same global batch",
     # The elementwise options (GPTModule.compile_scope, residual_dtype): not in the default list, run by name.
     "gpuopt-bf16-compile-model": "gpuopt-bf16-compile as one whole-model graph, the loss inside it "
     "(compile_scope='model')",

@@ -18,8 +18,8 @@ from typing import Any, Optional
 from benchmarks._configs import AUTO_BF16, BASELINE, BF16_CONFIGS, CONFIGS, FP8_AUTO, FP8_CONFIGS, FP8_FIXED, TORCH_LOOP
 from benchmarks._timing import step_stats
 
-__all__ = ["MFU_TARGETS", "best_bf16", "check_out_folder", "check_targets", "device_slug", "markdown", "plot", "summarise",
-           "write_json", "write_text"]
+__all__ = ["MFU_TARGETS", "best_bf16", "check_out_folder", "check_targets", "device_slug", "markdown", "plot",
+           "summarise", "write_json", "write_text"]
 
 BF16_FIXED = "gpuopt-bf16-compile"
 

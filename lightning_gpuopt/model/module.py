@@ -206,9 +206,7 @@ class GPTModule(pl.LightningModule):
         """bf16 under a bf16 precision, or a float8 one computing the rest in bf16; else ``None`` (float32)."""
         if attached_trainer(self) is None:
             return None
-        plugin = self.trainer.precision_plugin
-        name = compute_dtype_name(plugin)
-        return torch.bfloat16 if _bf16_autocast(plugin) else None
+        return torch.bfloat16 if _bf16_autocast(self.trainer.precision_plugin) else None
 
     @override
     def setup(self, stage: str) -> None:
