@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["CONFIGS", "BASELINE", "FP8_CONFIGS", "TORCH_LOOP", "BenchSettings", "LightningParts", "lightning_parts",
-           "skip_reason"]
+__all__ = ["CONFIGS", "BASELINE", "BF16_CONFIGS", "DEFAULT_CONFIGS", "FP8_CONFIGS", "TORCH_LOOP", "VARIANTS",
+           "BenchSettings", "LightningParts", "lightning_parts", "skip_reason"]
 
 BASELINE = "baseline"
 TORCH_LOOP = "torch-loop"
@@ -31,11 +31,30 @@ CONFIGS: dict[str, str] = {
     FP8_FIXED: "gpuopt-bf16-compile with Float8Precision in place of BF16Precision (SM >= 8.9), fixed micro-batch",
     AUTO_BF16: "gpuopt-bf16-compile with AutoBatchSize (bigger micro-batch, same global batch)",
     FP8_AUTO: "the same with Float8Precision in place of BF16Precision (SM >= 8.9)",
-    TORCH_LOOP: "hand-written PyTorch loop: bf16 autocast, compile, fused AdamW, micro-batch of gpuopt-bf16-compile-auto",
+    TORCH_LOOP: "hand-written nanoGPT-style loop: the same GPT, bf16 autocast, whole-model torch.compile, full "
+    "logits into F.cross_entropy, fused AdamW, TF32 and the SDPA kernel order of CUDASettings set by hand; its own "
+    "micro-batch (halved until it fits) with accumulation to the same global batch",
+    # The elementwise options (GPTModule.compile_scope, residual_dtype): not in the default list, run by name.
+    "gpuopt-bf16-compile-model": "gpuopt-bf16-compile as one whole-model graph, the loss inside it "
+    "(compile_scope='model')",
+    "gpuopt-bf16-compile-bf16res": "gpuopt-bf16-compile with a bf16 residual stream (residual_dtype='bfloat16')",
+    "gpuopt-bf16-compile-model-bf16res": "both: one whole-model graph with the loss, and a bf16 residual stream",
+    "gpuopt-bf16-compile-autotune": "gpuopt-bf16-compile in compile_mode='max-autotune-no-cudagraphs' (Triton GEMM "
+    "templates: bias, GELU and residual epilogues fused; minutes of compile)",
+    "gpuopt-bf16-compile-cudagraphs": "gpuopt-bf16-compile in compile_mode='reduce-overhead' (CUDA graphs: for "
+    "launch-bound small micro-batches)",
 }
+# A variant's torch.compile mode; the other compiled configurations take --compile-mode.
+VARIANT_MODES = {"gpuopt-bf16-compile-autotune": "max-autotune-no-cudagraphs",
+                 "gpuopt-bf16-compile-cudagraphs": "reduce-overhead"}
+VARIANTS = ("gpuopt-bf16-compile-model", "gpuopt-bf16-compile-bf16res", "gpuopt-bf16-compile-model-bf16res",
+            *VARIANT_MODES)
+DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c not in VARIANTS)  # what --configs runs when not given
 
 # Configurations that compile the model (slow to start on CPU).
-COMPILED = frozenset({"gpuopt-bf16-compile", FP8_FIXED, AUTO_BF16, FP8_AUTO, TORCH_LOOP})
+COMPILED = frozenset({"gpuopt-bf16-compile", FP8_FIXED, AUTO_BF16, FP8_AUTO, TORCH_LOOP, *VARIANTS})
+# The gpuopt configurations in bf16: the report's MFU targets take the best of them.
+BF16_CONFIGS = ("gpuopt-bf16", "gpuopt-bf16-compile", AUTO_BF16, *VARIANTS)
 AUTO = frozenset({AUTO_BF16, FP8_AUTO})
 FP8_CONFIGS = frozenset({FP8_FIXED, FP8_AUTO})  # trained with Float8Precision (--fp8-recipe)
 
@@ -114,6 +133,9 @@ class LightningParts:
     callbacks: list[Any]
     compile: bool
     auto_batch: Optional[Any]  # the AutoBatchSize callback, also in ``callbacks``
+    compile_scope: str = "block"  # GPTModule.compile_scope
+    residual_dtype: str = "float32"  # GPTModule.residual_dtype
+    compile_mode: Optional[str] = None  # GPTModule.compile_mode (None: BenchSettings.compile_mode)
 
 
 def _import_auto_batch_size() -> Any:
@@ -207,4 +229,7 @@ def lightning_parts(name: str, settings: BenchSettings) -> LightningParts:
             global_batch_size=settings.global_batch_size, max_micro_batch_size=settings.max_micro_batch_size
         )
         callbacks.append(auto_batch)
-    return LightningParts(None, [plugin], callbacks, compile=name in COMPILED, auto_batch=auto_batch)
+    scope = "model" if "-model" in name else "block"
+    residual = "bfloat16" if name.endswith("-bf16res") else "float32"
+    return LightningParts(None, [plugin], callbacks, compile=name in COMPILED, auto_batch=auto_batch,
+                          compile_scope=scope, residual_dtype=residual, compile_mode=VARIANT_MODES.get(name))

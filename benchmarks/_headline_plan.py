@@ -17,7 +17,8 @@ from typing import Literal, Optional
 from lightning_gpuopt.perf.device import DeviceFacts
 
 __all__ = ["ESTIMATES", "GPU_TEST_FILES", "GRACE_S", "MARGIN", "MEASURED", "PARTS", "Part", "PlanRow",
-           "config_estimates", "decide", "estimate_family", "format_plan", "part_estimate", "plan"]
+           "config_estimates", "decide", "estimate_family", "format_plan", "measured_part", "part_estimate",
+           "part_keys", "part_micro_batch", "part_repeats", "plan"]
 
 GRACE_S = 5.0  # from a part's interrupt (SIGINT) at its limit to its kill: pytest writes its XML in it
 MARGIN = 1.5  # a part may run this many times its estimate before it is stopped (the estimates are guesses)
@@ -35,6 +36,13 @@ class Part:
         preset: Model preset of a throughput part (``tiny`` under ``--tiny``).
         configs: Its ``benchmarks.throughput`` configurations, in run order.
         fp8_recipe: Its ``--fp8-recipe``.
+        micro_batch_size: Its fixed micro-batch (accumulating to the global batch of 64); ``None``: the
+            command's ``--micro-batch-size``. Under ``--tiny`` the tiny scale's.
+        repeats: Its ``--repeats``, in alternating order: 3 or more where the part compares configurations
+            whose difference may be within the run-to-run spread. Under ``--tiny`` one.
+
+    A new throughput part is one ``Part`` here and one estimate per configuration in each ``ESTIMATES`` row
+    (``part_keys`` names them; tests/benchmarks/test_headline.py checks that every key exists).
     """
 
     name: str
@@ -43,6 +51,8 @@ class Part:
     preset: Optional[str] = None
     configs: tuple[str, ...] = ()
     fp8_recipe: str = "tensorwise"
+    micro_batch_size: Optional[int] = None
+    repeats: int = 1
 
 
 PARTS: tuple[Part, ...] = (
@@ -58,10 +68,26 @@ PARTS: tuple[Part, ...] = (
     Part("gpu-tests", "the gpu-marked tests, correctness first, each with a timeout", "tests"),
     Part("throughput-774m", "774m, T 1024, fixed micro-batch: gpuopt bf16 + compile against float8 (tensorwise) "
          "+ compile", "throughput", "774m", ("gpuopt-bf16-compile", "gpuopt-fp8-compile")),
-    Part("auto-batch-124m", "124m: AutoBatchSize's search time and choice (bf16 + compile, global batch 64)",
-         "throughput", "124m", ("gpuopt-bf16-compile-auto",)),
+    Part("auto-batch-124m", "124m: AutoBatchSize's search time and choice (bf16 + compile, global batch 64), then "
+         "the hand-written nanoGPT-style loop from the same micro-batch", "throughput", "124m",
+         ("gpuopt-bf16-compile-auto", "torch-loop")),
     Part("fp8-rowwise-124m", "124m, fixed micro-batch: gpuopt float8 (rowwise) + compile", "throughput", "124m",
          ("gpuopt-fp8-compile",), "rowwise"),
+    # The step's elementwise options, whose defaults wait for these figures (benchmarks/README.md).
+    Part("compile-residual-124m", "124m, micro-batch 64: per-block against whole-model compile (the loss inside), "
+         "each with a float32 and a bf16 residual stream; 3 repeats, alternating", "throughput", "124m",
+         ("gpuopt-bf16-compile", "gpuopt-bf16-compile-model", "gpuopt-bf16-compile-bf16res",
+          "gpuopt-bf16-compile-model-bf16res"), micro_batch_size=64, repeats=3),
+    Part("774m-accum", "774m, micro-batch 16 x 4 (global batch 64): gpuopt bf16 against float8 (tensorwise), "
+         "compiled; 3 repeats, alternating", "throughput", "774m", ("gpuopt-bf16-compile", "gpuopt-fp8-compile"),
+         micro_batch_size=16, repeats=3),
+    Part("cuda-graphs-124m", "124m, micro-batch 8 x 8, where the step is launch-bound: the default compile mode "
+         "against reduce-overhead (CUDA graphs); 3 repeats, alternating", "throughput", "124m",
+         ("gpuopt-bf16-compile", "gpuopt-bf16-compile-cudagraphs"), micro_batch_size=8, repeats=3),
+    Part("autotune-124m", "124m, micro-batch 64: the default compile mode against max-autotune-no-cudagraphs "
+         "(fused GEMM epilogues; minutes of compile, cached for the later repeats); 3 repeats, alternating",
+         "throughput", "124m", ("gpuopt-bf16-compile", "gpuopt-bf16-compile-autotune"), micro_batch_size=64,
+         repeats=3),
 )
 
 # The gpu-marked test files, correctness first: float8 and bf16 numerics, the attention kernel and
@@ -83,39 +109,53 @@ GPU_TEST_FILES: tuple[str, ...] = (
 # Seconds, per device family. Keys: "start-up" (Python, the imports and reading the device), "finish"
 # (the last results and the chart), the parts "device" and "doctor", "process" (a throughput child:
 # imports, CUDA, tokenising, cached after the first, and the timed matmul ceiling), "<preset>/<config>"
-# (one throughput configuration: building, warm-up with compilation, measured steps; "/rowwise" for
-# float8 rowwise), "generation" (its process, the export to transformers, a warm-up and a timed run of
-# each of its three configurations), "pytest" (its start and collection) and one per gpu test file.
-# The H100 and H200 rows are ESTIMATES, not measurements: reasoned from the model sizes at
-# datasheet throughput and from typical Inductor compile times of a GPT block on a 16-core host
-# (30-90 s, cold cache), and from a hand-made command of earlier (doctor 40-70 s, these tests
-# 1.5-2.5 min); correct them from the "seconds" of every part in a run's headline.json. The H200 has
-# the H100's compute and the compile time, which dominates, is the host's. The "tiny" row (--tiny,
-# any device) is from runs on a 2-core CPU (one thread per process), with room for other work on it.
+# (one run of one throughput configuration: building, warm-up with compilation, measured steps; "/rowwise"
+# for float8 rowwise, "/mb<N>" at a part's own micro-batch), "generation" (its process, the export to
+# transformers, a warm-up and a timed run of each of its three configurations: a guess, it never ran on a GPU),
+# "pytest" (its start and collection) and one per gpu test file.
+# H100: measured on an H100 80GB HBM3 (SXM), 16 host cores, on 2026-11-27 (benchmarks/results/h100/2026-11-27:
+# every part's "seconds" in headline.json, every run's start-up, warm-up and steps in the throughput JSON, the
+# pytest durations); the keys in _H100_RUN are those measurements, rounded up. The throughput configurations
+# then ran 20 + 5 optimizer steps of 8 sequences without accumulation; they now run 10 + 3 steps of 64
+# sequences (accumulation to the global batch), so their times are estimated from the measured tokens/s
+# (1 + 64 x 1024 x 13 / tokens per s) plus the measured start-up and warm-up (compilation); configurations
+# that never ran on it (the whole-model compile, the bf16 residual, the new torch-loop) are guesses. The H200
+# has the H100's compute, and the compile time, which dominates, is the host's: the same row. The "tiny" row
+# (--tiny, any device) is from runs on a 2-core CPU (one thread per process), with room for other work on it.
 _H100: dict[str, float] = {
-    "start-up": 15, "finish": 3, "device": 1, "doctor": 45, "process": 15,
-    "124m/baseline": 10, "124m/lightning-bf16": 8, "124m/gpuopt-bf16-compile": 60, "124m/gpuopt-fp8-compile": 70,
-    "124m/gpuopt-fp8-compile/rowwise": 80, "124m/gpuopt-bf16-compile-auto": 110,
-    "774m/gpuopt-bf16-compile": 70, "774m/gpuopt-fp8-compile": 80,
+    "start-up": 27, "finish": 3, "device": 1, "doctor": 45, "process": 25,
+    "124m/baseline": 18, "124m/lightning-bf16": 5, "124m/gpuopt-bf16-compile": 12, "124m/gpuopt-fp8-compile": 10,
+    "124m/gpuopt-fp8-compile/rowwise": 8, "124m/gpuopt-bf16-compile-auto": 30, "124m/torch-loop": 45,
+    "774m/gpuopt-bf16-compile": 24, "774m/gpuopt-fp8-compile": 24,
+    "124m/gpuopt-bf16-compile/mb64": 12, "124m/gpuopt-bf16-compile-bf16res/mb64": 12,
+    "124m/gpuopt-bf16-compile-model/mb64": 25, "124m/gpuopt-bf16-compile-model-bf16res/mb64": 25,
+    "774m/gpuopt-bf16-compile/mb16": 26, "774m/gpuopt-fp8-compile/mb16": 26,
+    "124m/gpuopt-bf16-compile/mb8": 12, "124m/gpuopt-bf16-compile-cudagraphs/mb8": 20,
+    "124m/gpuopt-bf16-compile-autotune/mb64": 80,
     "generation": 75,
-    "pytest": 15,
-    "tests/precision/test_gpu.py": 50, "tests/model/test_gpt.py": 10, "tests/model/test_llama.py": 10,
-    "tests/callbacks/test_cuda_settings.py": 15,
-    "tests/callbacks/test_mfu_monitor.py": 20, "tests/callbacks/auto_batch/test_gpu.py": 40,
-    "tests/callbacks/test_exact_resume.py": 60, "tests/cli/test_doctor.py": 45,
-    "tests/benchmarks/test_throughput.py": 30,
+    "pytest": 17,
+    "tests/precision/test_gpu.py": 16, "tests/model/test_gpt.py": 2, "tests/model/test_llama.py": 2,
+    "tests/callbacks/test_cuda_settings.py": 14,
+    "tests/callbacks/test_mfu_monitor.py": 2, "tests/callbacks/auto_batch/test_gpu.py": 14,
+    "tests/callbacks/test_exact_resume.py": 36, "tests/cli/test_doctor.py": 22,
+    "tests/benchmarks/test_throughput.py": 2,
 }
+_H100_RUN = frozenset({"start-up", "finish", "device", "doctor", "process", "pytest", *GPU_TEST_FILES})
 ESTIMATES: dict[str, dict[str, float]] = {
     "H100": _H100,
     "H200": dict(_H100),
     "tiny": {
         "start-up": 8, "finish": 2, "device": 1, "doctor": 10, "process": 7,
         "tiny/baseline": 1, "tiny/lightning-bf16": 1, "tiny/gpuopt-bf16-compile": 1, "tiny/gpuopt-fp8-compile": 2,
-        "tiny/gpuopt-fp8-compile/rowwise": 2, "tiny/gpuopt-bf16-compile-auto": 3, "generation": 14,
+        "tiny/gpuopt-fp8-compile/rowwise": 2, "tiny/gpuopt-bf16-compile-auto": 3, "tiny/torch-loop": 1,
+        "tiny/gpuopt-bf16-compile-model": 1, "tiny/gpuopt-bf16-compile-bf16res": 1,
+        "tiny/gpuopt-bf16-compile-model-bf16res": 1, "tiny/gpuopt-bf16-compile-cudagraphs": 1,
+        "tiny/gpuopt-bf16-compile-autotune": 1, "generation": 14,
         "pytest": 7, **{f: 0.2 for f in GPU_TEST_FILES},
     },
 }
-MEASURED = {"H100": False, "H200": False, "tiny": True}  # whether a family's row comes from runs, or is a guess
+# The keys of each family's row that come from runs on it; the others are estimates.
+MEASURED: dict[str, frozenset[str]] = {"H100": _H100_RUN, "H200": frozenset(), "tiny": frozenset(ESTIMATES["tiny"])}
 
 
 def estimate_family(facts: DeviceFacts, tiny: bool) -> tuple[str, Optional[str]]:
@@ -136,7 +176,33 @@ def estimate_family(facts: DeviceFacts, tiny: bool) -> tuple[str, Optional[str]]
 
 def _key(part: Part, config: str, tiny: bool) -> str:
     preset = "tiny" if tiny else part.preset
-    return f"{preset}/{config}" + ("/rowwise" if part.fp8_recipe == "rowwise" and "fp8" in config else "")
+    rowwise = "/rowwise" if part.fp8_recipe == "rowwise" and "fp8" in config else ""
+    own_batch = f"/mb{part.micro_batch_size}" if part.micro_batch_size is not None and not tiny else ""
+    return f"{preset}/{config}{rowwise}{own_batch}"
+
+
+def part_micro_batch(part: Part, tiny: bool, default: int) -> int:
+    """The fixed micro-batch a throughput part runs with: its own, or ``default`` (the command's; ``--tiny``'s)."""
+    return default if tiny or part.micro_batch_size is None else part.micro_batch_size
+
+
+def part_repeats(part: Part, tiny: bool) -> int:
+    """How often a throughput part runs its configurations (once under ``--tiny``: a smoke run compares nothing)."""
+    return 1 if tiny else part.repeats
+
+
+def part_keys(part: Part, tiny: bool) -> list[str]:
+    """The ``ESTIMATES`` keys that ``part`` reads."""
+    if part.kind in ("device", "doctor"):
+        return [part.kind]
+    if part.kind == "tests":
+        return ["pytest", *GPU_TEST_FILES]
+    return ["process", *(_key(part, c, tiny) for c in part.configs)]
+
+
+def measured_part(part: Part, family: str, tiny: bool) -> bool:
+    """Whether every estimate of ``part`` in ``family``'s row comes from runs on that device."""
+    return set(part_keys(part, tiny)) <= MEASURED[family]
 
 
 def part_estimate(part: Part, estimates: dict[str, float], tiny: bool) -> float:
@@ -145,11 +211,11 @@ def part_estimate(part: Part, estimates: dict[str, float], tiny: bool) -> float:
         return estimates[part.kind]
     if part.kind == "tests":
         return estimates["pytest"] + sum(estimates[f] for f in GPU_TEST_FILES)
-    return estimates["process"] + sum(estimates[_key(part, c, tiny)] for c in part.configs)
+    return estimates["process"] + part_repeats(part, tiny) * sum(config_estimates(part, estimates, tiny))
 
 
 def config_estimates(part: Part, estimates: dict[str, float], tiny: bool) -> list[float]:
-    """Seconds of each configuration of a throughput part."""
+    """Seconds of one run of each configuration of a throughput part."""
     return [estimates[_key(part, c, tiny)] for c in part.configs]
 
 
@@ -227,20 +293,26 @@ def plan(parts: list[Part], estimates: dict[str, float], tiny: bool, budget_s: f
     return rows, t + estimates["finish"]
 
 
-def format_plan(rows: list[PlanRow], end_s: float, budget_s: float, header: str, estimates: dict[str, float]) -> str:
-    """The plan as a text table, the start-up and finish included, with its expected end against the budget."""
-    lines = [header, f"{'part':<18} {'estimate':>9} {'limit':>7} {'starts':>7}  what",
-             f"{'start-up':<18} {estimates['start-up']:>7.0f} s {'':>7} {0:>5.0f} s  "
+def format_plan(rows: list[PlanRow], end_s: float, budget_s: float, header: str, estimates: dict[str, float],
+                measured: Optional[set[str]] = None) -> str:
+    """The plan as a text table, the start-up and finish included, with its expected end against the budget.
+    ``measured``: the parts whose estimates all come from runs on the device (marked ``run``; the others ``est``)."""
+    def basis(part: str) -> str:
+        return "" if measured is None else (" run" if part in measured else " est")
+
+    lines = [header, f"{'part':<22} {'estimate':>12} {'limit':>7} {'starts':>7}  what",
+             f"{'start-up':<22} {estimates['start-up']:>7.0f} s{basis('start-up'):4} {'':>7} {0:>5.0f} s  "
              "Python, imports, reading the device"]
     for r in rows:
         if r.limit_s is None:
-            lines.append(f"{r.part:<18} {r.estimate_s:>7.0f} s {'-':>7} {'-':>7}  skipped: {r.reason}")
+            lines.append(f"{r.part:<22} {r.estimate_s:>7.0f} s{basis(r.part):4} {'-':>7} {'-':>7}  skipped: {r.reason}")
             continue
         short = r.part == "gpu-tests" and r.limit_s < r.estimate_s
         stops = ", stops at its limit with the tests that finished" if short else ""
-        lines.append(f"{r.part:<18} {r.estimate_s:>7.0f} s {r.limit_s:>5.0f} s {r.start_s:>5.0f} s  {r.what}{stops}")
-    lines.append(f"{'finish':<18} {estimates['finish']:>7.0f} s {'':>7} {end_s - estimates['finish']:>5.0f} s  "
-                 "results and chart")
+        lines.append(f"{r.part:<22} {r.estimate_s:>7.0f} s{basis(r.part):4} {r.limit_s:>5.0f} s {r.start_s:>5.0f} s  "
+                     f"{r.what}{stops}")
+    lines.append(f"{'finish':<22} {estimates['finish']:>7.0f} s{basis('finish'):4} {'':>7} "
+                 f"{end_s - estimates['finish']:>5.0f} s  results and chart")
     lines.append(f"expected end: {end_s:.0f} s of the {budget_s:.0f} s budget; a part that reaches its limit is "
                  f"stopped (within {GRACE_S:.0f} s) and the next one still runs")
     return "\n".join(lines)

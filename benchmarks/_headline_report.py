@@ -64,7 +64,8 @@ def headline_rows(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                    "name": config, "status": e["status"], "reason": e.get("reason")}
             if e["status"] == "ok":
                 row.update({k: e.get(k) for k in ("micro_batch_size", "accumulate_grad_batches", "tokens_per_s",
-                                                  "tflops", "mfu", "mfu_measured", "mfu_fp8", "peak_memory_gb")})
+                                                  "tflops", "mfu", "mfu_measured", "mfu_fp8", "peak_memory_gb",
+                                                  "repeats", "repeat_spread_pct")})
                 row["warmup_s"] = max(e["warmup_s"])
                 row["search_s"] = max(e["search_s"]) if e.get("search_s") else None
                 row["auto_batch"] = e.get("auto_batch")
@@ -88,18 +89,18 @@ def _f(value: Optional[float], spec: str, scale: float = 1.0, suffix: str = "") 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| preset | configuration | micro-batch x accum | tokens/s | vs baseline | float8 / bf16 "
-             "| MFU (datasheet) | MFU (measured matmul) | peak memory GiB | warm-up (compile) s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| MFU (datasheet) | MFU (measured matmul) | peak memory GiB | warm-up (compile) s | repeats (spread %) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['preset']} | `{r['config']}` | {r['status']}: {r['reason']} | | | | | | | |")
+            lines.append(f"| {r['preset']} | `{r['config']}` | {r['status']}: {r['reason']} | | | | | | | | |")
             continue
         lines.append(
             f"| {r['preset']} | `{r['config']}` | {r['micro_batch_size']} x {r['accumulate_grad_batches']} "
             f"| {r['tokens_per_s']:,.0f} | {_f(r['vs_baseline'], '.2f', suffix='x')} "
             f"| {_f(r['fp8_vs_bf16'], '.2f', suffix='x')} "
             f"| {_f(r['mfu'], '.1%')} | {_f(r['mfu_measured'], '.1%')} | {_f(r['peak_memory_gb'], '.1f')} "
-            f"| {r['warmup_s']:.1f} |")
+            f"| {r['warmup_s']:.1f} | {r.get('repeats') or 1} ({_f(r.get('repeat_spread_pct'), '.1f')}) |")
     return lines
 
 

@@ -57,7 +57,7 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def summarise_profile(prof: profile, steps: int, device: torch.device, top: int = 10) -> dict[str, Any]:
+def summarise_profile(prof: profile, steps: int, device: torch.device, top: int = 30) -> dict[str, Any]:
     """Per-step device time by category, idle time between kernels, and the longest kernels.
 
     Example::

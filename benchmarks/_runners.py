@@ -8,7 +8,9 @@ the ``AutoBatchSize`` search) and warm-up (compilation) are timed separately fro
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import math
 import time
 import traceback
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -24,7 +27,6 @@ from benchmarks._profile import StepProfiler
 from benchmarks._timing import StepClock
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPT, GPTConfig, GPTModule
-from lightning_gpuopt.model.optim import build_adamw, warmup_cosine_schedule
 
 __all__ = ["cleanup", "make_data", "run_config", "run_lightning", "run_torch_loop"]
 
@@ -170,8 +172,8 @@ class _StepTimer(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.first_loss is None:
-            self.first_loss = float(outputs["loss"])  # the unscaled loss of the first micro-batch
+        if self.first_loss is None:  # the loss of the first micro-batch: Lightning hands it divided by the accumulation
+            self.first_loss = float(outputs["loss"]) * trainer.accumulate_grad_batches
         self._tokens += batch[0].numel()
         if trainer.global_step != self._last_step:  # this batch ended an optimizer step
             self._last_step = trainer.global_step
@@ -185,7 +187,7 @@ def _accelerator(device: torch.device) -> str:
     return "gpu" if device.type == "cuda" else "cpu"
 
 
-def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> dict[str, Any]:
+def run_lightning(name: str, settings: BenchSettings, device: torch.device, accumulate: int = 1) -> dict[str, Any]:
     """Train configuration ``name`` with a Lightning ``Trainer`` and measure it.
 
     Example::
@@ -196,6 +198,7 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
         name: A Lightning configuration (a key of ``CONFIGS`` other than ``torch-loop``).
         settings: The shared settings.
         device: The training device.
+        accumulate: Micro-batches per optimizer step of a fixed-batch configuration (``AutoBatchSize`` sets its own).
     """
     begin = time.perf_counter()
     pl.seed_everything(settings.seed, verbose=False)
@@ -211,7 +214,9 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
         learning_rate=settings.learning_rate,
         warmup_steps=settings.warmup_steps,
         compile=parts.compile,
-        compile_mode=settings.compile_mode if parts.compile else None,
+        compile_mode=(parts.compile_mode or settings.compile_mode) if parts.compile else None,
+        compile_scope=parts.compile_scope,
+        residual_dtype=parts.residual_dtype,
     )
     trainer = pl.Trainer(
         accelerator=_accelerator(device),
@@ -220,6 +225,7 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
         plugins=parts.plugins or None,
         callbacks=[timer, *parts.callbacks],
         max_steps=measured + settings.profile_steps,
+        accumulate_grad_batches=1 if parts.auto_batch is not None else accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -261,13 +267,46 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
     return result
 
 
+def _hand_settings(device: torch.device) -> tuple[str, contextlib.AbstractContextManager]:
+    """What a hand-written loop sets itself so that it runs the kernels the gpuopt configurations run: TF32 matmuls
+    and the SDPA kernel order ``CUDASettings(sdpa_backends="auto")`` picks for this device (cuDNN first on an H100),
+    through torch's own ``sdpa_kernel(..., set_priority=True)``. Returns what it set, for the report, and the
+    context that keeps the order (the caller restores TF32 with the other global flags)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lightning_gpuopt.perf.device import read_device
+    from lightning_gpuopt.perf.sdpa import SDPA_BACKENDS, auto_sdpa_order
+
+    if device.type != "cuda":
+        return "no CUDA settings (CPU)", contextlib.nullcontext()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    order, why = auto_sdpa_order(read_device(device))
+    if order is None:
+        return f"TF32; SDPA kernels in PyTorch's order ({why})", contextlib.nullcontext()
+    rest = [b for b in SDPA_BACKENDS if b not in order]
+    backends = [getattr(SDPBackend, SDPA_BACKENDS[b]) for b in (*order, *rest)]
+    return f"TF32; SDPA {why}, set with sdpa_kernel", sdpa_kernel(backends, set_priority=True)
+
+
+def _nanogpt_adamw(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
+    """nanoGPT's ``configure_optimizers``: decay on >= 2-D parameters, betas (0.9, 0.95), fused on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
 def run_torch_loop(
     settings: BenchSettings, device: torch.device, micro_batch_size: int, accumulate: int
 ) -> dict[str, Any]:
-    """Train with a hand-written PyTorch loop (bf16 autocast, ``torch.compile``, fused AdamW) and measure it.
+    """Train with a hand-written nanoGPT-style loop and measure it: the same ``GPT`` and training windows as the
+    Lightning configurations, but none of the package's training code (no ``GPTModule``, loss, compile helper,
+    optimizer builder or callback).
 
-    The same model, optimizer, LR schedule and ``TextDataModule`` training DataLoader as the
-    Lightning configurations; TF32 and the SDPA / allocator settings of ``CUDASettings``.
+    Whole-model ``torch.compile``, full logits into ``F.cross_entropy`` (float32), bf16 autocast, fused AdamW,
+    warm-up then cosine learning rate; TF32 and the SDPA kernel order set by hand (:func:`_hand_settings`). It
+    starts at ``micro_batch_size`` (the gpuopt configuration's) and halves it, doubling the accumulation, while a
+    step runs out of memory (the full logits need more than the chunked loss), so its global batch is the same.
 
     Example::
 
@@ -276,58 +315,77 @@ def run_torch_loop(
     Args:
         settings: The shared settings.
         device: The training device.
-        micro_batch_size: Sequences per forward/backward pass.
-        accumulate: Micro-batches per optimizer step.
+        micro_batch_size: Sequences per forward/backward pass to try first.
+        accumulate: Micro-batches per optimizer step at that micro-batch.
     """
-    from lightning_gpuopt.callbacks import CUDASettings
+    tried: list[int] = []  # micro-batches that ran out of memory
+    while True:
+        try:
+            result = _torch_loop(settings, device, micro_batch_size, accumulate)
+        except torch.cuda.OutOfMemoryError:
+            if micro_batch_size % 2:  # 1, or odd: no half keeps the global batch
+                raise
+            tried.append(micro_batch_size)
+        else:
+            result["micro_batch_tried"] = tried
+            return result
+        cleanup(device)  # outside the except block: its traceback no longer holds the failed try's tensors
+        micro_batch_size, accumulate = micro_batch_size // 2, accumulate * 2
 
+
+def _torch_loop(settings: BenchSettings, device: torch.device, micro_batch_size: int, accumulate: int
+                ) -> dict[str, Any]:
+    """One try of :func:`run_torch_loop` at one micro-batch."""
     begin = time.perf_counter()
-    cuda_settings = CUDASettings()  # the same global flags as the gpuopt configurations; undone below
     measured = settings.warmup_steps + settings.steps
+    total = measured + settings.profile_steps
     profiler = StepProfiler(device, first_step=measured, steps=settings.profile_steps)
+    set_by_hand, sdpa_order = _hand_settings(device)
     try:
-        pl.seed_everything(settings.seed, verbose=False)
-        data = make_data(settings, micro_batch_size)
-        config = GPTConfig.from_name(settings.preset, vocab_size=settings.vocab_size, block_size=settings.block_size)
-        _reset_memory(device)
-        with torch.device(device):  # built on the device, as the Trainer does (same RNG stream)
-            model = GPT(config)
-        model.compile_blocks(mode=settings.compile_mode)  # GPTModule(compile=True)'s default
-        total = measured + settings.profile_steps
-        optimizer = build_adamw(model, settings.learning_rate)  # fused on CUDA
-        scheduler = warmup_cosine_schedule(optimizer, settings.warmup_steps, total)
-        data.prepare_data()
-        data.setup("fit")
-        loader = data.train_dataloader()
-        batches = iter(loader)
-        clock = StepClock(device)
-        tokens_per_step: list[int] = []
-        first_batch_sum = first_loss = None
-        train_start = time.perf_counter()
-        model.train()
-        for _ in range(total):
-            tokens = 0
-            for _ in range(accumulate):
-                try:
-                    x, y = next(batches)
-                except StopIteration:
-                    batches = iter(loader)
-                    x, y = next(batches)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                if first_batch_sum is None:
-                    first_batch_sum = int(x.sum())
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = model(x, targets=y)  # the chunked loss, as GPTModule trains
-                (loss / accumulate).backward()
-                if first_loss is None:
-                    first_loss = float(loss.detach())
-                tokens += x.numel()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            clock.mark()
-            tokens_per_step.append(tokens)
-            profiler.tick(len(clock))
+        with sdpa_order:
+            pl.seed_everything(settings.seed, verbose=False)
+            data = make_data(settings, micro_batch_size)
+            config = GPTConfig.from_name(settings.preset, vocab_size=settings.vocab_size,
+                                         block_size=settings.block_size)
+            _reset_memory(device)
+            with torch.device(device):  # built on the device, as the Trainer does (same RNG stream)
+                model = GPT(config)
+            compiled = torch.compile(model, mode=settings.compile_mode)
+            optimizer = _nanogpt_adamw(model, settings.learning_rate, device)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(settings.warmup_steps, total))
+            data.prepare_data()
+            data.setup("fit")
+            loader = data.train_dataloader()
+            batches = iter(loader)
+            clock = StepClock(device)
+            tokens_per_step: list[int] = []
+            first_batch_sum = first_loss = None
+            train_start = time.perf_counter()
+            model.train()
+            for _ in range(total):
+                tokens = 0
+                for _ in range(accumulate):
+                    try:
+                        x, y = next(batches)
+                    except StopIteration:
+                        batches = iter(loader)
+                        x, y = next(batches)
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, T) each
+                    if first_batch_sum is None:
+                        first_batch_sum = int(x.sum())
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        logits = compiled(x)  # (B, T, V): the full logits, as nanoGPT
+                        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1), ignore_index=-1)
+                    (loss / accumulate).backward()
+                    if first_loss is None:
+                        first_loss = float(loss.detach())
+                    tokens += x.numel()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                clock.mark()
+                tokens_per_step.append(tokens)
+                profiler.tick(len(clock))
         result = _MeasuredRun(
             name="torch-loop",
             clock=clock,
@@ -341,14 +399,24 @@ def run_torch_loop(
         ).result(settings, device)
         if profiler.summary is not None:
             result["profile"] = profiler.summary
+        result["settings_by_hand"] = set_by_hand
         return result
     finally:
         profiler.close()
-        cuda_settings.teardown(None, None, "fit")  # type: ignore[arg-type]  # restores the global flags
+
+
+def _lr_factor(warmup: int, total: int) -> Any:
+    """nanoGPT's schedule as a ``LambdaLR`` factor: linear warm-up, then cosine decay to 10% at ``total``."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return factor
 
 
 def run_config(
-    name: str, settings: BenchSettings, device: torch.device, torch_loop_batch: tuple[int, int]
+    name: str, settings: BenchSettings, device: torch.device, batch: tuple[int, int]
 ) -> dict[str, Any]:
     """Run one configuration; a failure (out of memory, a compile error) is recorded, not raised.
 
@@ -356,13 +424,14 @@ def run_config(
         name: A key of ``CONFIGS``.
         settings: The shared settings.
         device: The training device.
-        torch_loop_batch: ``(micro_batch_size, accumulate)`` for ``torch-loop``.
+        batch: ``(micro_batch_size, accumulate)``: of a fixed-batch configuration, and the one ``torch-loop``
+            starts from (an ``AutoBatchSize`` configuration chooses its own).
     """
     flags = _global_flags()
     try:
         if name == "torch-loop":
-            return run_torch_loop(settings, device, *torch_loop_batch)
-        return run_lightning(name, settings, device)
+            return run_torch_loop(settings, device, *batch)
+        return run_lightning(name, settings, device, accumulate=batch[1])
     except Exception as err:  # recorded in the results with its message; the other configurations still run
         return {"status": "failed", "reason": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc()}
     finally:

@@ -52,14 +52,17 @@ from benchmarks._headline_plan import (  # noqa: E402
     decide,
     estimate_family,
     format_plan,
+    measured_part,
     part_estimate,
+    part_micro_batch,
+    part_repeats,
     plan,
 )
 from benchmarks._headline_report import headline_rows, junit_summary, markdown, plot  # noqa: E402
 from benchmarks._report import check_out_folder, device_slug, write_json, write_text  # noqa: E402
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES, DeviceFacts, cuda_device_count, read_device  # noqa: E402
 
-__all__ = ["OptionError", "main", "parse_args", "run_child"]
+__all__ = ["OptionError", "later_commands", "main", "parse_args", "run_child"]
 
 log = logging.getLogger("benchmarks.headline")
 child_log = logging.getLogger("benchmarks.headline.children")  # the parts' output: to headline.log only
@@ -75,7 +78,9 @@ _VERSIONS = ("python", "torch", "lightning", "torchao", "triton", "torchmetrics"
 # The smoke run's scale: tiny model and data, 2 measured steps; the GPU scale is throughput's defaults.
 _TINY = dict(block_size=32, micro_batch_size=8, global_batch_size=16, steps=2, warmup_steps=1,
              tokenizer_vocab_size=384, num_workers=0, max_micro_batch_size=8)
-_GPU = dict(block_size=1024, global_batch_size=64, steps=20, warmup_steps=5, tokenizer_vocab_size=4096, num_workers=2)
+# Every configuration accumulates to the global batch of 64 sequences (65,536 tokens an optimizer step), so 10
+# measured steps are 640 sequences, as many as 20 steps of micro-batch 32.
+_GPU = dict(block_size=1024, global_batch_size=64, steps=10, warmup_steps=3, tokenizer_vocab_size=4096, num_workers=2)
 # benchmarks.generation's options: the GPU's at 124m (GPT-2 shape; 96 rows of 16 to 256 prompt tokens, answers of
 # about 24 tokens, batches of 32: rows end and are refilled), the smoke run's at a tiny width.
 _GENERATION_GPU = ("--device", "cuda", "--dtype", "bf16", "--n-layer", "12", "--n-embd", "768", "--n-head", "12",
@@ -279,9 +284,11 @@ def _signal_group(pgid: int, sig: int) -> None:
 def _throughput_cmd(part: Part, args: argparse.Namespace, limit_s: float, folder: Path, estimates: dict[str, float]
                     ) -> list[str]:
     scale = _TINY if args.tiny else _GPU
+    micro_batch = part_micro_batch(part, args.tiny, args.micro_batch_size)
     cmd = [sys.executable, "-m", "benchmarks.throughput", "--preset", "tiny" if args.tiny else part.preset,
-           "--configs", ",".join(part.configs), "--fp8-recipe", part.fp8_recipe, "--repeats", "1", "--no-plot",
-           "--micro-batch-size", str(args.micro_batch_size), "--data", args.data, "--out", str(folder)]
+           "--configs", ",".join(part.configs), "--fp8-recipe", part.fp8_recipe,
+           "--repeats", str(part_repeats(part, args.tiny)), "--no-plot",
+           "--micro-batch-size", str(micro_batch), "--data", args.data, "--out", str(folder)]
     for key in ("block_size", "global_batch_size", "steps", "warmup_steps", "tokenizer_vocab_size", "num_workers"):
         cmd += [f"--{key.replace('_', '-')}", str(scale[key])]
     bound = args.max_micro_batch_size or (scale.get("max_micro_batch_size") if args.tiny else None)
@@ -444,14 +451,24 @@ def main(argv: Optional[list[str]] = None, started: Optional[float] = None) -> i
             raise OptionError(str(err)) from None
     family, note = estimate_family(facts, args.tiny)
     estimates = ESTIMATES[family]
-    measured = "from runs on a 2-core CPU" if MEASURED[family] else "estimates, not yet measured on this GPU"
-    est_note = f"{family} row of benchmarks/_headline_plan.py ({measured})" + (f"; {note}" if note else "")
+    measured = {p.name for p in PARTS if measured_part(p, family, args.tiny)}
+    measured |= {k for k in ("start-up", "finish") if k in MEASURED[family]}
+    if args.tiny:
+        basis = "from runs on a 2-core CPU"
+    elif MEASURED[family]:
+        basis = f"'run': measured on an {family}; 'est': estimated (see the file)"
+    else:
+        basis = "estimates, not yet measured on this GPU"
+    est_note = f"{family} row of benchmarks/_headline_plan.py ({basis})" + (f"; {note}" if note else "")
     rows, end = plan(list(PARTS), estimates, args.tiny, args.time_budget, wanted)
     scale = " (--tiny: every part at the tiny preset, T 32, measures nothing)" if args.tiny else ""
-    print(format_plan(rows, end, args.time_budget, f"Plan for {facts.describe()}{scale}, time {est_note}:", estimates))
+    print(format_plan(rows, end, args.time_budget, f"Plan for {facts.describe()}{scale}, time {est_note}:", estimates,
+                      measured))
     late = [r.part for r in rows if r.limit_s is None and r.reason.startswith("needs")]
     if late:
-        print(f"Skipped for the budget; a second command runs them: --parts {','.join(late)}")
+        commands = later_commands(late, estimates, args.tiny, args.time_budget)
+        print("Skipped for the budget; further commands of the same budget run them: "
+              + "; ".join(f"--parts {','.join(c)}" for c in commands))
     sys.stdout.flush()
     if args.plan:
         return 0
@@ -469,7 +486,7 @@ def main(argv: Optional[list[str]] = None, started: Optional[float] = None) -> i
         head = {"command": shlex.join(["python", "-m", "benchmarks.headline", *argv]), "tiny": args.tiny,
                 "budget_s": args.time_budget, "git_commit": _git_commit(),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "estimates": {"family": family, "measured": MEASURED[family], "note": est_note, "seconds": estimates},
+                "estimates": {"family": family, "measured": sorted(measured), "note": est_note, "seconds": estimates},
                 "device": _device_part(facts)}
         log.info("plan:\n%s", format_plan(rows, end, args.time_budget, est_note, estimates))
         results = _Results(out, head, started, _plot_ok(args))
@@ -486,6 +503,25 @@ def main(argv: Optional[list[str]] = None, started: Optional[float] = None) -> i
         handler.close()
     print(markdown(report))
     return 1 if any(p["status"] == "failed" for p in report["parts"].values()) else 0
+
+
+def later_commands(late: list[str], estimates: dict[str, float], tiny: bool, budget_s: float) -> list[list[str]]:
+    """``late`` (parts the budget skipped) split into commands of the same budget, in value order: each takes the
+    parts that fit after the ones before it; a part that fits no budget of its own is left out (said by its plan).
+
+    Example::
+
+        later_commands(["throughput-774m", "auto-batch-124m"], ESTIMATES["H100"], False, 420)  # [[both]]
+    """
+    commands, left = [], list(late)
+    while left:
+        rows, _ = plan(list(PARTS), estimates, tiny, budget_s, wanted=set(left))
+        ran = [r.part for r in rows if r.part in left and r.limit_s is not None]
+        if not ran:
+            break
+        commands.append(ran)
+        left = [p for p in left if p not in ran]
+    return commands
 
 
 def _one_part(part: Part, args: argparse.Namespace, wanted: Optional[set[str]], estimates: dict[str, float],

@@ -29,7 +29,7 @@ from typing import Any, Optional, get_args
 
 import torch
 
-from benchmarks._configs import AUTO_BF16, CONFIGS, TORCH_LOOP, BenchSettings, skip_reason
+from benchmarks._configs import AUTO_BF16, CONFIGS, DEFAULT_CONFIGS, TORCH_LOOP, VARIANTS, BenchSettings, skip_reason
 from benchmarks._report import check_out_folder, check_targets, device_slug, markdown, plot, summarise, write_json, write_text
 from benchmarks._runners import make_data, run_config
 from lightning_gpuopt.model import PRESETS, GPTModule
@@ -84,9 +84,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="text: a file, folder, glob or 'stdlib'; 'auto' = a local WikiText-2 copy where one is found "
                    "(benchmarks/README.md), else stdlib")
     p.add_argument("--cache-dir", default=None, help="token cache (default: $GPUOPT_CACHE_DIR or ~/.cache/lightning_gpuopt)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {','.join(CONFIGS)}")
-    p.add_argument("--micro-batch-size", type=int, default=8, help="micro-batch of the fixed-batch configurations")
-    p.add_argument("--global-batch-size", type=int, default=64, help="sequences per optimizer step for AutoBatchSize")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated, from: {','.join(CONFIGS)} (default: all but {','.join(VARIANTS)})")
+    p.add_argument("--micro-batch-size", type=int, default=8,
+                   help="micro-batch of the fixed-batch configurations (they accumulate to --global-batch-size)")
+    p.add_argument("--global-batch-size", type=int, default=64,
+                   help="sequences per optimizer step of every configuration (accumulation, or AutoBatchSize's)")
     p.add_argument("--max-micro-batch-size", type=int, default=None,
                    help="largest micro-batch AutoBatchSize tries (needed on CPU)")
     p.add_argument("--steps", type=int, default=20, help="measured optimizer steps per configuration and repeat")
@@ -168,6 +171,14 @@ def _peaks(device: torch.device, measure: bool) -> tuple[dict[str, Optional[floa
     return peaks, note
 
 
+def _vocabulary(config: Any, settings: BenchSettings, flops_per_token: float) -> dict[str, Any]:
+    """The model's vocabulary (padded), the one asked for and the tokenizer's, and the output head's share of the
+    training FLOPs (6 x V x C per token): what a reader needs to compare MFU with another benchmark's."""
+    head = 6 * config.padded_vocab_size * config.n_embd
+    return {"model": config.padded_vocab_size, "asked": settings.vocab_size, "tokenizer": settings.tokenizer_vocab_size,
+            "head_flops_share": head / flops_per_token}
+
+
 def _run_order(names: list[str], repeat: int) -> list[str]:
     return names if repeat % 2 == 0 else names[::-1]
 
@@ -211,8 +222,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     data.setup("fit")  # a corpus too short for the block size fails here, before any configuration runs
     del data
     peaks, mfu_note = _peaks(device, not args.no_measure_peak)
-    flops_per_token = float(GPTModule(preset=settings.preset, vocab_size=settings.vocab_size,
-                                      block_size=settings.block_size).flops_per_token(settings.block_size))
+    model_facts = GPTModule(preset=settings.preset, vocab_size=settings.vocab_size, block_size=settings.block_size)
+    flops_per_token = float(model_facts.flops_per_token(settings.block_size))
+    vocabulary = _vocabulary(model_facts.config, settings, flops_per_token)
 
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
 
@@ -226,6 +238,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             # command stopped from outside still leaves the results of the configurations that finished.
             "complete": complete,
             "flops_per_token": flops_per_token,
+            "vocabulary": vocabulary,
             "peaks": peaks,
             "mfu_note": mfu_note,
             "summary": summary,
@@ -245,19 +258,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                 log.warning("%s skipped: %s", name, reason)
                 runs[name].append({"status": "skipped", "reason": reason, "repeat": repeat})
                 continue
-            if name == TORCH_LOOP:
-                batch = auto_batch or (settings.micro_batch_size, 1)
-            else:
-                batch = (settings.micro_batch_size, 1)
+            fixed = (settings.micro_batch_size, settings.global_batch_size // settings.micro_batch_size)
+            batch = (auto_batch or fixed) if name == TORCH_LOOP else fixed
             log.info("repeat %d: %s ...", repeat, name)
             result = run_config(name, settings, device, batch)
             result["repeat"] = repeat
             if name == TORCH_LOOP:
+                start = f"{batch[0]} x {batch[1]}"
                 result["compare_with"] = (
-                    f"uses the micro-batch x accumulation {AUTO_BF16} chose: compare with it" if auto_batch else
-                    f"{AUTO_BF16} did not run first, so micro-batch {settings.micro_batch_size} x 1: "
+                    f"started from the micro-batch x accumulation {AUTO_BF16} chose ({start}): compare with it"
+                    if auto_batch else f"{AUTO_BF16} did not run first, so it started from the fixed {start}: "
                     "compare with gpuopt-bf16-compile"
                 )
+                if result.get("micro_batch_tried"):
+                    result["compare_with"] += (f"; micro-batch {', '.join(map(str, result['micro_batch_tried']))} "
+                                               "ran out of memory (full logits)")
+                if result.get("settings_by_hand"):
+                    result["compare_with"] += f"; set by hand: {result['settings_by_hand']}"
             if name == AUTO_BF16 and result["status"] == "ok":
                 auto_batch = (result["micro_batch_size"], result["accumulate_grad_batches"])
             if result["status"] == "failed":

@@ -429,6 +429,8 @@ CASES = [
          "GPTConfig.loss_impl must be 'auto', 'chunked', 'liger' or 'plain', got 'fused'"),
     Case("liger-on-cpu", lambda c: _liger_on_cpu(), ValueError, "runs on CUDA only, not on cpu: use loss_impl='chunked'"),
     Case("unknown-compile-scope", lambda c: GPTModule(compile=True, compile_scope="layer"), ValueError, "must be 'block' or 'model'"),
+    Case("unknown-residual-dtype", lambda c: GPTModule(residual_dtype="float16"), ValueError,
+         "GPTModule.residual_dtype must be 'float32' or 'bfloat16'"),
     Case("generate-top-k", lambda c: GPT(GPTConfig.from_name("tiny")).generate(torch.zeros(1, 1, dtype=torch.long), 2, top_k=0),
          ValueError, r"generate.top_k must be an integer >= 1 or None, got 0 \(None: no limit\)"),
     # ---------------------------------------------------------------- data

@@ -227,14 +227,22 @@ class CUDASettings(Callback):
         lines += [f"{s:<{width}}  {v:<{vwidth}}  {st}" for s, v, st in self.report]
         return "\n".join(lines)
 
+    def rows_for(self, facts: DeviceFacts) -> list[tuple[str, str, str]]:
+        """The ``(setting, value, status)`` rows of these settings on the training device ``facts``, with how the
+        allocator option was applied in this process. ``report`` is filled only at ``setup``; a caller without a
+        Trainer (``gpuopt doctor``) reads the rows here."""
+        rows = plan_settings(facts, **self._options())
+        if not facts.is_cuda:
+            return rows
+        return [(n, v, (self._allocator_status or st) if n == "expandable_segments" else st) for n, v, st in rows]
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._apply()  # after a previous fit restored the state
         device = trainer.strategy.root_device
         facts = training_device(trainer)  # also binds the precision plugin: the attention row reads its dtype
-        rows = plan_settings(facts, **self._options())
+        rows = self.rows_for(facts)
         if facts.is_cuda:
-            rows = [(n, v, (self._allocator_status or st) if n == "expandable_segments" else st) for n, v, st in rows]
             order = auto_sdpa_order(facts)[0] if self.sdpa_backends == "auto" else None
             if order is not None:
                 set_sdpa_priority(order)

@@ -147,13 +147,15 @@ def _extra_check(extra: Optional[str], module: str, facts: DeviceFacts) -> Check
     return Check(name, "pass", f"imports ({module} {_version(module.replace('_', '-'))})")
 
 
-def apply_cuda_settings() -> tuple[list[tuple[str, str, str]], Callable[[], None]]:
-    """Apply the default stack's ``CUDASettings`` as a fit does; return its table rows and what undoes them.
+def apply_cuda_settings() -> tuple[CUDASettings, Callable[[], None]]:
+    """Apply the default stack's ``CUDASettings`` as a fit does; return them and what undoes them.
 
     Call it before anything starts CUDA, as a fit constructs it: the allocator option must come first.
-    ``sdpa_backends="auto"`` is applied for a device later (``auto_sdpa_order``), as at ``setup``."""
+    ``sdpa_backends="auto"`` is applied for a device later (``auto_sdpa_order``), as at ``setup``; the table
+    rows come from the device's facts (``CUDASettings.rows_for``), since the callback fills its own report
+    only at a fit's ``setup``."""
     settings = CUDASettings()
-    return list(settings.report), lambda: settings.teardown(None, None, "fit")  # type: ignore[arg-type]  # reads neither
+    return settings, lambda: settings.teardown(None, None, "fit")  # type: ignore[arg-type]  # reads neither
 
 
 def settings_checks(facts: DeviceFacts, rows: list[tuple[str, str, str]]) -> list[Check]:
@@ -373,14 +375,14 @@ def run_checks(steps: Optional[int] = None, preset: Optional[str] = None,
         preset: The ``GPTConfig`` preset to check; default ``124m`` on a GPU, a 2-layer, 64-wide model elsewhere.
         compile_timeout_s: How long the ``torch.compile`` check may take.
     """
-    rows, restore = apply_cuda_settings()
+    settings, restore = apply_cuda_settings()
     probe = None
     try:
         facts = read_device()
-        order, why = auto_sdpa_order(facts)
+        order, _ = auto_sdpa_order(facts)
         if order is not None:
             set_sdpa_priority(order)
-        rows = [r for r in rows if r[0] != "sdpa_backends"] + [("sdpa_backends", "auto", why)]
+        rows = settings.rows_for(facts)  # tf32, matmul precision, cuDNN autotuning, the allocator, sdpa_backends
         # Compiles while the checks below run; the timed steps wait for it. Under TORCH_COMPILE_DISABLE=1 a probe
         # would run eagerly and pass without compiling anything: it is said instead.
         probe = None if compile_disabled() else start_compile_probe(facts)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Callable, Literal, Optional, Union
 
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_gpuopt.model.gpt import GPT
 
-__all__ = ["WITHOUT_CUDA_GRAPHS", "CompileMode", "CompileScope", "compile_gpt", "compile_settings"]
+__all__ = ["WITHOUT_CUDA_GRAPHS", "CompileMode", "CompileScope", "compile_gpt", "compile_settings", "loss_fits_graph"]
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 CompileScope = Literal["block", "model"]
@@ -56,7 +57,8 @@ def compile_gpt(
     with :func:`compile_settings`' scope and mode, one warning per change.
 
     Args:
-        scope: ``"block"``: each block on its own, plus the loss kernel; ``"model"``: one whole-model graph.
+        scope: ``"block"``: each block on its own, plus the loss kernel; ``"model"``: one whole-model graph, with the
+            loss inside it where :func:`loss_fits_graph`.
 
     Returns:
         The scope and the mode compiled with.
@@ -68,4 +70,21 @@ def compile_gpt(
         model.compile_blocks(mode=mode, backend=backend)
     else:
         model.compile_whole(mode=mode, backend=backend)
+    model.loss_in_graph = scope == "model" and loss_fits_graph(model)
     return scope, mode
+
+
+def loss_fits_graph(model: GPT) -> bool:
+    """Whether a whole-model graph computes the loss itself: from the full logits with ``F.cross_entropy``, as
+    nanoGPT does, so Inductor fuses the head's softmax and its gradient with the rest of the step.
+
+    Yes for ``loss_impl="auto"`` and ``"plain"``; an explicit ``"chunked"`` or ``"liger"`` keeps its own kernels
+    outside the graph, and so does a tensor-parallel head (its logits are vocabulary shards, the chunked loss
+    combines them)."""
+    if model.config.loss_impl not in ("auto", "plain"):
+        return False
+    if not torch.distributed.is_available():  # no DTensor in this build: no tensor-parallel head either
+        return True
+    from torch.distributed.tensor import DTensor
+
+    return not isinstance(model.lm_head.weight, DTensor)

@@ -207,6 +207,13 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         # Compile the loss's per-chunk kernel (set by compile_blocks, or by hand).
         self.compile_loss = False
+        # The full logits and F.cross_entropy inside the forward (a whole-model graph holds the loss; set by
+        # model.compiling.compile_gpt); False: the loss from the hidden states, outside any graph (loss_from_hidden).
+        self.loss_in_graph = False
+        # Under autocast in this dtype (bf16), the residual stream between blocks is carried in it from the
+        # embeddings on, as nanochat and modded-nanogpt do (half the bytes of every norm and residual add);
+        # None: float32, as the embeddings' weights are (GPTModule.residual_dtype).
+        self.residual_dtype: Optional[torch.dtype] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -279,6 +286,9 @@ class GPT(nn.Module):
             x, rope = self.transformer.wte(idx), rope_cos_sin(
                 input_pos, self.config.head_size, self.config.rope_theta, self.config.rope_scaling)
         x = self.transformer.drop(x)  # (B, T, C)
+        if self.residual_dtype is not None and torch.is_autocast_enabled(x.device.type) \
+                and torch.get_autocast_dtype(x.device.type) == self.residual_dtype:
+            x = x.to(self.residual_dtype)  # each block's residual adds then stay in it (bf16 + bf16 outputs)
         for i, block in enumerate(self.transformer.h):
             cache = caches[i] if caches else None
             if self.config.activation_checkpointing and self.training and cache is None:
@@ -288,6 +298,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x)
+        if self.loss_in_graph:  # (B, T, V) logits: Inductor fuses the softmax into one pass in the same graph
+            return self.loss(self.lm_head(x), targets)
         return self.loss_from_hidden(x, targets)
 
     # A whole-model compile ends its graph at the hidden states: the chunk loop runs eagerly (its length

@@ -32,6 +32,12 @@ from lightning_gpuopt.option_checks import check_choice, check_int, check_number
 __all__ = ["GPTModule"]
 
 
+def _bf16_autocast(plugin: Any) -> bool:
+    """Whether a precision plugin computes in bf16: a bf16 precision, or a float8 one computing the rest in bf16."""
+    name = compute_dtype_name(plugin)
+    return name == "bf16" or (name == "fp8" and getattr(plugin, "compute_dtype", None) == torch.bfloat16)
+
+
 def _tensor_parallel_size(mesh: Any) -> int:
     """Ranks of the ``tensor_parallel`` dimension of ``ModelParallelStrategy``'s mesh; 1 without one."""
     if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
@@ -73,7 +79,12 @@ class GPTModule(pl.LightningModule):
         compile_mode: ``torch.compile`` mode, e.g. ``"max-autotune"``; ``None``: the default (under FSDP2 without
             CUDA graphs, with a warning).
         compile_scope: ``"block"``: each transformer block (one shared graph, compile time flat in depth) and the
-            loss kernel; ``"model"``: one whole-model graph (under FSDP2 each block instead, with a warning).
+            loss kernel; ``"model"``: one whole-model graph (under FSDP2 each block instead, with a warning), the
+            loss inside it from the full logits for ``loss_impl="auto"`` or ``"plain"``
+            (:func:`~lightning_gpuopt.model.compiling.loss_fits_graph`).
+        residual_dtype: ``"float32"``: the residual stream is float32 under autocast (the embeddings' dtype);
+            ``"bfloat16"``: under bf16 autocast it is bf16 from the embeddings on, so every norm and residual add
+            moves half the bytes (nanochat, modded-nanogpt); under another precision it changes nothing (warned).
         loss_impl: ``"auto"``/``"chunked"``, ``"liger"`` or ``"plain"`` (``GPTConfig.loss_impl``).
         loss_chunk_size: Tokens per chunk of the chunked loss; ``None``: from the vocabulary.
         max_new_tokens: Tokens generated per prompt by ``predict_step``.
@@ -109,6 +120,7 @@ class GPTModule(pl.LightningModule):
         compile: bool = False,
         compile_mode: Optional[CompileMode] = None,
         compile_scope: CompileScope = "block",
+        residual_dtype: Literal["float32", "bfloat16"] = "float32",
         loss_impl: LossImpl = "auto",
         loss_chunk_size: Optional[int] = None,
         max_new_tokens: int = 64,
@@ -158,6 +170,7 @@ class GPTModule(pl.LightningModule):
         check_number(own, "temperature", temperature, low=0, hint=" (0 is greedy)")
         check_int(own, "top_k", top_k, minimum=1, optional=True, hint=" (None: no limit)")
         check_choice(own, "compile_scope", compile_scope, ("block", "model"))
+        check_choice(own, "residual_dtype", residual_dtype, ("float32", "bfloat16"))
         if compile_mode is not None and not compile:
             raise ValueError(f"GPTModule.compile_mode={compile_mode!r} has no effect: also set compile=True.")
         self.model: Optional[GPT] = None
@@ -187,6 +200,8 @@ class GPTModule(pl.LightningModule):
         if self.model is not None:  # idempotent: Lightning may call it more than once
             return
         self.model = GPT(self.config)  # float8 layers are converted here, as it is assigned (Float8Precision)
+        if self.hparams.get("residual_dtype") == "bfloat16":
+            self.model.residual_dtype = torch.bfloat16
         init_from = self.hparams.get("init_from")
         if init_from and is_hf_folder(init_from):  # before sharding and compiling: the plain GPT takes the weights
             load_hf_weights(self.model, init_from)
@@ -207,10 +222,7 @@ class GPTModule(pl.LightningModule):
         """bf16 under a bf16 precision, or a float8 one computing the rest in bf16; else ``None`` (float32)."""
         if attached_trainer(self) is None:
             return None
-        plugin = self.trainer.precision_plugin
-        name = compute_dtype_name(plugin)
-        bf16_rest = name == "fp8" and getattr(plugin, "compute_dtype", None) == torch.bfloat16
-        return torch.bfloat16 if name == "bf16" or bf16_rest else None
+        return torch.bfloat16 if _bf16_autocast(self.trainer.precision_plugin) else None
 
     @override
     def setup(self, stage: str) -> None:
@@ -220,6 +232,13 @@ class GPTModule(pl.LightningModule):
         if trainer is not None:  # before the model is built: flash-attn would fail at the first step
             facts = training_device(trainer)
             check_attention_runs(self.config, facts, compute_dtype_name(trainer.precision_plugin))
+            if self.hparams.get("residual_dtype") == "bfloat16" and not _bf16_autocast(trainer.precision_plugin):
+                rank_zero_warn(
+                    f"GPTModule.residual_dtype='bfloat16' changes nothing under "
+                    f"{compute_dtype_name(trainer.precision_plugin) or 'float32'} precision: the residual stream is "
+                    "bf16 only under bf16 autocast (BF16Precision, or Float8Precision computing in bf16). Use such a "
+                    "precision, or residual_dtype='float32'.", category=UserWarning,
+                )
         tensor_parallel = _tensor_parallel_size(self.device_mesh)
         check_tensor_parallel(self.config, tensor_parallel)  # before the model is built
         if stage == "predict" and tensor_parallel > 1:

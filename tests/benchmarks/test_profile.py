@@ -54,6 +54,8 @@ def test_summary_of_a_real_cpu_profile():
     # 9 linears (4 per block x 2 blocks, and the head): 2 matmuls each in backward, and the bias-free
     # head's forward (the others run addmm forward).
     assert mm[3] == 19
+    # By default the 30 longest (a GPU step has ~20 kernels worth naming; the ten kept before hid the rest).
+    assert summarise_profile(prof, steps=2, device=torch.device("cpu"))["top"] == top[:30] and len(top) > 30
 
 
 def test_profiler_window_and_a_summary_that_fails(monkeypatch):

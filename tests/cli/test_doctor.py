@@ -153,6 +153,19 @@ def test_settings_checks_fail_only_a_setting_that_was_not_applied():
     assert [c.status for c in settings_checks(CPU, rows)] == ["info"]
 
 
+def test_the_settings_rows_come_from_the_device_facts_so_a_gpu_shows_tf32():
+    """The callback fills its report only at a fit's setup; the doctor reads its rows from the device's facts."""
+    settings, restore = apply_cuda_settings()
+    try:
+        checks = {c.name: c for c in settings_checks(H100, settings.rows_for(H100))}
+    finally:
+        restore()
+    assert list(checks) == ["cuda_settings.expandable_segments", "cuda_settings.tf32", "cuda_settings.matmul_precision",
+                            "cuda_settings.cudnn_benchmark", "cuda_settings.sdpa_backends"]
+    assert checks["cuda_settings.tf32"].status == "pass" and checks["cuda_settings.tf32"].detail.startswith("True: ")
+    assert "priority cudnn,flash" in checks["cuda_settings.sdpa_backends"].detail
+
+
 def test_what_a_gpu_would_change_follows_its_facts():
     h100 = {c.name: c.detail for c in gpu_differences(CPU, H100)}
     assert "bf16 autocast" in h100["on_gpu.precision"] and "989.4" in h100["on_gpu.precision"]
