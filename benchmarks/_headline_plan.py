@@ -193,7 +193,7 @@ def part_repeats(part: Part, tiny: bool) -> int:
 
 def part_keys(part: Part, tiny: bool) -> list[str]:
     """The ``ESTIMATES`` keys that ``part`` reads."""
-    if part.kind in ("device", "doctor"):
+    if part.kind in ("device", "doctor", "generation"):
         return [part.kind]
     if part.kind == "tests":
         return ["pytest", *GPU_TEST_FILES]
