@@ -22,6 +22,7 @@ from lightning_gpuopt.perf import mfu
 from lightning_gpuopt.perf.peaks import measure_peak_flops
 from lightning_gpuopt.perf.parallel import data_parallel_size, tensor_parallel_size
 from lightning_gpuopt.precision.dtype import compute_dtype_name, is_fp8
+from lightning_gpuopt.precision.float8 import Float8Precision
 
 __all__ = ["MFUMonitor"]
 
@@ -168,6 +169,7 @@ class MFUMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._read_float8(trainer.precision_plugin)
         self._last_global_step = trainer.global_step  # > 0 when resuming from a checkpoint
         self._at_fit_start = self._run_base  # restored by load_state_dict when resuming
         if self.measure_peak:
@@ -178,6 +180,18 @@ class MFUMonitor(Callback):
                 rank_zero_warn(f"{option('MFUMonitor', 'measure_peak', True)} needs a CUDA device; perf/mfu_measured is not logged.")
         if self.warmup_steps == 0:
             self._start_window()
+
+    def _read_float8(self, plugin: Any) -> None:
+        # Read here, not in setup: Float8Precision converts in configure_model, and says fp8 only when a layer
+        # converted. The fp8 peak is weighted by the share of FLOPs that runs in float8 (perf/mfu.py).
+        if self.dtype is not None or not is_fp8(plugin):
+            return
+        self._dtype = "fp8"
+        self._peak, peak_fp8, _ = mfu_peaks(self._facts, "fp8", self.peak_flops)
+        share = plugin.float8_flop_share() if isinstance(plugin, Float8Precision) else 1.0
+        self._peak_fp8 = mfu.fp8_weighted_peak(self._peak, peak_fp8, share)
+        if isinstance(plugin, Float8Precision) and self._peak_fp8 is not None:
+            rank_zero_info(f"MFUMonitor: the float8 peak is weighted by the {100 * share:.1f}% of the FLOPs in float8 layers.")
 
     def _flops_for(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tokens: int) -> Optional[float]:
         """FLOPs per token: given, the module's own count, or counted once per sequence length."""

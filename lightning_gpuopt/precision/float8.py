@@ -169,7 +169,10 @@ class Float8Precision(DevicePrecision):
 
     def float8_flop_share(self, flops_per_token: Optional[float] = None) -> float:
         """The share of the model's training FLOPs that runs in float8: ``6 in out`` per token of each converted
-        layer over ``flops_per_token`` (the whole model's), else over all its Linear layers'."""
+        layer over ``flops_per_token`` (the whole model's; default: what the module's ``layer_context`` said),
+        else over all its Linear layers'."""
+        if flops_per_token is None and self.layer_context is not None:
+            flops_per_token = self.layer_context.flops_per_token
         converted = sum(_matmul_size(shape) for _, shape in self.float8_layers)
         total = flops_per_token / 6 if flops_per_token else sum(_matmul_size(shape) for _, shape, _ in self.conversion_report)
         return min(1.0, converted / total) if total else 0.0
@@ -268,6 +271,10 @@ class Float8Precision(DevicePrecision):
         if self.decision is not None:
             rank_zero_info(format_decision_table(self.decision))
         rank_zero_info(format_conversion_table(self.conversion_report, self.recipe))
+        if converted:
+            names = ", ".join(name for name, _ in self.float8_layers[:4]) + (", ..." if converted > 4 else "")
+            rank_zero_info(f"Float8Precision: {converted} layers run in float8 ({names}): "
+                           f"{100 * self.float8_flop_share():.1f}% of the model's training FLOPs.")
         message = nothing_converted_message(self.conversion_report, self.recipe, type(module).__name__)
         if message is not None and not self._warned_nothing_converted:
             self._warned_nothing_converted = True
