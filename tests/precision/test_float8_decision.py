@@ -7,6 +7,7 @@ import os
 import socket
 from functools import partial
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from lightning_gpuopt.precision.float8_decision import (
 from lightning_gpuopt.precision.float8_layers import auto_skip_reason, candidate_shapes
 from lightning_gpuopt.precision.float8_measure import measure_on_device
 from lightning_gpuopt.precision.float8_timing import cast_bytes, gemm_timing
+from tests.precision._helpers import plugin_trainer, tiny_gpt_module, token_loader
 
 H100 = REFERENCE_DEVICES["H100 SXM"]
 SMALL, WIDE = (256, 64, 64, True), (256, 64, 256, True)  # (tokens, in, out, bias)
@@ -201,3 +203,35 @@ def test_rank_zero_decides_for_every_rank(tmp_path):
     # fork: the children inherit the imports (spawn would import torch and the package again, ~20 s each)
     torch.multiprocessing.start_processes(_broadcast, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
     assert [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)] == [{"rank": 0}, {"rank": 0}]
+
+
+class _Data(pl.LightningDataModule):
+    """Says its micro-batch and sequence length, and takes the micro-batch AutoBatchSize chooses."""
+
+    block_size = 32
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 2
+
+    def use_micro_batch(self, size: int) -> None:
+        self.batch_size = size
+
+    def train_dataloader(self):
+        return token_loader(n_seq=16, seq_len=self.block_size, batch_size=self.batch_size)
+
+
+def test_gptmodule_decides_at_the_largest_micro_batch_autobatchsize_can_choose(tmp_path):
+    from lightning_gpuopt.callbacks import AutoBatchSize
+
+    plugin = Float8Precision(emulate=True)
+    plugin.timer, plugin.timing_cache_root = _Timer(), tmp_path  # float8 wins on out >= 256: the MLP's c_fc
+    module = tiny_gpt_module()
+    search = AutoBatchSize(global_batch_size=8, max_micro_batch_size=4, steps_per_trial=1)
+    trainer = plugin_trainer(plugin, max_steps=1, callbacks=[search], default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="not compiled"):
+        trainer.fit(module, datamodule=_Data())
+    assert {r.tokens for r in plugin.decision.shapes} == {4 * 32}  # decided before the search, at its largest size
+    assert search.micro_batch_size in (1, 2, 4)
+    assert [n for n, _ in plugin.float8_layers] == ["model.transformer.h.0.mlp.c_fc", "model.transformer.h.1.mlp.c_fc"]
+    assert plugin.fp8 and plugin.state_dict()["float8_decision"]["method"] == "gemm"
