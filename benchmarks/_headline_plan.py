@@ -30,8 +30,8 @@ class Part:
     Args:
         name: Its name in ``--parts``, the results and the log.
         what: One line for the plan and the results.
-        kind: ``device`` (in the command's own process), ``doctor``, ``throughput`` or ``tests`` (each a
-            child process with a hard time limit).
+        kind: ``device`` (in the command's own process), ``doctor``, ``throughput``, ``tests`` or ``float8``
+            (``benchmarks.float8_bench``) (each a child process with a hard time limit).
         preset: Model preset of a throughput part (``tiny`` under ``--tiny``).
         configs: Its ``benchmarks.throughput`` configurations, in run order.
         fp8_recipe: Its ``--fp8-recipe``.
@@ -39,7 +39,7 @@ class Part:
 
     name: str
     what: str
-    kind: Literal["device", "doctor", "throughput", "tests"]
+    kind: Literal["device", "doctor", "throughput", "tests", "float8"]
     preset: Optional[str] = None
     configs: tuple[str, ...] = ()
     fp8_recipe: str = "tensorwise"
@@ -59,6 +59,8 @@ PARTS: tuple[Part, ...] = (
          "throughput", "124m", ("gpuopt-bf16-compile-auto",)),
     Part("fp8-rowwise-124m", "124m, fixed micro-batch: gpuopt float8 (rowwise) + compile", "throughput", "124m",
          ("gpuopt-fp8-compile",), "rowwise"),
+    Part("float8", "float8 per shape (124m, 774m, llama-1b, 1.5b; tensorwise, rowwise), float8-by-measurement against "
+         "bf16 (3 repeats, alternating), the 124m float8 step profiled at micro-batch 8 and 64", "float8"),
 )
 
 # The gpu-marked test files, correctness first: float8 and bf16 numerics, the attention kernel and
@@ -99,6 +101,7 @@ _H100: dict[str, float] = {
     "tests/callbacks/test_mfu_monitor.py": 20, "tests/callbacks/auto_batch/test_gpu.py": 40,
     "tests/callbacks/test_exact_resume.py": 60, "tests/cli/test_doctor.py": 45,
     "tests/benchmarks/test_throughput.py": 30,
+    "float8": 420,  # shapes ~20 s, 4 presets x 2 configs x 3 repeats, 2 profiles: the part stops at its budget
 }
 ESTIMATES: dict[str, dict[str, float]] = {
     "H100": _H100,
@@ -107,7 +110,7 @@ ESTIMATES: dict[str, dict[str, float]] = {
         "start-up": 8, "finish": 2, "device": 1, "doctor": 10, "process": 7,
         "tiny/baseline": 1, "tiny/lightning-bf16": 1, "tiny/gpuopt-bf16-compile": 1, "tiny/gpuopt-fp8-compile": 2,
         "tiny/gpuopt-fp8-compile/rowwise": 2, "tiny/gpuopt-bf16-compile-auto": 3,
-        "pytest": 7, **{f: 0.2 for f in GPU_TEST_FILES},
+        "pytest": 7, **{f: 0.2 for f in GPU_TEST_FILES}, "float8": 45,
     },
 }
 MEASURED = {"H100": False, "H200": False, "tiny": True}  # whether a family's row comes from runs, or is a guess
@@ -136,7 +139,7 @@ def _key(part: Part, config: str, tiny: bool) -> str:
 
 def part_estimate(part: Part, estimates: dict[str, float], tiny: bool) -> float:
     """Seconds ``part`` is expected to take (everything it runs)."""
-    if part.kind in ("device", "doctor"):
+    if part.kind in ("device", "doctor", "float8"):
         return estimates[part.kind]
     if part.kind == "tests":
         return estimates["pytest"] + sum(estimates[f] for f in GPU_TEST_FILES)

@@ -150,13 +150,15 @@ def _bf16_gemms(tokens: int, k: int, n: int, device: torch.device) -> Callable[[
 
 
 def gemm_timing(
-    tokens: int, in_features: int, out_features: int, recipe: str, device: torch.device, bandwidth: float
+    tokens: int, in_features: int, out_features: int, recipe: str, device: torch.device, bandwidth: float,
+    repeats: int = 10,
 ) -> ShapeTiming:
     """bf16 against float8 milliseconds of a Linear's three GEMMs at ``tokens`` x ``in_features`` ->
     ``out_features``, the float8 side with its casts modelled: :func:`cast_bytes` over ``bandwidth``
-    (bytes/s, :func:`copy_bandwidth`)."""
-    bf16 = time_ms(_bf16_gemms(tokens, in_features, out_features, device), device)
-    float8 = time_ms(_float8_gemms(tokens, in_features, out_features, recipe, device), device)
+    (bytes/s, :func:`copy_bandwidth`); each the mean of ``repeats`` runs after 3 warm-ups (1: none)."""
+    warmup = 3 if repeats > 1 else 0
+    bf16 = time_ms(_bf16_gemms(tokens, in_features, out_features, device), device, warmup, repeats)
+    float8 = time_ms(_float8_gemms(tokens, in_features, out_features, recipe, device), device, warmup, repeats)
     casts_ms = 1000 * cast_bytes(tokens, in_features, out_features, recipe) / bandwidth
     return ShapeTiming(bf16_ms=bf16, float8_ms=float8 + casts_ms)
 
