@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_gpuopt.option_checks import check_choice, option
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts
-from lightning_gpuopt.precision.base import DevicePrecision
+from lightning_gpuopt.precision.base import DevicePrecision, LayerContext
 from lightning_gpuopt.precision.float8_decision import (
     Float8Decision,
     broadcast_from_rank_zero,
@@ -200,23 +200,33 @@ class Float8Precision(DevicePrecision):
         if isinstance(module, nn.Linear):  # torchao converts a root Linear by returning a new module
             root, prefix = nn.ModuleDict({name or "linear": module}), ""
         local_shape = self.layer_context.local_shape if self.layer_context is not None else None
-        if self.module_filter == "auto" and self.decision is None:
-            self.decision = self._decide(root, prefix, module)
-        timed = self.decision if self.decision is not None and not self.decision.method.startswith("static") else None
+        if self.module_filter == "auto":
+            self.decision = self._decide(root, prefix, self.decision)
         report = convert_linears_to_float8(
-            root, config, self.module_filter, self.recipe, prefix, cpu_autocast_hook=on_cpu, decision=timed,
+            root, config, self.module_filter, self.recipe, prefix, cpu_autocast_hook=on_cpu, decision=self.decision,
             local_shape=local_shape,
         )
         seen = {fqn for fqn, _, _ in self.conversion_report}  # skipped layers are seen again in setup
         self.conversion_report.extend(row for row in report if row[0] not in seen)
         return root[name or "linear"] if root is not module else module
 
-    def _decide(self, root: Module, prefix: str, module: Module) -> Float8Decision:
+    def _decide(self, root: Module, prefix: str, before: Optional[Float8Decision]) -> Optional[Float8Decision]:
         """The ``"auto"`` filter's decision for the Linear layers of ``root``: rank 0 times them (or takes torchao's
-        rule where nothing can be timed) and every rank gets its decision."""
+        rule where nothing can be timed) and every rank gets its decision. Shapes ``before`` decided are kept
+        (a module that assigns its parts one by one is decided part by part)."""
         context = self.layer_context
         tokens = context.tokens if context is not None and context.tokens else planned_tokens(self.run_trainer())
         counts = candidate_shapes(root, tokens or 0, prefix, context.local_shape if context is not None else None)
+        if before is not None:
+            counts = {s: n for s, n in counts.items() if before.shape(s[1], s[2], s[3]) is None}
+            if not counts:
+                return before
+        decision = self._decide_shapes(root, counts, tokens, context)
+        return decision if before is None else replace(before, shapes=before.shapes + decision.shapes)
+
+    def _decide_shapes(
+        self, root: Module, counts: dict, tokens: Optional[int], context: Optional[LayerContext]
+    ) -> Float8Decision:
         why = static_reason(self.device_facts, self.emulate, tokens, counts, self.timer is not None)
         if why is not None:
             if not tokens and counts and self.device_facts is not None and self.device_facts.fp8 and not self.emulate:
@@ -226,7 +236,8 @@ class Float8Precision(DevicePrecision):
         if flops_per_token is None:  # 6 FLOPs per parameter per token: the weights' matmuls, forward and backward
             flops_per_token = 6 * sum(p.numel() for p in root.parameters())
         decision = None
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not distributed or torch.distributed.get_rank() == 0:
             config = float8_config(self.recipe, self.emulate)
             decision = measure_on_device(
                 counts, self.recipe, self.timing, config, flops_per_token * tokens, self.bound_device,
@@ -237,11 +248,13 @@ class Float8Precision(DevicePrecision):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The ``"auto"`` filter's decision, so a resumed run converts the same layers (``load_state_dict``)."""
-        return {"float8_decision": self.decision.to_dict()} if self.decision is not None else {}
+        state = super().state_dict()  # a GradScaler's, which a bf16 plugin has none of
+        return {**state, "float8_decision": self.decision.to_dict()} if self.decision is not None else state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Convert the layers the saved decision converted, where this run decided otherwise (e.g. another GPU)."""
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "float8_decision"})
         saved = state_dict.get("float8_decision")
         if saved is None or self.module_filter != "auto":
             return

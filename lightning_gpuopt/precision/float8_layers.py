@@ -198,9 +198,10 @@ def auto_skip_reason(
         row = decision.shape(in_f, out_f, module.bias is not None)
         if row is None:
             return f"shape {in_f}x{out_f} was not timed (built after the decision)"
-        if row.convert:
-            return None
-        return f"model declined: {decision.declined}" if decision.declined else f"timed: {row.reason}"
+        if row.bf16_ms is not None:  # timed; an untimed row is torchao's rule, below
+            if row.convert:
+                return None
+            return f"model declined: {decision.declined}" if decision.declined else f"timed: {row.reason}"
     # torchao publishes no thresholds for rowwise_with_gw_hp, which runs rowwise kernels for two of its three
     # matmuls: the rowwise ones apply.
     rule = static_too_small(module.in_features, module.out_features, recipe)

@@ -128,35 +128,39 @@ def test_plugin_converts_by_the_injected_timings_and_fp8_says_so(tmp_path):
 
 
 def test_fp8_is_false_when_nothing_converted(tmp_path):
-    class Loses(_Timer):
-        def shape(self, shape):
-            return ShapeTiming(1.0, 1.5)
-
-    plugin = _plugin(Loses(), tmp_path)
+    plugin = _plugin(_Loses(), tmp_path)
     root = _tiny()
     plugin.convert(root, "model")
     assert _float8_names(root) == [] and plugin.fp8 is False
     assert all(reason.startswith("timed: float8 0.67x") for _, _, reason in plugin.conversion_report)
 
 
+class _Loses(_Timer):
+    def shape(self, shape):
+        return ShapeTiming(1.0, 1.5)
+
+
 def test_a_restored_decision_converts_the_saved_layers(tmp_path):
     root = _tiny()
-    plugin = _plugin(_Timer(), tmp_path)
+    plugin = _plugin(_Timer(), tmp_path / "gpu-a")
     with pytest.warns(UserWarning, match="not compiled"):
         plugin.convert_module(root)
     saved = plugin.state_dict()
-    other = _plugin(None, tmp_path)
-    other.module_filter = ["0", "1", "2"]  # converts nothing; a restored "auto" decision is not applied then
-    other.load_state_dict(saved)
-    resumed = _plugin(None, tmp_path)
-    fresh = _tiny()
-    resumed.decision = static_decision({SMALL: 1}, "tensorwise", "another GPU")  # this run decided otherwise
+    resumed, fresh = _plugin(_Loses(), tmp_path / "gpu-b"), _tiny()  # this run's timing converts nothing
     with pytest.warns(UserWarning, match="converted none"):
         resumed.convert_module(fresh)
-    assert _float8_names(fresh) == []
+    assert _float8_names(fresh) == [] and not resumed.fp8
+    weight = fresh[2].weight
     resumed.load_state_dict(saved)
     assert _float8_names(fresh) == ["2"] and resumed.decision.method == "checkpoint"
-    assert fresh[2].weight is not None and resumed.fp8
+    assert fresh[2].weight is weight and resumed.fp8  # the same parameter: the optimizer's stays valid
+    resumed.load_state_dict({})  # a checkpoint without a decision changes nothing
+    assert _float8_names(fresh) == ["2"]
+    loser = _plugin(_Loses(), tmp_path / "gpu-c")
+    loser.convert(_tiny(), "")
+    resumed.load_state_dict(loser.state_dict())  # one that converted nothing: back to nn.Linear, same weight
+    assert _float8_names(fresh) == [] and type(fresh[2]) is nn.Linear and fresh[2].weight is weight
+    assert not resumed.fp8
 
 
 def test_mfu_peak_weighted_by_the_float8_share():
