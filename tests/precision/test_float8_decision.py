@@ -190,6 +190,17 @@ def test_gemm_timing_runs_each_recipe_on_the_cpu():
     assert cast_bytes(1, 1, 1, "tensorwise") == 6 + 2 + 6 + 6  # activation: 6 B per element, weight: 8 B
 
 
+def test_linear_timing_runs_a_linear_with_its_bias_and_its_float8_twin(monkeypatch):
+    from lightning_gpuopt.precision.float8_layers import float8_config
+    from lightning_gpuopt.precision.float8_timing import linear_timing
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda module: seen.append(module) or module)  # a CPU compile takes 10+ s
+    t = linear_timing(32, 64, 48, True, float8_config("tensorwise", emulate=True), torch.device("cpu"))
+    assert t.bf16_ms > 0 and t.float8_ms > 0
+    assert [type(m).__name__ for m in seen] == ["Linear", "Float8Linear"] and all(m.bias is not None for m in seen)
+
+
 def _broadcast(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
