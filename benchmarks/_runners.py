@@ -250,7 +250,8 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device) -> d
         result["profile"] = profiler.summary
     plugin = trainer.precision_plugin
     if isinstance(plugin, Float8Precision):
-        result["float8"] = {"layers": [name for name, _ in plugin.float8_layers], "flop_share": plugin.float8_flop_share(),
+        result["float8"] = {"layers": [name for name, _ in plugin.float8_layers],
+                            "flop_share": plugin.float8_flop_share(),
                             "decision": plugin.decision.to_dict() if plugin.decision is not None else None}
     if auto is not None:
         trials = list(getattr(auto, "trials", []) or [])

@@ -191,7 +191,8 @@ class MFUMonitor(Callback):
         share = plugin.float8_flop_share() if isinstance(plugin, Float8Precision) else 1.0
         self._peak_fp8 = mfu.fp8_weighted_peak(self._peak, peak_fp8, share)
         if isinstance(plugin, Float8Precision) and self._peak_fp8 is not None:
-            rank_zero_info(f"MFUMonitor: the float8 peak is weighted by the {100 * share:.1f}% of the FLOPs in float8 layers.")
+            rank_zero_info(f"MFUMonitor: the float8 peak is weighted by the {100 * share:.1f}% of the FLOPs in "
+                           "float8 layers.")
 
     def _flops_for(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tokens: int) -> Optional[float]:
         """FLOPs per token: given, the module's own count, or counted once per sequence length."""

@@ -215,12 +215,15 @@ def float8_checks(
                          f"{'converted' if r.convert else 'not converted'}" for r in decision.shapes)
         declined = f" (whole model declined: {decision.declined})" if decision.declined else ""
         timing = [Check("float8_timing", "info", f"{tokens} tokens per micro-batch of {micro_batch}{declined}: {rows}")]
-    report = convert_linears_to_float8(model, float8_config(recipe, emulate=not facts.fp8), "auto", recipe, decision=decision)
+    config8 = float8_config(recipe, emulate=not facts.fp8)
+    report = convert_linears_to_float8(model, config8, "auto", recipe, decision=decision)
     converted = sorted({(re.sub(r"\.\d+\.", ".*.", name), shape) for name, shape, why in report if why is None})
     detail = f"Float8Precision ({recipe}) converts {sum(why is None for *_, why in report)} of {len(report)} projection layers"
     if not converted:
-        return [Check("float8_layers", "info", detail, nothing_converted_message(report, recipe, "GPT") or ""), device, *timing]
-    return [Check("float8_layers", "info", detail + ": " + ", ".join(f"{n} ({s})" for n, s in converted)), device, *timing]
+        fix = nothing_converted_message(report, recipe, "GPT") or ""
+        return [Check("float8_layers", "info", detail, fix), device, *timing]
+    layers = ", ".join(f"{n} ({s})" for n, s in converted)
+    return [Check("float8_layers", "info", detail + ": " + layers), device, *timing]
 
 
 _COMPILE_PROBE = """

@@ -204,7 +204,8 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
         block = block if isinstance(block, int) else self.config.block_size
         tensor_parallel = _tensor_parallel_size(self.device_mesh)
         local = functools.partial(local_linear_shape, size=tensor_parallel) if tensor_parallel > 1 else None
-        return LayerContext(tokens=micro * block if micro else None, flops_per_token=self.flops_per_token(block), local_shape=local)
+        tokens = micro * block if micro else None
+        return LayerContext(tokens=tokens, flops_per_token=self.flops_per_token(block), local_shape=local)
 
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
         """bf16 under a bf16 precision, or a float8 one computing the rest in bf16; else ``None`` (float32)."""

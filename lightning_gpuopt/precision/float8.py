@@ -132,13 +132,15 @@ class Float8Precision(DevicePrecision):
         check_choice("Float8Precision", "timing", timing, TIMINGS)
         if isinstance(module_filter, str) and module_filter not in ("auto", "static"):
             raise ValueError(
-                f"Float8Precision(module_filter={module_filter!r}): use 'auto', 'static', a list of layer-name patterns "
+                f"Float8Precision(module_filter={module_filter!r}): use 'auto', 'static', a list of layer-name "
+                "patterns "
                 f"to skip (e.g. [{module_filter!r}]), or a callable (module, fqn) -> bool."
             )
         if not (isinstance(module_filter, str) or callable(module_filter)):
             if not isinstance(module_filter, (list, tuple)) or not all(isinstance(p, str) for p in module_filter):
                 raise ValueError(
-                    f"Float8Precision(module_filter={module_filter!r}): expected 'auto', 'static', a list of strings, or a callable."
+                    f"Float8Precision(module_filter={module_filter!r}): expected 'auto', 'static', a list of "
+                    "strings, or a callable."
                 )
             module_filter = list(module_filter)
         super().__init__()
@@ -151,7 +153,7 @@ class Float8Precision(DevicePrecision):
         # Times shapes in place of the GPU (tests, or a harness of one's own): float8_measure.ShapeTimer.
         self.timer: Optional[ShapeTimer] = None
         self.timing_cache_root: Optional[Path] = None  # None: the package's cache folder ($GPUOPT_CACHE_DIR, ...)
-        self._converted_root: Optional[Module] = None  # what convert_module converted: a restored decision applies to it
+        self._converted_root: Optional[Module] = None  # convert_module's module: a restored decision applies to it
         self._fsdp_float8_all_gather = False
         self._warned_not_compiled = False
         self._warned_nothing_converted = False
@@ -174,7 +176,8 @@ class Float8Precision(DevicePrecision):
         if flops_per_token is None and self.layer_context is not None:
             flops_per_token = self.layer_context.flops_per_token
         converted = sum(_matmul_size(shape) for _, shape in self.float8_layers)
-        total = flops_per_token / 6 if flops_per_token else sum(_matmul_size(shape) for _, shape, _ in self.conversion_report)
+        every = sum(_matmul_size(shape) for _, shape, _ in self.conversion_report)
+        total = flops_per_token / 6 if flops_per_token else every
         return min(1.0, converted / total) if total else 0.0
 
     @override
@@ -230,7 +233,8 @@ class Float8Precision(DevicePrecision):
         why = static_reason(self.device_facts, self.emulate, tokens, counts, self.timer is not None)
         if why is not None:
             if not tokens and counts and self.device_facts is not None and self.device_facts.fp8 and not self.emulate:
-                rank_zero_warn(f"Float8Precision cannot time its layers on this GPU: {why}. It takes torchao's size rule.")
+                rank_zero_warn(f"Float8Precision cannot time its layers on this GPU: {why}. It takes torchao's size "
+                               "rule.")
             return static_decision(counts, self.recipe, why)
         flops_per_token = context.flops_per_token if context is not None and context.flops_per_token else None
         if flops_per_token is None:  # 6 FLOPs per parameter per token: the weights' matmuls, forward and backward
@@ -263,10 +267,11 @@ class Float8Precision(DevicePrecision):
             return
         root = self._converted_root
         if root is None or _is_fully_sharded(root):
+            here = sorted(self.decision.converted_shapes()) if self.decision else "none"
             rank_zero_warn(
-                "Float8Precision: the checkpoint converted the shapes "
-                f"{sorted(restored.converted_shapes())}, but this run converted {sorted(self.decision.converted_shapes()) if self.decision else 'none'} "
-                "and its model is sharded already, so it keeps this run's layers: the float8 numerics differ from the saved run's."
+                f"Float8Precision: the checkpoint converted the shapes {sorted(restored.converted_shapes())}, but "
+                f"this run converted {here} and cannot change its layers now (FSDP2 has sharded them), so it keeps "
+                "its own: the float8 numerics differ from the saved run's."
             )
             return
         config = float8_config(self.recipe, self.emulate, self._fsdp_float8_all_gather)

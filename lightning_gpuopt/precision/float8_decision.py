@@ -131,8 +131,8 @@ def decide(
     Example::
 
         shape = (8192, 2048, 8192, False)
-        decide({shape: ShapeTiming(1.0, 0.7)}, {shape: 16}, "tensorwise", step_ms=100.0, method="gemm").shapes[0].convert
-        # True: 0.7 <= 0.95 ms, and 16 x 0.3 ms is 4.8% of the step
+        d = decide({shape: ShapeTiming(1.0, 0.7)}, {shape: 16}, "tensorwise", step_ms=100.0, method="gemm")
+        d.shapes[0].convert  # True: 0.7 <= 0.95 ms, and 16 x 0.3 ms is 4.8% of the step
     """
     rows, saving = [], 0.0
     for shape, layers in sorted(counts.items()):

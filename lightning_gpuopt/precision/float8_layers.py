@@ -229,7 +229,8 @@ def skip_reason(
         decision, local_shape: For ``"auto"``: the timed decision, and this rank's shard shape of a layer.
     """
     if isinstance(module_filter, str):
-        return auto_skip_reason(module, fqn, recipe, tied_weights, decision if module_filter == "auto" else None, local_shape)
+        timed = decision if module_filter == "auto" else None
+        return auto_skip_reason(module, fqn, recipe, tied_weights, timed, local_shape)
     N, K = module.weight.shape
     if N % 16 or K % 16:
         return f"dims {K}x{N} not multiples of 16"

@@ -156,7 +156,8 @@ def match_decision(
     from lightning_gpuopt.precision.float8_layers import auto_skip_reason, convert_linears_to_float8
 
     def converts(fqn: str, module: nn.Module) -> bool:
-        return auto_skip_reason(module, fqn.replace(COMPILED_PREFIX, ""), recipe, decision=decision, local_shape=local_shape) is None
+        name = fqn.replace(COMPILED_PREFIX, "")
+        return auto_skip_reason(module, name, recipe, decision=decision, local_shape=local_shape) is None
 
     _unconvert(root, converts)
     kept = [(fqn.replace(COMPILED_PREFIX, ""), f"{m.in_features}x{m.out_features}", None)

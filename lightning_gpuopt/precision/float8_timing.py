@@ -123,7 +123,8 @@ def _float8_gemms(tokens: int, k: int, n: int, recipe: str, device: torch.device
     g_t, x_cols = g.t().contiguous(), x.t().contiguous().t()  # (N, M) row-major, (M, K) column-major
     # rowwise_with_gw_hp computes the weight gradient in bf16: its operands, only for that recipe
     x_hp, g_hp = (x.to(torch.bfloat16), g.to(torch.bfloat16)) if recipe == "rowwise_with_gw_hp" else (None, None)
-    out_scales, gi_scales, gw_scales = _scales(tokens, n, rowwise, device), _scales(tokens, k, rowwise, device), _scales(n, k, rowwise, device)
+    out_scales, gi_scales = _scales(tokens, n, rowwise, device), _scales(tokens, k, rowwise, device)
+    gw_scales = _scales(n, k, rowwise, device)
     fast = recipe == "tensorwise"  # torchao's tensorwise accumulates the output GEMM fast
 
     def run() -> None:
