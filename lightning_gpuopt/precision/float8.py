@@ -112,8 +112,8 @@ class Float8Precision(DevicePrecision):
             (``["lm_head", "*.attn.*"]``), or a callable ``(module, fqn) -> bool``, True to convert.
         emulate: Emulate float8 matmuls in high precision, for CPU runs and GPUs older than SM 8.9
             (tests and debugging; slow; the ``"auto"`` filter then takes torchao's rule).
-        timing: How ``"auto"`` times a shape: ``"gemm"`` (the three GEMMs, casts modelled; under a second)
-            or ``"linear"`` (a compiled Linear forward and backward; seconds per shape).
+        timing: How ``"auto"`` times a shape: ``"gemm"`` (the three GEMMs, casts modelled; no compile)
+            or ``"linear"`` (a compiled Linear forward and backward; two compiles per shape).
 
     Note:
         With ``ModelParallelStrategy``, build the model in ``configure_model`` and assign it to an

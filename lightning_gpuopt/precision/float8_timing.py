@@ -5,11 +5,10 @@ Two ways, both plain functions of ``(tokens, in, out)`` and a device:
 
 * :func:`gemm_timing`: the three GEMMs of a Linear's forward and backward (output, input gradient, weight
   gradient) in bf16 ``mm`` against ``torch._scaled_mm`` with the recipe's operand layouts and scales, plus
-  the recipe's casts modelled as bytes (:func:`cast_bytes`) over a copy bandwidth timed once. Under a
-  second for a model; no compile.
+  the recipe's casts modelled as bytes (:func:`cast_bytes`) over a copy bandwidth timed once; no compile.
 * :func:`linear_timing`: a compiled ``Linear`` (with its bias, when it has one) forward and backward under
   bf16 autocast, against torchao's ``Float8Linear`` of the recipe, casts and bias passes included.
-  Seconds per shape (two compiles).
+  Two compiles per shape.
 
 On a CUDA device the time is CUDA events'; elsewhere the wall clock's (which only exercises the code: a
 CPU has no float8 tensor cores, so its figures decide nothing).
