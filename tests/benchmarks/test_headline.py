@@ -185,9 +185,9 @@ def test_the_command_at_the_tiny_preset_runs_every_part_and_writes_its_files(tex
                                       "raise ImportError('the headline command must not import wandb')\n")
     out, mark = tmp_path / "out", tmp_path / "wandb-imported"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), str(REPO)]), "WANDB_IMPORTED": str(mark)}
-    cmd = [sys.executable, "-m", "benchmarks.headline", "--tiny", "--time-budget", "330", "--out", str(out),
+    cmd = [sys.executable, "-m", "benchmarks.headline", "--tiny", "--time-budget", "280", "--out", str(out),
            "--data", str(text_dir), "--cache-dir", str(cache_dir)]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=340)
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=290)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not mark.exists()
     assert done.stdout.startswith("Plan for cpu (--tiny") and "# Headline figures: cpu" in done.stdout
