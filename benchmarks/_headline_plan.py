@@ -31,8 +31,8 @@ class Part:
     Args:
         name: Its name in ``--parts``, the results and the log.
         what: One line for the plan and the results.
-        kind: ``device`` (in the command's own process), ``doctor``, ``throughput``, ``generation`` or ``tests``
-            (each a child process with a hard time limit).
+        kind: ``device`` (in the command's own process), ``doctor``, ``throughput``, ``generation``, ``tests`` or
+            ``float8`` (``benchmarks.float8_bench``) (each a child process with a hard time limit).
         preset: Model preset of a throughput part (``tiny`` under ``--tiny``).
         configs: Its ``benchmarks.throughput`` configurations, in run order.
         fp8_recipe: Its ``--fp8-recipe``.
@@ -47,7 +47,7 @@ class Part:
 
     name: str
     what: str
-    kind: Literal["device", "doctor", "throughput", "generation", "tests"]
+    kind: Literal["device", "doctor", "throughput", "generation", "tests", "float8"]
     preset: Optional[str] = None
     configs: tuple[str, ...] = ()
     fp8_recipe: str = "tensorwise"
@@ -62,9 +62,6 @@ PARTS: tuple[Part, ...] = (
     Part("throughput-124m", "124m, T 1024, fixed micro-batch: plain Lightning fp32, Lightning bf16-mixed, gpuopt bf16 "
          "+ compile, gpuopt float8 (tensorwise) + compile", "throughput", "124m",
          ("baseline", "lightning-bf16", "gpuopt-bf16-compile", "gpuopt-fp8-compile")),
-    Part("generation", "124m (random weights), mixed-length prompts whose answers end early: one at a time, continuous "
-         "batching, and transformers' batched generate (left-padded) on the same weights written by save_hf",
-         "generation", "124m"),
     Part("gpu-tests", "the gpu-marked tests, correctness first, each with a timeout", "tests"),
     Part("throughput-774m", "774m, T 1024, fixed micro-batch: gpuopt bf16 + compile against float8 (tensorwise) "
          "+ compile", "throughput", "774m", ("gpuopt-bf16-compile", "gpuopt-fp8-compile")),
@@ -88,6 +85,11 @@ PARTS: tuple[Part, ...] = (
          "(fused GEMM epilogues; minutes of compile, cached for the later repeats); 3 repeats, alternating",
          "throughput", "124m", ("gpuopt-bf16-compile", "gpuopt-bf16-compile-autotune"), micro_batch_size=64,
          repeats=3),
+    Part("float8", "float8 per shape (124m, 774m, llama-1b, 1.5b; tensorwise, rowwise), float8-by-measurement against "
+         "bf16 (3 repeats, alternating), the 124m float8 step profiled at micro-batch 8 and 64", "float8"),
+    Part("generation", "124m (random weights), mixed-length prompts whose answers end early: one at a time, continuous "
+         "batching, and transformers' batched generate (left-padded) on the same weights written by save_hf",
+         "generation", "124m"),
 )
 
 # The gpu-marked test files, correctness first: float8 and bf16 numerics, the attention kernel and
@@ -133,6 +135,9 @@ _H100: dict[str, float] = {
     "124m/gpuopt-bf16-compile/mb8": 12, "124m/gpuopt-bf16-compile-cudagraphs/mb8": 20,
     "124m/gpuopt-bf16-compile-autotune/mb64": 80,
     "generation": 75,
+    # float8: shapes, then 124m compared, the profiles, the other presets: the part uses its whole limit, its own
+    # budget skipping what does not fit; 380 s lets `--parts float8` run alone within 420 s (an estimate)
+    "float8": 380,
     "pytest": 17,
     "tests/precision/test_gpu.py": 16, "tests/model/test_gpt.py": 2, "tests/model/test_llama.py": 2,
     "tests/callbacks/test_cuda_settings.py": 14,
@@ -150,7 +155,7 @@ ESTIMATES: dict[str, dict[str, float]] = {
         "tiny/gpuopt-fp8-compile/rowwise": 2, "tiny/gpuopt-bf16-compile-auto": 3, "tiny/torch-loop": 1,
         "tiny/gpuopt-bf16-compile-model": 1, "tiny/gpuopt-bf16-compile-bf16res": 1,
         "tiny/gpuopt-bf16-compile-model-bf16res": 1, "tiny/gpuopt-bf16-compile-cudagraphs": 1,
-        "tiny/gpuopt-bf16-compile-autotune": 1, "generation": 14,
+        "tiny/gpuopt-bf16-compile-autotune": 1, "generation": 14, "float8": 45,
         "pytest": 7, **{f: 0.2 for f in GPU_TEST_FILES},
     },
 }
@@ -193,7 +198,7 @@ def part_repeats(part: Part, tiny: bool) -> int:
 
 def part_keys(part: Part, tiny: bool) -> list[str]:
     """The ``ESTIMATES`` keys that ``part`` reads."""
-    if part.kind in ("device", "doctor", "generation"):
+    if part.kind in ("device", "doctor", "generation", "float8"):
         return [part.kind]
     if part.kind == "tests":
         return ["pytest", *GPU_TEST_FILES]
@@ -207,7 +212,7 @@ def measured_part(part: Part, family: str, tiny: bool) -> bool:
 
 def part_estimate(part: Part, estimates: dict[str, float], tiny: bool) -> float:
     """Seconds ``part`` is expected to take (everything it runs)."""
-    if part.kind in ("device", "doctor", "generation"):
+    if part.kind in ("device", "doctor", "generation", "float8"):
         return estimates[part.kind]
     if part.kind == "tests":
         return estimates["pytest"] + sum(estimates[f] for f in GPU_TEST_FILES)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from benchmarks._configs import AUTO_BF16, BASELINE, BF16_CONFIGS, CONFIGS, FP8_AUTO, FP8_CONFIGS, FP8_FIXED, TORCH_LOOP
 from benchmarks._timing import step_stats
+from lightning_gpuopt.perf.mfu import fp8_weighted_peak
 
 __all__ = ["MFU_TARGETS", "best_bf16", "check_out_folder", "check_targets", "device_slug", "markdown", "plot",
            "summarise", "write_json", "write_text"]
@@ -87,8 +88,13 @@ def summarise(
             first_batch_token_sum=results[0]["first_batch_token_sum"],
             first_loss=results[0]["first_loss"],
         )
-        if name in FP8_CONFIGS:
-            entry["mfu_fp8"] = tflops * 1e12 / peaks["fp8"] if peaks.get("fp8") else None
+        if name in FP8_CONFIGS:  # against the fp8 peak weighted by the FLOPs that ran in float8 (none: no fp8 MFU)
+            float8 = results[0].get("float8") or {}
+            share = float8.get("flop_share", 1.0)
+            peak = fp8_weighted_peak(peaks.get("bf16"), peaks.get("fp8"), share) if share else None
+            entry["mfu_fp8"] = tflops * 1e12 / peak if peak else None
+            if float8:
+                entry["float8"] = float8
         if entry["mfu"] is None:
             entry["mfu_note"] = mfu_note
         if "auto_batch" in results[0]:

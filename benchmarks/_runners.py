@@ -27,6 +27,7 @@ from benchmarks._profile import StepProfiler
 from benchmarks._timing import StepClock
 from lightning_gpuopt.data import TextDataModule
 from lightning_gpuopt.model import GPT, GPTConfig, GPTModule
+from lightning_gpuopt.precision import Float8Precision
 
 __all__ = ["cleanup", "make_data", "run_config", "run_lightning", "run_torch_loop"]
 
@@ -253,6 +254,11 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device, accu
     ).result(settings, device)
     if profiler.summary is not None:
         result["profile"] = profiler.summary
+    plugin = trainer.precision_plugin
+    if isinstance(plugin, Float8Precision):
+        result["float8"] = {"layers": [name for name, _ in plugin.float8_layers],
+                            "flop_share": plugin.float8_flop_share(),
+                            "decision": plugin.decision.to_dict() if plugin.decision is not None else None}
     if auto is not None:
         trials = list(getattr(auto, "trials", []) or [])
         chosen = [t.peak_memory for t in trials if t.fits and t.micro_batch_size == auto.micro_batch_size]

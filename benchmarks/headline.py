@@ -335,6 +335,10 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
     elif part.kind == "generation":
         cmd = [sys.executable, "-m", "benchmarks.generation", *(_GENERATION_TINY if args.tiny else _GENERATION_GPU),
                "--repeats", "1", "--configs", "sequential,continuous,transformers", "--out", str(folder)]
+    elif part.kind == "float8":
+        cmd = [sys.executable, "-m", "benchmarks.float8_bench", "--out", str(folder), "--data", args.data,
+               "--time-budget", f"{max(limit_s - 10, 1):.0f}", *(["--tiny"] if args.tiny else []),
+               *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
     else:
         cmd = _throughput_cmd(part, args, limit_s, folder, estimates)
     # pytest from the checkout's root (its configuration, the test paths); the others where the command was
@@ -348,6 +352,8 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
         entry["result"] = junit_summary(out / "gpu-tests.xml")
     elif part.kind == "generation":
         entry["result"] = _load_json(folder / "generation.json")
+    elif part.kind == "float8":
+        entry["result"] = _load_json(folder / "float8.json")
     else:
         found = sorted(folder.glob("throughput-*.json"))
         entry["result"] = _load_json(found[0]) if found else None

@@ -12,7 +12,15 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 
-__all__ = ["CompilesItself", "ResumableData", "SavesAlone", "TakesMicroBatch", "saving_alone"]
+__all__ = [
+    "CompilesItself",
+    "ConvertsOwnLayers",
+    "ResumableData",
+    "SavesAlone",
+    "SearchesMicroBatch",
+    "TakesMicroBatch",
+    "saving_alone",
+]
 
 
 @runtime_checkable
@@ -79,6 +87,31 @@ class CompilesItself(Protocol):
     """
 
     compile_mode_in_use: Optional[str]
+
+
+@runtime_checkable
+class ConvertsOwnLayers(Protocol):
+    """A LightningModule whose ``configure_model`` converts its layers for the precision plugin by a named call,
+    ``DevicePrecision.convert_layers(model, name, context)``, where a reader finds it.
+
+    The plugin then leaves the modules it assigns alone (no conversion as they are assigned), and
+    ``layer_context()`` tells it what its layers see: the tokens per micro-batch, the FLOPs per token, the
+    local shape of each layer under tensor parallelism (a ``precision.base.LayerContext``). ``GPTModule``
+    implements it.
+    """
+
+    def layer_context(self) -> Any: ...
+
+
+@runtime_checkable
+class SearchesMicroBatch(Protocol):
+    """A callback that chooses the micro-batch at fit start, after the model is built and converted.
+
+    ``largest_micro_batch()`` is the largest it can choose, known from its ``setup`` on (``None`` before):
+    ``Float8Precision`` times its layers at that size. ``AutoBatchSize`` implements it.
+    """
+
+    def largest_micro_batch(self) -> Optional[int]: ...
 
 
 @contextlib.contextmanager

@@ -14,12 +14,13 @@ from typing_extensions import override
 from lightning_gpuopt.internals import show_in_progress_bar
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import training_device
-from lightning_gpuopt.perf.mfu import MFU_DTYPES, WindowTotals, input_ids_of, mfu_peaks
+from lightning_gpuopt.perf.mfu import MFU_DTYPES, WindowTotals, fp8_weighted_peak, input_ids_of, mfu_peaks
 from lightning_gpuopt.perf.mfu_meter import FlopsPerToken, MFUMeter
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number, option
 from lightning_gpuopt.perf.peaks import measure_peak_flops
 from lightning_gpuopt.perf.parallel import data_parallel_size, tensor_parallel_size
 from lightning_gpuopt.precision.dtype import compute_dtype_name, is_fp8
+from lightning_gpuopt.precision.float8 import Float8Precision
 
 __all__ = ["MFUMonitor"]
 
@@ -147,6 +148,7 @@ class MFUMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._read_float8(trainer.precision_plugin)
         meter = self._meter
         if self.measure_peak:
             if meter.facts.is_cuda:
@@ -156,6 +158,19 @@ class MFUMonitor(Callback):
             else:
                 rank_zero_warn(f"{option('MFUMonitor', 'measure_peak', True)} needs a CUDA device; perf/mfu_measured is not logged.")
         meter.start(trainer.global_step)  # > 0 when resuming from a checkpoint
+
+    def _read_float8(self, plugin: Any) -> None:
+        # Read here, not in setup: Float8Precision converts in configure_model, and says fp8 only when a layer
+        # converted. The fp8 peak is weighted by the share of FLOPs that runs in float8 (perf/mfu.py).
+        if self.dtype is not None or not is_fp8(plugin):
+            return
+        self._dtype = "fp8"
+        peak, peak_fp8, _ = mfu_peaks(self._meter.facts, "fp8", self.peak_flops)
+        share = plugin.float8_flop_share() if isinstance(plugin, Float8Precision) else 1.0
+        self._meter.peak, self._meter.peak_fp8 = peak, fp8_weighted_peak(peak, peak_fp8, share)
+        if isinstance(plugin, Float8Precision) and self._meter.peak_fp8 is not None:
+            rank_zero_info(f"MFUMonitor: the float8 peak is weighted by the {100 * share:.1f}% of the FLOPs in "
+                           "float8 layers.")
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

@@ -38,11 +38,13 @@ from lightning_gpuopt.precision.bf16 import autocast_precision
 from lightning_gpuopt.run.lock import PathInUse, hold_output
 from lightning_gpuopt.precision.float8_layers import (
     FP8_INSTALL_HINT,
+    candidate_shapes,
     convert_linears_to_float8,
     float8_config,
     nothing_converted_message,
     require_torchao,
 )
+from lightning_gpuopt.precision.float8_measure import ShapeTimer, measure_on_device
 
 __all__ = [
     "COMPILE_TIMEOUT_S",
@@ -183,8 +185,17 @@ def attention_check(facts: DeviceFacts, config: GPTConfig) -> Check:
     return Check("attention_kernel", "pass", detail)
 
 
-def float8_checks(facts: DeviceFacts, config: GPTConfig, recipe: str = "tensorwise") -> list[Check]:
-    """Which layers ``Float8Precision(recipe)`` converts in the model (found on meta tensors), and whether this device runs float8."""
+def float8_checks(
+    facts: DeviceFacts,
+    config: GPTConfig,
+    recipe: str = "tensorwise",
+    timer: Optional[ShapeTimer] = None,
+    micro_batch: int = 8,
+    cache_root: Optional[Path] = None,
+) -> list[Check]:
+    """Which layers ``Float8Precision(recipe)`` converts in the model (found on meta tensors), and whether this device
+    runs float8. On a float8 GPU (or with ``timer``) its shapes are timed at ``micro_batch`` as the plugin's
+    ``"auto"`` filter times them (cached), and the per-shape table is one more check, ``float8_timing``."""
     if facts.fp8:
         device = Check("float8_device", "pass", f"float8 tensor cores (compute capability {facts.capability[0]}."
                        f"{facts.capability[1]}): Float8Precision runs float8 matmuls")
@@ -198,12 +209,25 @@ def float8_checks(facts: DeviceFacts, config: GPTConfig, recipe: str = "tensorwi
         return [Check("float8_layers", "info", str(err), FP8_INSTALL_HINT), device]
     with torch.device("meta"):  # no memory, no time: only the layer shapes matter
         model = GPT(config)
-    report = convert_linears_to_float8(model, float8_config(recipe, emulate=not facts.fp8), "auto", recipe)
+    decision, timing = None, []
+    if timer is not None or (facts.is_cuda and facts.fp8 and torch.cuda.is_available()):
+        tokens = micro_batch * config.block_size
+        flops = model.flops_per_token(config.block_size) * tokens
+        decision = measure_on_device(candidate_shapes(model, tokens), recipe, "gemm", float8_config(recipe), flops,
+                                     _torch_device(facts), facts, timer, cache_root)
+        rows = "; ".join(f"{r.in_features}x{r.out_features}: bf16 {r.bf16_ms:.3f} ms, float8 {r.float8_ms:.3f} ms, "
+                         f"{'converted' if r.convert else 'not converted'}" for r in decision.shapes)
+        declined = f" (whole model declined: {decision.declined})" if decision.declined else ""
+        timing = [Check("float8_timing", "info", f"{tokens} tokens per micro-batch of {micro_batch}{declined}: {rows}")]
+    config8 = float8_config(recipe, emulate=not facts.fp8)
+    report = convert_linears_to_float8(model, config8, "auto", recipe, decision=decision)
     converted = sorted({(re.sub(r"\.\d+\.", ".*.", name), shape) for name, shape, why in report if why is None})
     detail = f"Float8Precision ({recipe}) converts {sum(why is None for *_, why in report)} of {len(report)} projection layers"
     if not converted:
-        return [Check("float8_layers", "info", detail, nothing_converted_message(report, recipe, "GPT") or ""), device]
-    return [Check("float8_layers", "info", detail + ": " + ", ".join(f"{n} ({s})" for n, s in converted)), device]
+        fix = nothing_converted_message(report, recipe, "GPT") or ""
+        return [Check("float8_layers", "info", detail, fix), device, *timing]
+    layers = ", ".join(f"{n} ({s})" for n, s in converted)
+    return [Check("float8_layers", "info", detail + ": " + layers), device, *timing]
 
 
 _COMPILE_PROBE = """

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_gpuopt.data.sources import Corpus
+from lightning_gpuopt.perf.cache_root import package_cache_dir
 
 __all__ = [
     "FORMAT_VERSION",
@@ -42,20 +43,7 @@ _FIX = "set data.cache_dir (or the GPUOPT_CACHE_DIR environment variable) to a f
 
 def default_cache_dir() -> Path:
     """``$GPUOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_gpuopt``, else ``~/.cache/lightning_gpuopt``."""
-    if "GPUOPT_CACHE_DIR" in os.environ:
-        if not os.environ["GPUOPT_CACHE_DIR"].strip():
-            raise ValueError("GPUOPT_CACHE_DIR is set but empty: set it (or data.cache_dir) to the token cache folder.")
-        return Path(os.environ["GPUOPT_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "lightning_gpuopt"
-    try:
-        home = Path.home()
-    except (RuntimeError, KeyError) as err:  # no HOME and no password-database entry
-        raise ValueError(
-            f"No home folder for the token cache ({err}): set data.cache_dir, or the GPUOPT_CACHE_DIR "
-            "environment variable, to a writable folder."
-        ) from err
-    return home / ".cache" / "lightning_gpuopt"
+    return package_cache_dir("the token cache", "data.cache_dir")
 
 
 def file_fingerprint(path: Path) -> str:

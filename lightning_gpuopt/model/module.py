@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
@@ -15,7 +16,9 @@ from typing_extensions import override
 
 from lightning_gpuopt.internals import attached_trainer, show_in_progress_bar
 from lightning_gpuopt.perf.device import read_device, training_device
+from lightning_gpuopt.precision.base import DevicePrecision, LayerContext
 from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype_name
+from lightning_gpuopt.precision.float8_measure import planned_micro_batch
 from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.loss import LossImpl
@@ -26,7 +29,7 @@ from lightning_gpuopt.generation.memory import generation_batch_size
 from lightning_gpuopt.model.gpt import GPT
 from lightning_gpuopt.model.optim import build_adamw, schedule_length, warmup_cosine_schedule
 from lightning_gpuopt.model.sharding import shard_gpt
-from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel, parallelize_gpt
+from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel, local_linear_shape, parallelize_gpt
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number, from_command_line
 
 __all__ = ["GPTModule"]
@@ -45,7 +48,7 @@ def _tensor_parallel_size(mesh: Any) -> int:
     return mesh["tensor_parallel"].size()
 
 
-class GPTModule(pl.LightningModule):
+class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_model converts by name
     """Trains, evaluates and samples a :class:`~lightning_gpuopt.model.GPT` on ``(input_ids, targets)`` batches (B, T).
 
     Logs ``{stage}/loss`` and ``{stage}/ppl`` for ``train``, ``val`` and ``test`` (val/test perplexity: exp of the
@@ -199,7 +202,11 @@ class GPTModule(pl.LightningModule):
         ``ModelParallelStrategy``), then compile it if asked."""
         if self.model is not None:  # idempotent: Lightning may call it more than once
             return
-        self.model = GPT(self.config)  # float8 layers are converted here, as it is assigned (Float8Precision)
+        model = GPT(self.config)
+        plugin = self.trainer.precision_plugin if attached_trainer(self) is not None else None
+        if isinstance(plugin, DevicePrecision):  # e.g. Float8Precision's layers: before sharding and compiling
+            model = plugin.convert_layers(model, "model", self.layer_context())
+        self.model = model
         if self.hparams.get("residual_dtype") == "bfloat16":
             self.model.residual_dtype = torch.bfloat16
         init_from = self.hparams.get("init_from")
@@ -217,6 +224,19 @@ class GPTModule(pl.LightningModule):
             _, mode = compile_gpt(self.model, self.hparams.get("compile_scope", "block"), self.hparams.compile_mode)
             self.compile_mode_in_use = mode or "default"
 
+
+    def layer_context(self) -> LayerContext:
+        """What the GPT's layers see in training, for the precision plugin's named conversion
+        (:class:`~lightning_gpuopt.protocols.ConvertsOwnLayers`): the tokens of the largest micro-batch the run
+        can choose, the FLOPs per token, each layer's shard under tensor parallelism."""
+        trainer = attached_trainer(self)
+        micro = planned_micro_batch(trainer)
+        block = getattr(getattr(trainer, "datamodule", None), "block_size", None)
+        block = block if isinstance(block, int) else self.config.block_size
+        tensor_parallel = _tensor_parallel_size(self.device_mesh)
+        local = functools.partial(local_linear_shape, size=tensor_parallel) if tensor_parallel > 1 else None
+        tokens = micro * block if micro else None
+        return LayerContext(tokens=tokens, flops_per_token=self.flops_per_token(block), local_shape=local)
 
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
         """bf16 under a bf16 precision, or a float8 one computing the rest in bf16; else ``None`` (float32)."""

@@ -16,7 +16,7 @@ from torch import nn
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.gpt import GPT
 
-__all__ = ["check_tensor_parallel", "moves_float8", "parallelize_gpt"]
+__all__ = ["check_tensor_parallel", "local_linear_shape", "moves_float8", "parallelize_gpt"]
 
 
 def check_tensor_parallel(config: GPTConfig, size: int) -> None:
@@ -53,6 +53,14 @@ def check_tensor_parallel(config: GPTConfig, size: int) -> None:
             f"GPTConfig.loss_impl={config.loss_impl!r} needs the whole output head on one rank, and tensor parallelism "
             "splits it by vocabulary: use loss_impl='chunked' (or 'auto'), which computes the same loss from the shards."
         )
+
+
+def local_linear_shape(name: str, in_features: int, out_features: int, size: int) -> tuple[int, int]:
+    """This rank's ``(in, out)`` of a projection under :func:`parallelize_gpt`'s plan over ``size`` ranks: the
+    ``c_proj`` layers split their input (rowwise), the others their output (colwise)."""
+    if name.endswith("c_proj"):
+        return in_features // size, out_features
+    return in_features, out_features // size
 
 
 def _float8_tensorwise(layer: nn.Module) -> bool:

@@ -23,6 +23,7 @@ __all__ = [
     "TokenTally",
     "WindowTotals",
     "attended_count",
+    "fp8_weighted_peak",
     "input_ids_of",
     "memory_stats",
     "mfu_peaks",
@@ -145,6 +146,21 @@ def mfu_peaks(
     if peak_flops is not None:
         peak = peak_flops
     return peak, peak_fp8, name
+
+
+def fp8_weighted_peak(peak: Optional[float], peak_fp8: Optional[float], fp8_share: float) -> Optional[float]:
+    """The peak FLOP/s of a run whose ``fp8_share`` of FLOPs runs float8 matmuls and the rest bf16 ones: the rate
+    at which each part, at its own peak, takes its time (``1 / (share / peak_fp8 + (1 - share) / peak)``).
+
+    Example::
+
+        fp8_weighted_peak(1e15, 2e15, 0.5)  # 1.333e15; share 0: the bf16 peak; share 1: the fp8 peak
+    """
+    if peak is None or peak_fp8 is None:
+        return None
+    if not 0 <= fp8_share <= 1:
+        raise ValueError(f"fp8_share must be in [0, 1], got {fp8_share}.")
+    return 1 / (fp8_share / peak_fp8 + (1 - fp8_share) / peak)
 
 
 def window_metrics(

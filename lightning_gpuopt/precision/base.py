@@ -6,9 +6,11 @@ where the Trainer builds them; ``docs/precision.md`` writes a new plugin on it i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -22,10 +24,26 @@ from typing_extensions import override
 from lightning_gpuopt.internals import attached_trainer
 from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, training_device
 from lightning_gpuopt.precision.dtype import clip_mixed_precision
+from lightning_gpuopt.protocols import ConvertsOwnLayers
 
-__all__ = ["AutocastMode", "DevicePrecision"]
+__all__ = ["AutocastMode", "DevicePrecision", "LayerContext"]
 
 AutocastMode = Literal["16-mixed", "bf16-mixed"]  # bf16, or fp16 with a GradScaler
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What a model's layers see in training, for a plugin that decides per layer (``Float8Precision`` times them).
+
+    Args:
+        tokens: Rows each Linear multiplies per micro-batch (micro-batch x sequence length); ``None``: unknown.
+        flops_per_token: The model's training FLOPs per token, to judge a saving against the whole step.
+        local_shape: ``(name, in, out) -> (in, out)`` of this rank's shard under tensor parallelism.
+    """
+
+    tokens: Optional[int] = None
+    flops_per_token: Optional[float] = None
+    local_shape: Optional[Callable[[str, int, int], tuple[int, int]]] = None
 
 
 class DevicePrecision(MixedPrecision):
@@ -49,6 +67,7 @@ class DevicePrecision(MixedPrecision):
         super().__init__(precision="bf16-mixed", device="cuda" if cuda_device_count() > 0 else "cpu")
         self.device_facts: Optional[DeviceFacts] = None  # the facts bound to; None until bound
         self.bound_device: Optional[torch.device] = None
+        self.layer_context: Optional[LayerContext] = None  # what the layers see, when the module said so
 
     def autocast_mode(self, facts: DeviceFacts) -> AutocastMode:
         """The autocast on a device with these facts."""
@@ -86,19 +105,36 @@ class DevicePrecision(MixedPrecision):
         """
         return module
 
+    def convert_layers(self, module: Module, name: str, context: Optional[LayerContext] = None) -> Module:
+        """The named call a LightningModule's ``configure_model`` makes to convert the model it built, before it
+        shards or compiles it (``GPTModule`` does; :class:`~lightning_gpuopt.protocols.ConvertsOwnLayers`).
+        ``name``: the attribute it assigns the result to; ``context``: what the layers see. Returns :meth:`convert`'s.
+        The plugin is bound to the run's device by then (``training_device`` in the module's ``setup``)."""
+        self.layer_context = context
+        return self.convert(module, name)
+
+    def run_trainer(self) -> Optional[pl.Trainer]:
+        """The Trainer of the run this plugin converts for (set as it converts), else ``None``."""
+        ref = getattr(self, "_trainer_ref", None)
+        return ref() if ref is not None else None
+
     def _bind_to_run(self, module: Module) -> None:
         trainer = attached_trainer(module)
         if trainer is not None:
+            self._trainer_ref = weakref.ref(trainer)
             training_device(trainer)  # binds this plugin, once per run
 
     @override
     def convert_module(self, module: Module) -> Module:
         self._bind_to_run(module)
+        if isinstance(module, ConvertsOwnLayers):
+            self.layer_context = module.layer_context()
         return self.convert(module, "")
 
     def _on_register(self, parent: Module, name: str, child: Optional[Module]) -> Optional[Module]:
-        # Active inside module_init_context (configure_model): a module assigned to the LightningModule is converted now.
-        if child is None or not isinstance(parent, pl.LightningModule):
+        # Active inside module_init_context (configure_model): a module assigned to the LightningModule is converted
+        # now, before configure_model can shard or compile it; a module that converts its own layers is left alone.
+        if child is None or not isinstance(parent, pl.LightningModule) or isinstance(parent, ConvertsOwnLayers):
             return None
         self._bind_to_run(parent)
         converted = self.convert(child, name)

@@ -1,12 +1,16 @@
 """`Float8Precision`: torchao float8 training of Linear layers, under bfloat16 autocast.
 
-Layers convert where the Trainer builds them: as ``configure_model`` assigns them (before FSDP2 or a
-compile), else in ``convert_module`` (before DDP wraps the model).
+By default a layer converts where a timing on the training GPU says float8 pays (``float8_decision.py``).
+Layers convert by the named call ``convert_layers`` of a module that converts its own (``GPTModule``);
+any other module's as ``configure_model`` assigns them (before FSDP2 or a compile), else in
+``convert_module`` (before DDP wraps the model). ``docs/precision.md``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -18,16 +22,31 @@ from typing_extensions import override
 from lightning_gpuopt.option_checks import check_choice, option
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts
-from lightning_gpuopt.precision.base import DevicePrecision
+from lightning_gpuopt.precision.base import DevicePrecision, LayerContext
+from lightning_gpuopt.precision.float8_decision import (
+    Float8Decision,
+    broadcast_from_rank_zero,
+    format_decision_table,
+    static_decision,
+)
 from lightning_gpuopt.precision.float8_layers import (
     RECIPES,
     Float8Recipe,
+    candidate_shapes,
     convert_linears_to_float8,
     float8_config,
     format_conversion_table,
     nothing_converted_message,
     require_torchao,
     skip_reason,
+)
+from lightning_gpuopt.precision.float8_measure import (
+    TIMINGS,
+    ShapeTimer,
+    match_decision,
+    measure_on_device,
+    planned_tokens,
+    static_reason,
 )
 
 __all__ = ["Float8Precision", "check_float8_device", "check_float8_strategy"]
@@ -85,12 +104,16 @@ class Float8Precision(DevicePrecision):
     Args:
         recipe: torchao recipe: ``"tensorwise"`` (fastest), ``"rowwise"`` (more accurate scales),
             ``"rowwise_with_gw_hp"`` (most accurate: weight gradients in high precision).
-        module_filter: Which Linear layers to convert: ``"auto"`` (skips the output layer, dims not
-            multiples of 16 and shapes too small to pay off: :func:`~.float8_layers.auto_skip_reason`),
-            a list of layer-name patterns to skip (``["lm_head", "*.attn.*"]``), or a callable
-            ``(module, fqn) -> bool``, True to convert.
+        module_filter: Which Linear layers to convert: ``"auto"`` (skips the output layer and dims not
+            multiples of 16, then converts the shapes where float8 is at least 5% faster on this GPU,
+            timed once and cached, and nothing when all of them save under 3% of a step; with nothing
+            to time, torchao's size rule), ``"static"`` (torchao's size rule always:
+            :func:`~.float8_layers.auto_skip_reason`), a list of layer-name patterns to skip
+            (``["lm_head", "*.attn.*"]``), or a callable ``(module, fqn) -> bool``, True to convert.
         emulate: Emulate float8 matmuls in high precision, for CPU runs and GPUs older than SM 8.9
-            (tests and debugging; slow).
+            (tests and debugging; slow; the ``"auto"`` filter then takes torchao's rule).
+        timing: How ``"auto"`` times a shape: ``"gemm"`` (the three GEMMs, casts modelled; no compile)
+            or ``"linear"`` (a compiled Linear forward and backward; two compiles per shape).
 
     Note:
         With ``ModelParallelStrategy``, build the model in ``configure_model`` and assign it to an
@@ -102,33 +125,60 @@ class Float8Precision(DevicePrecision):
         recipe: Float8Recipe = "tensorwise",
         module_filter: Union[str, list[str], Callable[[nn.Module, str], bool]] = "auto",
         emulate: bool = False,
+        timing: Literal["gemm", "linear"] = "gemm",
     ) -> None:
         require_torchao()
         check_choice("Float8Precision", "recipe", recipe, RECIPES)
-        if isinstance(module_filter, str) and module_filter != "auto":
+        check_choice("Float8Precision", "timing", timing, TIMINGS)
+        if isinstance(module_filter, str) and module_filter not in ("auto", "static"):
             raise ValueError(
-                f"Float8Precision(module_filter={module_filter!r}): use 'auto', a list of layer-name patterns "
+                f"Float8Precision(module_filter={module_filter!r}): use 'auto', 'static', a list of layer-name "
+                "patterns "
                 f"to skip (e.g. [{module_filter!r}]), or a callable (module, fqn) -> bool."
             )
         if not (isinstance(module_filter, str) or callable(module_filter)):
             if not isinstance(module_filter, (list, tuple)) or not all(isinstance(p, str) for p in module_filter):
                 raise ValueError(
-                    f"Float8Precision(module_filter={module_filter!r}): expected 'auto', a list of strings, or a callable."
+                    f"Float8Precision(module_filter={module_filter!r}): expected 'auto', 'static', a list of "
+                    "strings, or a callable."
                 )
             module_filter = list(module_filter)
         super().__init__()
         self.recipe = recipe
         self.module_filter = module_filter
         self.emulate = emulate
+        self.timing = timing
         self.conversion_report: list[tuple[str, str, Optional[str]]] = []
+        self.decision: Optional[Float8Decision] = None  # the "auto" filter's, once made (saved in checkpoints)
+        # Times shapes in place of the GPU (tests, or a harness of one's own): float8_measure.ShapeTimer.
+        self.timer: Optional[ShapeTimer] = None
+        self.timing_cache_root: Optional[Path] = None  # None: the package's cache folder ($GPUOPT_CACHE_DIR, ...)
+        self._converted_root: Optional[Module] = None  # convert_module's module: a restored decision applies to it
         self._fsdp_float8_all_gather = False
         self._warned_not_compiled = False
         self._warned_nothing_converted = False
 
     @property
     def fp8(self) -> bool:
-        """``True``: the converted layers run float8 matmuls; the rest runs in :attr:`compute_dtype` (bf16)."""
-        return True
+        """Whether a layer was converted (then it runs float8 matmuls; the rest runs in :attr:`compute_dtype`, bf16).
+        ``False`` until the model is converted, and when no layer was."""
+        return bool(self.float8_layers)
+
+    @property
+    def float8_layers(self) -> list[tuple[str, str]]:
+        """``(name, "in x out")`` of the layers that run in float8."""
+        return [(name, shape) for name, shape, reason in self.conversion_report if reason is None]
+
+    def float8_flop_share(self, flops_per_token: Optional[float] = None) -> float:
+        """The share of the model's training FLOPs that runs in float8: ``6 in out`` per token of each converted
+        layer over ``flops_per_token`` (the whole model's; default: what the module's ``layer_context`` said),
+        else over all its Linear layers'."""
+        if flops_per_token is None and self.layer_context is not None:
+            flops_per_token = self.layer_context.flops_per_token
+        converted = sum(_matmul_size(shape) for _, shape in self.float8_layers)
+        every = sum(_matmul_size(shape) for _, shape, _ in self.conversion_report)
+        total = flops_per_token / 6 if flops_per_token else every
+        return min(1.0, converted / total) if total else 0.0
 
     @override
     def bind(self, device: Union[torch.device, str], facts: DeviceFacts, strategy: Any = None) -> None:
@@ -152,16 +202,97 @@ class Float8Precision(DevicePrecision):
         root, prefix = module, (f"{name}." if name else "")
         if isinstance(module, nn.Linear):  # torchao converts a root Linear by returning a new module
             root, prefix = nn.ModuleDict({name or "linear": module}), ""
-        report = convert_linears_to_float8(root, config, self.module_filter, self.recipe, prefix, cpu_autocast_hook=on_cpu)
+        local_shape = self.layer_context.local_shape if self.layer_context is not None else None
+        if self.module_filter == "auto":
+            self.decision = self._decide(root, prefix, self.decision)
+        report = convert_linears_to_float8(
+            root, config, self.module_filter, self.recipe, prefix, cpu_autocast_hook=on_cpu, decision=self.decision,
+            local_shape=local_shape,
+        )
         seen = {fqn for fqn, _, _ in self.conversion_report}  # skipped layers are seen again in setup
         self.conversion_report.extend(row for row in report if row[0] not in seen)
         return root[name or "linear"] if root is not module else module
 
+    def _decide(self, root: Module, prefix: str, before: Optional[Float8Decision]) -> Optional[Float8Decision]:
+        """The ``"auto"`` filter's decision for the Linear layers of ``root``: rank 0 times them (or takes torchao's
+        rule where nothing can be timed) and every rank gets its decision. Shapes ``before`` decided are kept
+        (a module that assigns its parts one by one is decided part by part)."""
+        context = self.layer_context
+        tokens = context.tokens if context is not None and context.tokens else planned_tokens(self.run_trainer())
+        counts = candidate_shapes(root, tokens or 0, prefix, context.local_shape if context is not None else None)
+        if before is not None:
+            counts = {s: n for s, n in counts.items() if before.shape(s[1], s[2], s[3]) is None}
+            if not counts:
+                return before
+        decision = self._decide_shapes(root, counts, tokens, context)
+        return decision if before is None else replace(before, shapes=before.shapes + decision.shapes)
+
+    def _decide_shapes(
+        self, root: Module, counts: dict, tokens: Optional[int], context: Optional[LayerContext]
+    ) -> Float8Decision:
+        why = static_reason(self.device_facts, self.emulate, tokens, counts, self.timer is not None)
+        if why is not None:
+            if not tokens and counts and self.device_facts is not None and self.device_facts.fp8 and not self.emulate:
+                rank_zero_warn(f"Float8Precision cannot time its layers on this GPU: {why}. It takes torchao's size "
+                               "rule.")
+            return static_decision(counts, self.recipe, why)
+        flops_per_token = context.flops_per_token if context is not None and context.flops_per_token else None
+        if flops_per_token is None:  # 6 FLOPs per parameter per token: the weights' matmuls, forward and backward
+            flops_per_token = 6 * sum(p.numel() for p in root.parameters())
+        decision = None
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not distributed or torch.distributed.get_rank() == 0:
+            config = float8_config(self.recipe, self.emulate)
+            decision = measure_on_device(
+                counts, self.recipe, self.timing, config, flops_per_token * tokens, self.bound_device,
+                self.device_facts, self.timer, self.timing_cache_root,
+            )
+        return broadcast_from_rank_zero(decision)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The ``"auto"`` filter's decision, so a resumed run converts the same layers (``load_state_dict``)."""
+        state = super().state_dict()  # a GradScaler's, which a bf16 plugin has none of
+        return {**state, "float8_decision": self.decision.to_dict()} if self.decision is not None else state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Convert the layers the saved decision converted, where this run decided otherwise (e.g. another GPU)."""
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "float8_decision"})
+        saved = state_dict.get("float8_decision")
+        if saved is None or self.module_filter != "auto":
+            return
+        restored = Float8Decision.from_dict(saved)
+        if self.decision is not None and restored.converted_shapes() == self.decision.converted_shapes():
+            return
+        root = self._converted_root
+        if root is None or _is_fully_sharded(root):
+            here = sorted(self.decision.converted_shapes()) if self.decision else "none"
+            rank_zero_warn(
+                f"Float8Precision: the checkpoint converted the shapes {sorted(restored.converted_shapes())}, but "
+                f"this run converted {here} and cannot change its layers now (FSDP2 has sharded them), so it keeps "
+                "its own: the float8 numerics differ from the saved run's."
+            )
+            return
+        config = float8_config(self.recipe, self.emulate, self._fsdp_float8_all_gather)
+        on_cpu = self.bound_device is not None and self.bound_device.type == "cpu"
+        local_shape = self.layer_context.local_shape if self.layer_context is not None else None
+        self.conversion_report = match_decision(root, restored, config, self.recipe, local_shape, on_cpu)
+        self.decision = replace(restored, method="checkpoint")
+        rank_zero_info(format_decision_table(self.decision))
+
     @override
     def convert_module(self, module: Module) -> Module:
         module = super().convert_module(module)
+        self._converted_root = module
         converted = sum(reason is None for _, _, reason in self.conversion_report)
+        if self.decision is not None:
+            rank_zero_info(format_decision_table(self.decision))
         rank_zero_info(format_conversion_table(self.conversion_report, self.recipe))
+        if converted:
+            names = ", ".join(name for name, _ in self.float8_layers[:4]) + (", ..." if converted > 4 else "")
+            rank_zero_info(f"Float8Precision: {converted} layers run in float8 ({names}): "
+                           f"{100 * self.float8_flop_share():.1f}% of the model's training FLOPs.")
         message = nothing_converted_message(self.conversion_report, self.recipe, type(module).__name__)
         if message is not None and not self._warned_nothing_converted:
             self._warned_nothing_converted = True
@@ -209,6 +340,11 @@ class Float8Precision(DevicePrecision):
             # One all-reduce for the amax of every float8 weight, instead of one per layer per forward.
             precompute_float8_dynamic_scale_for_fsdp(model)
         return output
+
+
+def _matmul_size(shape: str) -> int:
+    in_f, out_f = shape.split("x")
+    return int(in_f) * int(out_f)
 
 
 def _is_fully_sharded(module: Module) -> bool:

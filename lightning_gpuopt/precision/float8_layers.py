@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_gpuopt.option_checks import option
 from lightning_gpuopt.perf.compiled import is_compiled
+from lightning_gpuopt.precision.float8_decision import Float8Decision, Shape, static_too_small
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -31,6 +32,8 @@ __all__ = [
     "Float8Recipe",
     "ModuleFilter",
     "auto_skip_reason",
+    "basic_skip_reason",
+    "candidate_shapes",
     "convert_linears_to_float8",
     "float8_config",
     "format_conversion_table",
@@ -95,7 +98,7 @@ def nothing_converted_message(
 
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-# "auto", patterns of layer names to skip, or a callable (module, fqn) -> True to convert.
+# "auto", "static", patterns of layer names to skip, or a callable (module, fqn) -> True to convert.
 ModuleFilter = Union[str, list[str], Callable[[nn.Module, str], bool]]
 FP8_INSTALL_HINT = 'pip install "lightning-gpuopt[fp8]"'
 # Names an output/classifier head usually has; the head is kept in high precision (as torchtitan does).
@@ -159,29 +162,50 @@ def _is_output_layer(module: nn.Linear, fqn: str, tied_weights: frozenset[int]) 
     return fqn.rsplit(".", 1)[-1] in OUTPUT_LAYER_NAMES or id(module.weight) in tied_weights
 
 
-def auto_skip_reason(module: nn.Linear, fqn: str, recipe: str, tied_weights: frozenset[int] = frozenset()) -> Optional[str]:
-    """Why the ``"auto"`` filter keeps ``module`` in high precision, or ``None`` to convert it.
-
-    Skipped: the output layer (by name, or its weight in ``tied_weights``, the ``id()`` of embedding
-    weights), dims not multiples of 16 (needed by ``torch._scaled_mm``), and shapes below torchao's
-    thresholds for the recipe (torchao 0.18's ``_auto_filter_for_*``, measured on H100; ``docs/precision.md``).
-    """
+def basic_skip_reason(module: nn.Linear, fqn: str, tied_weights: frozenset[int] = frozenset()) -> Optional[str]:
+    """Why ``module`` is no candidate for the ``"auto"`` filter at all: the output layer (by name, or its weight in
+    ``tied_weights``, the ``id()`` of embedding weights), or dims not multiples of 16 (``torch._scaled_mm``'s)."""
     if _is_output_layer(module, fqn, tied_weights):
         return "output layer"
     N, K = module.weight.shape
     if N % 16 or K % 16:
         return f"dims {K}x{N} not multiples of 16"
-    # torchao's thresholds (https://github.com/pytorch/ao/tree/main/torchao/float8#performance); it publishes none
-    # for rowwise_with_gw_hp, which runs rowwise kernels for two of its three matmuls: the rowwise ones apply.
-    if recipe == "tensorwise":
-        too_small = K <= 4096 and N <= 1024
-        rule = "in<=4096 and out<=1024"
-    else:
-        too_small = N <= 2048 or K <= 1024 or (N <= 4096 and K <= 2048)
-        rule = "out<=2048, in<=1024 or (out<=4096 and in<=2048)"
-    if too_small:
-        return f"too small for {recipe} FP8 ({rule})"
     return None
+
+
+def auto_skip_reason(
+    module: nn.Linear,
+    fqn: str,
+    recipe: str,
+    tied_weights: frozenset[int] = frozenset(),
+    decision: Optional[Float8Decision] = None,
+    local_shape: Optional[Callable[[str, int, int], tuple[int, int]]] = None,
+) -> Optional[str]:
+    """Why the ``"auto"`` filter keeps ``module`` in high precision, or ``None`` to convert it.
+
+    Skipped: :func:`basic_skip_reason`'s layers, then the shapes ``decision`` (timed on the GPU,
+    ``float8_decision.py``) keeps in bf16, looked up by ``local_shape(fqn, in, out)`` (this rank's shard);
+    without a decision, shapes below torchao 0.18's thresholds for the recipe (``_auto_filter_for_*``,
+    measured on H100: :func:`~.float8_decision.static_too_small`; ``docs/precision.md``).
+    """
+    basic = basic_skip_reason(module, fqn, tied_weights)
+    if basic is not None:
+        return basic
+    if decision is not None:
+        in_f, out_f = module.in_features, module.out_features
+        if local_shape is not None:
+            in_f, out_f = local_shape(fqn, in_f, out_f)
+        row = decision.shape(in_f, out_f, module.bias is not None)
+        if row is None:
+            return f"shape {in_f}x{out_f} was not timed (built after the decision)"
+        if row.bf16_ms is not None:  # timed; an untimed row is torchao's rule, below
+            if row.convert:
+                return None
+            return f"model declined: {decision.declined}" if decision.declined else f"timed: {row.reason}"
+    # torchao publishes no thresholds for rowwise_with_gw_hp, which runs rowwise kernels for two of its three
+    # matmuls: the rowwise ones apply.
+    rule = static_too_small(module.in_features, module.out_features, recipe)
+    return f"too small for {recipe} FP8 ({rule})" if rule else None
 
 
 def skip_reason(
@@ -190,18 +214,23 @@ def skip_reason(
     module_filter: ModuleFilter,
     recipe: str,
     tied_weights: frozenset[int] = frozenset(),
+    decision: Optional[Float8Decision] = None,
+    local_shape: Optional[Callable[[str, int, int], tuple[int, int]]] = None,
 ) -> Optional[str]:
     """Why ``module`` is not converted under ``module_filter``, or ``None`` to convert it.
 
     Args:
         module: A Linear layer (dims not multiples of 16 are skipped whatever the filter).
         fqn: Its name in the LightningModule's state dict (without ``_orig_mod.``).
-        module_filter: ``"auto"`` (:func:`auto_skip_reason`), name patterns to skip (a substring of the
-            name or an ``fnmatch`` glob of it), or a callable ``(module, fqn) -> bool``, True to convert.
+        module_filter: ``"auto"`` (:func:`auto_skip_reason` with ``decision``), ``"static"`` (the same without
+            one: torchao's rule), name patterns to skip (a substring of the name or an ``fnmatch`` glob of it),
+            or a callable ``(module, fqn) -> bool``, True to convert.
         tied_weights: ``id()`` of weights shared with an ``nn.Embedding``.
+        decision, local_shape: For ``"auto"``: the timed decision, and this rank's shard shape of a layer.
     """
     if isinstance(module_filter, str):
-        return auto_skip_reason(module, fqn, recipe, tied_weights)
+        timed = decision if module_filter == "auto" else None
+        return auto_skip_reason(module, fqn, recipe, tied_weights, timed, local_shape)
     N, K = module.weight.shape
     if N % 16 or K % 16:
         return f"dims {K}x{N} not multiples of 16"
@@ -244,6 +273,8 @@ def convert_linears_to_float8(
     recipe: str,
     prefix: str = "",
     cpu_autocast_hook: bool = False,
+    decision: Optional[Float8Decision] = None,
+    local_shape: Optional[Callable[[str, int, int], tuple[int, int]]] = None,
 ) -> list[tuple[str, str, Optional[str]]]:
     """Swap the ``nn.Linear`` layers of ``root`` (not itself a Linear) that pass ``module_filter``
     (:func:`skip_reason`) for torchao ``Float8Linear``, in place; already converted ones are left alone.
@@ -252,6 +283,7 @@ def convert_linears_to_float8(
         config: From :func:`float8_config`; ``recipe``: the one it was made from (for the ``"auto"`` thresholds).
         prefix: Prepended to names given to the filter and in the report (e.g. ``"model."``).
         cpu_autocast_hook: Make converted layers follow CPU autocast (for CPU training).
+        decision, local_shape: As :func:`skip_reason`'s.
 
     Returns:
         One ``(name, shape, skip reason or None)`` row per Linear layer newly considered.
@@ -271,7 +303,7 @@ def convert_linears_to_float8(
         if id(module) in mha_out:
             reason: Optional[str] = "nn.MultiheadAttention.out_proj (its forward is never called)"
         else:
-            reason = skip_reason(module, name, module_filter, recipe, tied)
+            reason = skip_reason(module, name, module_filter, recipe, tied, decision, local_shape)
         report.append((name, f"{module.in_features}x{module.out_features}", reason))
         return reason is None
 
@@ -287,3 +319,30 @@ def convert_linears_to_float8(
                 module.register_forward_pre_hook(_cast_input_to_cpu_autocast_dtype)
                 module._gpuopt_cpu_hook = True
     return report
+
+
+def candidate_shapes(
+    root: nn.Module,
+    tokens: int,
+    prefix: str = "",
+    local_shape: Optional[Callable[[str, int, int], tuple[int, int]]] = None,
+) -> dict[Shape, int]:
+    """Layers per distinct ``(tokens, in, out, bias)`` among the ``nn.Linear`` layers of ``root`` the ``"auto"``
+    filter may convert (:func:`basic_skip_reason`), with ``local_shape(name, in, out)``: this rank's shard."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    tied = frozenset(id(m.weight) for m in root.modules() if isinstance(m, nn.Embedding))
+    mha_out = {id(m.out_proj) for m in root.modules() if isinstance(m, nn.MultiheadAttention)}
+    counts: dict[Shape, int] = {}
+    for fqn, module in root.named_modules():
+        if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear) or id(module) in mha_out:
+            continue
+        name = prefix + fqn.replace(COMPILED_PREFIX, "")
+        if basic_skip_reason(module, name, tied) is not None:
+            continue
+        in_f, out_f = module.in_features, module.out_features
+        if local_shape is not None:
+            in_f, out_f = local_shape(name, in_f, out_f)
+        shape = (tokens, in_f, out_f, module.bias is not None)
+        counts[shape] = counts.get(shape, 0) + 1
+    return counts

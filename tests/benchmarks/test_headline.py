@@ -40,7 +40,7 @@ def test_the_plan_for_an_h100_or_h200_fits_seven_minutes_and_further_commands_ru
     rows, end = plan(list(PARTS), estimates, tiny=False, budget_s=420)
     ran = {r.part: r for r in rows if r.limit_s is not None}
     # The parts of most value run first, the gpu tests among them.
-    assert list(ran)[:5] == ["device", "doctor", "throughput-124m", "generation", "gpu-tests"]
+    assert list(ran)[:5] == ["device", "doctor", "throughput-124m", "gpu-tests", "throughput-774m"]
     assert end <= 420 and all(r.start_s + r.limit_s <= 420 - GRACE_S for r in ran.values())
     late = [r.part for r in rows if r.limit_s is None]
     commands = headline.later_commands(late, estimates, False, 420)

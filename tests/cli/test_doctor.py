@@ -145,6 +145,23 @@ def test_float8_layers_of_the_124m_model_on_an_h100_and_on_a_v100():
     assert float8_checks(V100, config)[1].status == "info" and "emulate=True" in float8_checks(V100, config)[1].detail
 
 
+def test_float8_timing_table_of_the_124m_model_from_injected_timings(tmp_path):
+    from lightning_gpuopt.precision.float8_decision import ShapeTiming
+
+    class Timer:  # float8 pays on the MLP's c_fc (768 x 3072) only
+        def shape(self, shape):
+            return ShapeTiming(1.0, 0.5 if shape[2] == 3072 else 1.1)
+
+        def ceiling(self):
+            return 400e12
+
+    layers, _, timing = float8_checks(H100, GPTConfig.from_name("124m"), timer=Timer(), cache_root=tmp_path)
+    assert "converts 12 of 49" in layers.detail and "mlp.c_fc (768x3072)" in layers.detail
+    assert timing.name == "float8_timing" and "8192 tokens per micro-batch of 8" in timing.detail
+    assert "768x3072: bf16 1.000 ms, float8 0.500 ms, converted" in timing.detail
+    assert "768x2304: bf16 1.000 ms, float8 1.100 ms, not converted" in timing.detail
+
+
 def test_settings_checks_fail_only_a_setting_that_was_not_applied():
     rows = [("tf32", "True", "applied"), ("expandable_segments", "True", "not applied: CUDA was already initialised")]
     checks = settings_checks(H100, rows)

@@ -72,11 +72,13 @@ def test_fp32_counts_as_tf32_when_allowed():
 
 
 def test_our_plugins_state_their_own_dtype():
-    bf16, fp8 = BF16Precision(), Float8Precision(emulate=True)
+    bf16, fp8 = BF16Precision(), Float8Precision(emulate=True, module_filter=[])
     assert (bf16.compute_dtype, bf16.fp8) == (torch.bfloat16, False)
-    assert (fp8.compute_dtype, fp8.fp8) == (torch.bfloat16, True)
+    assert (fp8.compute_dtype, fp8.fp8) == (torch.bfloat16, False)  # float8 only once a layer is converted
     assert (compute_dtype_name(bf16), is_fp8(bf16)) == ("bf16", False)
-    assert (compute_dtype_name(fp8), is_fp8(fp8)) == ("fp8", True)
+    assert (compute_dtype_name(fp8), is_fp8(fp8)) == ("bf16", False)
+    fp8.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), "")
+    assert fp8.fp8 and (compute_dtype_name(fp8), is_fp8(fp8)) == ("fp8", True)
 
 
 def test_a_plugin_is_asked_not_recognised_by_its_name():

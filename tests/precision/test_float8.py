@@ -186,7 +186,7 @@ def test_float8_argument_errors():
         Float8Precision(recipe="delayed")
     with pytest.raises(ValueError, match="module_filter='lm_head'.*list of layer-name patterns"):
         Float8Precision(module_filter="lm_head")
-    with pytest.raises(ValueError, match="expected 'auto', a list of strings, or a callable"):
+    with pytest.raises(ValueError, match="expected 'auto', 'static', a list of strings, or a callable"):
         Float8Precision(module_filter=[1, 2])
     with pytest.raises(ValueError, match="needs the 'tensorwise' recipe"):
         float8_config("rowwise", fsdp_float8_all_gather=True)

@@ -92,3 +92,24 @@ def test_bf16_precision_on_this_gpu():
 def test_float8_on_old_gpu_raises_naming_alternatives():
     with pytest.raises(RuntimeError, match="emulate=True.*BF16Precision"):
         Float8Precision().bind(torch.device("cuda", 0), read_device("cuda:0"))
+
+
+@pytest.mark.skipif("not sm89()", reason="float8 matmuls need compute capability >= 8.9")
+def test_the_timed_decision_costs_under_5_s_and_a_cached_one_nothing(tmp_path):
+    from lightning_gpuopt.model import GPT, GPTConfig
+    from lightning_gpuopt.precision.float8_layers import candidate_shapes
+    from lightning_gpuopt.precision.float8_measure import measure_on_device
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_name("llama-1b"))
+    tokens = 8 * 1024  # micro-batch 8
+    counts = candidate_shapes(model, tokens)
+    args = (counts, "tensorwise", "gemm", float8_config("tensorwise"), model.flops_per_token(1024) * tokens,
+            torch.device("cuda"), read_device("cuda:0"))
+    start = time.perf_counter()
+    first = measure_on_device(*args, cache_root=tmp_path)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    again = measure_on_device(*args, cache_root=tmp_path)
+    assert first_s < 5 and time.perf_counter() - start < 0.5 and again == first
+    assert all(r.bf16_ms > 0 and r.float8_ms > 0 for r in first.shapes)

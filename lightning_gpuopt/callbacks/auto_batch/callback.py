@@ -258,6 +258,11 @@ class AutoBatchSize(Callback):
         self._candidates = search.micro_batch_candidates(self._per_device, self.max_micro_batch_size)
         require_internals(trainer, "AutoBatchSize")
 
+    def largest_micro_batch(self) -> Optional[int]:
+        """The largest micro-batch the search can choose, from ``setup`` on (``protocols.SearchesMicroBatch``):
+        ``Float8Precision`` times its layers at it."""
+        return self._candidates[-1] if self._candidates else None
+
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
