@@ -30,8 +30,8 @@ class Part:
     Args:
         name: Its name in ``--parts``, the results and the log.
         what: One line for the plan and the results.
-        kind: ``device`` (in the command's own process), ``doctor``, ``throughput`` or ``tests`` (each a
-            child process with a hard time limit).
+        kind: ``device`` (in the command's own process), ``doctor``, ``throughput``, ``loss`` (the loss
+            microbenchmark, ``benchmarks/loss_bench.py``) or ``tests`` (each a child process with a hard time limit).
         preset: Model preset of a throughput part (``tiny`` under ``--tiny``).
         configs: Its ``benchmarks.throughput`` configurations, in run order.
         fp8_recipe: Its ``--fp8-recipe``.
@@ -39,7 +39,7 @@ class Part:
 
     name: str
     what: str
-    kind: Literal["device", "doctor", "throughput", "tests"]
+    kind: Literal["device", "doctor", "throughput", "loss", "tests"]
     preset: Optional[str] = None
     configs: tuple[str, ...] = ()
     fp8_recipe: str = "tensorwise"
@@ -52,6 +52,8 @@ PARTS: tuple[Part, ...] = (
     Part("throughput-124m", "124m, T 1024, fixed micro-batch: plain Lightning fp32, Lightning bf16-mixed, gpuopt bf16 "
          "+ compile, gpuopt float8 (tensorwise) + compile", "throughput", "124m",
          ("baseline", "lightning-bf16", "gpuopt-bf16-compile", "gpuopt-fp8-compile")),
+    Part("loss-bench", "the loss's forward + backward at 65,536 tokens, width 768, vocabulary 50,304: the chunked loss "
+         "before and now, full logits compiled, torch's, Liger's, cut-cross-entropy", "loss"),
     Part("gpu-tests", "the gpu-marked tests, correctness first, each with a timeout", "tests"),
     Part("throughput-774m", "774m, T 1024, fixed micro-batch: gpuopt bf16 + compile against float8 (tensorwise) "
          "+ compile", "throughput", "774m", ("gpuopt-bf16-compile", "gpuopt-fp8-compile")),
@@ -81,7 +83,8 @@ GPU_TEST_FILES: tuple[str, ...] = (
 # (the last results and the chart), the parts "device" and "doctor", "process" (a throughput child:
 # imports, CUDA, tokenising, cached after the first, and the timed matmul ceiling), "<preset>/<config>"
 # (one throughput configuration: building, warm-up with compilation, measured steps; "/rowwise" for
-# float8 rowwise), "pytest" (its start and collection) and one per gpu test file.
+# float8 rowwise), "loss" (the loss microbenchmark: its compilations and 3 x 5 timed steps of each),
+# "pytest" (its start and collection) and one per gpu test file.
 # The H100 and H200 rows are ESTIMATES, not measurements: reasoned from the model sizes at
 # datasheet throughput and from typical Inductor compile times of a GPT block on a 16-core host
 # (30-90 s, cold cache), and from a hand-made command of earlier (doctor 40-70 s, these tests
@@ -91,7 +94,7 @@ GPU_TEST_FILES: tuple[str, ...] = (
 _H100: dict[str, float] = {
     "start-up": 15, "finish": 3, "device": 1, "doctor": 45, "process": 15,
     "124m/baseline": 10, "124m/lightning-bf16": 8, "124m/gpuopt-bf16-compile": 60, "124m/gpuopt-fp8-compile": 70,
-    "124m/gpuopt-fp8-compile/rowwise": 80, "124m/gpuopt-bf16-compile-auto": 110,
+    "124m/gpuopt-fp8-compile/rowwise": 80, "124m/gpuopt-bf16-compile-auto": 110, "loss": 90,
     "774m/gpuopt-bf16-compile": 70, "774m/gpuopt-fp8-compile": 80,
     "pytest": 15,
     "tests/precision/test_gpu.py": 50, "tests/model/test_gpt.py": 10, "tests/model/test_llama.py": 10,
@@ -104,7 +107,7 @@ ESTIMATES: dict[str, dict[str, float]] = {
     "H100": _H100,
     "H200": dict(_H100),
     "tiny": {
-        "start-up": 8, "finish": 2, "device": 1, "doctor": 10, "process": 7,
+        "start-up": 8, "finish": 2, "device": 1, "doctor": 10, "process": 7, "loss": 12,
         "tiny/baseline": 1, "tiny/lightning-bf16": 1, "tiny/gpuopt-bf16-compile": 1, "tiny/gpuopt-fp8-compile": 2,
         "tiny/gpuopt-fp8-compile/rowwise": 2, "tiny/gpuopt-bf16-compile-auto": 3,
         "pytest": 7, **{f: 0.2 for f in GPU_TEST_FILES},
@@ -136,7 +139,7 @@ def _key(part: Part, config: str, tiny: bool) -> str:
 
 def part_estimate(part: Part, estimates: dict[str, float], tiny: bool) -> float:
     """Seconds ``part`` is expected to take (everything it runs)."""
-    if part.kind in ("device", "doctor"):
+    if part.kind in ("device", "doctor", "loss"):
         return estimates[part.kind]
     if part.kind == "tests":
         return estimates["pytest"] + sum(estimates[f] for f in GPU_TEST_FILES)

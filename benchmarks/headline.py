@@ -314,6 +314,8 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
                "--json", str(folder / "doctor.json")]
     elif part.kind == "tests":
         cmd = _tests_cmd(args, out / "gpu-tests.xml")
+    elif part.kind == "loss":
+        cmd = [sys.executable, "-m", "benchmarks.loss_bench", "--out", str(folder), *(["--tiny"] if args.tiny else [])]
     else:
         cmd = _throughput_cmd(part, args, limit_s, folder, estimates)
     # pytest from the checkout's root (its configuration, the test paths); the others where the command was
@@ -325,6 +327,8 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
         entry["result"] = _load_json(folder / "doctor.json")
     elif part.kind == "tests":
         entry["result"] = junit_summary(out / "gpu-tests.xml")
+    elif part.kind == "loss":
+        entry["result"] = _load_json(folder / "loss-bench.json")
     else:
         found = sorted(folder.glob("throughput-*.json"))
         entry["result"] = _load_json(found[0]) if found else None

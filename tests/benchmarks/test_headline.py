@@ -39,7 +39,7 @@ def test_the_plan_for_an_h100_or_h200_fits_seven_minutes_and_a_second_command_ru
     rows, end = plan(list(PARTS), estimates, tiny=False, budget_s=420)
     ran = {r.part: r for r in rows if r.limit_s is not None}
     # The parts of most value run first; the gpu tests take what is left and stop at their limit.
-    assert list(ran) == ["device", "doctor", "throughput-124m", "gpu-tests"]
+    assert list(ran) == ["device", "doctor", "throughput-124m", "loss-bench", "gpu-tests"]
     assert end <= 420 and all(r.start_s + r.limit_s <= 420 - GRACE_S for r in ran.values())
     assert ran["gpu-tests"].limit_s < ran["gpu-tests"].estimate_s
     assert f"a second command runs them: --parts {SECOND}" in text
@@ -210,6 +210,8 @@ def test_the_command_at_the_tiny_preset_runs_every_part_and_writes_its_files(tex
     auto = report["headline"][6]
     assert auto["auto_batch"]["micro_batch_size"] == 8 and auto["accumulate_grad_batches"] == 2 and auto["search_s"] > 0
     assert report["headline"][0]["vs_baseline"] == pytest.approx(1.0)
+    loss = report["parts"]["loss-bench"]["result"]["rows"]
+    assert loss["chunked"]["status"] == "ok" and loss["liger"]["status"] == "skipped"
 
     tests = report["parts"]["gpu-tests"]["result"]
     xml = ET.parse(out / "gpu-tests.xml").getroot()
@@ -219,7 +221,7 @@ def test_the_command_at_the_tiny_preset_runs_every_part_and_writes_its_files(tex
 
     md = (out / "headline.md").read_text()
     assert "Smoke run (`--tiny`)" in md and "| tiny | `baseline` | 8 x 1 |" in md
-    assert "| gpu-tests |" in md and "AutoBatchSize (tiny): chose micro-batch 8 x 2" in md
+    assert "| gpu-tests |" in md and "## Loss microbenchmark" in md and "AutoBatchSize (tiny): chose micro-batch 8 x 2" in md
     assert (out / "headline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (out / "headline.log").read_text()
     assert all(f"== {p.name}: python -m " in text for p in PARTS[1:])
