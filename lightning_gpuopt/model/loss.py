@@ -339,13 +339,20 @@ def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, c
         )
 
 
+# What "auto" is, per device type: the fastest implementation that keeps the loss's promises (exact float32
+# loss, fp16 gradients without underflow, the vocabulary-parallel form) in the loss microbenchmark
+# (benchmarks/loss_bench.py). CPU: measured (benchmarks/results/cpu/loss-bench/). CUDA: "chunked" until a
+# GPU measurement exists. Any other device: "chunked", which runs everywhere without an extra package.
+_AUTO_IMPL = {"cpu": "chunked", "cuda": "chunked"}
+
+
 def resolve_loss_impl(impl: str, device: torch.device) -> str:
-    """The implementation ``impl`` stands for on ``device``: ``"auto"`` is ``"chunked"`` (no extra package, any device).
-    """
+    """The implementation ``impl`` stands for on ``device``: ``"auto"`` is the measured default of the device type
+    (``"chunked"`` on every device today)."""
     check_choice("linear_cross_entropy", "impl", impl, LOSS_IMPLS)
     if impl == "liger" and device.type != "cuda":
         raise ValueError(f"loss_impl='liger' runs on CUDA only, not on {device.type}: use loss_impl='chunked'.")
-    return "chunked" if impl == "auto" else impl
+    return _AUTO_IMPL.get(device.type, "chunked") if impl == "auto" else impl
 
 
 def linear_cross_entropy(
