@@ -119,12 +119,13 @@ def _make(impl: str, device: Any, dtype: Any, vocab: int) -> tuple[Callable, dic
 
         def step(h, w, t):
             with _as_before():
-                return linear_cross_entropy(h, w, t, chunk_size=chunk, compile_chunk=True)
+                return linear_cross_entropy(h, w, t, chunk_size=chunk, impl="chunked", compile_chunk=True)
 
         return step, {"chunk_tokens": chunk}
     if impl in ("chunked", "chunked-eager"):
         chunk, compiled = run_chunk_tokens(vocab, dtype, device_free_bytes(device)), impl == "chunked"
-        return (lambda h, w, t: linear_cross_entropy(h, w, t, chunk_size=chunk, compile_chunk=compiled)), \
+        return (lambda h, w, t: linear_cross_entropy(h, w, t, chunk_size=chunk, impl="chunked",
+                                                     compile_chunk=compiled)), \
             {"chunk_tokens": chunk}
     if impl == "full-compiled":
         return torch.compile(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-1)), {}
@@ -209,6 +210,7 @@ def run(args: argparse.Namespace, write: Callable[[dict[str, Any]], None] = lamb
     for r in range(args.rounds):
         for impl in order[r % len(order):] + order[:r % len(order)] if order else []:
             if device.type == "cuda":
+                h.grad = w.grad = None  # the last loss's gradients: not counted as this one's
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
             took, loss = _timed(steps[impl], (h, w, t), device, dtype, args.repeats)

@@ -341,9 +341,11 @@ def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, c
 
 # What "auto" is, per device type: the fastest implementation that keeps the loss's promises (exact float32
 # loss, fp16 gradients without underflow, the vocabulary-parallel form) in the loss microbenchmark
-# (benchmarks/loss_bench.py). CPU: measured (benchmarks/results/cpu/loss-bench/). CUDA: "chunked" until a
-# GPU measurement exists. Any other device: "chunked", which runs everywhere without an extra package.
+# (benchmarks/loss_bench.py), and whether it compiles its chunk kernel when asked to (compile_chunk). CPU:
+# measured (benchmarks/results/cpu/loss-bench/: the eager chunk 7.7 s, the compiled one 8.9 s). CUDA: the
+# compiled chunk until a GPU measurement exists. Any other device: "chunked" as asked, which runs everywhere.
 _AUTO_IMPL = {"cpu": "chunked", "cuda": "chunked"}
+_AUTO_COMPILES_CHUNK = {"cpu": False, "cuda": True}
 
 
 def resolve_loss_impl(impl: str, device: torch.device) -> str:
@@ -385,7 +387,8 @@ def linear_cross_entropy(
         chunk_size: Tokens per chunk; ``None``: as many as fit in ``chunk_bytes`` (:func:`chunk_tokens`).
         impl: ``"chunked"`` (this module), ``"liger"`` (Liger-Kernel, CUDA), ``"plain"`` (full logits, the
             reference), or ``"auto"`` (:func:`resolve_loss_impl`).
-        compile_chunk: Compile the per-chunk loss and gradient (``"chunked"`` only).
+        compile_chunk: Compile the per-chunk loss and gradient (``"chunked"`` only; under ``"auto"`` only where
+            the device's measured default compiles it: on CUDA, not on a CPU, where the eager chunk is faster).
         chunk_bytes: Bytes for one chunk's logits and their float32 arithmetic when ``chunk_size`` is ``None``.
     """
     own = "linear_cross_entropy"
@@ -396,6 +399,8 @@ def linear_cross_entropy(
             f"linear_cross_entropy: targets of shape {tuple(targets.shape)} do not match hidden states of "
             f"shape {tuple(hidden.shape)} (expected {tuple(hidden.shape[:-1])})."
         )
+    if impl == "auto" and not _AUTO_COMPILES_CHUNK.get(hidden.device.type, True):
+        compile_chunk = False  # this device's measured default: the eager chunk is the faster
     impl = resolve_loss_impl(impl, hidden.device)
     shard = None
     if _is_dtensor(weight):  # a tensor-parallel head, sharded by vocabulary rows

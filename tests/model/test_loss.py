@@ -268,7 +268,7 @@ def test_the_compiled_chunk_is_one_static_shape_without_a_scatter_and_matches_ea
     ge = torch.autograd.grad(eager, [h, w])
     graphs = []
     with _record_inductor_graphs(graphs):
-        compiled = linear_cross_entropy(h, w, y, chunk_size=24, compile_chunk=True)
+        compiled = linear_cross_entropy(h, w, y, chunk_size=24, impl="chunked", compile_chunk=True)
         gc = torch.autograd.grad(compiled, [h, w])
     assert len(graphs) == 1, [g["shapes"] for g in graphs]  # the tail compiled nothing of its own
     (graph,) = graphs
@@ -283,6 +283,18 @@ def test_the_compiled_chunk_is_one_static_shape_without_a_scatter_and_matches_ea
     torch.testing.assert_close(compiled, _reference(h, w, y), rtol=1e-5, atol=1e-6)
     for a, b in zip(gc, ge):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_auto_on_a_cpu_keeps_the_chunk_eager_as_measured():
+    """The CPU's measured default (benchmarks/results/cpu/loss-bench/): the eager chunk, also when asked to compile."""
+    torch.compiler.reset()
+    loss_module._compiled.cache_clear()
+    h, w, y = _inputs(n=40)
+    graphs = []
+    with _record_inductor_graphs(graphs):
+        loss = linear_cross_entropy(h, w, y, chunk_size=24, compile_chunk=True)
+    assert graphs == [] and loss_module._compiled.cache_info().currsize == 0
+    torch.testing.assert_close(loss, _reference(h, w, y), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(("tokens", "chunk", "rows"), [(80, 24, 24), (72, 24, 24), (5, 24, 8), (17, 24, 24), (1, 4, 2)])
