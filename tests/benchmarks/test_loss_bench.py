@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+import torch
 
-from benchmarks import headline, loss_bench
-from tests._paths import REPO
+from benchmarks import loss_bench
 
 
 def test_the_tiny_run_measures_every_implementation_this_machine_has_and_says_why_not_the_others(tmp_path):
-    """As the headline's ``loss-bench`` part runs it under ``--tiny`` (its environment: compile disabled)."""
+    """As the headline's ``loss-bench`` part runs it under ``--tiny``, compilation off (there by
+    ``TORCH_COMPILE_DISABLE=1``; tests/benchmarks/test_headline.py runs that command whole)."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "benchmarks.loss_bench", "--tiny", "--device", "cpu", "--out", str(out)]
-    done = subprocess.run(cmd, cwd=REPO, env=headline._child_env(tiny=True), capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    with torch._dynamo.config.patch(disable=True):
+        assert loss_bench.main(["--tiny", "--device", "cpu", "--out", str(out)]) == 0
     result = json.loads((out / "loss-bench.json").read_text())
     rows = result["rows"]
     assert list(rows) == list(loss_bench.IMPLS) and (result["tokens"], result["vocab"]) == (96, 512)
@@ -33,6 +30,7 @@ def test_the_tiny_run_measures_every_implementation_this_machine_has_and_says_wh
     assert result["fastest_keeping_all"] in ("before", "chunked", "chunked-eager")  # the others keep fewer promises
     md = (out / "loss-bench.md").read_text()
     assert f"- command: `python -m benchmarks.loss_bench --tiny --device cpu --out {out}`" in md
+    assert loss_bench.markdown_lines(result) == md.splitlines()
     assert "| `liger` | - | - | - | - | - | none | skipped: Liger-Kernel runs on CUDA only |" in md
 
 
