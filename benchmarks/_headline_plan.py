@@ -31,8 +31,9 @@ class Part:
     Args:
         name: Its name in ``--parts``, the results and the log.
         what: One line for the plan and the results.
-        kind: ``device`` (in the command's own process), ``doctor``, ``throughput``, ``generation``, ``tests`` or
-            ``float8`` (``benchmarks.float8_bench``) (each a child process with a hard time limit).
+        kind: ``device`` (in the command's own process), ``doctor``, ``throughput``, ``loss`` (the loss
+            microbenchmark, ``benchmarks/loss_bench.py``), ``generation``, ``tests`` or ``float8``
+            (``benchmarks.float8_bench``) (each a child process with a hard time limit).
         preset: Model preset of a throughput part (``tiny`` under ``--tiny``).
         configs: Its ``benchmarks.throughput`` configurations, in run order.
         fp8_recipe: Its ``--fp8-recipe``.
@@ -47,7 +48,7 @@ class Part:
 
     name: str
     what: str
-    kind: Literal["device", "doctor", "throughput", "generation", "tests", "float8"]
+    kind: Literal["device", "doctor", "throughput", "loss", "generation", "tests", "float8"]
     preset: Optional[str] = None
     configs: tuple[str, ...] = ()
     fp8_recipe: str = "tensorwise"
@@ -62,6 +63,8 @@ PARTS: tuple[Part, ...] = (
     Part("throughput-124m", "124m, T 1024, fixed micro-batch: plain Lightning fp32, Lightning bf16-mixed, gpuopt bf16 "
          "+ compile, gpuopt float8 (tensorwise) + compile", "throughput", "124m",
          ("baseline", "lightning-bf16", "gpuopt-bf16-compile", "gpuopt-fp8-compile")),
+    Part("loss-bench", "the loss's forward + backward at 65,536 tokens, width 768, vocabulary 50,304: the chunked loss "
+         "before and now, full logits compiled, torch's, Liger's, cut-cross-entropy", "loss"),
     Part("gpu-tests", "the gpu-marked tests, correctness first, each with a timeout", "tests"),
     Part("throughput-774m", "774m, T 1024, fixed micro-batch: gpuopt bf16 + compile against float8 (tensorwise) "
          "+ compile", "throughput", "774m", ("gpuopt-bf16-compile", "gpuopt-fp8-compile")),
@@ -112,7 +115,8 @@ GPU_TEST_FILES: tuple[str, ...] = (
 # (the last results and the chart), the parts "device" and "doctor", "process" (a throughput child:
 # imports, CUDA, tokenising, cached after the first, and the timed matmul ceiling), "<preset>/<config>"
 # (one run of one throughput configuration: building, warm-up with compilation, measured steps; "/rowwise"
-# for float8 rowwise, "/mb<N>" at a part's own micro-batch), "generation" (its process, the export to
+# for float8 rowwise, "/mb<N>" at a part's own micro-batch), "loss" (the loss microbenchmark: its compilations
+# and 3 x 5 timed steps of each: a guess, it never ran on a GPU), "generation" (its process, the export to
 # transformers, a warm-up and a timed run of each of its three configurations: a guess, it never ran on a GPU),
 # "pytest" (its start and collection) and one per gpu test file.
 # H100: measured on an H100 80GB HBM3 (SXM), 16 host cores, on 2026-11-27 (benchmarks/results/h100/2026-11-27:
@@ -134,6 +138,7 @@ _H100: dict[str, float] = {
     "774m/gpuopt-bf16-compile/mb16": 26, "774m/gpuopt-fp8-compile/mb16": 26,
     "124m/gpuopt-bf16-compile/mb8": 12, "124m/gpuopt-bf16-compile-cudagraphs/mb8": 20,
     "124m/gpuopt-bf16-compile-autotune/mb64": 80,
+    "loss": 90,
     "generation": 75,
     # float8: shapes, then 124m compared, the profiles, the other presets: the part uses its whole limit, its own
     # budget skipping what does not fit; 380 s lets `--parts float8` run alone within 420 s (an estimate)
@@ -150,7 +155,7 @@ ESTIMATES: dict[str, dict[str, float]] = {
     "H100": _H100,
     "H200": dict(_H100),
     "tiny": {
-        "start-up": 8, "finish": 2, "device": 1, "doctor": 10, "process": 7,
+        "start-up": 8, "finish": 2, "device": 1, "doctor": 10, "process": 7, "loss": 12,
         "tiny/baseline": 1, "tiny/lightning-bf16": 1, "tiny/gpuopt-bf16-compile": 1, "tiny/gpuopt-fp8-compile": 2,
         "tiny/gpuopt-fp8-compile/rowwise": 2, "tiny/gpuopt-bf16-compile-auto": 3, "tiny/torch-loop": 1,
         "tiny/gpuopt-bf16-compile-model": 1, "tiny/gpuopt-bf16-compile-bf16res": 1,
@@ -198,7 +203,7 @@ def part_repeats(part: Part, tiny: bool) -> int:
 
 def part_keys(part: Part, tiny: bool) -> list[str]:
     """The ``ESTIMATES`` keys that ``part`` reads."""
-    if part.kind in ("device", "doctor", "generation", "float8"):
+    if part.kind in ("device", "doctor", "loss", "generation", "float8"):
         return [part.kind]
     if part.kind == "tests":
         return ["pytest", *GPU_TEST_FILES]
@@ -212,7 +217,7 @@ def measured_part(part: Part, family: str, tiny: bool) -> bool:
 
 def part_estimate(part: Part, estimates: dict[str, float], tiny: bool) -> float:
     """Seconds ``part`` is expected to take (everything it runs)."""
-    if part.kind in ("device", "doctor", "generation", "float8"):
+    if part.kind in ("device", "doctor", "loss", "generation", "float8"):
         return estimates[part.kind]
     if part.kind == "tests":
         return estimates["pytest"] + sum(estimates[f] for f in GPU_TEST_FILES)

@@ -3,7 +3,7 @@
 ``headline_rows`` flattens the throughput parts into one table (preset, configuration, tokens/s,
 speed-ups, MFU against the datasheet and the measured matmul ceiling, peak memory, compile time);
 ``junit_summary`` reads the gpu tests' XML; ``markdown`` and ``plot`` turn the report into a page
-and a chart. The JSON is the report itself (``_report.write_json``).
+and a chart (the loss microbenchmark's table is its own: ``loss_bench.markdown_lines``). The JSON is the report itself (``_report.write_json``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Optional
 
+from benchmarks import loss_bench
 from benchmarks._configs import BASELINE, FP8_CONFIGS
 
 __all__ = ["headline_rows", "junit_summary", "markdown", "plot"]
@@ -174,6 +175,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Parts", "", *_part_lines(parts), ""]
     if (parts.get("doctor") or {}).get("result"):
         lines += _doctor_lines(parts["doctor"]["result"])
+    if (parts.get("loss-bench") or {}).get("result"):
+        lines += [*loss_bench.markdown_lines(parts["loss-bench"]["result"]), ""]
     if (parts.get("generation") or {}).get("result"):
         lines += _generation_lines(parts["generation"]["result"])
     if (parts.get("gpu-tests") or {}).get("result"):

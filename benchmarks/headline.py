@@ -332,6 +332,8 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
                "--json", str(folder / "doctor.json")]
     elif part.kind == "tests":
         cmd = _tests_cmd(args, out / "gpu-tests.xml")
+    elif part.kind == "loss":
+        cmd = [sys.executable, "-m", "benchmarks.loss_bench", "--out", str(folder), *(["--tiny"] if args.tiny else [])]
     elif part.kind == "generation":
         cmd = [sys.executable, "-m", "benchmarks.generation", *(_GENERATION_TINY if args.tiny else _GENERATION_GPU),
                "--repeats", "1", "--configs", "sequential,continuous,transformers", "--out", str(folder)]
@@ -350,6 +352,8 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
         entry["result"] = _load_json(folder / "doctor.json")
     elif part.kind == "tests":
         entry["result"] = junit_summary(out / "gpu-tests.xml")
+    elif part.kind == "loss":
+        entry["result"] = _load_json(folder / "loss-bench.json")
     elif part.kind == "generation":
         entry["result"] = _load_json(folder / "generation.json")
     elif part.kind == "float8":

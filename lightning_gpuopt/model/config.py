@@ -174,7 +174,9 @@ class GPTConfig:
     # "chunked": the head matmul and the loss together, no full logits (any device); "liger": Liger-Kernel (CUDA,
     # the liger extra); "plain": full float32 logits, the reference; "auto": "chunked" (docs/model.md, "The loss")
     loss_impl: LossImpl = "auto"
-    loss_chunk_size: Optional[int] = None  # tokens per chunk; None: as many as fit 512 MiB (loss.chunk_tokens)
+    # Tokens per chunk; None: as many as fit 512 MiB (loss.chunk_tokens), or, in a GPTModule, chosen at setup
+    # from the free memory and saved with the checkpoints (loss.run_chunk_tokens)
+    loss_chunk_size: Optional[int] = None
     # The family, saved with checkpoints by its preset: "gpt2", "llama" or "qwen2" (_FAMILIES: its capabilities).
     arch: Arch = "gpt2"
     n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention), must divide n_head; None: n_head

@@ -9,6 +9,7 @@ why torch's ``F.linear_cross_entropy`` is not used: ``docs/model.md`` ("The loss
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
 import torch
@@ -17,7 +18,18 @@ from torch import Tensor
 
 from lightning_gpuopt.option_checks import check_choice, check_int
 
-__all__ = ["CHUNK_BYTES", "LOSS_IMPLS", "LossImpl", "chunk_tokens", "linear_cross_entropy", "resolve_loss_impl"]
+__all__ = [
+    "CHUNK_BYTES",
+    "LOSS_IMPLS",
+    "MAX_CHUNK_BYTES",
+    "LossImpl",
+    "chunk_budget",
+    "chunk_tokens",
+    "device_free_bytes",
+    "linear_cross_entropy",
+    "resolve_loss_impl",
+    "run_chunk_tokens",
+]
 
 LossImpl = Literal["auto", "chunked", "liger", "plain"]
 LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
@@ -25,7 +37,15 @@ LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
 
 # Bytes for one chunk's logits and their float32 arithmetic (512 MiB): the token count follows the
 # vocabulary, and a bf16 chunk (logits + float32 copy, 6 B a logit) weighs what a float32 one (4 B) does.
+# The default of a bare call, and the least a run's budget (chunk_budget) gets.
 CHUNK_BYTES = 2**29
+# The most a run's budget gets (4 GiB): 8,192 bf16 tokens at a vocabulary of 50,304, so a 65,536-token
+# micro-batch updates the float32 weight gradient 8 times, not 37 as at 512 MiB (each update reads and
+# writes all of it: 155 MB at 124m).
+MAX_CHUNK_BYTES = 2**32
+# A run's budget is this fraction of the device's free memory at setup, before the model and its
+# activations take theirs (an H100's ~79 GB free: 4.9 GB, so the 4 GiB cap).
+_FREE_FRACTION = 16
 
 # fp16 holds no number below 6e-8: a softmax entry of 1e-9 (there are many at a vocabulary of 50k)
 # would be lost in an fp16 gradient. The fp16 gradient is lifted by this power of two (exact) and the
@@ -34,17 +54,61 @@ _FP16_LIFT = 2.0**14
 
 
 def chunk_tokens(vocab_size: int, compute_dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Tokens per chunk so that one chunk's logits and their float32 arithmetic fit in ``chunk_bytes``.
+    """Tokens per chunk so that one chunk's logits and their float32 arithmetic fit in ``chunk_bytes``:
+    a power of two, so that the usual token counts (micro-batch x a power-of-two sequence) split into
+    whole chunks and the padded tail of :func:`linear_cross_entropy`'s compiled path costs nothing.
 
     Example::
 
         >>> chunk_tokens(50304, torch.float32), chunk_tokens(50304, torch.bfloat16)
-        (2656, 1776)
+        (2048, 1024)
+        >>> chunk_tokens(50304, torch.bfloat16, MAX_CHUNK_BYTES)
+        8192
     """
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     per_logit = itemsize + 4 if itemsize < 4 else itemsize  # bf16: the logit and its float32 copy
     tokens = max(1, chunk_bytes // (vocab_size * per_logit))
-    return tokens - tokens % 16 if tokens > 16 else tokens  # a multiple of 16: matmul tiles
+    return 1 << (tokens.bit_length() - 1)
+
+
+def chunk_budget(free_bytes: Optional[int]) -> int:
+    """A run's bytes for one chunk (:func:`chunk_tokens`) from the device's free memory at setup: a sixteenth
+    of it, at least :data:`CHUNK_BYTES` and at most :data:`MAX_CHUNK_BYTES`; ``None`` (not known): ``CHUNK_BYTES``.
+
+    Example::
+
+        >>> chunk_budget(79 * 10**9) == MAX_CHUNK_BYTES, chunk_budget(4 * 10**9) == CHUNK_BYTES
+        (True, True)
+    """
+    if free_bytes is None:
+        return CHUNK_BYTES
+    check_int("chunk_budget", "free_bytes", free_bytes, minimum=0)
+    return min(max(free_bytes // _FREE_FRACTION, CHUNK_BYTES), MAX_CHUNK_BYTES)
+
+
+def device_free_bytes(device: torch.device) -> Optional[int]:
+    """Free memory of ``device`` now: the CUDA allocator's view (``torch.cuda.mem_get_info``), the host's
+    available memory on a CPU (Linux), ``None`` where neither is known."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):  # a platform without these names
+            return None
+    return None
+
+
+def run_chunk_tokens(vocab_rows: int, compute_dtype: torch.dtype, free_bytes: Optional[int]) -> int:
+    """The chunk of a run: chosen once, at setup, from the free memory then, and kept for the whole run (saved
+    with its checkpoints), so the weight gradient is summed in the same order after a resume.
+
+    Example::
+
+        >>> run_chunk_tokens(50304, torch.bfloat16, 79 * 10**9), run_chunk_tokens(50304, torch.bfloat16, None)
+        (8192, 1024)
+    """
+    return chunk_tokens(vocab_rows, compute_dtype, chunk_budget(free_bytes))
 
 
 def _grad_dtype(compute_dtype: torch.dtype, device_type: str) -> torch.dtype:
@@ -78,10 +142,25 @@ def _chunk_loss_and_grad(
     token count (the backward pass applies it, with a GradScaler's scale, to the float32 matmul results)."""
     # The logits are made in the call, so no frame keeps them alive beside their float32 copy.
     exp, total, loss_sum, valid, safe = _exp_and_loss(h_c @ w.t(), targets, ignore_index)  # (n, V) logits
-    grad = exp.div_(total)  # softmax
-    grad.scatter_add_(1, safe, torch.full_like(total, -1.0))  # - one_hot(target)
+    grad = _minus_one_hot(exp.div_(total), safe)  # softmax - one_hot(target)
     grad.mul_((valid.to(grad.dtype) * lift).unsqueeze(1))  # ignored positions get no gradient
     return loss_sum, grad.to(grad_dtype)
+
+
+def _minus_one_hot(probs: Tensor, safe: Tensor, owned: Optional[Tensor] = None) -> Tensor:
+    """``probs - one_hot(safe)`` (only on the rows where ``owned``, if given); ``probs`` is (n, V), ``safe`` (n, 1)."""
+    if torch.compiler.is_compiling():
+        # Pointwise, from a comparison with the column index: Inductor fuses it into the softmax's pass.
+        # A scatter is a mutation: it would make Inductor write the float32 softmax out, scatter into it
+        # and read it back in a second kernel (8 more bytes a logit).
+        hot = torch.arange(probs.size(1), device=probs.device) == safe  # (n, V)
+        if owned is not None:
+            hot = hot & owned.unsqueeze(1)
+        return probs - hot.to(probs.dtype)
+    # Eagerly each operation is its own pass: the scatter writes n entries in place, where the comparison
+    # would make an (n, V) mask and a new (n, V) result.
+    one = torch.full_like(safe, -1, dtype=probs.dtype) if owned is None else torch.where(owned, -1.0, 0.0).unsqueeze(1)
+    return probs.scatter_add_(1, safe, one.to(probs.dtype))
 
 
 def _chunk_loss(h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
@@ -116,8 +195,7 @@ def _shard_exp(x: Tensor, row_max: Tensor, owned: Tensor, safe: Tensor) -> tuple
 def _shard_grad(exp: Tensor, total: Tensor, valid: Tensor, owned: Tensor, safe: Tensor, grad_dtype: torch.dtype,
                 lift: float) -> Tensor:
     """``lift * (softmax - one_hot)`` on this rank's columns (as ``_chunk_loss_and_grad``)."""
-    grad = exp.div_(total)
-    grad.scatter_add_(1, safe, torch.where(owned, -1.0, 0.0).unsqueeze(1))  # the one-hot on the target's rank only
+    grad = _minus_one_hot(exp.div_(total), safe, owned)  # the one-hot on the target's rank only
     grad.mul_((valid.to(grad.dtype) * lift).unsqueeze(1))
     return grad.to(grad_dtype)
 
@@ -145,9 +223,26 @@ def _shard_chunk(h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int, sha
 
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
-    # dynamic=True: one graph for every chunk length (a batch-size search or the last, shorter chunk
-    # would otherwise each compile again).
-    return torch.compile(fn, dynamic=True)
+    # Static shapes: every chunk has the run's chunk rows (the tail is padded, _chunk_rows), so one graph
+    # serves the run and Inductor sizes its kernels for that row count, not for a symbolic one hinted by
+    # whichever call came first. No split reduction: with fewer rows than ~64 per SM (8,192 on an H100)
+    # Inductor would split the reduction over the vocabulary into several kernels, which turns its
+    # online softmax (max and sum in one pass) off. A per-compile option: the rest of the model keeps it.
+    return torch.compile(fn, dynamic=False, options={"split_reductions": False})
+
+
+def _chunk_rows(tokens: int, chunk_size: int) -> int:
+    """The rows of every compiled chunk: ``chunk_size``, or for fewer tokens the next power of two (few shapes)."""
+    return chunk_size if tokens >= chunk_size else min(chunk_size, 1 << max(tokens - 1, 1).bit_length())
+
+
+def _padded(h_c: Tensor, t_c: Tensor, rows: int, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """A chunk of its own storage with ``rows`` rows: zero hidden states and ignored targets below the real ones
+    (they add no loss and a zero gradient)."""
+    pad = rows - h_c.size(0)
+    if pad == 0:
+        return h_c.clone(), t_c.clone()
+    return F.pad(h_c, (0, 0, 0, pad)), F.pad(t_c, (0, pad), value=ignore_index)
 
 
 def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
@@ -190,17 +285,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 return _shard_chunk(h_c, w, t_c, ignore_index, shard, compile_chunk)[0]
         grad_h = hidden.new_empty(hidden.shape, dtype=acc) if needs_grad[0] else None
         grad_w = weight.new_zeros(weight.shape, dtype=acc) if needs_grad[1] else None
+        rows = _chunk_rows(h.size(0), chunk_size)
         for start in range(0, h.size(0), chunk_size):
-            end = start + chunk_size
-            # The slices as tensors of their own: a view would make the compiled kernel guard on the size
-            # of the whole batch and compile again for each batch size (the hidden chunk is n x C, small).
+            end = min(start + chunk_size, h.size(0))
             h_c, t_c = h[start:end], targets[start:end].clone()
             if compile_chunk:
-                h_c = h_c.clone()
+                # Every chunk of one shape (the tail padded), each of its own storage: a view would make the
+                # compiled kernel guard on the whole batch's size (the hidden chunk is n x C, small).
+                h_c, t_c = _padded(h_c, t_c, rows, ignore_index)
             if grad_h is None and grad_w is None:  # evaluation
                 loss_sum += loss_fn(h_c, w, t_c, ignore_index)
                 continue
-            chunk_loss, g = grad_fn(h_c, w, t_c, ignore_index, grad_dtype, lift)  # g: (n, V) (V / tp under TP)
+            chunk_loss, g = grad_fn(h_c, w, t_c, ignore_index, grad_dtype, lift)  # g: (rows, V) (V / tp under TP)
+            g = g[: end - start]  # the padded rows' gradient is zero
             loss_sum += chunk_loss
             if grad_h is not None:
                 _mm_into(grad_h[start:end], g, w_g, accumulate=False)  # (n, C)
@@ -242,13 +339,22 @@ def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, c
         )
 
 
+# What "auto" is, per device type: the fastest implementation that keeps the loss's promises (exact float32
+# loss, fp16 gradients without underflow, the vocabulary-parallel form) in the loss microbenchmark
+# (benchmarks/loss_bench.py), and whether it compiles its chunk kernel when asked to (compile_chunk). CPU:
+# measured (benchmarks/results/cpu/loss-bench/: the eager chunk 7.7 s, the compiled one 8.9 s). CUDA: the
+# compiled chunk until a GPU measurement exists. Any other device: "chunked" as asked, which runs everywhere.
+_AUTO_IMPL = {"cpu": "chunked", "cuda": "chunked"}
+_AUTO_COMPILES_CHUNK = {"cpu": False, "cuda": True}
+
+
 def resolve_loss_impl(impl: str, device: torch.device) -> str:
-    """The implementation ``impl`` stands for on ``device``: ``"auto"`` is ``"chunked"`` (no extra package, any device).
-    """
+    """The implementation ``impl`` stands for on ``device``: ``"auto"`` is the measured default of the device type
+    (``"chunked"`` on every device today)."""
     check_choice("linear_cross_entropy", "impl", impl, LOSS_IMPLS)
     if impl == "liger" and device.type != "cuda":
         raise ValueError(f"loss_impl='liger' runs on CUDA only, not on {device.type}: use loss_impl='chunked'.")
-    return "chunked" if impl == "auto" else impl
+    return _AUTO_IMPL.get(device.type, "chunked") if impl == "auto" else impl
 
 
 def linear_cross_entropy(
@@ -281,7 +387,8 @@ def linear_cross_entropy(
         chunk_size: Tokens per chunk; ``None``: as many as fit in ``chunk_bytes`` (:func:`chunk_tokens`).
         impl: ``"chunked"`` (this module), ``"liger"`` (Liger-Kernel, CUDA), ``"plain"`` (full logits, the
             reference), or ``"auto"`` (:func:`resolve_loss_impl`).
-        compile_chunk: Compile the per-chunk loss and gradient (``"chunked"`` only).
+        compile_chunk: Compile the per-chunk loss and gradient (``"chunked"`` only; under ``"auto"`` only where
+            the device's measured default compiles it: on CUDA, not on a CPU, where the eager chunk is faster).
         chunk_bytes: Bytes for one chunk's logits and their float32 arithmetic when ``chunk_size`` is ``None``.
     """
     own = "linear_cross_entropy"
@@ -292,6 +399,8 @@ def linear_cross_entropy(
             f"linear_cross_entropy: targets of shape {tuple(targets.shape)} do not match hidden states of "
             f"shape {tuple(hidden.shape)} (expected {tuple(hidden.shape[:-1])})."
         )
+    if impl == "auto" and not _AUTO_COMPILES_CHUNK.get(hidden.device.type, True):
+        compile_chunk = False  # this device's measured default: the eager chunk is the faster
     impl = resolve_loss_impl(impl, hidden.device)
     shard = None
     if _is_dtensor(weight):  # a tensor-parallel head, sharded by vocabulary rows

@@ -21,7 +21,7 @@ from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype
 from lightning_gpuopt.precision.float8_measure import planned_micro_batch
 from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
-from lightning_gpuopt.model.loss import LossImpl
+from lightning_gpuopt.model.loss import LossImpl, device_free_bytes, run_chunk_tokens
 from lightning_gpuopt.generation.batched import GenerationJob, fit_to_context, generate_batched
 from lightning_gpuopt.model.checkpoint import check_weights, gpt_state_dict, load_gpt_weights
 from lightning_gpuopt.model.hf import hf_architecture, is_hf_folder, load_hf_weights
@@ -33,6 +33,9 @@ from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel, local_
 from lightning_gpuopt.option_checks import check_choice, check_int, check_number, from_command_line
 
 __all__ = ["GPTModule"]
+
+# The dtype of the loss's logits under each compute dtype (compute_dtype_name): float8 keeps the head in bf16.
+_LOGIT_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 def _bf16_autocast(plugin: Any) -> bool:
@@ -89,7 +92,9 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
             ``"bfloat16"``: under bf16 autocast it is bf16 from the embeddings on, so every norm and residual add
             moves half the bytes (nanochat, modded-nanogpt); under another precision it changes nothing (warned).
         loss_impl: ``"auto"``/``"chunked"``, ``"liger"`` or ``"plain"`` (``GPTConfig.loss_impl``).
-        loss_chunk_size: Tokens per chunk of the chunked loss; ``None``: from the vocabulary.
+        loss_chunk_size: Tokens per chunk of the chunked loss; ``None``: chosen at setup from the vocabulary and the
+            device's free memory (``model.loss.run_chunk_tokens``), then saved with the checkpoints, so a resumed
+            run keeps its chunk (and sums the head's gradient in the same order).
         max_new_tokens: Tokens generated per prompt by ``predict_step``.
         temperature: Sampling temperature for ``predict_step`` (0 is greedy).
         top_k: Top-k sampling for ``predict_step``.
@@ -261,11 +266,42 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
                 )
         tensor_parallel = _tensor_parallel_size(self.device_mesh)
         check_tensor_parallel(self.config, tensor_parallel)  # before the model is built
+        if trainer is not None:
+            self._choose_loss_chunk(trainer, tensor_parallel)
         if stage == "predict" and tensor_parallel > 1:
             raise ValueError(
                 f"GPTModule does not generate split over {tensor_parallel} tensor-parallel ranks (its decoding cache "
                 "and sequence shards are planned for training only): predict with tensor_parallel_size=1."
             )
+
+    def _choose_loss_chunk(self, trainer: pl.Trainer, tensor_parallel: int) -> None:
+        """The loss's chunk for this run, once (unless given): from the device's free memory now, before the model
+        and its activations take theirs. A resume replaces it by the checkpoint's (``on_load_checkpoint``)."""
+        if self.config.loss_chunk_size is not None:
+            return
+        dtype = _LOGIT_DTYPES.get(compute_dtype_name(trainer.precision_plugin) or "", torch.float32)
+        free = device_free_bytes(trainer.strategy.root_device)
+        chunk = run_chunk_tokens(self.config.padded_vocab_size // tensor_parallel, dtype, free)
+        # Rank 0's for every rank: the tensor-parallel loss runs collectives per chunk, so all cut the same chunks.
+        self.config.loss_chunk_size = int(trainer.strategy.broadcast(chunk, src=0))
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["loss_chunk_size"] = self.config.loss_chunk_size
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("loss_chunk_size")  # absent in a checkpoint of an older version: the chunk of setup
+        if saved is None or saved == self.config.loss_chunk_size:
+            return
+        if self.hparams.get("loss_chunk_size") is None:
+            self.config.loss_chunk_size = saved
+            return
+        rank_zero_warn(
+            f"GPTModule(loss_chunk_size={self.config.loss_chunk_size}) differs from the {saved} tokens per chunk of "
+            "the checkpoint's run: the head's weight gradient is summed in another order, so this run is not "
+            "bit-exact against one that was not interrupted. Leave loss_chunk_size unset to keep the checkpoint's."
+        )
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)

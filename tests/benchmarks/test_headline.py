@@ -21,7 +21,7 @@ from lightning_gpuopt.perf.device import REFERENCE_DEVICES, DeviceFacts
 from tests._paths import REPO
 
 FILES = {"headline.json", "headline.md", "headline.png", "gpu-tests.xml", "headline.log"}
-FIRST = "doctor,throughput-124m,generation,gpu-tests,throughput-774m,auto-batch-124m,fp8-rowwise-124m"  # the end-to-end --tiny run
+FIRST = "doctor,throughput-124m,loss-bench,generation,gpu-tests,throughput-774m,auto-batch-124m,fp8-rowwise-124m"  # the end-to-end --tiny run
 
 
 def _expected_end(stdout: str) -> float:
@@ -40,7 +40,7 @@ def test_the_plan_for_an_h100_or_h200_fits_seven_minutes_and_further_commands_ru
     rows, end = plan(list(PARTS), estimates, tiny=False, budget_s=420)
     ran = {r.part: r for r in rows if r.limit_s is not None}
     # The parts of most value run first, the gpu tests among them.
-    assert list(ran)[:5] == ["device", "doctor", "throughput-124m", "gpu-tests", "throughput-774m"]
+    assert list(ran)[:5] == ["device", "doctor", "throughput-124m", "loss-bench", "gpu-tests"]
     assert end <= 420 and all(r.start_s + r.limit_s <= 420 - GRACE_S for r in ran.values())
     late = [r.part for r in rows if r.limit_s is None]
     commands = headline.later_commands(late, estimates, False, 420)
@@ -218,6 +218,8 @@ def test_the_command_at_the_tiny_preset_runs_every_part_and_writes_its_files(tex
     auto = report["headline"][6]
     assert auto["auto_batch"]["micro_batch_size"] == 8 and auto["accumulate_grad_batches"] == 2 and auto["search_s"] > 0
     assert report["headline"][0]["vs_baseline"] == pytest.approx(1.0)
+    loss = report["parts"]["loss-bench"]["result"]["rows"]
+    assert loss["chunked"]["status"] == "ok" and loss["liger"]["status"] == "skipped"
 
     generation = report["parts"]["generation"]["result"]
     assert [r["config"] for r in generation["results"]] == ["sequential", "continuous", "transformers"]
@@ -234,6 +236,7 @@ def test_the_command_at_the_tiny_preset_runs_every_part_and_writes_its_files(tex
     assert "Smoke run (`--tiny`)" in md and "| tiny | `baseline` | 8 x 2 |" in md  # accumulating to 16
     assert "| gpu-tests |" in md and "AutoBatchSize (tiny): chose micro-batch 8 x 2" in md
     assert "## Generation: 16 rows" in md and "| `transformers` | 4 |" in md
+    assert "## Loss microbenchmark" in md
     assert (out / "headline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (out / "headline.log").read_text()
     assert all(f"== {p}: python -m " in text for p in FIRST.split(","))

@@ -194,12 +194,13 @@ def _live_chunk_bytes(fn, v, c):
 
 @pytest.mark.parametrize(("dtype", "per_logit"), [(torch.float32, 4), (torch.bfloat16, 6)])
 def test_the_chunk_follows_the_byte_budget(dtype, per_logit):
-    """A chunk is as many tokens as fit the budget at this vocabulary, and a bf16 chunk (logits + one
-    float32 copy) holds no more bytes than a float32 one."""
-    v, c, budget = 256, 16, 6 * 256 * 48
+    """A chunk is the largest power of two of tokens that fits the budget at this vocabulary, and a bf16 chunk
+    (logits + one float32 copy) holds no more bytes than a float32 one."""
+    v, c, budget = 256, 16, 4 * 256 * 64
     h, w, y = _inputs(n=100, c=c, v=v)
     tokens = chunk_tokens(v, dtype, budget)
-    assert tokens == budget // (v * per_logit) // 16 * 16 and tokens == (64 if dtype == torch.float32 else 48)
+    fits = budget // (v * per_logit)  # 64 in float32, 42 in bf16
+    assert tokens <= fits < 2 * tokens and tokens == (64 if dtype == torch.float32 else 32)
     assert chunk_tokens(4 * v, dtype, budget) < tokens  # a larger vocabulary: fewer tokens
 
     def step():
@@ -241,15 +242,118 @@ def test_never_allocates_the_full_logits():
     assert Largest.numel == 2 * n * v  # the plain path does materialise them: the check can fail
 
 
-def test_compiled_chunk_kernel_matches_eager():
-    h, w, y = _inputs(n=40)
+def _record_inductor_graphs(graphs):
+    """A post-grad pass of Inductor's that keeps, per compiled graph, its input shapes, its operators and whether
+    the reduction may be split, as Inductor compiles it."""
+    import torch._inductor.config as inductor_config
+
+    def record(graph):
+        graphs.append(dict(
+            shapes=[tuple(n.meta["val"].shape) for n in graph.nodes if n.op == "placeholder"],
+            ops=[str(n.target) for n in graph.nodes if n.op == "call_function"],
+            split_reductions=inductor_config.split_reductions,
+        ))
+
+    return inductor_config.patch(post_grad_custom_post_pass=record)
+
+
+def test_the_compiled_chunk_is_one_static_shape_without_a_scatter_and_matches_eager():
+    """The compiled loss: one graph for every chunk (the tail padded to the chunk's rows), the one-hot built
+    pointwise (no scatter, which would make Inductor realise the float32 softmax and run a second kernel), no
+    split reduction (it turns Inductor's online softmax off), and the loss and gradients of the eager path."""
+    torch.compiler.reset()
+    loss_module._compiled.cache_clear()
+    h, w, y = _inputs(n=40)  # 80 tokens: chunks of 24, 24, 24 and a tail of 8
     eager = linear_cross_entropy(h, w, y, chunk_size=24)
     ge = torch.autograd.grad(eager, [h, w])
-    compiled = linear_cross_entropy(h, w, y, chunk_size=24, compile_chunk=True)
-    gc = torch.autograd.grad(compiled, [h, w])
+    graphs = []
+    with _record_inductor_graphs(graphs):
+        compiled = linear_cross_entropy(h, w, y, chunk_size=24, impl="chunked", compile_chunk=True)
+        gc = torch.autograd.grad(compiled, [h, w])
+    assert len(graphs) == 1, [g["shapes"] for g in graphs]  # the tail compiled nothing of its own
+    (graph,) = graphs
+    assert graph["shapes"] == [(96, 16), (24, 16), (24,)]  # weight, hidden chunk, targets: static
+    assert not [op for op in graph["ops"] if "scatter" in op or "index_put" in op], graph["ops"]
+    assert "aten.eq.Tensor" in graph["ops"]  # the one-hot, from a comparison with the column index
+    assert graph["split_reductions"] is False
+    import torch._inductor.config as inductor_config
+
+    assert inductor_config.split_reductions is True  # only for the loss: the global setting is untouched
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled, _reference(h, w, y), rtol=1e-5, atol=1e-6)
     for a, b in zip(gc, ge):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_auto_on_a_cpu_keeps_the_chunk_eager_as_measured():
+    """The CPU's measured default (benchmarks/results/cpu/loss-bench/): the eager chunk, also when asked to compile."""
+    torch.compiler.reset()
+    loss_module._compiled.cache_clear()
+    h, w, y = _inputs(n=40)
+    graphs = []
+    with _record_inductor_graphs(graphs):
+        loss = linear_cross_entropy(h, w, y, chunk_size=24, compile_chunk=True)
+    assert graphs == [] and loss_module._compiled.cache_info().currsize == 0
+    torch.testing.assert_close(loss, _reference(h, w, y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("tokens", "chunk", "rows"), [(80, 24, 24), (72, 24, 24), (5, 24, 8), (17, 24, 24), (1, 4, 2)])
+def test_the_compiled_chunk_rows(tokens, chunk, rows):
+    """Every compiled chunk has the chunk's rows; fewer tokens than a chunk take the next power of two."""
+    assert loss_module._chunk_rows(tokens, chunk) == rows
+
+
+def test_the_run_budget_follows_the_free_memory_within_its_bounds():
+    budget, GB = loss_module.chunk_budget, 10**9
+    assert budget(None) == loss_module.CHUNK_BYTES  # not known: a bare call's default
+    assert budget(1 * GB) == budget(0) == loss_module.CHUNK_BYTES  # at least 512 MiB
+    assert budget(16 * GB) == 1 * GB  # a sixteenth
+    assert budget(79 * GB) == budget(141 * GB) == loss_module.MAX_CHUNK_BYTES  # an H100, an H200: 4 GiB
+    # At the 124m benchmark's vocabulary on an H100: 8 chunks in a 65,536-token micro-batch, not 37.
+    chunk = loss_module.run_chunk_tokens(50304, torch.bfloat16, 79 * GB)
+    assert chunk == 8192 and 65536 // chunk == 8
+    assert loss_module.run_chunk_tokens(50304, torch.bfloat16, None) == 1024
+    with pytest.raises(ValueError, match="chunk_budget.free_bytes must be an integer >= 0"):
+        budget(-1)
+
+
+def test_a_resume_keeps_the_chunk_of_its_run_when_the_free_memory_changed(tmp_path, monkeypatch):
+    """The chunk is chosen once, at setup, from the free memory, saved with the checkpoint, and a resume takes
+    the checkpoint's (the head's gradient is summed in the same order), not what the free memory gives now."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gpuopt.model import module as module_module
+    from tests.precision._helpers import tiny_gpt_module, token_loader
+
+    def fit(free_bytes, max_steps, ckpt_path=None):
+        monkeypatch.setattr(module_module, "device_free_bytes", lambda device: free_bytes)
+        model = tiny_gpt_module()
+        trainer = pl.Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+        trainer.fit(model, train_dataloaders=token_loader(n_seq=4, batch_size=4), ckpt_path=ckpt_path)
+        return model
+
+    big, small = 64 * 2**30, 2**30  # budgets of 4 GiB and 512 MiB
+    first = fit(big, max_steps=1)
+    chunk = loss_module.run_chunk_tokens(256, torch.float32, big)  # the tiny preset's padded vocabulary: 256
+    assert first.config.loss_chunk_size == first.model.config.loss_chunk_size == chunk
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["loss_chunk_size"] == chunk
+    assert fit(small, max_steps=1).config.loss_chunk_size == chunk // 8  # a fresh run follows the free memory
+    resumed = fit(small, max_steps=2, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert resumed.config.loss_chunk_size == chunk  # the resumed run keeps its own
+
+
+def test_a_chunk_given_against_the_checkpoints_says_the_resume_is_not_bit_exact():
+    from tests.precision._helpers import tiny_gpt_module
+
+    model = tiny_gpt_module(loss_chunk_size=64)
+    with pytest.warns(UserWarning, match="differs from the 128 tokens per chunk of the checkpoint's run"):
+        model.on_load_checkpoint({"loss_chunk_size": 128})
+    assert model.config.loss_chunk_size == 64  # the user's, as given
+    unset = tiny_gpt_module()
+    unset.on_load_checkpoint({"loss_chunk_size": 128})
+    assert unset.config.loss_chunk_size == 128
 
 
 @pytest.mark.parametrize(
