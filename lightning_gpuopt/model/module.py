@@ -291,6 +291,14 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """``--ckpt_path`` (fit, validate, test, predict): the weights checked as at every door (``check_weights``),
+        before Lightning loads them (a checkpoint IO that allows non-finite weights lets them through here too); a
+        resumed run keeps the loss chunk of its checkpoint."""
+        trainer = attached_trainer(self)
+        source = getattr(trainer, "ckpt_path", None) or "the checkpoint"
+        allow = getattr(getattr(getattr(trainer, "strategy", None), "checkpoint_io", None), "allow_nonfinite", False)
+        if isinstance(checkpoint.get("state_dict"), dict):
+            check_weights(gpt_state_dict(checkpoint), source, self.config, finite=allow is not True)
         saved = checkpoint.get("loss_chunk_size")  # absent in a checkpoint of an older version: the chunk of setup
         if saved is None or saved == self.config.loss_chunk_size:
             return
@@ -423,16 +431,6 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
             counts["completions"] += 1
             counts["tokens"] += len(done.tokens)
         return counts
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """``--ckpt_path`` (fit, validate, test, predict): the weights checked as at every door (``check_weights``),
-        before Lightning loads them; a checkpoint IO that allows non-finite weights lets them through here too."""
-        trainer = attached_trainer(self)
-        source = getattr(trainer, "ckpt_path", None) or "the checkpoint"
-        allow = getattr(getattr(getattr(trainer, "strategy", None), "checkpoint_io", None), "allow_nonfinite", False)
-        if isinstance(checkpoint.get("state_dict"), dict):
-            check_weights(gpt_state_dict(checkpoint), source, self.config, finite=allow is not True)
 
     @override
     def configure_gradient_clipping(
