@@ -287,7 +287,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             cache = caches[i] if caches else None
-            if self.config.activation_checkpointing and self.training and cache is None:
+            if self.config.checkpoints_block(i) and self.training and cache is None:
                 x = checkpoint(block, x, None, rope, mask, use_reentrant=False)
             else:
                 x = block(x, cache, rope, mask, key_padding_mask)

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_gpuopt.internals import attached_trainer, show_in_progress_bar
 from lightning_gpuopt.perf.device import read_device, training_device
 from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype_name
-from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
+from lightning_gpuopt.model.config import ActivationCheckpointing, GPTConfig, check_attention_runs, check_data_fits
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.loss import LossImpl
 from lightning_gpuopt.model.batched_generation import GenerationJob, fit_to_context, generate_batched
@@ -62,7 +62,8 @@ class GPTModule(pl.LightningModule):
         n_kv_head: Override the preset's key/value heads (Llama-style presets; must divide ``n_head``).
         dropout: Dropout probability.
         attention: ``"sdpa"`` or ``"flash-attn"`` (needs the ``flash`` extra).
-        activation_checkpointing: Recompute each block's activations in the backward pass.
+        activation_checkpointing: Recompute activations in the backward pass: ``True`` (or ``"full"``) every block,
+            ``"selective"`` every other block (about half the memory of none, half the extra compute of full).
         learning_rate: Peak learning rate.
         weight_decay: AdamW weight decay (matrices and embeddings only).
         betas: AdamW betas.
@@ -95,7 +96,7 @@ class GPTModule(pl.LightningModule):
         n_kv_head: Optional[int] = None,
         dropout: float = 0.0,
         attention: Literal["sdpa", "flash-attn"] = "sdpa",
-        activation_checkpointing: bool = False,
+        activation_checkpointing: ActivationCheckpointing = False,
         learning_rate: float = 6e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
