@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_gpuopt.cli.run_folder import existing_run_problem, resolve_ckpt_path
+from lightning_gpuopt.cli.run_folder import checkpoint_dirs, existing_run_problem, last_checkpoints, resolve_ckpt_path
 from lightning_gpuopt.cli.run_summary import command_line
 from lightning_gpuopt.internals import no_version_counter
 from lightning_gpuopt.model.checkpoint import (
@@ -97,7 +97,7 @@ class CheckpointSettings:
             changes = ", ".join(f"model.{k} {old!r} -> {new!r}" for k, (old, new) in self.applied.items())
             rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: applied over the checkpoint's: {changes}.")
         if self.kept:
-            kept = ", ".join(f"model.{k}={old!r} (default {new!r})" for k, (old, new) in self.kept.items())
+            kept = ", ".join(f"model.{k}={old!r} (over the configured {new!r})" for k, (old, new) in self.kept.items())
             rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: from the checkpoint: {kept}.")
         if self.data:
             data = ", ".join(f"data.{k} {old!r} -> {new!r}" for k, (old, new) in self.data.items())
@@ -140,16 +140,31 @@ def resolve_run_folder(config: Any, argv: Optional[list[str]] = None) -> None:
     trainer = group.get("trainer")
     ckpt_path = group.get("ckpt_path")
     if subcommand == "fit":
+        resume = ("--ckpt_path", "last", *_steps_to_continue(trainer))
         if argv is None:
             base = f"gpuopt fit {_config_hint(group)}".strip()
-            commands = (f"{base} --ckpt_path last", f"{base} --trainer.default_root_dir NEW_FOLDER")
+            commands = (f"{base} {' '.join(resume)}", f"{base} --trainer.default_root_dir NEW_FOLDER")
         else:
-            commands = (command_line(argv, "fit", ("--ckpt_path", "last")),
+            commands = (command_line(argv, "fit", resume),
                         command_line(argv, "fit", ("--trainer.default_root_dir", "NEW_FOLDER")))
         problem = existing_run_problem(ckpt_path, trainer, commands)
         if problem:
             raise ValueError(problem)
     group["ckpt_path"] = resolve_ckpt_path(ckpt_path, subcommand, trainer)
+
+
+def _steps_to_continue(trainer: Any) -> tuple[str, ...]:
+    """``("--trainer.max_steps", N)`` for the command that continues the run in the run folder when its last checkpoint
+    has reached this fit's ``max_steps`` (that command would train nothing): as many steps again past the checkpoint."""
+    limit = (trainer or {}).get("max_steps")
+    found = last_checkpoints(checkpoint_dirs(trainer)) if isinstance(limit, int) and limit >= 0 else []
+    try:
+        step = read_checkpoint(found[0], mmap=True).get("global_step") if found else None
+    except (CheckpointError, AttributeError):  # an unreadable file: the resume's own check says why
+        return ()
+    if not isinstance(step, int) or step < limit:
+        return ()
+    return ("--trainer.max_steps", str(step + max(limit, 1)))
 
 
 def _config_hint(group: Any) -> str:
