@@ -47,7 +47,7 @@ _LIST_AS_TEXT = re.compile(
     r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[list\[[^\n]*'
     r"\n.*?Given value type: <class 'str'>\s*Given value: ([^\n]*)", re.S
 )
-_LIST_AS_TEXT_PLAIN = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'list\'>\. Got value: ([^\n]*)')  # list[str]
+_LIST_AS_TEXT_PLAIN = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'(?:list|tuple)\'>\. Got value: ([^\n]*)')  # list[str]
 _OPTION_BEFORE_CLASS = re.compile(
     r'Parser key "(model|data)":.*?Problem with given class_path \'lightning\.(?:pytorch\.)?Lightning(?:Data)?Module\':'
     r"\s*Option '([^']+)' is not accepted", re.S
