@@ -104,21 +104,9 @@ def explain_parser_error(message: str) -> str:
                 f"init_args, after its class path ('{group}: {{class_path: ..., init_args: {{{key}: ...}}}}' in the "
                 f"--config file, --{group}.init_args.{key} after --{group} on the command line), or drop the class "
                 f"path to train {ours}.")
-    unknown_init_arg = _UNKNOWN_INIT_ARG.search(message)
-    if unknown_init_arg:
-        return _unknown_init_arg(*unknown_init_arg.groups())
-    unknown_list_arg = _UNKNOWN_LIST_INIT_ARG.search(message)
-    if unknown_list_arg:
-        return _unknown_list_init_arg(*unknown_list_arg.groups(), flag="NestedArg(" in message)
-    no_module = _NO_MODULE.search(message)
-    if no_module:
-        return _unimportable_class(*no_module.groups())
-    no_class = _NO_CLASS.search(message)
-    if no_class:
-        return _unknown_class(*no_class.groups())
-    no_short_name = _NO_SHORT_NAME.search(message)
-    if no_short_name:
-        return _unknown_short_name(*no_short_name.groups())
+    class_path = _explain_class_path(message)
+    if class_path is not None:
+        return class_path
     nested = _NESTED.search(message)
     if nested:
         group, class_path, key, detail = nested.groups()
@@ -146,6 +134,27 @@ def explain_parser_error(message: str) -> str:
         f"The --config file must be a YAML mapping of groups (trainer:, model:, data:, ...), got: {text[:200]!r}. "
         "See examples/configs/quickstart.yaml."
     )
+
+
+def _explain_class_path(message: str) -> Optional[str]:
+    """The one line for a class path the parser could not use (an option it does not take, a module that cannot be
+    imported, a class its module lacks, a short name of no class), else ``None``."""
+    unknown_init_arg = _UNKNOWN_INIT_ARG.search(message)
+    if unknown_init_arg:
+        return _unknown_init_arg(*unknown_init_arg.groups())
+    unknown_list_arg = _UNKNOWN_LIST_INIT_ARG.search(message)
+    if unknown_list_arg:
+        return _unknown_list_init_arg(*unknown_list_arg.groups(), flag="NestedArg(" in message)
+    no_module = _NO_MODULE.search(message)
+    if no_module:
+        return _unimportable_class(*no_module.groups())
+    no_class = _NO_CLASS.search(message)
+    if no_class:
+        return _unknown_class(*no_class.groups())
+    no_short_name = _NO_SHORT_NAME.search(message)
+    if no_short_name:
+        return _unknown_short_name(*no_short_name.groups())
+    return None
 
 
 def explain_instantiation_error(err: BaseException) -> Optional[str]:

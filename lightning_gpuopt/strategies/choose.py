@@ -1,5 +1,6 @@
-"""`choose_strategy`: DDP when the model trains on one GPU, else FSDP2 (``ModelParallelStrategy``), with tensor
-parallelism within a node when FSDP2 alone does not fit or does not scale.
+"""`choose_strategy`: DDP when the model trains on one GPU, else FSDP2 (``ModelParallelStrategy``), with activation
+checkpointing and then tensor parallelism within a node when FSDP2 alone does not fit or does not scale; a plan that
+fits no layout is refused (``PlanDoesNotFit``).
 
 The memory estimate and the arithmetic of the tensor-parallel size are in ``docs/parallel.md``.
 """
@@ -253,8 +254,9 @@ def choose_strategy(
     devices_per_node: Optional[int] = None,
     network_bandwidth: float = NETWORK_BANDWIDTH,
 ) -> tuple[Union[Strategy, str], str]:
-    """Pick DDP when the whole training state plus activations fits on one device, else FSDP2, with tensor
-    parallelism within a node when FSDP2 alone does not fit or does not scale (``docs/parallel.md``).
+    """Pick DDP when the whole training state plus activations fits on one device, else FSDP2, with activation
+    checkpointing, then tensor parallelism within a node, when FSDP2 alone does not fit or does not scale
+    (``docs/parallel.md``).
 
     Example::
 
@@ -276,7 +278,13 @@ def choose_strategy(
 
     Returns:
         ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or an ``AtomicModelParallelStrategy``
-        (FSDP2, with tensor parallelism when ``tp > 1``), and one line with the numbers behind it.
+        (FSDP2, with tensor parallelism when ``tp > 1``), and a few short lines: the decision first, then why, the
+        model and the budget. Activation checkpointing is tried before tensor parallelism (none, ``"selective"``,
+        ``"full"``), and the mode chosen is set on ``model``'s config (and a ``GPTModule``'s hyper-parameters).
+
+    Raises:
+        PlanDoesNotFit: No layout fits; the message starts with "Does not fit" and names the smallest device count
+            (in whole nodes) or micro-batch that fits.
     """
     config = _config_of(model)
     if config is None and not isinstance(model, nn.Module):
