@@ -102,7 +102,7 @@ def auto_strategy(model: Any, datamodule: Any, config: Any, trainer_cfg: dict) -
     try:
         strategy, plan = _choose(planned, datamodule, config, trainer_cfg, devices, nodes)
     except PlanDoesNotFit as err:  # stops the run before the model is built, naming the vocabulary planned for
-        raise PlanDoesNotFit(str(err) + (f"\nvocabulary: {vocabulary}" if vocabulary else "")) from None
+        raise PlanDoesNotFit(str(err).rstrip(".") + (f"; vocabulary {vocabulary}." if vocabulary else ".")) from None
     if planned is not model:  # the copy planned with the preset's vocabulary: its checkpointing is the run's
         apply_checkpointing(model, model.config, planned.activation_checkpointing)
     return strategy, plan + (f"\nvocabulary: {vocabulary}" if vocabulary else "")

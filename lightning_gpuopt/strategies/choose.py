@@ -319,7 +319,7 @@ def choose_strategy(
                          activation_bytes is not None)
     chosen = plan.choose(None if peak is None else peak * 1e12, network_bandwidth)
     if chosen is None:
-        raise PlanDoesNotFit(plan.refusal(where) + f"\n{numbers}.")
+        raise PlanDoesNotFit(plan.refusal(where) + f"\n{numbers.splitlines()[0]}.")  # three lines: what, why, the model
     tp, ac, why = chosen
     configured = checkpointing_mode(config.activation_checkpointing)
     apply_checkpointing(model, config, ac)
@@ -349,7 +349,7 @@ def _plan_own_module(model: Any, est: MemoryEstimate, devices: int, budget: floa
         raise PlanDoesNotFit(
             f"Does not fit: {name} needs {(est.total if devices == 1 else sharded) / GB:.1f} GB per device on {devices} "
             f"device{'s' if devices > 1 else ''}, over the {budget / GB:.1f} GB budget: {least}lower the micro-batch or "
-            f"add activation checkpointing to {name}.\n{numbers}."
+            f"add activation checkpointing to {name}.\n{numbers.splitlines()[0]}."
         )
     return AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), (
         f"FSDP2 over {devices} devices (ModelParallelStrategy): {sharded / GB:.1f} GB per device.\n"

@@ -269,7 +269,7 @@ def test_the_layout_for_each_model_gpu_and_cluster(preset, overrides, gpu, per_n
         with pytest.raises(PlanDoesNotFit) as info:
             plan_it()
         reason = str(info.value)
-        assert reason.startswith("Does not fit on ")
+        assert reason.startswith("Does not fit on ") and len(reason.splitlines()) == 3  # what and the fix, why, the model
     else:
         strategy, reason = plan_it()
     if plan == "DDP":
@@ -348,8 +348,12 @@ def test_a_plan_that_does_not_fit_stops_fit_before_anything_is_built(print_plan,
     # print_plan plans llama-70b's own vocabulary; the run, the model it builds (the data's default tokenizer size)
     state = "141.1" if print_plan else "137.0"
     assert lines[1] == f"why: the model state alone needs {state} GB per device over 8, over the 73.0 GB budget."
-    assert lines[-2].startswith("vocabulary: 128,256 (llama-70b's own" if print_plan else "vocabulary: 4,096 (data.vocab_size's "
-                                "default: the tokenizer trained on the corpus; llama-70b's own is 128,256: give --data.tokenizer")
+    assert len(lines) == 4 and lines[3] == "(set GPUOPT_TRACEBACK=1 to see the traceback)"  # a three-line message
+    assert lines[2].startswith("model: 70,554M params, vocabulary 128,256," if print_plan else "model: 68,519M params, "
+                               "vocabulary 4,096,")
+    assert ("; vocabulary 128,256 (llama-70b's own: no data.vocab_size or data.tokenizer is given" if print_plan else
+            "; vocabulary 4,096 (data.vocab_size's default: the tokenizer trained on the corpus; llama-70b's own is 128,256: "
+            "give --data.tokenizer or --data.vocab_size for it).") in lines[2]
     assert built == [] and not cache_dir.exists()
     assert not any(tmp_path.rglob("*.ckpt")) and not (tmp_path / "lightning_logs").exists()
 
