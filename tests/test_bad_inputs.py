@@ -228,6 +228,14 @@ def _hf_pickles_only(ctx: Ctx) -> None:
     load_hf(folder)
 
 
+def _nan_ckpt(ctx: Ctx) -> str:
+    """:func:`_lightning_ckpt` with a NaN in one weight (a diverged run's, written with allow_nonfinite=True)."""
+    checkpoint = torch.load(_lightning_ckpt(ctx), weights_only=True)
+    checkpoint["state_dict"]["model.transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    torch.save(checkpoint, ctx.tmp / "nan.ckpt")
+    return str(ctx.tmp / "nan.ckpt")
+
+
 def _ckpt_carrying_a_tokenizer(ctx: Ctx) -> str:
     """:func:`_lightning_ckpt` whose data state carries a tokenizer trained on other text than the test corpus."""
     path = _lightning_ckpt(ctx)
@@ -768,6 +776,20 @@ CASES = [
          lambda c: _cli_before_data(c, ["--model.init_from", _lightning_ckpt(c), "--model.n_layer", "3"]), SystemExit,
          r"model.init_from=.*run.ckpt' holds weights of another architecture than this run's: it has n_layer=2 and this run "
          r"asks model.n_layer=3\. Drop those options \(the file's architecture is used\)"),
+    Case("fit-init-from-nonfinite", lambda c: _cli_before_data(c, ["--model.init_from", _nan_ckpt(c)]), SystemExit,
+         r"Weights of '.*nan.ckpt' refused: 'transformer.h.0.mlp.c_fc.weight' holds NaN/Inf \(1 of \d+ weight tensors do\): "
+         r"the run that wrote them had diverged\.\nUse an earlier checkpoint of that run, or start from other weights\.\n"
+         r"To read the file anyway: torch.load"),
+    Case("auto-strategy-plan-does-not-fit",
+         lambda c: main(["fit", "--model.preset", "llama-70b", "--trainer.strategy", "gpuopt-auto", "--trainer.devices", "8",
+                         "--auto_strategy.device", "H100 SXM", "--auto_strategy.print_plan", "true", "--data.source",
+                         "stdlib", "--trainer.max_steps", "1", "--data.block_size", "8192", "--data.batch_size", "1"]),
+         SystemExit, r"gpuopt: error: Does not fit on 8 x NVIDIA H100 80GB HBM3 \(85.9 GB\): train on at least 24 devices\."),
+    Case("callback-class-not-importable", lambda c: main(["fit", "--trainer.callbacks+=mypkg.CB", "--trainer.max_steps", "1"]),
+         SystemExit, r"trainer.callbacks: cannot import mypkg.CB \(no module named 'mypkg'\)\. If mypkg is your own code, run "
+                     r"from the folder that holds it with PYTHONPATH=\."),
+    Case("predict-prompts-empty-list", lambda c: main(["predict", "--data.prompts", "[]"]), SystemExit,
+         r"--data.prompts is empty, so predict would sample nothing: give each prompt some text"),
     Case("fit-init-from-missing", lambda c: _cli_before_data(c, ["--model.init_from", str(c.tmp / "none.ckpt")]), SystemExit,
          r"Checkpoint .*none.ckpt' does not exist: check the path"),
     Case("hf-pickle-only-folder", _hf_pickles_only, HFError,

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_gpuopt.option_checks import check_file_name, option
+from lightning_gpuopt.option_checks import check_file_name, from_command_line, option
 from lightning_gpuopt.internals import mark_sigterm_received, require_internals, settle_validation_counters, sigterm_notice_logger
 from lightning_gpuopt.resume import microbatches_since_step, restart_interrupted_validation
 
@@ -83,6 +83,8 @@ class SigtermCheckpoint(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and not any(isinstance(c, ModelCheckpoint) for c in trainer.checkpoint_callbacks):
+            if from_command_line():  # gpuopt adds this callback itself: checkpointing off is a choice, not remarked on
+                return
             rank_zero_warn(
                 "SigtermCheckpoint: the Trainer has no ModelCheckpoint, so a SIGTERM saves nothing. Add a "
                 f"ModelCheckpoint that keeps last.ckpt ({option('ModelCheckpoint', 'save_last', True)}), or remove SigtermCheckpoint."

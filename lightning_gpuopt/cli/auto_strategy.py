@@ -5,17 +5,22 @@ configuration (devices, nodes, precision, the data's micro-batch and sequence le
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import inspect
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt.cli.defaults import precision_for_estimate
+from lightning_gpuopt.data.datamodule import TextDataModule
 from lightning_gpuopt.data.sources import resolve_source
+from lightning_gpuopt.model.config import PRESETS, GPTConfig
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES, cuda_device_count
 from lightning_gpuopt.perf.units import GB
-from lightning_gpuopt.strategies import AUTO_STRATEGY, choose_strategy
+from lightning_gpuopt.strategies import AUTO_STRATEGY, PlanDoesNotFit, choose_strategy
+from lightning_gpuopt.strategies.checkpointing import apply_checkpointing
 
 __all__ = ["add_auto_strategy_arguments", "auto_strategy", "check_auto_strategy_options", "plan_without_missing_data"]
 
@@ -93,6 +98,17 @@ def auto_strategy(model: Any, datamodule: Any, config: Any, trainer_cfg: dict) -
     elif isinstance(devices, (list, tuple)):
         devices = len(devices)
     nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
+    planned, vocabulary = _planned_vocabulary(model, datamodule, config)
+    try:
+        strategy, plan = _choose(planned, datamodule, config, trainer_cfg, devices, nodes)
+    except PlanDoesNotFit as err:  # stops the run before the model is built, naming the vocabulary planned for
+        raise PlanDoesNotFit(str(err).rstrip(".") + (f"; vocabulary {vocabulary}." if vocabulary else ".")) from None
+    if planned is not model:  # the copy planned with the preset's vocabulary: its checkpointing is the run's
+        apply_checkpointing(model, model.config, planned.activation_checkpointing)
+    return strategy, plan + (f"\nvocabulary: {vocabulary}" if vocabulary else "")
+
+
+def _choose(model: Any, datamodule: Any, config: Any, trainer_cfg: dict, devices: int, nodes: int) -> tuple[Any, str]:
     plan = config.get("auto_strategy") or {}
     memory_gb, gpu = plan.get("device_memory_gb"), plan.get("device")
     precision = precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins"))
@@ -109,6 +125,30 @@ def auto_strategy(model: Any, datamodule: Any, config: Any, trainer_cfg: dict) -
         device=None if gpu is None else REFERENCE_DEVICES[gpu],
         devices_per_node=devices,
     )
+
+
+def _planned_vocabulary(model: Any, datamodule: Any, config: Any) -> tuple[Any, Optional[str]]:
+    """What to plan for, and where its vocabulary comes from. The CLI links ``data.vocab_size`` into the model, and the
+    data's default (4,096) is the size of the tokenizer it trains on the corpus. Under ``print_plan`` no data is read:
+    when neither ``data.vocab_size`` nor ``data.tokenizer`` is given, a preset with a vocabulary of its own (``llama-*``:
+    Llama 3's 128,256) is planned with it. A run plans the model it builds, and says so when that is the data's default."""
+    gpt = getattr(model, "config", None)
+    hparams = getattr(model, "hparams", None) or {}
+    data = getattr(datamodule, "hparams", None) if isinstance(datamodule, TextDataModule) else None
+    if not isinstance(gpt, GPTConfig) or data is None:
+        return model, None
+    own = PRESETS.get(hparams.get("preset"), {}).get("vocab_size")
+    default = inspect.signature(TextDataModule.__init__).parameters["vocab_size"].default
+    said = data.get("vocab_size") != default or data.get("tokenizer") is not None or own is None
+    if said or own == gpt.vocab_size:
+        source = "data.tokenizer's" if data.get("tokenizer") is not None else "data.vocab_size"
+        return model, f"{gpt.vocab_size:,} ({source}, linked into the model)"
+    if (config.get("auto_strategy") or {}).get("print_plan"):
+        return dataclasses.replace(gpt, vocab_size=own), (
+            f"{own:,} ({hparams['preset']}'s own: no data.vocab_size or data.tokenizer is given; a run would train a "
+            f"{default:,}-token tokenizer on its corpus unless one of them says otherwise)")
+    return model, (f"{gpt.vocab_size:,} (data.vocab_size's default: the tokenizer trained on the corpus; "
+                   f"{hparams['preset']}'s own is {own:,}: give --data.tokenizer or --data.vocab_size for it)")
 
 
 def _micro_batch(datamodule: Any) -> int:

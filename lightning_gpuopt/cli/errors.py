@@ -47,6 +47,7 @@ _LIST_AS_TEXT = re.compile(
     r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[list\[[^\n]*'
     r"\n.*?Given value type: <class 'str'>\s*Given value: ([^\n]*)", re.S
 )
+_LIST_AS_TEXT_PLAIN = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'(?:list|tuple)\'>\. Got value: ([^\n]*)')  # list[str]
 _OPTION_BEFORE_CLASS = re.compile(
     r'Parser key "(model|data)":.*?Problem with given class_path \'lightning\.(?:pytorch\.)?Lightning(?:Data)?Module\':'
     r"\s*Option '([^']+)' is not accepted", re.S
@@ -58,6 +59,10 @@ _UNKNOWN_LIST_INIT_ARG = re.compile(  # an option a class in trainer.callbacks /
     r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Problem with given class_path \'([^\']+)\':\s*Option \'([^\']+)\' is not accepted',
     re.S,
 )
+_NO_MODULE = re.compile(
+    r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*No module named \'([^\']+)\'', re.S
+)
+_CLASS_PROBLEM = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*([^\n]+)', re.S)
 _NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*module \'([^\']+)\' has no attribute \'([^\']+)\'', re.S)
 T = TypeVar("T")
 
@@ -85,7 +90,7 @@ def explain_parser_error(message: str) -> str:
     if not_finite:
         key, value = not_finite.groups()
         return f"{key} must be a finite number, got {value}: give a finite value for --{key} (or {key} in the --config file)."
-    list_as_text = _LIST_AS_TEXT.search(message)
+    list_as_text = _LIST_AS_TEXT.search(message) or _LIST_AS_TEXT_PLAIN.search(message)
     if list_as_text:
         key, value = list_as_text.groups()
         return (f"{key} takes a list, got the text {value.strip()!r}: write it in brackets, --{key} '[{value.strip()}]' "
@@ -99,18 +104,9 @@ def explain_parser_error(message: str) -> str:
                 f"init_args, after its class path ('{group}: {{class_path: ..., init_args: {{{key}: ...}}}}' in the "
                 f"--config file, --{group}.init_args.{key} after --{group} on the command line), or drop the class "
                 f"path to train {ours}.")
-    unknown_init_arg = _UNKNOWN_INIT_ARG.search(message)
-    if unknown_init_arg:
-        return _unknown_init_arg(*unknown_init_arg.groups())
-    unknown_list_arg = _UNKNOWN_LIST_INIT_ARG.search(message)
-    if unknown_list_arg:
-        return _unknown_list_init_arg(*unknown_list_arg.groups(), flag="NestedArg(" in message)
-    no_class = _NO_CLASS.search(message)
-    if no_class:
-        return _unknown_class(*no_class.groups())
-    no_short_name = _NO_SHORT_NAME.search(message)
-    if no_short_name:
-        return _unknown_short_name(*no_short_name.groups())
+    class_path = _explain_class_path(message)
+    if class_path is not None:
+        return class_path
     nested = _NESTED.search(message)
     if nested:
         group, class_path, key, detail = nested.groups()
@@ -119,6 +115,11 @@ def explain_parser_error(message: str) -> str:
             detail = f"must be one of {literal.group(1)}, got {literal.group(2)!r}"
         return (f"{group}: {class_path.rsplit('.', 1)[-1]}({key}=...) {detail.strip()}. "
                 f"Fix init_args.{key} of {class_path} in the --config file (or on the command line).")
+    class_problem = _CLASS_PROBLEM.search(message)
+    if class_problem:  # any other class the parser could not use: its cause in one line, not the Union's page
+        group, class_path, detail = class_problem.groups()
+        return (f"{group}: {class_path} cannot be used: {detail.strip().rstrip('.')}. Fix its class path or init_args "
+                "in the --config file (or on the command line).")
     prefix = "Unexpected config:"
     if not message.startswith(prefix):
         return message
@@ -133,6 +134,27 @@ def explain_parser_error(message: str) -> str:
         f"The --config file must be a YAML mapping of groups (trainer:, model:, data:, ...), got: {text[:200]!r}. "
         "See examples/configs/quickstart.yaml."
     )
+
+
+def _explain_class_path(message: str) -> Optional[str]:
+    """The one line for a class path the parser could not use (an option it does not take, a module that cannot be
+    imported, a class its module lacks, a short name of no class), else ``None``."""
+    unknown_init_arg = _UNKNOWN_INIT_ARG.search(message)
+    if unknown_init_arg:
+        return _unknown_init_arg(*unknown_init_arg.groups())
+    unknown_list_arg = _UNKNOWN_LIST_INIT_ARG.search(message)
+    if unknown_list_arg:
+        return _unknown_list_init_arg(*unknown_list_arg.groups(), flag="NestedArg(" in message)
+    no_module = _NO_MODULE.search(message)
+    if no_module:
+        return _unimportable_class(*no_module.groups())
+    no_class = _NO_CLASS.search(message)
+    if no_class:
+        return _unknown_class(*no_class.groups())
+    no_short_name = _NO_SHORT_NAME.search(message)
+    if no_short_name:
+        return _unknown_short_name(*no_short_name.groups())
+    return None
 
 
 def explain_instantiation_error(err: BaseException) -> Optional[str]:
@@ -207,6 +229,15 @@ def _init_args(cls: type) -> list[str]:
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
     return list(dict.fromkeys(names))
+
+
+def _unimportable_class(group: str, class_path: str, missing: str) -> str:
+    """A class path whose module cannot be imported: one line with the cause, and the PYTHONPATH that finds a module of
+    one's own (``PYTHONPATH=. gpuopt fit ...`` from the folder that holds it)."""
+    top = missing.split(".")[0]
+    return (f"{group}: cannot import {class_path} (no module named {missing!r}). If {top} is your own code, run from "
+            f"the folder that holds it with PYTHONPATH=. (e.g. PYTHONPATH=. gpuopt fit ...), or install it; else fix the "
+            "class path.")
 
 
 def _unknown_class(group: str, class_path: str, module_name: str, name: str) -> str:

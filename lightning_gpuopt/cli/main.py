@@ -71,7 +71,7 @@ from lightning_gpuopt.cli.resume_checks import (
     merge_init_weights,
     resolve_run_folder,
 )
-from lightning_gpuopt.cli.quiet import quiet_lightning
+from lightning_gpuopt.cli.quiet import quiet_callback_states, quiet_lightning
 from lightning_gpuopt.cli.typehints import int_before_float
 from lightning_gpuopt.run.callbacks import merge_callbacks, prepare_resumed_fit
 from lightning_gpuopt.run.folder import hold_run_folder
@@ -358,11 +358,22 @@ class GPTCLI(LightningCLI):
         """``trainer.predict`` on the data's prompts, or on ``generate.prompts_file`` with continuous batching."""
         options = self.config.predict.get("generate", {})
         self._generated = False
-        if not options.get("prompts_file"):
-            return self.trainer.predict(model, datamodule=datamodule, **kwargs)
-        self._generated = True
-        generate_from_file(self.trainer, model, datamodule, options, completions_path(self.config.predict),
-                           getattr(self, "_scorer", None), **kwargs)
+        with quiet_callback_states():
+            if not options.get("prompts_file"):
+                return self.trainer.predict(model, datamodule=datamodule, **kwargs)
+            self._generated = True
+            generate_from_file(self.trainer, model, datamodule, options, completions_path(self.config.predict),
+                               getattr(self, "_scorer", None), **kwargs)
+
+    def validate(self, model: Any, datamodule: Any = None, **kwargs: Any) -> Any:
+        """``trainer.validate``, without Lightning's advice to add the fit's callbacks (nothing restores them here)."""
+        with quiet_callback_states():
+            return self.trainer.validate(model, datamodule=datamodule, **kwargs)
+
+    def test(self, model: Any, datamodule: Any = None, **kwargs: Any) -> Any:
+        """``trainer.test``, without Lightning's advice to add the fit's callbacks (nothing restores them here)."""
+        with quiet_callback_states():
+            return self.trainer.test(model, datamodule=datamodule, **kwargs)
 
     def after_predict(self) -> None:
         if self._generated:

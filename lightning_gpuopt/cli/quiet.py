@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["QUIETED", "quiet_lightning"]
+__all__ = ["QUIETED", "quiet_callback_states", "quiet_lightning"]
 
 # What is left out: warnings by message (regular expressions), info lines by their start.
 QUIETED = {
@@ -19,6 +19,11 @@ QUIETED = {
     # Lightning adds its own ModelCheckpoint, the callbacks listing none ("... cloud uploads and versioning").
     "info": ("💡 Tip: For seamless cloud logging", "💡 Tip: For seamless cloud uploads"),
 }
+
+
+# validate, test and predict restore no callback: Lightning's advice to add the callbacks whose state a checkpoint
+# holds (a fit's ModelCheckpoint, which gpuopt leaves out there) assumes a fit.
+_CALLBACK_STATES = r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided"
 
 
 class _DropTips(logging.Filter):
@@ -39,3 +44,12 @@ def quiet_lightning() -> Iterator[None]:
             yield
     finally:
         logger.removeFilter(tips)
+
+
+@contextmanager
+def quiet_callback_states() -> Iterator[None]:
+    """Leave out Lightning's "Please add the following callbacks" while a validate, test or predict runs: they restore
+    the weights only, so the callbacks a checkpoint has state for (the fit's ModelCheckpoint) are not needed."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_CALLBACK_STATES)
+        yield

@@ -22,7 +22,7 @@ from lightning_gpuopt.model.checkpoint import (
     CheckpointError, check_weights, gpt_state_dict, gptmodule_hparams, init_from_anyway, read_checkpoint,
 )
 from lightning_gpuopt.model.hf import hf_architecture, is_hf_folder, resolve_hf
-from lightning_gpuopt.run.folder import existing_run_problem, resolve_ckpt_path
+from lightning_gpuopt.run.folder import checkpoint_dirs, existing_run_problem, last_checkpoints, resolve_ckpt_path
 from lightning_gpuopt.run.resume_checks import ARCHITECTURE, epochs_done, normalized as _norm
 from lightning_gpuopt.run.resume_checks import resolved_architecture as _resolved
 
@@ -94,7 +94,7 @@ class CheckpointSettings:
             changes = ", ".join(f"model.{k} {old!r} -> {new!r}" for k, (old, new) in self.applied.items())
             rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: applied over the checkpoint's: {changes}.")
         if self.kept:
-            kept = ", ".join(f"model.{k}={old!r} (default {new!r})" for k, (old, new) in self.kept.items())
+            kept = ", ".join(f"model.{k}={old!r} (over the configured {new!r})" for k, (old, new) in self.kept.items())
             rank_zero_info(f"{self.subcommand} --ckpt_path {self.path}: from the checkpoint: {kept}.")
         if self.data:
             data = ", ".join(f"data.{k} {old!r} -> {new!r}" for k, (old, new) in self.data.items())
@@ -137,16 +137,31 @@ def resolve_run_folder(config: Any, argv: Optional[list[str]] = None) -> None:
     trainer = group.get("trainer")
     ckpt_path = group.get("ckpt_path")
     if subcommand == "fit":
+        resume = ("--ckpt_path", "last", *_steps_to_continue(trainer))
         if argv is None:
             base = f"gpuopt fit {_config_hint(group)}".strip()
-            commands = (f"{base} --ckpt_path last", f"{base} --trainer.default_root_dir NEW_FOLDER")
+            commands = (f"{base} {' '.join(resume)}", f"{base} --trainer.default_root_dir NEW_FOLDER")
         else:
-            commands = (command_line(argv, "fit", ("--ckpt_path", "last")),
+            commands = (command_line(argv, "fit", resume),
                         command_line(argv, "fit", ("--trainer.default_root_dir", "NEW_FOLDER")))
         problem = existing_run_problem(ckpt_path, trainer, commands)
         if problem:
             raise ValueError(problem)
     group["ckpt_path"] = resolve_ckpt_path(ckpt_path, subcommand, trainer)
+
+
+def _steps_to_continue(trainer: Any) -> tuple[str, ...]:
+    """``("--trainer.max_steps", N)`` for the command that continues the run in the run folder when its last checkpoint
+    has reached this fit's ``max_steps`` (that command would train nothing): as many steps again past the checkpoint."""
+    limit = (trainer or {}).get("max_steps")
+    found = last_checkpoints(checkpoint_dirs(trainer)) if isinstance(limit, int) and limit >= 0 else []
+    try:
+        step = read_checkpoint(found[0], mmap=True).get("global_step") if found else None
+    except (CheckpointError, AttributeError):  # an unreadable file: the resume's own check says why
+        return ()
+    if not isinstance(step, int) or step < limit:
+        return ()
+    return ("--trainer.max_steps", str(step + max(limit, 1)))
 
 
 def _config_hint(group: Any) -> str:

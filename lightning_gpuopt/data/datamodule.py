@@ -26,7 +26,7 @@ from lightning_gpuopt.data.tokenizer import (
     tokenizer_fingerprint,
 )
 from lightning_gpuopt.data.tokens import RandomWindows, SequentialWindows
-from lightning_gpuopt.option_checks import check_choice, check_int, check_number
+from lightning_gpuopt.option_checks import check_choice, check_int, check_number, from_command_line, option
 from lightning_gpuopt.perf.device import cuda_device_count
 from lightning_gpuopt.perf.parallel import data_parallel_rank, data_parallel_size
 from lightning_gpuopt.resume import step_boundary
@@ -142,6 +142,12 @@ class TextDataModule(pl.LightningDataModule):
         self.prefetch_factor = prefetch_factor
         self.seed = seed
         self.prompts = ["\n"] if prompts is None else list(prompts)
+        if not self.prompts or "" in self.prompts:  # predict would sample nothing (and exit 0), or an empty prompt
+            example = ("""--data.prompts '["Once upon a time"]'""" if from_command_line()
+                       else "TextDataModule(prompts=['Once upon a time'])")
+            what = "is empty, so predict would sample nothing" if not self.prompts else "holds an empty prompt (no tokens)"
+            raise ValueError(f"{option('TextDataModule', 'prompts')} {what}: give each prompt some text, e.g. {example}, "
+                             "or leave it out to sample from the start of a text.")
         self.samples_per_prompt = samples_per_prompt
         # Fail on a bad tokenizer or source now, not after the Trainer has started.
         self.tokenizer: Optional[Tokenizer] = load_tokenizer(tokenizer) if tokenizer else None

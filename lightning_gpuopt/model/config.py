@@ -6,16 +6,20 @@ import dataclasses
 import importlib.util
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Iterable, Literal, Optional, Union
 
 from lightning_gpuopt.option_checks import check_bool, check_choice, check_int, check_number, option
 from lightning_gpuopt.model.loss import LOSS_IMPLS, LossImpl
 from lightning_gpuopt.model.rope import check_rope_scaling
 from lightning_gpuopt.perf.device import DeviceFacts
 
-__all__ = ["GPTConfig", "PRESETS", "check_attention_runs", "check_data_fits", "llama_ffn_size"]
+__all__ = ["ActivationCheckpointing", "GPTConfig", "PRESETS", "check_attention_runs", "check_data_fits", "llama_ffn_size"]
 
 Attention = Literal["sdpa", "flash-attn"]
+# Which blocks recompute their activations in the backward: none (False), every block (True or "full": ~1/3 more
+# compute), or every other block ("selective": the second of each pair, as torchtitan's layer-selective mode at
+# frequency 2; ~1/6 more compute, about half the activation memory).
+ActivationCheckpointing = Union[bool, Literal["selective", "full"]]
 Arch = Literal["gpt2", "llama", "qwen2"]
 Positions = Literal["learned", "rotary"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -169,7 +173,7 @@ class GPTConfig:
     # "sdpa": F.scaled_dot_product_attention picks its Flash / cuDNN / memory-efficient kernel; "flash-attn": the
     # flash-attn package (compute capability >= 8.0, fp16/bf16: check_attention_runs at GPTModule.setup)
     attention: Attention = "sdpa"
-    activation_checkpointing: bool = False  # recompute each block in the backward: ~1/3 more compute, far less memory
+    activation_checkpointing: ActivationCheckpointing = False  # recompute blocks in the backward (above)
     padding_multiple: int = 64  # matmuls with dimensions multiples of 64 run on the fastest tensor-core kernels
     # "chunked": the head matmul and the loss together, no full logits (any device); "liger": Liger-Kernel (CUDA,
     # the liger extra); "plain": full float32 logits, the reference; "auto": "chunked" (docs/model.md, "The loss")
@@ -213,6 +217,11 @@ class GPTConfig:
             )
         check_number("GPTConfig", "dropout", self.dropout, low=0, high=1, high_open=True)
         check_choice("GPTConfig", "attention", self.attention, ("sdpa", "flash-attn"))
+        if self.activation_checkpointing not in (False, True, "selective", "full"):
+            raise ValueError(
+                f"GPTConfig.activation_checkpointing must be false, true (every block: 'full') or 'selective' (every other "
+                f"block), got {self.activation_checkpointing!r}."
+            )
         if self.attention == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
             # Checked here, when the config is built, not when the model is (after data preparation).
             raise ImportError(
@@ -401,6 +410,11 @@ class GPTConfig:
         module, _, param = key.rpartition(".")
         return param == "weight" and module.startswith("transformer.h.") and (
             ".".join(module.split(".")[3:]) in _HF_NAMES[self.arch][2])
+
+    def checkpoints_block(self, index: int) -> bool:
+        """Whether block ``index`` recomputes its activations in the backward (``activation_checkpointing``)."""
+        mode = self.activation_checkpointing
+        return mode in (True, "full") or (mode == "selective" and index % 2 == 1)
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> GPTConfig:

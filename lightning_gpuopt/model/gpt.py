@@ -291,7 +291,7 @@ class GPT(nn.Module):
             x = x.to(self.residual_dtype)  # each block's residual adds then stay in it (bf16 + bf16 outputs)
         for i, block in enumerate(self.transformer.h):
             cache = caches[i] if caches else None
-            if self.config.activation_checkpointing and self.training and cache is None:
+            if self.config.checkpoints_block(i) and self.training and cache is None:
                 x = checkpoint(block, x, None, rope, mask, use_reentrant=False)
             else:
                 x = block(x, cache, rope, mask, key_padding_mask)

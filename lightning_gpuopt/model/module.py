@@ -19,7 +19,7 @@ from lightning_gpuopt.perf.device import read_device, training_device
 from lightning_gpuopt.precision.base import DevicePrecision, LayerContext
 from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype_name
 from lightning_gpuopt.precision.float8_measure import planned_micro_batch
-from lightning_gpuopt.model.config import GPTConfig, check_attention_runs, check_data_fits
+from lightning_gpuopt.model.config import ActivationCheckpointing, GPTConfig, check_attention_runs, check_data_fits
 from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
 from lightning_gpuopt.model.loss import LossImpl, device_free_bytes, run_chunk_tokens
 from lightning_gpuopt.generation.batched import GenerationJob, fit_to_context, generate_batched
@@ -75,7 +75,8 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
         n_kv_head: Override the preset's key/value heads (Llama and Qwen2 presets; must divide ``n_head``).
         dropout: Dropout probability.
         attention: ``"sdpa"`` or ``"flash-attn"`` (needs the ``flash`` extra).
-        activation_checkpointing: Recompute each block's activations in the backward pass.
+        activation_checkpointing: Recompute activations in the backward pass: ``True`` (or ``"full"``) every block,
+            ``"selective"`` every other block (about half the memory of none, half the extra compute of full).
         learning_rate: Peak learning rate.
         weight_decay: AdamW weight decay (matrices and embeddings only).
         betas: AdamW betas.
@@ -119,7 +120,7 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
         n_kv_head: Optional[int] = None,
         dropout: float = 0.0,
         attention: Literal["sdpa", "flash-attn"] = "sdpa",
-        activation_checkpointing: bool = False,
+        activation_checkpointing: ActivationCheckpointing = False,
         learning_rate: float = 6e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),

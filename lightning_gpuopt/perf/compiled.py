@@ -31,4 +31,6 @@ def _captures_graphs(compiled: nn.Module) -> bool:
     inner = [m for m in compiled.modules() if m is not compiled]
     if not any(isinstance(m, FSDPModule) for m in inner):
         return True
-    return not any(getattr(getattr(m, "config", None), "activation_checkpointing", None) is True for m in compiled.modules())
+    # "selective" checkpoints every other block: the others still compile
+    return not any(getattr(getattr(m, "config", None), "activation_checkpointing", None) in (True, "full")
+                   for m in compiled.modules())

@@ -1,5 +1,6 @@
-"""`choose_strategy`: DDP when the model trains on one GPU, else FSDP2 (``ModelParallelStrategy``), with tensor
-parallelism within a node when FSDP2 alone does not fit or does not scale.
+"""`choose_strategy`: DDP when the model trains on one GPU, else FSDP2 (``ModelParallelStrategy``), with activation
+checkpointing and then tensor parallelism within a node when FSDP2 alone does not fit or does not scale; a plan that
+fits no layout is refused (``PlanDoesNotFit``).
 
 The memory estimate and the arithmetic of the tensor-parallel size are in ``docs/parallel.md``.
 """
@@ -15,6 +16,9 @@ from torch import nn
 
 from lightning_gpuopt.model.config import GPTConfig
 from lightning_gpuopt.model.tensor_parallel import check_tensor_parallel
+from lightning_gpuopt.strategies.checkpointing import (
+    AC_COST, AC_ORDER, AC_WORDS, MODE_VALUE, apply_checkpointing, checkpointing_mode, stored_elements,
+)
 from lightning_gpuopt.perf.activations import measure_activation_bytes, measure_step_activation_bytes
 from lightning_gpuopt.perf.device import DeviceFacts, read_device
 from lightning_gpuopt.option_checks import check_int, check_number
@@ -23,7 +27,8 @@ from lightning_gpuopt.option_checks import from_command_line
 from lightning_gpuopt.checkpoint.model_parallel import AtomicModelParallelStrategy
 
 __all__ = [
-    "AUTO_STRATEGY", "NETWORK_BANDWIDTH", "MemoryEstimate", "choose_strategy", "estimate_memory", "estimate_module_memory"
+    "AUTO_STRATEGY", "NETWORK_BANDWIDTH", "MemoryEstimate", "PlanDoesNotFit", "choose_strategy", "estimate_memory",
+    "estimate_module_memory",
 ]
 
 AUTO_STRATEGY = "gpuopt-auto"  # the trainer.strategy value the gpuopt CLI resolves with choose_strategy
@@ -60,12 +65,7 @@ def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precis
     params = config.num_params()
     tokens = micro_batch * block_size
     act_bytes = 4 if str(precision).startswith(("32", "64")) else 2
-    h, layers = config.n_embd, config.n_layer
-    per_layer = config.activation_elements()  # per token, 16-bit elements
-    if config.activation_checkpointing:
-        activations = tokens * (layers * act_bytes * h + per_layer * act_bytes)
-    else:
-        activations = tokens * layers * per_layer * act_bytes
+    activations = tokens * stored_elements(config, 1, config.activation_checkpointing, config.activation_elements()) * act_bytes
     est = MemoryEstimate(
         params=params,
         model_state=_STATE_BYTES_PER_PARAM * params,
@@ -240,8 +240,9 @@ def choose_strategy(
     devices_per_node: Optional[int] = None,
     network_bandwidth: float = NETWORK_BANDWIDTH,
 ) -> tuple[Union[Strategy, str], str]:
-    """Pick DDP when the whole training state plus activations fits on one device, else FSDP2, with tensor
-    parallelism within a node when FSDP2 alone does not fit or does not scale (``docs/parallel.md``).
+    """Pick DDP when the whole training state plus activations fits on one device, else FSDP2, with activation
+    checkpointing, then tensor parallelism within a node, when FSDP2 alone does not fit or does not scale
+    (``docs/parallel.md``).
 
     Example::
 
@@ -263,7 +264,13 @@ def choose_strategy(
 
     Returns:
         ``(strategy, reason)``: ``"auto"`` (one device), a ``DDPStrategy`` or an ``AtomicModelParallelStrategy``
-        (FSDP2, with tensor parallelism when ``tp > 1``), and one line with the numbers behind it.
+        (FSDP2, with tensor parallelism when ``tp > 1``), and a few short lines: the decision first, then why, the
+        model and the budget. Activation checkpointing is tried before tensor parallelism (none, ``"selective"``,
+        ``"full"``), and the mode chosen is set on ``model``'s config (and a ``GPTModule``'s hyper-parameters).
+
+    Raises:
+        PlanDoesNotFit: No layout fits; the message starts with "Does not fit" and names the smallest device count
+            (in whole nodes) or micro-batch that fits.
     """
     config = _config_of(model)
     if config is None and not isinstance(model, nn.Module):
@@ -279,46 +286,68 @@ def choose_strategy(
         device_memory = _memory_of(facts)
     est, block_size = _estimate(model, config, micro_batch, block_size, precision, activation_bytes, batch)
     budget = headroom * device_memory
+    where = f"{facts.name if facts is not None and facts.name != 'cpu' else 'GPU'} ({device_memory / GB:.1f} GB)"
     numbers = (
-        f"{est['params'] / 1e6:,.0f}M params -> {est['model_state'] / GB:.1f} GB weights+grads+AdamW, "
-        f"{est['activations'] / GB:.1f} GB activations + {est['logits'] / GB:.1f} GB logits at micro-batch "
-        f"{micro_batch} x {block_size} tokens; budget {budget / GB:.1f} GB "
-        f"({headroom:.0%} of {device_memory / GB:.1f} GB); figures: {est.figures}"
+        f"model: {est['params'] / 1e6:,.0f}M params"
+        + (f", vocabulary {config.vocab_size:,}" if config is not None else "")
+        + f", micro-batch {micro_batch} x {block_size:,} tokens; {est['model_state'] / GB:.1f} GB weights+grads+AdamW, "
+        f"{est['activations'] / GB:.1f} GB activations + {est['logits'] / GB:.1f} GB logits for a full replica"
+        f"\nbudget: {budget / GB:.1f} GB per device ({headroom:.0%} of {where}); figures: {est.figures}"
     )
     if est.total <= budget:
         if devices == 1:
-            return "auto", f"one device and the model fits: {numbers}."
-        return DDPStrategy(), f"DDP: a full replica fits on each device: {numbers}."
-    if devices == 1:
-        raise ValueError(
-            f"The model does not fit on one device ({est.total / GB:.1f} GB > {numbers}) and FSDP2 needs several: "
-            "train on more devices, lower data.batch_size, or "
-            + ("set model.activation_checkpointing=true." if config is not None else "use activation checkpointing.")
-        )
+            return "auto", f"One device: the model fits ({est.total / GB:.1f} GB).\n{numbers}."
+        return DDPStrategy(), f"DDP over {devices} devices: a full replica fits on each ({est.total / GB:.1f} GB).\n{numbers}."
     if config is None:
-        sharded = est["model_state"] / devices + est["activations"] + est["logits"]
-        fits = "fits" if sharded <= budget else "still does NOT fit: lower the micro-batch or enable activation checkpointing"
-        reason = (
-            f"FSDP2 (ModelParallelStrategy): a full replica needs {est.total / GB:.1f} GB, over the budget: {numbers}; "
-            f"sharded over {devices} devices it needs {sharded / GB:.1f} GB per device and {fits}. "
-            f"{type(model).__name__}.configure_model must apply torch.distributed.fsdp.fully_shard (as "
-            "Lightning's ModelParallelStrategy requires), e.g. to each block and then the whole model."
-        )
-        return AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), reason
+        return _plan_own_module(model, est, devices, budget, numbers)
     peak = (facts.peak_tflops("bf16") or facts.peak_tflops("fp16")) if facts is not None else None  # fp16 where no bf16
     plan = _ShardingPlan(config, est, devices, per_node, micro_batch, block_size, precision, budget,
                          activation_bytes is not None)
-    tp, why = plan.choose(None if peak is None else peak * 1e12, network_bandwidth)
+    chosen = plan.choose(None if peak is None else peak * 1e12, network_bandwidth)
+    if chosen is None:
+        raise PlanDoesNotFit(plan.refusal(where) + f"\n{numbers.splitlines()[0]}.")  # three lines: what, why, the model
+    tp, ac, why = chosen
+    configured = checkpointing_mode(config.activation_checkpointing)
+    apply_checkpointing(model, config, ac)
+    sets = f"; sets model.activation_checkpointing={MODE_VALUE[ac]}" if ac != configured else ""
+    if devices == 1:
+        return "auto", (f"One device with {AC_WORDS[ac]}: {plan.bytes(tp, ac=ac) / GB:.1f} GB{sets}.\nwhy: {why}\n"
+                        f"{numbers}.")
     name = "FSDP2" if tp == 1 else f"FSDP2 + tensor parallel {tp}"
-    reason = (
-        f"{name} (ModelParallelStrategy, {devices // tp} data-parallel x {tp} tensor-parallel): a full replica needs "
-        f"{est.total / GB:.1f} GB, over the budget: {numbers}; {why}"
+    decision = (f"{name} (ModelParallelStrategy, {devices // tp} data-parallel x {tp} tensor-parallel) with {AC_WORDS[ac]}: "
+                f"{plan.bytes(tp, ac=ac) / GB:.1f} GB per device{sets}.")
+    strategy = AtomicModelParallelStrategy(data_parallel_size=devices // tp, tensor_parallel_size=tp)
+    return strategy, f"{decision}\nwhy: {why}\n{numbers}."
+
+
+class PlanDoesNotFit(ValueError):
+    """No layout fits the devices planned for: the message starts with "Does not fit" and names the smallest device
+    count, or the setting, that fits."""
+
+
+def _plan_own_module(model: Any, est: MemoryEstimate, devices: int, budget: float, numbers: str) -> tuple[Strategy, str]:
+    """FSDP2 for a module not ours (no checkpointing the planner can set): it fits sharded, or is refused."""
+    name = type(model).__name__
+    sharded = est["model_state"] / devices + est["activations"] + est["logits"]
+    if devices == 1 or sharded > budget:
+        room = budget - est["activations"] - est["logits"]
+        least = f"train on at least {math.ceil(est['model_state'] / room)} devices, or " if room > 0 else ""
+        raise PlanDoesNotFit(
+            f"Does not fit: {name} needs {(est.total if devices == 1 else sharded) / GB:.1f} GB per device on {devices} "
+            f"device{'s' if devices > 1 else ''}, over the {budget / GB:.1f} GB budget: {least}lower the micro-batch or "
+            f"add activation checkpointing to {name}.\n{numbers.splitlines()[0]}."
+        )
+    return AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), (
+        f"FSDP2 over {devices} devices (ModelParallelStrategy): {sharded / GB:.1f} GB per device.\n"
+        f"why: a full replica needs {est.total / GB:.1f} GB. {name}.configure_model must apply "
+        "torch.distributed.fsdp.fully_shard (as Lightning's ModelParallelStrategy requires), e.g. to each block and then "
+        f"the whole model.\n{numbers}."
     )
-    return AtomicModelParallelStrategy(data_parallel_size=devices // tp, tensor_parallel_size=tp), reason
 
 
 class _ShardingPlan:
-    """Per-device memory of FSDP2 over ``devices / tp`` ranks with tensor parallel ``tp``, and the choice of ``tp``."""
+    """Per-device memory of FSDP2 over ``devices / tp`` ranks with tensor parallel ``tp`` and a checkpointing mode, and
+    the choice of both: checkpointing is tried before tensor parallelism."""
 
     def __init__(self, config: GPTConfig, est: MemoryEstimate, devices: int, per_node: int, micro_batch: int,
                  block_size: int, precision: str, budget: float, activations_given: bool) -> None:
@@ -328,6 +357,8 @@ class _ShardingPlan:
         in_node = [t for t in _POWERS_OF_TWO if t <= per_node and per_node % t == 0]
         self.sizes = [t for t in in_node if self._splits(t)]
         self.unsplit = [t for t in in_node if t not in self.sizes]  # sizes the model's heads or vocabulary do not divide
+        configured = checkpointing_mode(config.activation_checkpointing)
+        self.modes = (configured,) if activations_given else AC_ORDER[AC_ORDER.index(configured):]
 
     def _splits(self, tp: int) -> bool:
         try:
@@ -336,72 +367,99 @@ class _ShardingPlan:
             return False
         return True
 
-    def bytes(self, tp: int, micro_batch: Optional[int] = None) -> float:
-        """Bytes per device at ``micro_batch`` sequences per data-parallel rank (``None``: the planned one)."""
+    def bytes(self, tp: int, micro_batch: Optional[int] = None, ac: Any = None) -> float:
+        """Bytes per device at ``micro_batch`` sequences per data-parallel rank (``None``: the planned one) and
+        checkpointing ``ac`` (``None``: the config's)."""
         scale = (micro_batch or self.micro_batch) / self.micro_batch
         state = self.est["model_state"] / self.devices  # FSDP2 and TP together split it over every device
-        if tp == 1 or self.activations_given:
+        if self.activations_given:
             return state + scale * (self.est["activations"] + self.est["logits"]) / tp
-        cfg, tokens = self.config, (micro_batch or self.micro_batch) * self.block_size
+        tokens = (micro_batch or self.micro_batch) * self.block_size
         act_bytes = 4 if str(self.precision).startswith(("32", "64")) else 2
-        whole = cfg.activation_elements()
-        split = (whole - 2 * cfg.n_embd) / tp + 2 * cfg.n_embd  # the two gathered block inputs are kept whole
-        if cfg.activation_checkpointing:
-            act = tokens * (cfg.n_layer * act_bytes * cfg.n_embd / tp + split * act_bytes)
-        else:
-            act = tokens * cfg.n_layer * split * act_bytes
+        mode = self.config.activation_checkpointing if ac is None else ac
+        act = tokens * stored_elements(self.config, tp, mode, self.config.activation_elements()) * act_bytes
         return state + act + scale * self.est["logits"] / tp  # vocabulary-parallel loss: V / tp logits
 
-    def most_sequences(self, tp: int) -> int:
+    def most_sequences(self, tp: int, ac: Any = None) -> int:
         """The largest micro-batch (sequences per data-parallel rank) that fits the budget."""
         fixed = self.est["model_state"] / self.devices
-        per_sequence = (self.bytes(tp) - fixed) / self.micro_batch
+        per_sequence = (self.bytes(tp, ac=ac) - fixed) / self.micro_batch
         return max(0, int((self.budget - fixed) // per_sequence)) if per_sequence > 0 else 0
 
-    def choose(self, peak_flops: Optional[float], network_bandwidth: float) -> tuple[int, str]:
-        """``(tp, why)``: 1 when FSDP2 alone fits and scales, else the smallest size in a node that fits."""
+    def choose(self, peak_flops: Optional[float], network_bandwidth: float) -> Optional[tuple[int, Any, str]]:
+        """``(tp, checkpointing, why)``: the first layout that fits and scales, trying checkpointing (none, selective,
+        full) before each larger tensor-parallel size; ``None`` when none fits."""
         nodes = self.devices // self.per_node
         needed = None
         if nodes > 1 and peak_flops is not None:
             param_bytes = 4 if str(self.precision).startswith(("32", "64")) else 2
             moved = 2 * param_bytes + 4  # per parameter and micro-batch: two all-gathers, a float32 reduce-scatter
             needed = moved * peak_flops * _ASSUMED_MFU / (6 * network_bandwidth)
-        fits = {t: self.bytes(t) <= self.budget for t in self.sizes}
-        scales = {t: needed is None or self.most_sequences(t) * self.block_size >= needed for t in self.sizes}
-        fitting = [t for t in self.sizes if fits[t]]
-        chosen = next((t for t in fitting if scales[t]), fitting[0] if fitting else None)
-        lines = [self._describe(t, fits[t]) for t in sorted({1, *([chosen] if chosen else self.sizes[-1:])})]
+        layouts = [(t, ac) for t in self.sizes for ac in self.modes]
+        fitting = [(t, ac) for t, ac in layouts if self.bytes(t, ac=ac) <= self.budget]
+        scaling = [(t, ac) for t, ac in fitting if needed is None or self.most_sequences(t, ac) * self.block_size >= needed]
+        if not fitting:
+            return None
+        tp, ac = (scaling or fitting)[0]
+        # over the budget: the most checkpointed layout of each smaller size, and the lighter modes at the chosen one
+        before = layouts[:layouts.index((tp, ac))]
+        tried = [(t, a) for t, a in before if t == tp or a == self.modes[-1]]
+        why = ("over the budget: " + ", ".join(f"{self._name(t, a)} {self.bytes(t, ac=a) / GB:.1f} GB" for t, a in tried)
+               + "; " if tried else "") + (
+            f"{self._name(tp, ac)} fits ({AC_COST[ac]}, up to {self.most_sequences(tp, ac)} x {self.block_size:,} tokens "
+            "per micro-batch)")
+        if ac != "full" and tp == 1 and not tried:
+            why += ", so no more checkpointing and no tensor parallelism"
+        refusal = self.config.tensor_parallel_refusal()
+        if refusal is not None and tp == 1 and fitting[0] != (1, self.modes[0]):
+            why += f"; tensor parallelism cannot split this model: {refusal}"
+        elif self.unsplit and tp == self.sizes[-1] and (tried or (scaling or fitting) is not scaling):
+            why += "; " + self._unsplit_reason()
         if needed is not None:
-            lines.append(
-                f"across {nodes} nodes FSDP2's all-gathers hide behind compute from {needed:,.0f} tokens per "
-                f"micro-batch on a data-parallel rank ({moved} B per parameter over {network_bandwidth / 1e9:.0f} GB/s "
-                f"per GPU, against {_ASSUMED_MFU:.0%} of {peak_flops / 1e12:,.1f} TFLOP/s)"
-            )
+            why += (f".\nnetwork: across {nodes} nodes FSDP2's all-gathers hide behind compute from {needed:,.0f} tokens per "
+                    f"micro-batch on a data-parallel rank ({moved} B per parameter over {network_bandwidth / 1e9:.0f} GB/s per "
+                    f"GPU, against {_ASSUMED_MFU:.0%} of {peak_flops / 1e12:,.1f} TFLOP/s)")
+            if not scaling:
+                why += ": no layout within a node reaches that, so the first that fits is used"
+            elif self.micro_batch * self.block_size < needed:
+                why += f": raise the micro-batch to {math.ceil(needed / self.block_size)} sequences to reach that"
         elif nodes > 1:
-            lines.append(f"across {nodes} nodes; this GPU's peak FLOP/s is unknown, so the network is not weighed")
-        if chosen is None:
-            if self.config.tensor_parallel_refusal() is None and self.unsplit:
-                lines.append(self._unsplit_reason())
-            state = self.est["model_state"] / self.devices
-            if state > self.budget:
-                least = -(-self.est["model_state"] // self.budget)
-                fix = f"the model state alone needs {state / GB:.1f} GB per device: train on at least {least:.0f} devices"
-            else:
-                fix = "lower the micro-batch or set model.activation_checkpointing=true"
-            chosen = 1 if state > self.budget else self.sizes[-1]
-            return chosen, "; ".join(lines) + f"; it still does NOT fit: {fix}."
-        if self.config.tensor_parallel_refusal() and not fits[1]:
-            lines.append(f"tensor parallelism cannot split this model: {self.config.tensor_parallel_refusal()}")
-        elif self.unsplit and chosen == self.sizes[-1] and not (fits[chosen] and scales[chosen]):
-            lines.append(self._unsplit_reason())
-        if needed is not None and not scales[chosen]:
-            lines.append("no tensor-parallel size within a node reaches that, so the smallest that fits is used")
-        elif needed is not None and self.micro_batch * self.block_size < needed:
-            lines.append(
-                f"raise the micro-batch to {math.ceil(needed / self.block_size)} sequences (data.batch_size, or "
-                "AutoBatchSize) to reach that"
-            )
-        return chosen, "; ".join(lines) + "."
+            why += f".\nnetwork: across {nodes} nodes, not weighed (this GPU's peak FLOP/s is unknown)"
+        return tp, ac, why + "."
+
+    @staticmethod
+    def _name(tp: int, ac: Any) -> str:
+        return ("FSDP2" if tp == 1 else f"tensor parallel {tp}") + f" {'with ' + MODE_VALUE[ac] if ac else 'without'} checkpointing"
+
+    def refusal(self, where: str) -> str:
+        """The message of a plan that fits no layout: the smallest device count, or the micro-batch, that fits."""
+        best_tp, best_ac = min(((t, a) for t in self.sizes for a in self.modes), key=lambda l: self.bytes(l[0], ac=l[1]))
+        least = self._least_devices()
+        state = self.est["model_state"] / self.devices
+        fixes = [f"train on at least {least} devices" if least else "train on more devices"]
+        most, layout = max(((self.most_sequences(t, a), (t, a)) for t in self.sizes for a in self.modes), key=lambda m: m[0])
+        if most >= 1:
+            fixes.append(f"lower the micro-batch to {most} (data.batch_size; {self._name(*layout)})")
+        line = (f"Does not fit on {self.devices} x {where}: " + ", or ".join(fixes) + ".\nwhy: "
+                + (f"the model state alone needs {state / GB:.1f} GB per device over {self.devices}" if state > self.budget else
+                   f"the smallest layout, {self._name(best_tp, best_ac)}, needs {self.bytes(best_tp, ac=best_ac) / GB:.1f} GB "
+                   f"per device at micro-batch {self.micro_batch} x {self.block_size:,} tokens")
+                + f", over the {self.budget / GB:.1f} GB budget")
+        if self.config.tensor_parallel_refusal() is None and self.unsplit:
+            line += "; " + self._unsplit_reason()
+        return line + "."
+
+    def _least_devices(self) -> Optional[int]:
+        """The smallest device count, in whole nodes of ``per_node``, at which a layout fits (``None``: over 8,192)."""
+        for nodes in range(1, 8192 // self.per_node + 1):
+            devices = nodes * self.per_node
+            if devices <= self.devices:
+                continue
+            other = _ShardingPlan(self.config, self.est, devices, self.per_node, self.micro_batch, self.block_size,
+                                  self.precision, self.budget, self.activations_given)
+            if other.choose(None, NETWORK_BANDWIDTH) is not None:
+                return devices
+        return None
 
     def _unsplit_reason(self) -> str:
         """Why the tensor-parallel sizes above the largest considered were left out (their shares would be uneven)."""
@@ -409,11 +467,3 @@ class _ShardingPlan:
         parts = cfg.tensor_parallel_splits()
         bad = ", ".join(f"{k}={v}" for k, v in parts.items() if v % above)
         return f"tensor parallel {above} or more is not considered: it does not divide {bad}"
-
-    def _describe(self, tp: int, fits: bool) -> str:
-        what = f"sharded over {self.devices} devices it" if tp == 1 else f"with tensor parallel {tp} it"
-        most = self.most_sequences(tp)
-        return (
-            f"{what} needs {self.bytes(tp) / GB:.1f} GB per device and {'fits' if fits else 'does NOT fit'}"
-            + (f" (up to {most} x {self.block_size} tokens per micro-batch)" if fits else "")
-        )

@@ -31,8 +31,8 @@ def _data(text_dir: Path) -> list[str]:
             "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0"]
 
 
-# The CLI always adds SigtermCheckpoint; with checkpointing off it says that a SIGTERM saves nothing.
-_SIGTERM_SAVES_NOTHING = "SigtermCheckpoint: the Trainer has no ModelCheckpoint, so a SIGTERM saves nothing"
+# The CLI always adds SigtermCheckpoint; with checkpointing off (a choice) it says nothing: the fits below would fail
+# on its warning (pyproject turns the package's warnings into errors).
 
 
 def test_a_configuration_error_is_one_message_and_exit_2(tmp_path, text_dir, cache_dir, monkeypatch):
@@ -56,7 +56,7 @@ def test_a_diverged_fit_exits_1(tmp_path, text_dir, cache_dir, capsys, monkeypat
     """No NonFiniteGuard and no checkpointing (the default stack's callbacks left out): the run used to end
     with exit 0 and NaN weights."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as info, pytest.warns(UserWarning, match=_SIGTERM_SAVES_NOTHING):
+    with pytest.raises(SystemExit) as info:
         main(["fit", *_data(text_dir), "--trainer.max_steps", "12", "--model.learning_rate", "1000",
               "--model.warmup_steps", "0", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]"])
     assert info.value.code == 1
@@ -75,10 +75,11 @@ def test_an_empty_or_non_mapping_config_gets_a_real_message():
 def test_checkpointing_off_leaves_out_the_default_model_checkpoint(tmp_path, text_dir, cache_dir, monkeypatch, caplog):
     """The default stack has a ModelCheckpoint; `--trainer.enable_checkpointing false` must not collide with it."""
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level("INFO"), pytest.warns(UserWarning, match=_SIGTERM_SAVES_NOTHING):
+    with caplog.at_level("INFO"):
         main(["fit", *_data(text_dir), "--trainer.max_steps", "2", "--model.warmup_steps", "1",
               "--trainer.enable_checkpointing", "false"])
     assert "the ModelCheckpoint callback is left out" in caplog.text
+    assert "SigtermCheckpoint" not in caplog.text  # gpuopt adds it and does not let it be removed: no advice to
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
@@ -136,3 +137,76 @@ def test_nonfinite_weights_are_refused_at_every_cli_door_with_the_tensor_named(d
     assert "Use an earlier checkpoint of that run, or start from other weights.\nTo read the file anyway: " in err
     if option == "--model.init_from":
         assert not cache_dir.exists()  # refused before data preparation
+
+
+def test_a_callback_that_cannot_be_imported_is_one_line_with_a_pythonpath_hint(tmp_path, capsys):
+    config = tmp_path / "cb.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: mypkg.NoSuchCallback\n")
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(config), "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "gpuopt: error: trainer.callbacks: cannot import mypkg.NoSuchCallback (no module named 'mypkg'). If mypkg is your "
+        "own code, run from the folder that holds it with PYTHONPATH=. (e.g. PYTHONPATH=. gpuopt fit ...), or install it; "
+        "else fix the class path.\n(gpuopt fit --help lists the options)\n")
+
+
+def test_a_class_the_parser_cannot_use_is_one_line_with_its_cause():
+    dump = ("Parser key \"trainer.callbacks\":\n  Does not validate against any of the Union subtypes\n  Subtypes: [...]\n"
+            "  Errors:\n    - Problem with given class_path 'mypkg.cb.Broken':\n        invalid syntax (cb.py, line 3)\n"
+            "    - Not a valid subclass of Callback\n  Given value type: <class 'list'>\n")
+    assert explain_parser_error(dump) == ("trainer.callbacks: mypkg.cb.Broken cannot be used: invalid syntax (cb.py, line 3). "
+                                          "Fix its class path or init_args in the --config file (or on the command line).")
+
+
+def test_a_list_option_given_as_text_shows_the_bracketed_form(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["predict", "--data.prompts", '["a"]', "--generate.stop", "the", "--trainer.default_root_dir", str(tmp_path)])
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "gpuopt: error: generate.stop takes a list, got the text 'the': write it in brackets, --generate.stop '[the]' "
+        "(items separated by commas), or as a YAML list under generate.stop in the --config file.")
+
+
+@pytest.mark.parametrize(("prompts", "what"), [("[]", "is empty, so predict would sample nothing"),
+                                               ('["a", ""]', "holds an empty prompt (no tokens)")])
+def test_empty_prompts_are_refused(prompts, what, tmp_path, text_dir, cache_dir, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["predict", *_data(text_dir), "--data.prompts", prompts, "--trainer.default_root_dir", str(tmp_path)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"gpuopt: error: --data.prompts {what}: give each prompt some text, e.g. --data.prompts '[\"Once upon a time\"]', "
+        "or leave it out to sample from the start of a text.")
+    assert not cache_dir.exists()
+
+
+def test_the_refusal_to_overwrite_a_run_suggests_a_max_steps_that_trains(tmp_path, text_dir, capsys, monkeypatch):
+    """A checkpoint at step 20 and --trainer.max_steps 6: `--ckpt_path last` alone would train nothing."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    torch.save({"global_step": 20}, tmp_path / "run" / "checkpoints" / "last.ckpt")
+    args = [*_data(text_dir), "--trainer.default_root_dir", "run", "--trainer.max_steps", "6"]
+    with pytest.raises(SystemExit):
+        main(["fit", *args])
+    err = capsys.readouterr().err
+    kept = " ".join(a if " " not in a else repr(a) for a in args[:-2])
+    assert f"To continue it: `gpuopt fit {kept} --ckpt_path last --trainer.max_steps 26`; to start a new run: " in err
+    # at a max_steps still ahead of the checkpoint, the command is left as it was
+    with pytest.raises(SystemExit):
+        main(["fit", *args[:-1], "40"])
+    assert f"To continue it: `gpuopt fit {kept} --trainer.max_steps 40 --ckpt_path last`;" in capsys.readouterr().err
+
+
+def test_predict_from_a_checkpoint_gives_no_advice_meant_for_fit(tmp_path, text_dir, cache_dir, monkeypatch, caplog):
+    """Lightning's "Please add the following callbacks: [ModelCheckpoint...]" assumes a fit: predict restores no callback."""
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *_data(text_dir), "--trainer.max_steps", "1", "--model.warmup_steps", "0",
+          "--trainer.default_root_dir", "run"])
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO"):
+        warnings.simplefilter("always")
+        main(["predict", *_data(text_dir), "--ckpt_path", "run/checkpoints/last.ckpt", "--data.prompts", '["a"]',
+              "--model.max_new_tokens", "2"])
+    said = [str(w.message) for w in caught] + [caplog.text]
+    assert not any("Please add the following callbacks" in text for text in said), said
+    assert "Loaded model weights from the checkpoint" in caplog.text  # it did load the checkpoint

@@ -235,3 +235,14 @@ def test_init_from_says_which_architecture_it_takes_from_the_checkpoint(tmp_path
     assert (f"model.init_from: the GPT starts from the weights of {path} (step 3 of its run); the optimizer and the "
             "learning-rate schedule start fresh; from the checkpoint's architecture: model.preset='llama-tiny' (configured "
             "'tiny').") in caplog.text  # n_layer=2 is the checkpoint's too, but unset here: nothing it replaces
+
+
+def test_a_setting_the_checkpoint_replaces_is_called_configured_not_a_default(caplog):
+    """An explicit --model.preset tiny equals GPTModule's default: what replaces it is not called a "default"."""
+    from lightning_gpuopt.cli.resume_checks import CheckpointSettings
+
+    settings = CheckpointSettings("last.ckpt", "predict", {"preset": "124m"}, kept={"preset": ("124m", "tiny")})
+    with caplog.at_level("INFO"):
+        settings.report()
+    assert "predict --ckpt_path last.ckpt: from the checkpoint: model.preset='124m' (over the configured 'tiny')." in caplog.text
+    assert "default" not in caplog.text

@@ -110,16 +110,28 @@ def test_flops_attention_term_scales_with_sequence_length():
     assert model.flops_per_token(32) - model.flops_per_token(16) == 12 * c.n_layer * c.n_embd * 16
 
 
-def test_activation_checkpointing_gives_same_gradients():
+@pytest.mark.parametrize("mode", [True, "full", "selective"])
+def test_activation_checkpointing_gives_same_gradients(mode):
     torch.manual_seed(0)
-    plain = GPT(tiny())
-    ckpt = GPT(tiny(activation_checkpointing=True))
+    plain = GPT(tiny(n_layer=4))
+    ckpt = GPT(tiny(n_layer=4, activation_checkpointing=mode))
+    recomputed = []  # the blocks whose forward runs again in the backward
+    for i, block in enumerate(ckpt.transformer.h):
+        block.forward = lambda *a, i=i, f=block.forward, **k: recomputed.append(i) or f(*a, **k)
     ckpt.load_state_dict(plain.state_dict())
     x = torch.randint(0, 100, (2, 32))
     for m in (plain, ckpt):
         m.loss(m(x[:, :-1]), x[:, 1:]).backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+    twice = sorted(i for i in set(recomputed) if recomputed.count(i) == 2)
+    assert twice == ([1, 3] if mode == "selective" else [0, 1, 2, 3])  # selective: the second block of each pair
+
+
+def test_activation_checkpointing_takes_full_or_selective_only():
+    with pytest.raises(ValueError, match=r"activation_checkpointing must be false, true \(every block: 'full'\) or "
+                                         r"'selective' \(every other block\), got 'some'"):
+        tiny(activation_checkpointing="some")
 
 
 def test_flash_attn_missing_names_the_extra():

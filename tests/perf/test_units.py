@@ -20,7 +20,7 @@ def test_strategy_reason_prints_decimal_gigabytes():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=32))
     _, reason = choose_strategy(model, devices=1, device_memory=80 * GB, micro_batch=1, block_size=32)
-    assert "(85% of 80.0 GB)" in reason
+    assert "budget: 68.0 GB per device (85% of GPU (80.0 GB))" in reason
 
 
 def test_disk_full_message_prints_decimal_gigabytes(tmp_path):
