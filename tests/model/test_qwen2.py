@@ -139,6 +139,7 @@ def test_qwen2_0_5b_tensor_parallel_plan_names_its_head_counts():
     check_tensor_parallel(config, 2)
     with pytest.raises(ValueError, match=r"not divide n_head=14, n_kv_head=2.*Choose tensor_parallel_size from \[1, 2"):
         check_tensor_parallel(config, 4)
-    strategy, reason = choose_strategy(config, devices=8, device_memory=8e9, micro_batch=4, block_size=4096)
+    strategy, reason = choose_strategy(config, devices=8, device_memory=20e9, micro_batch=4, block_size=4096)
     assert strategy._tensor_parallel_size == 2 and strategy._data_parallel_size == 4, reason
+    assert "tensor parallel 4 or more is not considered: it does not divide n_head=14, n_kv_head=2" in reason
     assert "block formula (swiglu MLP)" in reason
