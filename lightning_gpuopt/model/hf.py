@@ -304,6 +304,16 @@ def _check_writable(out_dir: Path) -> None:
                       "you may write to.")
 
 
+def _public_modes(folder: Path) -> None:
+    """Give ``folder`` and its files the modes the umask gives (as ``save_pretrained`` leaves them): ``mkdtemp`` makes
+    it 0700 and safetensors writes 0600, which a server run by another user could not read."""
+    umask = os.umask(0)  # the only way to read it; put back at once
+    os.umask(umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
+    folder.chmod(0o777 & ~umask)
+
+
 def write_hf_folder(model: GPT, out_dir: Union[str, os.PathLike], tokenizer_json: Optional[str] = None,
                     dtype: Optional[torch.dtype] = None) -> Path:
     """Write ``model`` as a Hugging Face folder (see :func:`save_hf`; no ``tokenizer.json`` without ``tokenizer_json``),
@@ -324,6 +334,7 @@ def write_hf_folder(model: GPT, out_dir: Union[str, os.PathLike], tokenizer_json
         (temp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if tokenizer_json is not None:
             (temp / "tokenizer.json").write_text(tokenizer_json)
+        _public_modes(temp)
         if out_dir.exists():
             out_dir.rmdir()  # an empty folder (checked): the rename needs the name free
         temp.rename(out_dir)
