@@ -103,7 +103,7 @@ def _hold(option: str, output: Path, overwrite: bool) -> None:
     """Hold ``output`` for this run (one writer: a live ``gpuopt predict`` writing it is refused, naming its pid,
     whatever ``overwrite`` says), then check it as a file to write and its ``.partial``; held until the command ends."""
     check_output_file(option, output)  # a folder, or a folder this process cannot write: before the lock file
-    lock = hold_output(output, "gpuopt predict", f"--{option}")
+    lock = hold_output(output, "gpuopt predict", f"--{option}", lost="lines", overwrite=True)
     check_output_file(option, output, overwrite, "generate.overwrite")
     _check_no_partial(output, overwrite, lock.previous if lock is not None else "")
 

@@ -148,6 +148,7 @@ def test_export_into_a_folder_another_writer_holds_is_refused_with_its_pid(tmp_p
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"{out} is being written by another gpuopt export (pid " in err and "OUT_DIR" in err
+    assert "lines" not in err and "overwriting" not in err  # a folder written whole; export has no overwrite
     assert not out.exists()
 
 
