@@ -10,7 +10,7 @@ from contextlib import nullcontext
 from typing import Optional
 
 from lightning_gpuopt.model.checkpoint import CheckpointError
-from lightning_gpuopt.model.hf import save_hf
+from lightning_gpuopt.model.hf import remove_killed_exports, save_hf
 from lightning_gpuopt.model.hf_families import HFError
 from lightning_gpuopt.run.lock import PathInUse, hold_output
 
@@ -41,6 +41,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.exit(2, f"gpuopt export: error: {err}\n")
     try:
         with lock or nullcontext():
+            if lock is not None:  # held: no live export owns a temporary folder of this output
+                remove_killed_exports(args.out_dir)
             out = save_hf(args.ckpt, args.out_dir, tokenizer=args.tokenizer, dtype=dtype)
     except (HFError, CheckpointError) as err:
         parser.exit(2, f"gpuopt export: error: {err}\n")

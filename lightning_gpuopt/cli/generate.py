@@ -103,7 +103,7 @@ def _hold(option: str, output: Path, overwrite: bool) -> None:
     """Hold ``output`` for this run (one writer: a live ``gpuopt predict`` writing it is refused, naming its pid,
     whatever ``overwrite`` says), then check it as a file to write and its ``.partial``; held until the command ends."""
     check_output_file(option, output)  # a folder, or a folder this process cannot write: before the lock file
-    lock = hold_output(output, "gpuopt predict", f"--{option}")
+    lock = hold_output(output, "gpuopt predict", f"--{option}", lost="lines", overwrite=True)
     check_output_file(option, output, overwrite, "generate.overwrite")
     _check_no_partial(output, overwrite, lock.previous if lock is not None else "")
 
@@ -120,9 +120,10 @@ def _check_no_partial(output: Path, overwrite: bool, previous: str = "") -> None
         partial.unlink()  # nothing finished in it, or replacing it was asked: its writer is gone (the lock is ours)
         return
     who = f"{previous}, which" if previous else "a run that"
+    kept = output.with_name(f"{output.stem}.killed{output.suffix}")  # beside it: a bare name would land in the cwd
     raise ValueError(
         f"{partial} holds {lines} completions of {who} ended before it wrote {output.name} (killed: its lock is free), "
-        f"and this run would start by emptying it: keep them (mv {partial} {output.stem}.killed{output.suffix}; a "
+        f"and this run would start by emptying it: keep them (mv {partial} {kept}; a "
         "JSONL file, one completion a line, unsorted) or give --generate.overwrite true to replace it."
     )
 

@@ -7,6 +7,7 @@ Everything that can be refused is refused before a weight is read: the architect
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
 import json
 import os
@@ -31,6 +32,7 @@ __all__ = [
     "hf_architecture",
     "is_hf_folder",
     "load_hf",
+    "remove_killed_exports",
     "load_hf_weights",
     "resolve_hf",
     "save_hf",
@@ -304,6 +306,34 @@ def _check_writable(out_dir: Path) -> None:
                       "you may write to.")
 
 
+def _temp_prefix(out_dir: Path) -> str:
+    """The name's start of the temporary folder an export of ``out_dir`` writes in, beside it."""
+    return f".{out_dir.name}.export-"
+
+
+def remove_killed_exports(out_dir: Union[str, os.PathLike]) -> list[Path]:
+    """Remove the temporary folders that exports of ``out_dir`` killed mid-write (``kill -9``) left beside it, each
+    a whole model's weights; return them. Call it only while holding ``out_dir``'s one-writer lock (``gpuopt export``
+    does): a live export's temporary folder is then not among them."""
+    out_dir = Path(out_dir).expanduser()
+    if not out_dir.parent.is_dir():
+        return []
+    killed = [p for p in out_dir.parent.glob(f"{glob.escape(_temp_prefix(out_dir))}*") if p.is_dir()]
+    for folder in killed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return killed
+
+
+def _public_modes(folder: Path) -> None:
+    """Give ``folder`` and its files the modes the umask gives (as ``save_pretrained`` leaves them): ``mkdtemp`` makes
+    it 0700 and safetensors writes 0600, which a server run by another user could not read."""
+    umask = os.umask(0)  # the only way to read it; put back at once
+    os.umask(umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
+    folder.chmod(0o777 & ~umask)
+
+
 def write_hf_folder(model: GPT, out_dir: Union[str, os.PathLike], tokenizer_json: Optional[str] = None,
                     dtype: Optional[torch.dtype] = None) -> Path:
     """Write ``model`` as a Hugging Face folder (see :func:`save_hf`; no ``tokenizer.json`` without ``tokenizer_json``),
@@ -316,7 +346,7 @@ def write_hf_folder(model: GPT, out_dir: Union[str, os.PathLike], tokenizer_json
     dtype = dtype or next(model.parameters()).dtype
     eos = _end_of_text_id(tokenizer_json)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    temp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out_dir), dir=out_dir.parent))
     try:
         save_file(_export_tensors(model, family, dtype), str(temp / "model.safetensors"), metadata={"format": "pt"})
         (temp / "config.json").write_text(json.dumps(_hf_config(model.config, family, eos, dtype), indent=2) + "\n")
@@ -324,6 +354,7 @@ def write_hf_folder(model: GPT, out_dir: Union[str, os.PathLike], tokenizer_json
         (temp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if tokenizer_json is not None:
             (temp / "tokenizer.json").write_text(tokenizer_json)
+        _public_modes(temp)
         if out_dir.exists():
             out_dir.rmdir()  # an empty folder (checked): the rename needs the name free
         temp.rename(out_dir)

@@ -136,6 +136,7 @@ def output_lock_path(output: Union[str, Path]) -> Path:
 
 def hold_output(
     output: Union[str, Path], command: str = "gpuopt", option: str = "", env: Mapping[str, str] = os.environ,
+    lost: str = "", overwrite: bool = False,
 ) -> Optional[HeldLock]:
     """Hold ``output``, a file this process is about to write, until the returned lock is let go (``with``, or
     ``close()``) or :func:`release_held`, or the process ends; refuse one another live process holds, naming its
@@ -149,6 +150,9 @@ def hold_output(
     Args:
         command: What writes it, written into the lock file and named to a second writer.
         option: The option that names the file (in the refusal's fix), ``""``: "another file".
+        lost: What two writers would lose of each other's (``"lines"``: a file written as it goes); ``""``: they
+            would write over each other.
+        overwrite: The command has an option to replace its output: the refusal says it does not apply here.
     """
     if not holds_locks(env):
         return None
@@ -162,9 +166,11 @@ def hold_output(
     except PathInUse as used:
         where = f"give this run another {option}" if option else "write another file"
         kill = f" (kill {used.pid})" if used.pid is not None else ""
+        clash = f"lose each other's {lost}" if lost else "write over each other"
+        after = "; overwriting never replaces a file a live run writes." if overwrite else "."
         raise PathInUse(output, used.holder,
-            f"{output} is being written by another {used.holder}: two writers would lose each other's lines. "
-            f"Wait for it to end or stop it{kill}, or {where}; overwriting never replaces a file a live run writes."
+            f"{output} is being written by another {used.holder}: two writers would {clash}. "
+            f"Wait for it to end or stop it{kill}, or {where}{after}"
         ) from None
     keep_held(lock)
     return lock

@@ -55,7 +55,7 @@ def prepare_run(
     Example::
 
         trainer = Trainer(max_steps=2000, default_root_dir="runs/a")
-        model, data = GPTModule(preset="gpt2-small"), TextDataModule(source="data/")
+        model, data = GPTModule(preset="124m"), TextDataModule(source="data/")
         with prepare_run(trainer, model, data, ckpt_path="last") as run:
             trainer.fit(model, datamodule=data, ckpt_path=run.ckpt_path)
 

@@ -244,4 +244,5 @@ def test_a_json_file_another_doctor_writes_is_refused_naming_its_pid(tmp_path, c
     said = capsys.readouterr().err
     assert f"{path} is being written by another gpuopt doctor (pid {os.getpid()} on " in said
     assert "or give this run another --json" in said and len(said.strip().splitlines()) <= 3
+    assert "lines" not in said and "overwriting" not in said  # a JSON file written whole; doctor has no overwrite
     assert not path.exists() and not list(tmp_path.iterdir())  # nothing written, the lock file gone with its holder

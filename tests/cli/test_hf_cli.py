@@ -148,4 +148,25 @@ def test_export_into_a_folder_another_writer_holds_is_refused_with_its_pid(tmp_p
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"{out} is being written by another gpuopt export (pid " in err and "OUT_DIR" in err
+    assert "lines" not in err and "overwriting" not in err  # a folder written whole; export has no overwrite
     assert not out.exists()
+
+
+def test_export_removes_what_a_killed_export_left_beside_its_output(tmp_path, capsys):
+    """A ``kill -9`` mid-export leaves its temporary folder (a whole model's weights, hidden); the next export into the
+    same output holds its lock, so no live writer can own that folder: it is removed, and nothing else is."""
+    torch.manual_seed(0)
+    module = GPTModule(preset="tiny", vocab_size=64, block_size=32)
+    module.configure_model()
+    ckpt = tmp_path / "a.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, ckpt)
+    out = tmp_path / "out"
+    killed = tmp_path / ".out.export-k1ll3d"  # the name a killed export's temporary folder has
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"half")
+    (tmp_path / ".out.notes").write_text("a file of the user's")
+    with pytest.warns(UserWarning, match="no tokenizer"), pytest.raises(SystemExit) as exit_:
+        main(["export", str(ckpt), str(out)])
+    assert exit_.value.code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.notes", "a.ckpt", "out"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]

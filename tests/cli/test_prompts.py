@@ -246,8 +246,8 @@ def test_a_partial_file_left_by_a_kill_is_not_emptied_by_the_next_run(tmp_path, 
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert (f"{partial} holds 2 completions of gpuopt predict (pid 4242 on node-7, since 2026-01-01 00:00:00), which ended "
-            "before it wrote g.jsonl (killed: its lock is free), and this run would start by emptying it: keep them (mv "
-            ) in err.replace("\n", " ")
+            "before it wrote g.jsonl (killed: its lock is free), and this run would start by emptying it: keep them "
+            f"(mv {partial} {tmp_path / 'g.killed.jsonl'};") in err.replace("\n", " ")  # kept beside it, not in the cwd
     assert "or give --generate.overwrite true to replace it." in err and len(err.strip().splitlines()) <= 3
     assert partial.read_text().count("\n") == 2 and not (tmp_path / "g.jsonl").exists()
     assert not (tmp_path / ".g.jsonl.lock").exists()  # a refused run lets go of the output and removes its lock file

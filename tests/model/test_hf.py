@@ -205,6 +205,19 @@ def test_an_unwritable_or_taken_output_is_refused_before_work(llama_folder, tmp_
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary folder left
 
 
+def test_the_exported_folder_is_readable_by_others_as_save_pretrained_writes_it(llama_folder, tmp_path):
+    """A temporary folder and safetensors' file are private (0700, 0600); a folder handed to a server run by another
+    user must have the modes the umask gives, as transformers' save_pretrained leaves them."""
+    old = os.umask(0o022)
+    try:
+        out = save_hf(load_hf(llama_folder), tmp_path / "out", tokenizer=_tokenizer_json())
+    finally:
+        os.umask(old)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {
+        name: oct(0o644) for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")}
+
+
 def test_hf_names_are_refused_clearly_offline(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
