@@ -108,8 +108,10 @@ TOUCHED = (
     "import:lightning.pytorch.loops.fetchers._DataFetcher.setup",  # moved onto a rebuilt loader (rebuild_train_loader)
     "checkpoint._enable_version_counter",  # ModelCheckpoint's, no public setter (no_version_counter)
     "module._compiler_ctx",  # set by Trainer.fit on a compiled LightningModule (compiled_by_lightning)
-    "import:lightning.pytorch.callbacks.RichProgressBar._get_train_description",  # overridden (callbacks/progress_bar.py)
-    "import:lightning.pytorch.trainer.connectors.signal_connector.log",  # its "Received SIGTERM" line (sigterm_notice_logger)
+    # overridden (callbacks/progress_bar.py)
+    "import:lightning.pytorch.callbacks.RichProgressBar._get_train_description",
+    # its "Received SIGTERM" line (sigterm_notice_logger)
+    "import:lightning.pytorch.trainer.connectors.signal_connector.log",
     "import:lightning.fabric.utilities.load._load_distributed_checkpoint",  # (load_distributed_checkpoint)
     # torch
     "import:torch._C._get_sdp_priority_order",  # SDPA backend priorities (sdp_priority_order)
@@ -118,7 +120,8 @@ TOUCHED = (
     "import:torch.nn.attention._sdpa_kernel",  # backends enabled, in a priority order (set_sdpa_backends)
     "import:torch._foreach_norm",  # one kernel for many norms (foreach_norm)
     *(f"import:torch.ops.aten._scaled_dot_product_{name}" for name in _SDPA_OPS),  # counted as math (sdpa_ops)
-    "import:torch._dynamo.eval_frame.OptimizedModule",  # torch.compile's wrapper (compiled_wrapper_or_in_place, uncompiled)
+    # torch.compile's wrapper (compiled_wrapper_or_in_place, uncompiled)
+    "import:torch._dynamo.eval_frame.OptimizedModule",
     "import:torch.nn.Module._compiled_call_impl",  # set by Module.compile() (compiled_wrapper_or_in_place)
     "import:torch.Tensor._base",  # the tensor a view looks into (tensor_base)
     "sampler._num_samples",  # a RandomSampler's own num_samples (sampler_sets_num_samples)
@@ -162,11 +165,19 @@ def _library_roots() -> dict[str, Any]:
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0)
-    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, torch.optim.lr_scheduler.ConstantLR(optimizer, 1.0)], [1])
+    scheduler = torch.optim.lr_scheduler.SequentialLR(
+        optimizer, [warmup, torch.optim.lr_scheduler.ConstantLR(optimizer, 1.0)], [1]
+    )
     sampler = torch.utils.data.RandomSampler(range(2))
     fused = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
     scaler = torch.amp.GradScaler("cpu")
-    return {"scaler": scaler, "scheduler": scheduler, "parser": ArgumentParser(), "sampler": sampler, "optimizer": fused}
+    return {
+        "scaler": scaler,
+        "scheduler": scheduler,
+        "parser": ArgumentParser(),
+        "sampler": sampler,
+        "optimizer": fused,
+    }
 
 
 def missing_internals(trainer: pl.Trainer) -> list[str]:
@@ -529,7 +540,12 @@ def parse_whole_lists(parser: Any, dest: str, is_default: Callable[[Any], bool])
 
     def check_whole(value: Any, **kwargs: Any) -> Any:
         cfg = kwargs.get("cfg")
-        if isinstance(value, (list, str)) and not kwargs.get("append") and cfg is not None and is_default(cfg.get(dest)):
+        if (
+            isinstance(value, (list, str))
+            and not kwargs.get("append")
+            and cfg is not None
+            and is_default(cfg.get(dest))
+        ):
             cfg = cfg.clone()
             cfg[dest] = None
             kwargs["cfg"] = cfg

@@ -13,6 +13,7 @@ Every module of ``lightning_gpuopt`` is parsed with ``ast`` (imports inside func
 * One concept per module, sized by its concept: a library file over ``MAX_LINES`` lines is listed in
   ``LONG_FILES`` saying why it is still one concept; no function over ``MAX_FUNCTION_LINES`` lines of code
   (docstring left out) unless a ``# long:`` comment in it states why.
+* No line over ``MAX_LINE_LENGTH`` columns.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ PACKAGE = "lightning_gpuopt"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 MAX_LINES = 500  # one concept per module: past this, LONG_FILES says why it is still one
 MAX_FUNCTION_LINES = 60
+MAX_LINE_LENGTH = 120  # pyproject's ruff line-length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +204,13 @@ def long_functions(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
     return problems
 
 
+def long_lines(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """``file:line`` of every line over ``MAX_LINE_LENGTH`` columns."""
+    return [f"{path.relative_to(root.parent)}:{n}: {len(line)} columns (> {MAX_LINE_LENGTH}): wrap it"
+            for path in modules.values() for n, line in enumerate(path.read_text().splitlines(), 1)
+            if len(line) > MAX_LINE_LENGTH]
+
+
 # Architecture names: only the config maps a family's name to what the code asks (docs/architecture.md,
 # "A model architecture"); every other module asks the config's capabilities and methods.
 ARCH_HOME = "model/config.py"
@@ -276,6 +285,11 @@ def test_no_function_over_60_lines_without_a_reason():
     assert not problems, "\n".join(problems)
 
 
+def test_no_line_over_120_columns():
+    problems = long_lines(package_modules())
+    assert not problems, "\n".join(problems)
+
+
 def test_no_architecture_name_is_tested_outside_the_config():
     assert {"gpt2", "llama", "qwen2"} <= set(ARCH_NAMES)
     problems = architecture_tests(package_modules())
@@ -332,6 +346,13 @@ def test_long_files_and_functions_are_caught(fake, tmp_path):
                     "perf/g.py": f"def g():\n    # long: one table, row by row\n{body}"})
     assert [p.split(" has ")[0] for p in long_files(modules, tmp_path / PACKAGE)] == ["lightning_gpuopt/perf/big.py"]
     assert [p.split(": ")[1] for p in long_functions(modules, tmp_path / PACKAGE)] == ["f has 61 lines of code (> 60)"]
+
+
+def test_long_lines_are_caught(fake, tmp_path):
+    modules = fake({"perf/wide.py": "x = 1\n" + "y = '" + "a" * (MAX_LINE_LENGTH - 5) + "'\n",
+                    "perf/ok.py": "z = '" + "a" * (MAX_LINE_LENGTH - 6) + "'\n"})
+    assert long_lines(modules, tmp_path / PACKAGE) == [
+        f"lightning_gpuopt/perf/wide.py:2: {MAX_LINE_LENGTH + 1} columns (> {MAX_LINE_LENGTH}): wrap it"]
 
 
 def test_an_architecture_test_outside_the_config_is_caught(fake, tmp_path):

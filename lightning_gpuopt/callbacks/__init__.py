@@ -1,4 +1,5 @@
-"""Callbacks: CUDA settings, MFU monitoring, automatic batch size, exact resume, the non-finite guard, the SIGTERM checkpoint, progress bars that resume."""
+"""Callbacks: CUDA settings, MFU monitoring, automatic batch size, exact resume, the non-finite guard, the SIGTERM
+checkpoint, progress bars that resume."""
 
 from lightning_gpuopt.callbacks.auto_batch.callback import AutoBatchSize
 from lightning_gpuopt.callbacks.cuda_settings import CUDASettings

@@ -61,7 +61,9 @@ def _capture() -> dict[str, Any]:
     return {
         "tf32": capture_tf32(),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "sdpa_enabled": {name: getattr(torch.backends.cuda, f"{flag}_sdp_enabled")() for name, flag in _SDPA_FLAGS.items()},
+        "sdpa_enabled": {
+            name: getattr(torch.backends.cuda, f"{flag}_sdp_enabled")() for name, flag in _SDPA_FLAGS.items()
+        },
         "sdpa_priority": sdp_priority_order(),
         "env": {name: os.environ.get(name) for name in _ALLOC_ENV_VARS},
     }
@@ -99,7 +101,11 @@ def plan_settings(
     if sdpa_backends == "auto":
         rows.append(("sdpa_backends", "auto", auto_sdpa_order(facts)[1]))
     elif sdpa_backends is not None:
-        skipped = "; flash needs compute capability >= 8.0, so it is skipped on this GPU" if flash_skipped(facts, sdpa_backends) else ""
+        skipped = (
+            "; flash needs compute capability >= 8.0, so it is skipped on this GPU"
+            if flash_skipped(facts, sdpa_backends)
+            else ""
+        )
         rows.append(("sdpa_backends", ",".join(sdpa_backends), done + skipped))
     return rows
 
@@ -109,7 +115,10 @@ def _cpu_line(rows: list[tuple[str, str, str]]) -> str:
     if not rows:
         return "CUDASettings: no CUDA device, nothing to set."
     would = ", ".join(f"{name}={value}" for name, value, _ in rows)
-    return f"CUDASettings: no CUDA device, nothing to set (on a GPU: {would}; {option('CUDASettings', 'verbose', True)} shows the table)."
+    return (
+        f"CUDASettings: no CUDA device, nothing to set (on a GPU: {would}; "
+        f"{option('CUDASettings', 'verbose', True)} shows the table)."
+    )
 
 
 class CUDASettings(Callback):
@@ -187,7 +196,8 @@ class CUDASettings(Callback):
         self._saved = _capture()
         if self.expandable_segments is not None:  # first: nothing below may initialise CUDA before it
             # Whether this process already initialised CUDA decides how the allocator can still be told.
-            self._allocator_status = _apply_allocator(self.expandable_segments, torch.cuda.is_initialized())  # runtime state: has the allocator started?
+            # runtime state: has the allocator started?
+            self._allocator_status = _apply_allocator(self.expandable_segments, torch.cuda.is_initialized())
         set_tf32(self.tf32, _matmul_precision(self.tf32, self.matmul_precision))
         if self.cudnn_benchmark is not None:
             torch.backends.cudnn.benchmark = self.cudnn_benchmark
@@ -250,7 +260,13 @@ class CUDASettings(Callback):
         applied = self._saved is not None
         if applied and self.cudnn_benchmark is not None and torch.backends.cudnn.benchmark != self.cudnn_benchmark:
             rows = [r for r in rows if r[0] != "cudnn_benchmark"]
-            rows.append(("cudnn_benchmark", str(self.cudnn_benchmark), f"overridden by {option('Trainer', 'benchmark')}: drop one of the two"))
+            rows.append(
+                (
+                    "cudnn_benchmark",
+                    str(self.cudnn_benchmark),
+                    f"overridden by {option('Trainer', 'benchmark')}: drop one of the two",
+                )
+            )
         self.report = rows
         if not self._logged:
             self._logged = True

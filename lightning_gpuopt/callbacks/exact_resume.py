@@ -159,7 +159,13 @@ class ExactResume(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._data_state = None  # the loaders are built: from here on positions come from the sampler
         combined = trainer.train_dataloader
-        loaders = list(combined.values()) if isinstance(combined, dict) else combined if isinstance(combined, (list, tuple)) else [combined]
+        loaders = (
+            list(combined.values())
+            if isinstance(combined, dict)
+            else combined
+            if isinstance(combined, (list, tuple))
+            else [combined]
+        )
         if isinstance(trainer.datamodule, ResumableData):  # it positions its own loaders
             reasons = []
         else:
@@ -220,7 +226,9 @@ class ExactResume(Callback):
         self._snapshot, self._snapshot_step = None, None
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._pending is not None:
             self._restore(trainer)
         if trainer.global_step != self._snapshot_step:  # first micro-batch of an optimizer step
@@ -245,7 +253,9 @@ class ExactResume(Callback):
         restore_rng_state(states[trainer.global_rank])
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if trainer.state.fn != "fit" or "loops" not in checkpoint:
             return
         partial = microbatches_since_step(trainer)

@@ -29,7 +29,8 @@ class MFUMonitor(Callback):
     """Logs throughput, TFLOP/s per device, MFU and memory every few optimizer steps, and a report after ``fit``.
 
     Tokens are counted from the batch's integer input ids (padding left out where an ``attention_mask``
-    or ``labels`` of the ids' shape mark it; another shape is warned about once); FLOPs per token are given, asked from the module, or counted over the first
+    or ``labels`` of the ids' shape mark it; another shape is warned about once); FLOPs per token are given, asked from
+    the module, or counted over the first
     real step at each sequence length. MFU is against the device's dense bf16 datasheet peak. The device
     is synchronised only at the end of a window. Logs ``perf/*`` and ``mem/*`` keys, shows ``tok/s`` and
     ``mfu`` in the progress bar; every key and how each is measured: ``docs/callbacks.md``. What a fit
@@ -74,7 +75,9 @@ class MFUMonitor(Callback):
         own = "MFUMonitor"
         check_int(own, "log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
         check_int(own, "warmup_steps", warmup_steps, minimum=0)
-        check_number(own, "peak_flops", peak_flops, low=0, low_open=True, optional=True, hint=" (in FLOP/s, e.g. 989.4e12)")
+        check_number(
+            own, "peak_flops", peak_flops, low=0, low_open=True, optional=True, hint=" (in FLOP/s, e.g. 989.4e12)"
+        )
         if peak_flops is not None and peak_flops < 1e9:
             rank_zero_warn(f"MFUMonitor.peak_flops={peak_flops} looks like TFLOP/s; it is in FLOP/s (e.g. 989.4e12).")
         check_choice(own, "dtype", dtype, (*MFU_DTYPES, None))
@@ -125,8 +128,8 @@ class MFUMonitor(Callback):
         self._dtype = self.dtype or compute_dtype_name(plugin)
         if self._dtype is None:
             rank_zero_warn(
-                f"MFUMonitor cannot tell the matmul dtype of the precision plugin {type(plugin).__name__}: assuming bf16. "
-                f"Give the plugin a `compute_dtype` property or set {option('MFUMonitor', 'dtype')}."
+                f"MFUMonitor cannot tell the matmul dtype of the precision plugin {type(plugin).__name__}: assuming "
+                f"bf16. Give the plugin a `compute_dtype` property or set {option('MFUMonitor', 'dtype')}."
             )
             self._dtype = "bf16"
         if is_fp8(plugin) and self.dtype is None:
@@ -134,7 +137,8 @@ class MFUMonitor(Callback):
         # MFU against the dense bf16 peak whatever the run computes in (see perf/mfu.py).
         peak, peak_fp8, name = mfu_peaks(facts, self._dtype, self.peak_flops)
         if peak is None and not facts.is_cuda:  # expected off a GPU: said once, not as a warning
-            rank_zero_info(f"MFUMonitor: no peak FLOP/s for {name}, so perf/mfu is not logged ({option('MFUMonitor', 'peak_flops')} sets one).")
+            rank_zero_info(f"MFUMonitor: no peak FLOP/s for {name}, so perf/mfu is not logged "
+                           f"({option('MFUMonitor', 'peak_flops')} sets one).")
         elif peak is None:
             rank_zero_warn(
                 f"MFUMonitor has no bf16 peak FLOP/s for {name}, so perf/mfu is not logged: set "
@@ -156,7 +160,8 @@ class MFUMonitor(Callback):
                 # memory of the run's own GPU: the probe's matrices are not the model's
                 torch.cuda.reset_peak_memory_stats(meter.device)
             else:
-                rank_zero_warn(f"{option('MFUMonitor', 'measure_peak', True)} needs a CUDA device; perf/mfu_measured is not logged.")
+                rank_zero_warn(f"{option('MFUMonitor', 'measure_peak', True)} needs a CUDA device; perf/mfu_measured "
+                               "is not logged.")
         meter.start(trainer.global_step)  # > 0 when resuming from a checkpoint
 
     def _read_float8(self, plugin: Any) -> None:
@@ -173,7 +178,9 @@ class MFUMonitor(Callback):
                            "float8 layers.")
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._meter.batch_starts()
         self._meter.flops.start_count(pl_module, batch)
 
@@ -187,7 +194,9 @@ class MFUMonitor(Callback):
         self._meter.resume()  # a checkpoint saved next starts a pause of its own
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if not trainer.sanity_checking:
             self._meter.pause()  # ends at the next training batch: the write has no hook of its own
 
@@ -197,12 +206,14 @@ class MFUMonitor(Callback):
     ) -> None:
         meter = self._meter
         input_ids = input_ids_of(batch)
-        tokens = self.tokens_fn(batch) if self.tokens_fn is not None else (input_ids.numel() if input_ids is not None else 0)
+        tokens = (
+            self.tokens_fn(batch) if self.tokens_fn is not None else (input_ids.numel() if input_ids is not None else 0)
+        )
         if tokens <= 0 and meter.say_once("no tokens"):
             rank_zero_warn(
                 f"MFUMonitor found no tokens in the batch of {type(pl_module).__name__}, so tokens/s, TFLOP/s and MFU "
-                f"are not measured: set {option('MFUMonitor', 'tokens_fn')} or give the batch an integer input-ids tensor "
-                "(batch[0] or batch['input_ids']; float features are not counted as tokens)."
+                f"are not measured: set {option('MFUMonitor', 'tokens_fn')} or give the batch an integer input-ids "
+                "tensor (batch[0] or batch['input_ids']; float features are not counted as tokens)."
             )
         flops = meter.flops.for_batch(pl_module, batch, tokens)  # per token position, padding included
         real = meter.real_tokens(batch) if self.tokens_fn is None else None

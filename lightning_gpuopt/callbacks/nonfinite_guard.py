@@ -100,7 +100,9 @@ class NonFiniteGuard(Callback):
         self._fresh = trainer.global_step == 0  # a resume from a checkpoint without the guard's state: not known
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         self._stepped, self._batch_bad = False, False
 
     @override
@@ -119,13 +121,16 @@ class NonFiniteGuard(Callback):
             )
         deferred = self.mode == "deferred" or (self.mode == "auto" and can)
         rank_zero_info(
-            "NonFiniteGuard: checking on the device, read at logging steps and before checkpoint saves (no sync per step)."
+            "NonFiniteGuard: checking on the device, read at logging steps and before checkpoint saves (no sync per "
+            "step)."
             if deferred else "NonFiniteGuard: checking every optimizer step (one host sync per step)."
         )
         return deferred
 
     @override
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
+    ) -> None:
         if self._deferred is None:
             self._deferred = self._decide_mode(trainer, optimizer)
             self.active_mode = "deferred" if self._deferred else "step"
@@ -150,7 +155,9 @@ class NonFiniteGuard(Callback):
         self._stepped = True
         if not n_loss_bad and not n_grads_bad:
             return  # the batch's count of bad steps in a row is settled at its end (another optimizer may follow)
-        where = describe_bad_step(trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad), self.check_gradients, limit)
+        where = describe_bad_step(
+            trainer, pl_module, optimizer, maxabs, params, bool(n_loss_bad), self.check_gradients, limit
+        )
         if scaler is not None and not n_loss_bad:
             # fp16: the GradScaler skips steps with overflowing gradients and lowers its scale; not ours to count.
             self.scaler_skips += 1
@@ -167,7 +174,8 @@ class NonFiniteGuard(Callback):
         if self.policy == "stop":
             raise NonFiniteError(
                 f"NonFiniteGuard stopped the run: {where}. The step was not applied and no checkpoint was written "
-                f"after it. {self.advice(pl_module)} Under fp16, bf16 may help; {option('NonFiniteGuard', 'policy', 'skip')} "
+                f"after it. {self.advice(pl_module)} Under fp16, bf16 may help; "
+                f"{option('NonFiniteGuard', 'policy', 'skip')} "
                 "skips bad steps instead of stopping."
             )
         if self.consecutive_skips >= self.max_consecutive_skips:
@@ -219,7 +227,11 @@ class NonFiniteGuard(Callback):
             f"at global step {first}; {consecutive} in a row now (read {when})"
         )
         if self.policy == "stop" or worst >= self.max_consecutive_skips:
-            why = "" if self.policy == "stop" else f" ({worst} in a row >= max_consecutive_skips={self.max_consecutive_skips})"
+            why = (
+                ""
+                if self.policy == "stop"
+                else f" ({worst} in a row >= max_consecutive_skips={self.max_consecutive_skips})"
+            )
             raise NonFiniteError(
                 f"NonFiniteGuard stopped the run{why}: {self.last_report}. The bad steps were not applied and no "
                 f"checkpoint was written after them. {self.advice(trainer.lightning_module if trainer else None)} "
@@ -248,7 +260,9 @@ class NonFiniteGuard(Callback):
         self._last_loss = (loss, trainer.global_step)
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._record_loss(trainer, outputs)
         if self._stepped and not self._batch_bad:
             self.consecutive_skips = 0  # a batch whose optimizer steps were all finite
@@ -259,7 +273,9 @@ class NonFiniteGuard(Callback):
             self._read_deferred(trainer, f"at logging step {step}")
 
     @override
-    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
         self._read_deferred(trainer, "before a checkpoint save")
 
     @override
@@ -282,8 +298,13 @@ class NonFiniteGuard(Callback):
         self._read_initial_loss()
         if self._last_loss is not None:
             self.saved_at = (self._last_loss[1], float(self._last_loss[0]))
-        return {"skipped_steps": self.skipped_steps, "scaler_skips": self.scaler_skips, "consecutive_skips": self.consecutive_skips,
-                "initial_loss": self.initial_loss, "saved_at": None if self.saved_at is None else list(self.saved_at)}
+        return {
+            "skipped_steps": self.skipped_steps,
+            "scaler_skips": self.scaler_skips,
+            "consecutive_skips": self.consecutive_skips,
+            "initial_loss": self.initial_loss,
+            "saved_at": None if self.saved_at is None else list(self.saved_at),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -15,7 +15,13 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgre
 from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
-__all__ = ["ResumedRichProgressBar", "ResumedTQDMProgressBar", "default_progress_bar", "train_bar_span", "whole_numbers_as_text"]
+__all__ = [
+    "ResumedRichProgressBar",
+    "ResumedTQDMProgressBar",
+    "default_progress_bar",
+    "train_bar_span",
+    "whole_numbers_as_text",
+]
 
 
 def train_bar_span(trainer: pl.Trainer) -> tuple[int, Optional[int]]:

@@ -17,7 +17,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_gpuopt.option_checks import check_file_name, from_command_line, option
-from lightning_gpuopt.internals import mark_sigterm_received, require_internals, settle_validation_counters, sigterm_notice_logger
+from lightning_gpuopt.internals import (
+    mark_sigterm_received,
+    require_internals,
+    settle_validation_counters,
+    sigterm_notice_logger,
+)
 from lightning_gpuopt.resume import microbatches_since_step, restart_interrupted_validation
 
 __all__ = ["SigtermCheckpoint"]
@@ -87,7 +92,8 @@ class SigtermCheckpoint(Callback):
                 return
             rank_zero_warn(
                 "SigtermCheckpoint: the Trainer has no ModelCheckpoint, so a SIGTERM saves nothing. Add a "
-                f"ModelCheckpoint that keeps last.ckpt ({option('ModelCheckpoint', 'save_last', True)}), or remove SigtermCheckpoint."
+                f"ModelCheckpoint that keeps last.ckpt ({option('ModelCheckpoint', 'save_last', True)}), or remove "
+                "SigtermCheckpoint."
             )
 
     @override
@@ -112,7 +118,8 @@ class SigtermCheckpoint(Callback):
         if self._group is None:
             self._group = dist.new_group(backend="gloo")  # every rank calls this hook, in the same order
         self._launcher, self._received = trainer.strategy.launcher, False
-        signal.signal(signal.SIGTERM, self._on_sigterm)  # Lightning's handler, which broadcasts, is put back at teardown
+        # Lightning's handler, which broadcasts, is put back at teardown
+        signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if not self._received and self._launcher is not None:
@@ -126,7 +133,8 @@ class SigtermCheckpoint(Callback):
         flag = torch.tensor([int(self._received)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         if flag.item() and not trainer.received_sigterm:
-            rank_zero_info("SigtermCheckpoint: a process of this run received SIGTERM; every rank stops after this batch.")
+            rank_zero_info("SigtermCheckpoint: a process of this run received SIGTERM; every rank stops after this "
+                           "batch.")
             mark_sigterm_received(trainer)
 
     @override
@@ -144,7 +152,9 @@ class SigtermCheckpoint(Callback):
             self._agree_on_sigterm(trainer)
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         interrupted_validation = (
             self._saving and trainer.state.fn == "fit" and trainer.validating and not trainer.sanity_checking
             and microbatches_since_step(trainer) == 0 and "loops" in checkpoint

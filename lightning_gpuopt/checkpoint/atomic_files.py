@@ -29,7 +29,16 @@ from lightning_gpuopt.checkpoint.safety import (
 
 PathLike = Union[str, os.PathLike]  # a local path or a URL-like string, as Lightning's checkpoint IO takes
 
-__all__ = ["PathLike", "atomic_save", "checkpoint_to_load", "fsync_path", "partial_path", "previous_path", "remove_tree", "swap_in"]
+__all__ = [
+    "PathLike",
+    "atomic_save",
+    "checkpoint_to_load",
+    "fsync_path",
+    "partial_path",
+    "previous_path",
+    "remove_tree",
+    "swap_in",
+]
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

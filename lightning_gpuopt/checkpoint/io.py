@@ -49,7 +49,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.allow_nonfinite = allow_nonfinite
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None
+    ) -> None:
         if not self.allow_nonfinite:
             check_finite_weights(checkpoint, path)  # before anything is written: the previous file stays
         if storage_options is not None or not _is_local(path):
@@ -82,5 +84,7 @@ def _check_finite_on_load(checkpoint: dict[str, Any], path: PathLike) -> None:
     bad, total = nonfinite_optimizer_state(checkpoint)
     if bad:
         raise CheckpointError(weights_refusal(
-            path, f"{bad[0]!r} holds NaN/Inf ({len(bad)} of {total} optimizer-state tensors do): the run that wrote it had "
-            "diverged, so a resume would skip every step", "Use an earlier checkpoint of that run, or start a new one", anyway))
+            path,
+            f"{bad[0]!r} holds NaN/Inf ({len(bad)} of {total} optimizer-state tensors do): the run that wrote it had "
+            "diverged, so a resume would skip every step",
+            "Use an earlier checkpoint of that run, or start a new one", anyway))

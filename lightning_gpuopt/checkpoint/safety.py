@@ -81,7 +81,9 @@ def check_finite_weights(checkpoint: dict[str, Any], path: Any) -> None:
     bad, total = nonfinite_optimizer_state(checkpoint)
     if bad:
         raise NonFiniteCheckpointError(
-            non_finite_message(path, len(bad), total, bad[0], Path(str(path)).exists(), "optimizer-state tensors", guarded)
+            non_finite_message(
+                path, len(bad), total, bad[0], Path(str(path)).exists(), "optimizer-state tensors", guarded
+            )
         )
 
 
@@ -185,6 +187,7 @@ def disk_full_error(path: Path, needed_bytes: int) -> OSError:
         errno.ENOSPC,
         f"No space left on device at {path.parent} (needs ~{needed_bytes / GB:.2f} GB for {path.name}{free}). "
         + (f"The previous {path.name} is kept. " if path.exists() else "")
-        + f"Free space there, or point {option('ModelCheckpoint', 'dirpath')} or {option('Trainer', 'default_root_dir')} "
+        + f"Free space there, or point {option('ModelCheckpoint', 'dirpath')} or "
+          f"{option('Trainer', 'default_root_dir')} "
         "at a larger disk.",
     )

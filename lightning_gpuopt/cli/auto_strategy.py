@@ -47,7 +47,8 @@ def add_auto_strategy_arguments(parser: LightningArgumentParser) -> None:
 
 def plan_without_missing_data(config: Any) -> None:
     """With ``--auto_strategy.print_plan``, a ``data.source`` that is not on this machine (a recipe's WikiText-103 on a
-    laptop) is replaced by ``stdlib``, said once: the plan reads ``data.batch_size`` and ``data.block_size``, no text."""
+    laptop) is replaced by ``stdlib``, said once: the plan reads ``data.batch_size`` and ``data.block_size``, no
+    text."""
     data = config.get("data")
     source = data.get("source") if data is not None and (config.get("auto_strategy") or {}).get("print_plan") else None
     if not isinstance(source, str):
@@ -112,8 +113,12 @@ def _choose(model: Any, datamodule: Any, config: Any, trainer_cfg: dict, devices
     plan = config.get("auto_strategy") or {}
     memory_gb, gpu = plan.get("device_memory_gb"), plan.get("device")
     precision = precision_for_estimate(trainer_cfg.get("precision"), trainer_cfg.get("plugins"))
-    if (gpu is not None or memory_gb is not None) and cuda_device_count() == 0 and trainer_cfg.get("precision") is None \
-            and not trainer_cfg.get("plugins"):
+    if (
+        (gpu is not None or memory_gb is not None)
+        and cuda_device_count() == 0
+        and trainer_cfg.get("precision") is None
+        and not trainer_cfg.get("plugins")
+    ):
         precision = "bf16-mixed"  # the stack's BF16Precision on the GPU planned for (float32 is this CPU's stack)
     return choose_strategy(
         model,
@@ -130,8 +135,9 @@ def _choose(model: Any, datamodule: Any, config: Any, trainer_cfg: dict, devices
 def _planned_vocabulary(model: Any, datamodule: Any, config: Any) -> tuple[Any, Optional[str]]:
     """What to plan for, and where its vocabulary comes from. The CLI links ``data.vocab_size`` into the model, and the
     data's default (4,096) is the size of the tokenizer it trains on the corpus. Under ``print_plan`` no data is read:
-    when neither ``data.vocab_size`` nor ``data.tokenizer`` is given, a preset with a vocabulary of its own (``llama-*``:
-    Llama 3's 128,256) is planned with it. A run plans the model it builds, and says so when that is the data's default."""
+    when neither ``data.vocab_size`` nor ``data.tokenizer`` is given, a preset with a vocabulary of its own
+    (``llama-*``: Llama 3's 128,256) is planned with it. A run plans the model it builds, and says so when that is the
+    data's default."""
     gpt = getattr(model, "config", None)
     hparams = getattr(model, "hparams", None) or {}
     data = getattr(datamodule, "hparams", None) if isinstance(datamodule, TextDataModule) else None
@@ -155,9 +161,14 @@ def _micro_batch(datamodule: Any) -> int:
     """The micro-batch size ``gpuopt-auto`` plans for: the data module's ``batch_size``."""
     batch_size = getattr(datamodule, "batch_size", None)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        got = (
+            "the module trains on its own loaders"
+            if datamodule is None
+            else f"{type(datamodule).__name__} has batch_size={batch_size!r}"
+        )
         raise ValueError(
             f"trainer.strategy={AUTO_STRATEGY} needs the micro-batch size to plan memory, read from the data module's "
-            f"batch_size attribute, but {'the module trains on its own loaders' if datamodule is None else f'{type(datamodule).__name__} has batch_size={batch_size!r}'}: give the data module "
+            f"batch_size attribute, but {got}: give the data module "
             "an int batch_size, or name the strategy (trainer.strategy: ddp or fsdp)."
         )
     return batch_size

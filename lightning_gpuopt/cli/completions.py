@@ -37,7 +37,8 @@ def write_jsonl(records: Sequence[dict], path: Union[str, Path]) -> Path:
     """Write ``records`` as JSONL to ``path`` (through a temporary file and a rename), return the path."""
     path = Path(path).expanduser()
     if path.is_dir():
-        raise ValueError(f"generate.output={str(path)!r} is a folder: give a file path, e.g. {str(path / 'generations.jsonl')!r}.")
+        raise ValueError(f"generate.output={str(path)!r} is a folder: give a file path, e.g. "
+                         f"{str(path / 'generations.jsonl')!r}.")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -120,7 +121,8 @@ class CompletionWriter:
         try:
             if self.scorer is not None:
                 line["score"] = score_of(self.scorer, self.scorer_spec, record, text)
-        except ValueError as error:  # written without a score; :meth:`check` raises it once this step's rows are written
+        # written without a score; :meth:`check` raises it once this step's rows are written
+        except ValueError as error:
             self.failure = self.failure or error
             self._count(finished, line)
             return

@@ -40,19 +40,23 @@ def check_trainer_options(trainer: Mapping[str, Any]) -> None:
     interval = trainer.get("val_check_interval")
     if isinstance(interval, int) and not isinstance(interval, bool):
         check_int("trainer", "val_check_interval", interval, minimum=1, optional=True,
-                  hint=" (validate every N training batches): use e.g. 500, a fraction of the epoch such as 0.25, or leave it unset")
+                  hint=" (validate every N training batches): use e.g. 500, a fraction of the epoch such as 0.25, or "
+                       "leave it unset")
     else:
         check_number("trainer", "val_check_interval", interval, low=0, low_open=True, high=1, optional=True,
-                     hint=" (a fraction of the epoch; an integer N validates every N batches): use e.g. 0.25, or leave it unset")
+                     hint=" (a fraction of the epoch; an integer N validates every N batches): use e.g. 0.25, or leave "
+                          "it unset")
     for stage in ("train", "val", "test", "predict"):
         name = f"limit_{stage}_batches"
         limit = trainer.get(name)
         if isinstance(limit, int) and not isinstance(limit, bool):
             check_int("trainer", name, limit, minimum=0, optional=True,
-                      hint=" (batches per epoch; 0 skips them): use e.g. 20, a fraction of the epoch such as 0.25, or leave it unset")
+                      hint=" (batches per epoch; 0 skips them): use e.g. 20, a fraction of the epoch such as 0.25, or "
+                           "leave it unset")
         else:
             check_number("trainer", name, limit, low=0, high=1, optional=True,
-                         hint=" (a fraction of the epoch's batches; an integer N runs N batches): use e.g. 0.25, or leave it unset")
+                         hint=" (a fraction of the epoch's batches; an integer N runs N batches): use e.g. 0.25, or "
+                              "leave it unset")
     root = trainer.get("default_root_dir")
     if root is not None and Path(root).expanduser().exists() and not Path(root).expanduser().is_dir():
         raise ValueError(f"trainer.default_root_dir={str(root)!r} is a file, not a folder: give a folder for the run's "
@@ -153,15 +157,17 @@ def check_output_file(option: str, path: Union[str, Path], overwrite: bool = Fal
     in a folder this process cannot write (or create), before any work is done.
 
     Args:
-        overwrite_option: The option that sets ``overwrite`` (named in the message); ``""``: existing files are replaced.
+        overwrite_option: The option that sets ``overwrite`` (named in the message); ``""``: existing files are
+        replaced.
     """
     path = Path(path).expanduser()
     if path.is_dir():
-        raise ValueError(f"{option}={str(path)!r} is a folder: give a file path, e.g. {str(path / 'generations.jsonl')!r}.")
+        raise ValueError(f"{option}={str(path)!r} is a folder: give a file path, e.g. "
+                         f"{str(path / 'generations.jsonl')!r}.")
     if overwrite_option and not overwrite and path.exists():
         raise ValueError(
-            f"{option}={str(path)!r} exists (written by an earlier run, or a file of yours) and would be replaced: give "
-            f"another --{option}, or --{overwrite_option} true to replace it."
+            f"{option}={str(path)!r} exists (written by an earlier run, or a file of yours) and would be replaced: "
+            f"give another --{option}, or --{overwrite_option} true to replace it."
         )
     check_writable(option, path, is_file=True, fix=f"give a --{option} in a folder you can write")
 
@@ -234,7 +240,12 @@ def _config_paths(argv: Sequence[str]) -> list[Path]:
     return paths
 
 
-_LOADER = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+_LOADER = {
+    "fit": "train_dataloader",
+    "validate": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
 
 
 def check_stage_data(subcommand: str, model: Any, datamodule: Any) -> None:
@@ -252,7 +263,9 @@ def check_stage_data(subcommand: str, model: Any, datamodule: Any) -> None:
     )
 
 
-def check_environment_options(environ: Mapping[str, str], options: Mapping[str, Sequence[str]], prefix: str = "GPUOPT") -> None:
+def check_environment_options(
+    environ: Mapping[str, str], options: Mapping[str, Sequence[str]], prefix: str = "GPUOPT"
+) -> None:
     """Raise for an environment variable ``<PREFIX>_<SUBCOMMAND>__<GROUP>__<OPTION>`` that names no option of that
     subcommand (``options``: each subcommand's option names, ``trainer.max_steps``), as the parser does for a flag:
     a mistyped one was ignored without a word."""

@@ -109,7 +109,8 @@ def _torch_device(facts: DeviceFacts) -> torch.device:
 
 
 def device_checks(facts: DeviceFacts) -> list[Check]:
-    """The device, what it can run, its datasheet peaks, and the versions of torch, Lightning, torchao and the extras."""
+    """The device, what it can run, its datasheet peaks, and the versions of torch, Lightning, torchao and the
+    extras."""
     can = (f"bf16 {_yes(facts.bf16)}, float8 {_yes(facts.fp8)}, flash attention {_yes(facts.flash_attention)}, "
            f"fused AdamW {_yes(facts.fused_adamw)}")
     checks = [Check("device", "info", f"{facts.describe()}: {can}")]
@@ -120,7 +121,8 @@ def device_checks(facts: DeviceFacts) -> list[Check]:
         checks.append(Check("peak_flops", "info", f"no datasheet peak for {facts.name}, so MFU is not reported",
                             f"set {option('MFUMonitor', 'peak_flops')} to its dense bf16 FLOP/s"))
     else:
-        checks.append(Check("peak_flops", "info", f"no datasheet peak for a {facts.type} device: MFU is not reported here"))
+        checks.append(Check("peak_flops", "info",
+                            f"no datasheet peak for a {facts.type} device: MFU is not reported here"))
     versions = {name: _version(name) for name in ("torch", "lightning", "torchao")}
     checks.append(Check("versions", "info", ", ".join(f"{k} {v}" for k, v in versions.items())))
     return checks + [_extra_check(extra, module, facts) for extra, module in _EXTRAS]
@@ -163,10 +165,12 @@ def apply_cuda_settings() -> tuple[CUDASettings, Callable[[], None]]:
 def settings_checks(facts: DeviceFacts, rows: list[tuple[str, str, str]]) -> list[Check]:
     """One check per ``CUDASettings`` row on a GPU; on another device one line saying nothing takes effect."""
     if not facts.is_cuda:
-        return [Check("cuda_settings", "info", "no CUDA device: CUDASettings sets its flags but none takes effect here")]
+        return [Check("cuda_settings", "info",
+                      "no CUDA device: CUDASettings sets its flags but none takes effect here")]
     return [
         Check(f"cuda_settings.{name}", "fail" if status.startswith("not applied") else "pass", f"{value}: {status}",
-              "construct CUDASettings before anything allocates CUDA memory" if status.startswith("not applied") else "")
+              "construct CUDASettings before anything allocates CUDA memory"
+              if status.startswith("not applied") else "")
         for name, value, status in rows
     ]
 
@@ -174,7 +178,8 @@ def settings_checks(facts: DeviceFacts, rows: list[tuple[str, str, str]]) -> lis
 def attention_check(facts: DeviceFacts, config: GPTConfig) -> Check:
     """The SDPA kernel that runs the model's attention under the current backend settings."""
     dtype = _compute_dtype(facts)
-    kernel = attention_kernel(_torch_device(facts), config.head_size, config.block_size, dtype, config.n_head, config.dropout)
+    kernel = attention_kernel(_torch_device(facts), config.head_size, config.block_size, dtype, config.n_head,
+                              config.dropout)
     detail = (f"SDPA runs {kernel} for head dim {config.head_size}, T {config.block_size}, {config.n_head} heads, "
               f"{str(dtype).removeprefix('torch.')}, causal")
     if not facts.is_cuda:
@@ -222,7 +227,8 @@ def float8_checks(
     config8 = float8_config(recipe, emulate=not facts.fp8)
     report = convert_linears_to_float8(model, config8, "auto", recipe, decision=decision)
     converted = sorted({(re.sub(r"\.\d+\.", ".*.", name), shape) for name, shape, why in report if why is None})
-    detail = f"Float8Precision ({recipe}) converts {sum(why is None for *_, why in report)} of {len(report)} projection layers"
+    detail = (f"Float8Precision ({recipe}) converts {sum(why is None for *_, why in report)} of {len(report)} "
+              "projection layers")
     if not converted:
         fix = nothing_converted_message(report, recipe, "GPT") or ""
         return [Check("float8_layers", "info", detail, fix), device, *timing]
@@ -369,17 +375,20 @@ def gpu_differences(here: DeviceFacts, gpu: DeviceFacts) -> list[Check]:
         gpu: The GPU to compare with.
     """
     if not gpu.is_cuda or gpu.capability is None:
-        raise ValueError(f"gpu_differences compares with a CUDA GPU, got {gpu.describe()}: pass e.g. REFERENCE_DEVICES['H100 SXM'].")
+        raise ValueError(f"gpu_differences compares with a CUDA GPU, got {gpu.describe()}: pass e.g. "
+                         "REFERENCE_DEVICES['H100 SXM'].")
     dtype = "bf16" if gpu.bf16 else "fp16"
     changes = {
         "precision": f"{dtype} autocast on tensor cores ({gpu.peak_tflops(dtype)} dense TFLOP/s)"
                      + ("" if gpu.bf16 else " with a GradScaler: no bf16 before compute capability 8.0"),
         "optimizer": "fused AdamW (one kernel for all parameters)" if gpu.fused_adamw else "AdamW (foreach)",
-        "attention": "Flash attention (SDPA)" if gpu.flash_attention else "memory-efficient attention (no Flash before 8.0)",
+        "attention": "Flash attention (SDPA)" if gpu.flash_attention
+                     else "memory-efficient attention (no Flash before 8.0)",
         "float8": f"Float8Precision runs float8 matmuls ({gpu.peak_tflops('fp8')} dense TFLOP/s)" if gpu.fp8
                   else "no float8 tensor cores (compute capability 8.9 needed): Float8Precision only emulates",
         "cuda_settings": "CUDASettings sets " + ", ".join(f"{name}={value}" for name, value, _ in plan_settings(gpu)),
-        "mfu": f"MFU against the datasheet peak of {gpu.peaks.name}" if gpu.peaks else "no datasheet peak: MFU not reported",
+        "mfu": f"MFU against the datasheet peak of {gpu.peaks.name}" if gpu.peaks
+               else "no datasheet peak: MFU not reported",
     }
     order, why = auto_sdpa_order(gpu)
     if order is not None:
@@ -452,7 +461,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuopt doctor", description=(
         "What lightning_gpuopt will do on this machine: device, settings, attention kernel, torch.compile, "
         "float8, and measured training steps. Exit status 1 when a check failed."))
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the checks to this JSON file")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write the checks to this JSON file")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="timed steps per micro-batch size (default 10 on a GPU, 3 elsewhere)")
     parser.add_argument("--preset", choices=list(PRESETS), default=None,
@@ -466,8 +476,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--json {args.json}: the folder {args.json.parent} {what}.")
     if args.json is not None:  # a folder, a read-only one, or one of another user: also before the work
         try:
-            check_writable("--json", args.json, is_file=True, fix="the checks are written there at the end. Give a file "
-                           "in a folder you can write, --json PATH")
+            check_writable("--json", args.json, is_file=True,
+                           fix="the checks are written there at the end. Give a file in a folder you can write, "
+                           "--json PATH")
         except ValueError as err:
             parser.error(str(err))
     try:  # one writer: a second doctor writing the same file is refused, naming its pid, before the work

@@ -31,39 +31,50 @@ __all__ = [
 TRACEBACK_ENV = "GPUOPT_TRACEBACK"
 _INVALID_SUBCOMMAND = re.compile(r"argument subcommand: invalid choice: '([^']*)' \(choose from (.*)\)")
 _LINK = re.compile(r"argument (\S+) --> (\S+): ")
-_NESTED = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*Parser key "([^"]+)":\s*([^\n]+)', re.S)
+_NESTED = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*Parser key '
+                     r'"([^"]+)":\s*([^\n]+)', re.S)
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.+)\]\. Got value: (.+)")
-_NOT_FINITE = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'float\'>\. Got value: ([-+]?(?:inf|infinity|nan))\s*$', re.I)
+_NOT_FINITE = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'float\'>\. Got value: '
+                         r'([-+]?(?:inf|infinity|nan))\s*$', re.I)
 _NOT_FINITE_UNION = re.compile(  # an Optional[Union[float, int]] option such as trainer.gradient_clip_val
     r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[[^\n]*<class \'float\'>'
     r".*?Given value: ([-+]?(?:inf|infinity|nan))\s*$", re.I | re.S
 )
 _UNION = "Does not validate against any of the Union subtypes"
-_LIST_OF = {"callbacks.callback.Callback": "trainer.callbacks", "Precision": "trainer.plugins", "CheckpointIO": "trainer.plugins"}
+_LIST_OF = {
+    "callbacks.callback.Callback": "trainer.callbacks",
+    "Precision": "trainer.plugins",
+    "CheckpointIO": "trainer.plugins",
+}
 _OWNER_OPTION = re.compile(r"^([A-Z]\w*)\.(\w+) must ")
 _LIMIT_UNDER_ONE = re.compile(r"You requested to check ([\d.e-]+) of the `(\w+)_dataloader` but [\d.e-]+ \* (\d+) < 1")
-_NO_SHORT_NAME = re.compile(r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Expected a dot import path string: (\S+)', re.S)
+_NO_SHORT_NAME = re.compile(r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Expected a dot import path string: '
+                            r'(\S+)', re.S)
 _LIST_AS_TEXT = re.compile(
     r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: \[list\[[^\n]*'
     r"\n.*?Given value type: <class 'str'>\s*Given value: ([^\n]*)", re.S
 )
-_LIST_AS_TEXT_PLAIN = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'(?:list|tuple)\'>\. Got value: ([^\n]*)')  # list[str]
+# list[str]
+_LIST_AS_TEXT_PLAIN = re.compile(r'Parser key "([^"]+)":\s*Expected a <class \'(?:list|tuple)\'>\. Got value: ([^\n]*)')
 _OPTION_BEFORE_CLASS = re.compile(
     r'Parser key "(model|data)":.*?Problem with given class_path \'lightning\.(?:pytorch\.)?Lightning(?:Data)?Module\':'
     r"\s*Option '([^']+)' is not accepted", re.S
 )
 _UNKNOWN_INIT_ARG = re.compile(
-    r'Parser key "(model|data)":.*?Problem with given class_path \'([^\']+)\':\s*Option \'([^\']+)\' is not accepted', re.S
+    r'Parser key "(model|data)":.*?Problem with given class_path \'([^\']+)\':\s*Option \'([^\']+)\' is not '
+    r'accepted', re.S
 )
 _UNKNOWN_LIST_INIT_ARG = re.compile(  # an option a class in trainer.callbacks / trainer.plugins does not take
-    r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Problem with given class_path \'([^\']+)\':\s*Option \'([^\']+)\' is not accepted',
+    r'Parser key "(trainer\.(?:callbacks|plugins))":.*?Problem with given class_path \'([^\']+)\':\s*Option '
+    r'\'([^\']+)\' is not accepted',
     re.S,
 )
 _NO_MODULE = re.compile(
     r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*No module named \'([^\']+)\'', re.S
 )
 _CLASS_PROBLEM = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*([^\n]+)', re.S)
-_NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*module \'([^\']+)\' has no attribute \'([^\']+)\'', re.S)
+_NO_CLASS = re.compile(r'Parser key "([^"]+)":.*?Problem with given class_path \'([^\']+)\':\s*module \'([^\']+)\' has '
+                       r'no attribute \'([^\']+)\'', re.S)
 T = TypeVar("T")
 
 
@@ -89,11 +100,15 @@ def explain_parser_error(message: str) -> str:
     not_finite = _NOT_FINITE.search(message) or _NOT_FINITE_UNION.search(message)
     if not_finite:
         key, value = not_finite.groups()
-        return f"{key} must be a finite number, got {value}: give a finite value for --{key} (or {key} in the --config file)."
+        return (
+            f"{key} must be a finite number, got {value}: give a finite value for --{key} "
+            f"(or {key} in the --config file)."
+        )
     list_as_text = _LIST_AS_TEXT.search(message) or _LIST_AS_TEXT_PLAIN.search(message)
     if list_as_text:
         key, value = list_as_text.groups()
-        return (f"{key} takes a list, got the text {value.strip()!r}: write it in brackets, --{key} '[{value.strip()}]' "
+        return (f"{key} takes a list, got the text {value.strip()!r}: write it in brackets, --{key} "
+                f"'[{value.strip()}]' "
                 f"(items separated by commas), or as a YAML list under {key} in the --config file.")
     option_before_class = _OPTION_BEFORE_CLASS.search(message)
     if option_before_class:
@@ -210,8 +225,9 @@ def _unknown_list_init_arg(group: str, class_path: str, key: str, flag: bool) ->
     close = difflib.get_close_matches(key, names or [], n=1, cutoff=0.6)
     hint = (f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(names)}." if names
             else "it takes no options." if names == [] else "see its __init__.")
-    where = (f"a --{group}.{key} flag sets an option of the last class in {group}, here {name}: give it right after the "
-             f"--{group}+=CLASS it belongs to" if flag else f"fix init_args of {name} in {group} in the --config file")
+    where = (f"a --{group}.{key} flag sets an option of the last class in {group}, here {name}: give it right after "
+             f"the --{group}+=CLASS it belongs to" if flag
+             else f"fix init_args of {name} in {group} in the --config file")
     return f"{group}: {name} takes no option {key!r}: {hint} ({where}.)"
 
 
@@ -236,8 +252,8 @@ def _unimportable_class(group: str, class_path: str, missing: str) -> str:
     one's own (``PYTHONPATH=. gpuopt fit ...`` from the folder that holds it)."""
     top = missing.split(".")[0]
     return (f"{group}: cannot import {class_path} (no module named {missing!r}). If {top} is your own code, run from "
-            f"the folder that holds it with PYTHONPATH=. (e.g. PYTHONPATH=. gpuopt fit ...), or install it; else fix the "
-            "class path.")
+            "the folder that holds it with PYTHONPATH=. (e.g. PYTHONPATH=. gpuopt fit ...), or install it; else fix "
+            "the class path.")
 
 
 def _unknown_class(group: str, class_path: str, module_name: str, name: str) -> str:
@@ -249,7 +265,11 @@ def _unknown_class(group: str, class_path: str, module_name: str, name: str) -> 
     else:
         names = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)]
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    hint = f"did you mean {module_name}.{close[0]}?" if close else f"{module_name} has {', '.join(sorted(names)) or 'no classes'}."
+    hint = (
+        f"did you mean {module_name}.{close[0]}?"
+        if close
+        else f"{module_name} has {', '.join(sorted(names)) or 'no classes'}."
+    )
     return f"{group}: {class_path} does not exist ({module_name} has no {name!r}): {hint}"
 
 
@@ -267,7 +287,11 @@ def _unknown_short_name(group: str, name: str) -> str:
     known = {c.__name__: f"{c.__module__}.{c.__qualname__}" for base in bases for c in subclasses(base)
              if not c.__name__.startswith("_") and "." not in c.__qualname__}
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]} ({known[close[0]]})?" if close else "give the class's full import path, e.g. my_pkg.MyCallback."
+    hint = (
+        f"did you mean {close[0]} ({known[close[0]]})?"
+        if close
+        else "give the class's full import path, e.g. my_pkg.MyCallback."
+    )
     return f"{group}: no class named {name!r}: {hint}"
 
 
@@ -284,7 +308,8 @@ def check_fit_ended_finite(trainer: Any, module: Any) -> None:
         advice = (guard.advice(module) if guard is not None else
                   f"Start a new run with a lower {learning_rate_option(module)} or gradient clipping "
                   f"({option('Trainer', 'gradient_clip_val')}), and add lightning_gpuopt.callbacks.NonFiniteGuard "
-                  "to the callbacks: it stops at the first bad step and says whether the last checkpoint is worth resuming.")
+                  "to the callbacks: it stops at the first bad step and says whether the last checkpoint is worth "
+                  "resuming.")
         raise NonFiniteError(
             f"Training ended with non-finite weights ({len(bad)} of {len(params)} parameters hold NaN/Inf, first "
             f"{bad[0]!r}; {loss_text}step {trainer.global_step}): the model diverged. {advice}"

@@ -20,7 +20,13 @@ from lightning_gpuopt.cli.prompts import Scorer, check_scorer, load_scorer, plan
 from lightning_gpuopt.generation.batched import Finished, GenerationJob
 from lightning_gpuopt.run.lock import hold_output
 
-__all__ = ["add_generate_arguments", "check_generate_options", "completions_path", "generate_from_file", "generate_options_given"]
+__all__ = [
+    "add_generate_arguments",
+    "check_generate_options",
+    "completions_path",
+    "generate_from_file",
+    "generate_options_given",
+]
 
 
 _DEFAULTS = {"prompts_file": None, "batch_size": None, "samples_per_prompt": 1, "stop": [], "output": None,
@@ -40,7 +46,8 @@ def add_generate_arguments(parser: Any) -> None:
         parser.add_argument(flag, **kwargs, default=_DEFAULTS[flag.removeprefix("--generate.")])
 
     add("--generate.prompts_file", type=Optional[str],
-        help="predict: a text file (one prompt per line) or JSONL (a \"prompt\" per line; other fields go to the scorer).")
+        help="predict: a text file (one prompt per line) or JSONL (a \"prompt\" per line; other fields go to the "
+             "scorer).")
     add("--generate.batch_size", type=Optional[int],
         help="predict: rows generated at a time (prompts of any lengths share a batch); default: the largest the "
              "device's memory allows (64 rows on a CPU).")
@@ -50,7 +57,8 @@ def add_generate_arguments(parser: Any) -> None:
     add("--generate.output", type=Optional[str],
         help="predict: the JSONL file written; default <trainer.default_root_dir>/generations.jsonl.")
     add("--generate.overwrite", type=bool,
-        help="predict: replace generate.output (and kept_output) if it exists (otherwise an existing file stops the run).")
+        help="predict: replace generate.output (and kept_output) if it exists (otherwise an existing file stops the "
+             "run).")
     add("--generate.scorer", type=Optional[str],
         help="predict: module:function called as f(record, completion) -> number for each completion; the score is "
              "written, and completions scoring >= keep_min_score go to kept_output.")
@@ -79,8 +87,8 @@ def check_generate_options(config: Any, generate: Any, error: Callable[[str], No
             error(f"generate.{name} must be >= 1, got {generate.get(name)}.")
     for i, stop in enumerate(generate.get("stop") or []):
         if not stop:
-            error(f"generate.stop[{i}] is empty, so it has no tokens and would never match: give each stop sequence some "
-                  "text (e.g. '[\"\\n\\n\"]'), or leave it out.")
+            error(f"generate.stop[{i}] is empty, so it has no tokens and would never match: give each stop sequence "
+                  "some text (e.g. '[\"\\n\\n\"]'), or leave it out.")
     records = read_prompts(generate["prompts_file"])
     output = completions_path(config)
     overwrite = generate.get("overwrite", False)
@@ -91,8 +99,9 @@ def check_generate_options(config: Any, generate: Any, error: Callable[[str], No
         return None
     kept = Path(generate.get("kept_output") or kept_path(output)).expanduser()
     if os.path.abspath(kept) == os.path.abspath(output):
-        error(f"generate.kept_output and generate.output are the same file ({output}): every completion and the kept ones "
-              f"go to two files, so name another --generate.kept_output (or leave it out: {kept_path(output).name}).")
+        error(f"generate.kept_output and generate.output are the same file ({output}): every completion and the kept "
+              "ones go to two files, so name another --generate.kept_output (or leave it out: "
+              f"{kept_path(output).name}).")
     _hold("generate.kept_output", kept, overwrite)
     scorer = load_scorer(generate["scorer"])
     check_scorer(scorer, generate["scorer"], records[0])
@@ -111,7 +120,8 @@ def _hold(option: str, output: Path, overwrite: bool) -> None:
 def _check_no_partial(output: Path, overwrite: bool, previous: str = "") -> None:
     """A ``.partial`` beside ``output``, with its lock held by this process, was left by a run that ended before it
     could sort its completions in (``kill -9``, an out-of-memory kill; ``previous``: what its lock file said): an
-    empty one is removed, one with completions refused unless ``overwrite``, so a new run does not start by emptying it."""
+    empty one is removed, one with completions refused unless ``overwrite``, so a new run does not start by emptying
+    it."""
     partial = output.with_name(output.name + ".partial")
     if not partial.is_file():
         return
@@ -142,14 +152,24 @@ def generate_from_file(
     stop_ids = [data.encode(s) for s in stops]
     for text, ids in zip(stops, stop_ids):
         if not ids:
-            raise ValueError(f"generate.stop {text!r} has no tokens: give each stop sequence some text, or leave it out.")
+            raise ValueError(f"generate.stop {text!r} has no tokens: give each stop sequence some text, or leave it "
+                             "out.")
     new, block = model.hparams.max_new_tokens, model.config.block_size
     requests, cut = plan_requests(records, data.encode, options.get("samples_per_prompt", 1), new, block)
     if cut:
         rank_zero_info(f"gpuopt predict: {cut} of {len(records)} prompts are longer than the {block - new} tokens that "
-                       f"block_size={block} leaves beside model.max_new_tokens={new}: they are generated from their last tokens.")
-    writer = CompletionWriter(records, data.decode, output, options.get("kept_output"), scorer, options.get("scorer") or "",
-                              options.get("keep_min_score", 1.0), stops)
+                       f"block_size={block} leaves beside model.max_new_tokens={new}: they are generated from their "
+                       "last tokens.")
+    writer = CompletionWriter(
+        records,
+        data.decode,
+        output,
+        options.get("kept_output"),
+        scorer,
+        options.get("scorer") or "",
+        options.get("keep_min_score", 1.0),
+        stops,
+    )
     bar = GenerationProgress(len(requests))
 
     def finished(done: Finished) -> None:

@@ -92,13 +92,16 @@ _DESCRIPTION = (
 _DOCTOR_EPILOG = ("gpuopt doctor: what this package will do on this machine (gpuopt doctor --help). "
                   "gpuopt export CKPT OUT_DIR: a checkpoint as a Hugging Face folder (gpuopt export --help).")
 _OWN_CLASSES = (  # said at the top of every subcommand's help, under a one-line usage: some 800 lines of options follow
-    "The model is GPTModule (--model.* below) on TextDataModule (--data.*) unless you name a class of your own: --model "
-    "my_pkg.MyModule trains any LightningModule, --data my_pkg.MyData reads any LightningDataModule (without one, the "
-    "module's own loaders), each with its options after it (--model my_pkg.MyModule --model.n_layer 6); same stack.")
-_SUBCOMMANDS = {name: {"usage": f"gpuopt {name} [--config FILE] [--model CLASS] [--data CLASS] [--GROUP.OPTION VALUE ...]",
+    "The model is GPTModule (--model.* below) on TextDataModule (--data.*) unless you name a class of your own: "
+    "--model my_pkg.MyModule trains any LightningModule, --data my_pkg.MyData reads any LightningDataModule (without "
+    "one, the module's own loaders), each with its options after it (--model my_pkg.MyModule --model.n_layer 6); same "
+    "stack.")
+_SUBCOMMANDS = {name: {"usage": f"gpuopt {name} [--config FILE] [--model CLASS] [--data CLASS] "
+                                "[--GROUP.OPTION VALUE ...]",
                        "description": f"gpuopt {name}: {what} {_OWN_CLASSES}"} for name, what in (
     ("fit", "train, with the stack for this machine (gpuopt --help); --ckpt_path last continues the last run."),
-    ("validate", "the validation loss of a checkpoint (--ckpt_path)."), ("test", "the test loss of a checkpoint (--ckpt_path)."),
+    ("validate", "the validation loss of a checkpoint (--ckpt_path)."),
+    ("test", "the test loss of a checkpoint (--ckpt_path)."),
     ("predict", "sample from a checkpoint (--ckpt_path): --data.prompts, or --generate.prompts_file to JSONL."))}
 _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
 
@@ -178,14 +181,16 @@ class GPTCLI(LightningCLI):
         parser.add_lightning_class_args(SigtermCheckpoint, OPTION_GROUPS[SigtermCheckpoint])
         self.stack_device_type = stack_device_type()
         parser.set_defaults(default_stack(self.stack_device_type))
-        parse_whole_lists(parser, "trainer.callbacks", is_stack_callbacks)  # a list of one's own replaces the stack's whole
+        # a list of one's own replaces the stack's whole
+        parse_whole_lists(parser, "trainer.callbacks", is_stack_callbacks)
         if not self.reads_text:  # a loader of your own resumes exactly when ExactResume may rebuild it
             parser.set_defaults({"exact_resume.rebuild_loaders": True})
         add_generate_arguments(parser)
         add_auto_strategy_arguments(parser)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        self.argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:]  # for the commands printed at the end
+        # for the commands printed at the end
+        self.argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:]
         check_config_files(self.argv)  # a YAML syntax error names the file and line, not "<unicode string>"
         running = {name: sub for name, sub in subcommand_parsers(self).items() if self.argv[:1] == [name]}
         check_environment_options(os.environ, {name: parser_options(sub) for name, sub in running.items()})
@@ -213,7 +218,8 @@ class GPTCLI(LightningCLI):
 
     def after_fit(self) -> None:
         can_predict = (self.trains_gpt and self.reads_text) or has_predict_data(self.model, self.datamodule)
-        if self.trains_gpt and tensor_parallel_size(self.trainer) > 1:  # GPTModule does not generate split (docs/parallel.md)
+        # GPTModule does not generate split (docs/parallel.md)
+        if self.trains_gpt and tensor_parallel_size(self.trainer) > 1:
             can_predict = False
         # Classes of one's own are often importable only through PYTHONPATH (PYTHONPATH=examples gpuopt fit ...):
         # the printed commands carry it, so they run as printed in a fresh shell.
@@ -232,7 +238,8 @@ class GPTCLI(LightningCLI):
         resolve_run_folder(self.config, self.argv)
         if self.trains_gpt:
             data_class = TextDataModule if self.reads_text else None
-            self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule, data_class)
+            self.config, self.checkpoint_settings = merge_checkpoint_settings(self.parser, self.config, GPTModule,
+                                                                              data_class)
             self.config, self.init_settings = merge_init_weights(self.parser, self.config, GPTModule, data_class)
         else:
             path = checkpoint_file(self.config)
@@ -241,7 +248,8 @@ class GPTCLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         if self.subcommand == "predict" and self.trains_gpt:  # before any work: new tokens the context cannot hold
             fit_to_context(1, self.model.hparams.max_new_tokens, self.model.config.block_size)
-        if self.subcommand and not self.config[self.subcommand].get("generate", {}).get("prompts_file"):  # else that file
+        # else that file
+        if self.subcommand and not self.config[self.subcommand].get("generate", {}).get("prompts_file"):
             check_stage_data(self.subcommand, self.model, self.datamodule)
         settings = getattr(self, "checkpoint_settings", None)
         if isinstance(settings, OwnCheckpoint):  # the run layer's checks, as prepare_run makes them
@@ -249,7 +257,8 @@ class GPTCLI(LightningCLI):
         elif settings is not None:
             settings.check_model(self.model)
             if self.subcommand == "fit":  # after the architecture checks: the first thing to fix
-                check_steps_left(settings.global_step, settings.path, self.config.fit.get("trainer"), settings.epochs_done)
+                check_steps_left(settings.global_step, settings.path, self.config.fit.get("trainer"),
+                                 settings.epochs_done)
             settings.report()
             if self.reads_text:  # before data preparation: the run's token ids keep their meaning
                 self.datamodule.use_checkpoint_tokenizer(settings.data_state)
@@ -257,8 +266,8 @@ class GPTCLI(LightningCLI):
         if init is not None:  # weights alone: the architecture checked like a resume's, the run's tokenizer taken
             init.check_model(self.model)
             taken = "".join(f", model.{k}={old!r} (configured {new!r})" for k, (old, new) in init.kept.items())
-            rank_zero_info(f"model.init_from: the GPT starts from the weights of {init.path} (step {init.global_step} of its "
-                           "run); the optimizer and the learning-rate schedule start fresh"
+            rank_zero_info(f"model.init_from: the GPT starts from the weights of {init.path} (step {init.global_step} "
+                           "of its run); the optimizer and the learning-rate schedule start fresh"
                            + (f"; from the checkpoint's architecture: {taken[2:]}." if taken else "."))
             if self.reads_text:
                 self.datamodule.use_checkpoint_tokenizer(init.data_state)
@@ -294,8 +303,8 @@ class GPTCLI(LightningCLI):
                     + (" (--data.prompts samples are printed)." if subcommand == "predict" else ".")
                 )
         if generate.get("prompts_file") and not (self.trains_gpt and self.reads_text):
-            self.parser.error("generate.prompts_file needs GPTModule and TextDataModule (it encodes the prompts with the "
-                              "data's tokenizer); for a module of your own, give the prompts as its predict data.")
+            self.parser.error("generate.prompts_file needs GPTModule and TextDataModule (it encodes the prompts with "
+                              "the data's tokenizer); for a module of your own, give the prompts as its predict data.")
         if generate.get("prompts_file"):
             self._scorer = check_generate_options(config, generate, self.parser.error)
 
@@ -314,8 +323,10 @@ class GPTCLI(LightningCLI):
             dropped = dropped_stack_note(callbacks, trainer_cfg.get("enable_checkpointing"))
             if dropped is not None:
                 rank_zero_info(dropped)
-        if trainer_cfg.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            trainer_cfg["callbacks"] = [*callbacks, default_progress_bar()]  # Lightning's bar, counting a resumed epoch right
+        if (trainer_cfg.get("enable_progress_bar") is not False
+                and not any(isinstance(c, ProgressBar) for c in callbacks)):
+            # Lightning's bar, counting a resumed epoch right
+            trainer_cfg["callbacks"] = [*callbacks, default_progress_bar()]
         note = float32_note(trainer_cfg.get("precision"), kwargs["plugins"], self.stack_device_type)
         if note is not None:
             rank_zero_info(note)
@@ -409,7 +420,8 @@ class _StopPredictOnSigterm(Callback):
     def _stop(self, signum: int, frame: Any) -> None:
         code = 128 + signal.SIGTERM  # the exit status of a SIGTERM, as after a fit's save
         if defer_stop(code):  # a prompts file: after the completions that finished in this step are written
-            rank_zero_info("gpuopt predict: received SIGTERM; stopping once the completions finished in this step are written.")
+            rank_zero_info("gpuopt predict: received SIGTERM; stopping once the completions finished in this step are "
+                           "written.")
             return
         rank_zero_info("gpuopt predict: received SIGTERM; stopping.")
         raise SystemExit(code)
@@ -425,7 +437,8 @@ def _drop_checkpoint_callbacks_if_disabled(config: Any) -> None:
     kept = [c for c in callbacks if not str(getattr(c, "class_path", "")).endswith(".ModelCheckpoint")]
     if len(kept) < len(callbacks):
         trainer["callbacks"] = kept
-        rank_zero_info("trainer.enable_checkpointing=false: the ModelCheckpoint callback is left out; no checkpoint is written.")
+        rank_zero_info("trainer.enable_checkpointing=false: the ModelCheckpoint callback is left out; no checkpoint is "
+                       "written.")
 
 
 def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
@@ -435,7 +448,8 @@ def make_cli(args: Optional[list[str]] = None, **kwargs: Any) -> GPTCLI:
 
     Example::
 
-        cli = make_cli(["fit", "--model", "my_pkg.NanoGPT", "--data", "my_pkg.Shakespeare", "--trainer.max_steps", "100"])
+        cli = make_cli(["fit", "--model", "my_pkg.NanoGPT", "--data", "my_pkg.Shakespeare",
+                        "--trainer.max_steps", "100"])
     """
     named = named_classes(sys.argv[1:] if args is None else args, os.environ)
     options = dict(
@@ -473,7 +487,8 @@ def main(args: Optional[list[str]] = None) -> None:
 
     try:
         with command_line_options():
-            run_reporting_errors(run)  # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)
+            # a configuration or data error: one message, exit 2 (GPUOPT_TRACEBACK=1: traceback)
+            run_reporting_errors(run)
     except SIGTERMException:  # a SystemExit, not an Exception: run_reporting_errors lets it through
         end_distributed()
         sys.exit(128 + signal.SIGTERM)

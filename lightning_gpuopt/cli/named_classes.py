@@ -23,7 +23,8 @@ _OUR_FLAGS = {"model": "--model.preset, --model.n_layer, ...", "data": "--data.s
 
 @dataclass(frozen=True)
 class NamedClasses:
-    """The class paths a command gives for ``model`` and ``data``; ``None``: ours (``GPTModule``, ``TextDataModule``)."""
+    """The class paths a command gives for ``model`` and ``data``; ``None``: ours (``GPTModule``,
+    ``TextDataModule``)."""
 
     model: Optional[str] = None
     data: Optional[str] = None
@@ -51,7 +52,9 @@ def _class_in(value: Any) -> Optional[str]:
 def _from_configs(argv: Sequence[str], subcommand: Optional[str], group: str) -> Optional[str]:
     found = None
     for i, arg in enumerate(argv):
-        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg[9:] if arg.startswith("--config=") else None
+        path = (
+            argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg[9:] if arg.startswith("--config=") else None
+        )
         if path is None or not Path(path).is_file():
             continue  # a missing file is the parser's error to report
         try:
@@ -60,7 +63,12 @@ def _from_configs(argv: Sequence[str], subcommand: Optional[str], group: str) ->
             continue  # likewise
         if not isinstance(config, Mapping):
             continue
-        if subcommand is not None and subcommand in config and isinstance(config[subcommand], Mapping) and i < argv.index(subcommand):
+        if (
+            subcommand is not None
+            and subcommand in config
+            and isinstance(config[subcommand], Mapping)
+            and i < argv.index(subcommand)
+        ):
             config = config[subcommand]  # a --config given before the subcommand holds one mapping per subcommand
         found = _class_in(config.get(group)) or found
     return found

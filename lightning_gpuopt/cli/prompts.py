@@ -1,4 +1,5 @@
-"""Prompts file -> generation requests, and the scorer that judges completions (``gpuopt predict --generate.prompts_file``).
+"""Prompts file -> generation requests, and the scorer that judges completions (``gpuopt predict
+--generate.prompts_file``).
 
 Every sample of every prompt is a :class:`~lightning_gpuopt.generation.batched.Request` of its own, whatever
 its length (continuous batching takes them all); a JSONL record's other fields go to the scorer with each
@@ -44,8 +45,8 @@ def read_prompts(path: Union[str, Path]) -> list[dict]:
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
         raise ValueError(
-            f"{option} is not UTF-8 text (byte 0x{data[err.start]:02x} on line {line} cannot be decoded): save it as UTF-8, "
-            f"e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}."
+            f"{option} is not UTF-8 text (byte 0x{data[err.start]:02x} on line {line} cannot be decoded): save it as "
+            f"UTF-8, e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}."
         ) from err
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -101,8 +102,8 @@ def load_scorer(spec: str) -> Scorer:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(
-            f"{option}: cannot import {module_name} ({err}): put {module_name.replace('.', '/')}.py where Python finds it "
-            "(e.g. PYTHONPATH=. gpuopt predict ...) or fix the name."
+            f"{option}: cannot import {module_name} ({err}): put {module_name.replace('.', '/')}.py where Python finds "
+            "it (e.g. PYTHONPATH=. gpuopt predict ...) or fix the name."
         ) from err
     scorer = getattr(module, name, None)
     if not callable(scorer):
@@ -117,12 +118,14 @@ def score_of(scorer: Scorer, spec: str, record: dict, completion: str) -> float:
         value = scorer(record, completion)
     except Exception as err:
         raise ValueError(
-            f"generate.scorer={spec!r} raised {type(err).__name__}: {err} for the prompt {record['prompt'][:60]!r} and the "
-            f"completion {completion[:60]!r}: make it return a number (0 for a completion it rejects) for any completion."
+            f"generate.scorer={spec!r} raised {type(err).__name__}: {err} for the prompt {record['prompt'][:60]!r} and "
+            f"the completion {completion[:60]!r}: make it return a number (0 for a completion it rejects) for any "
+            "completion."
         ) from err
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise ValueError(
-            f"generate.scorer={spec!r} returned {value!r} ({type(value).__name__}) for the prompt {record['prompt'][:60]!r}: "
+            f"generate.scorer={spec!r} returned {value!r} ({type(value).__name__}) for the prompt "
+            f"{record['prompt'][:60]!r}: "
             "it must return a finite number or a bool."
         )
     return float(value)

@@ -184,7 +184,11 @@ def merge_checkpoint_settings(
     path = os.fspath(ckpt_path)
     checkpoint = read_checkpoint(path, mmap=True)  # tensors mapped, not read: only the hyper-parameters are used
     # init_from names where the checkpoint's run started, not what it holds: never merged (see merge_init_weights)
-    saved = {k: _norm(v) for k, v in gptmodule_hparams(checkpoint, path).items() if not k.startswith("_") and k != "init_from"}
+    saved = {
+        k: _norm(v)
+        for k, v in gptmodule_hparams(checkpoint, path).items()
+        if not k.startswith("_") and k != "init_from"
+    }
     if "pytorch-lightning_version" not in checkpoint:
         raise CheckpointError(
             f"{path!r} is not a Lightning checkpoint (no 'pytorch-lightning_version'): give a checkpoint written by "
@@ -245,7 +249,8 @@ def merge_init_weights(
     if not init_from:
         return config, None
     if group.get("ckpt_path"):
-        rank_zero_info(f"model.init_from={init_from!r} is not read: --ckpt_path {group.get('ckpt_path')} holds the weights.")
+        rank_zero_info(f"model.init_from={init_from!r} is not read: --ckpt_path {group.get('ckpt_path')} holds the "
+                       "weights.")
         merged: dict[str, Any] = {"model": {"init_from": None}}
         if is_hf_folder(init_from) and data_class is not None and group.get("data") is not None:
             merged["data"] = _hf_tokenizer(resolve_hf(init_from), group.data)  # the run's tokenizer, as at its start
@@ -261,14 +266,23 @@ def merge_init_weights(
                for k in ARCHITECTURE if k in asked and _resolved(saved, k) != asked[k]]
     if refused:
         raise ValueError(_refusal(path, refused, "--model.init_from"))
-    settings = CheckpointSettings(path, subcommand, saved, global_step=checkpoint.get("global_step"), option="--model.init_from")
-    settings.kept = {k: (saved[k], v) for k in ARCHITECTURE if k in saved and (v := _norm(model_config.get(k))) not in (None, saved[k])}
+    settings = CheckpointSettings(
+        path, subcommand, saved, global_step=checkpoint.get("global_step"), option="--model.init_from"
+    )
+    settings.kept = {
+        k: (saved[k], v)
+        for k in ARCHITECTURE
+        if k in saved and (v := _norm(model_config.get(k))) not in (None, saved[k])
+    }
     merged = {"model": {**{k: saved[k] for k in ARCHITECTURE if k in saved}, "init_from": path}}
-    if data_class is not None and group.get("data") is not None:  # the data's sizes, unless asked: the model's link to them
+    # the data's sizes, unless asked: the model's link to them
+    if data_class is not None and group.get("data") is not None:
         settings.data_state = checkpoint.get(data_class.__qualname__)
         data_config = group.data.as_dict() if hasattr(group.data, "as_dict") else dict(group.data)
         asked_data = asked_settings(data_config, data_class, linked=False)
-        merged["data"] = {k: saved[k] for k in ("block_size", "vocab_size") if saved.get(k) is not None and k not in asked_data}
+        merged["data"] = {
+            k: saved[k] for k in ("block_size", "vocab_size") if saved.get(k) is not None and k not in asked_data
+        }
     return parser.parse_object({subcommand: merged}, config), settings
 
 

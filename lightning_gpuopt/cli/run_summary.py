@@ -15,7 +15,14 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_gpuopt.model import GPT, GPTConfig
 
-__all__ = ["command_line", "command_with_checkpoint", "count_text", "has_predict_data", "model_line", "where_things_went"]
+__all__ = [
+    "command_line",
+    "command_with_checkpoint",
+    "count_text",
+    "has_predict_data",
+    "model_line",
+    "where_things_went",
+]
 
 
 def command_with_checkpoint(
@@ -28,7 +35,9 @@ def command_with_checkpoint(
 
         >>> command_with_checkpoint(["fit", "--config", "q.yaml", "--ckpt_path", "last"], "predict", "c/last.ckpt")
         'gpuopt predict --config q.yaml --ckpt_path c/last.ckpt'
-        >>> command_with_checkpoint(["fit", "--model", "hf_llama.TinyLlama"], "fit", "c/last.ckpt", env={"PYTHONPATH": "examples"})
+        >>> command_with_checkpoint(
+        ...     ["fit", "--model", "hf_llama.TinyLlama"], "fit", "c/last.ckpt", env={"PYTHONPATH": "examples"}
+        ... )
         'PYTHONPATH=examples gpuopt fit --model hf_llama.TinyLlama --ckpt_path c/last.ckpt'
 
     Args:
@@ -38,7 +47,9 @@ def command_with_checkpoint(
     return command_line(argv, subcommand, ("--ckpt_path", ckpt, *extra), env)
 
 
-def command_line(argv: list[str], subcommand: str, options: tuple[str, ...] = (), env: Optional[Mapping[str, str]] = None) -> str:
+def command_line(
+    argv: list[str], subcommand: str, options: tuple[str, ...] = (), env: Optional[Mapping[str, str]] = None
+) -> str:
     """``[ENV=...] gpuopt <subcommand> <argv without its subcommand and the options set> <options>``, quoted for a
     shell (``options``: ``("--flag", "value", ...)``, which replace the same flags of ``argv``)."""
     replaced = {a for a in options if a.startswith("--")}  # options the printed command sets itself
@@ -84,8 +95,8 @@ def model_line(model: pl.LightningModule) -> str:
             count += f" ({count_text(total - frozen)} trainable, {count_text(frozen)} frozen)"
     shape = ""
     if config is not None and hasattr(config, "n_layer"):
-        shape = (f" ({config.n_layer} layers, width {config.n_embd}, {config.n_head} heads, context {config.block_size}, "
-                 f"vocabulary {config.vocab_size})")
+        shape = (f" ({config.n_layer} layers, width {config.n_embd}, {config.n_head} heads, context "
+                 f"{config.block_size}, vocabulary {config.vocab_size})")
     return f"{type(model).__name__}: {count}{shape}"
 
 

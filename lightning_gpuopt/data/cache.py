@@ -76,7 +76,9 @@ def write_meta(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     ``folder`` atomically."""
     names = sorted({name for span in meta["splits"].values() for name in (span["file"], span.get("answers")) if name})
     meta = dict(meta)
-    meta["files"] = {n: {"bytes": (folder / n).stat().st_size, "fingerprint": file_fingerprint(folder / n)} for n in names}
+    meta["files"] = {
+        n: {"bytes": (folder / n).stat().st_size, "fingerprint": file_fingerprint(folder / n)} for n in names
+    }
     meta["tokenizer_sha256"] = _sha256(folder / TOKENIZER)
     meta["checksum"] = _meta_checksum(meta)
     tmp = folder / f"{META}.tmp{os.getpid()}"

@@ -58,9 +58,9 @@ def check_train_batches(windows: int, batch_size: int, replicas: int, block_size
         return
     ranks = f" per rank ({replicas} data-parallel ranks)" if replicas > 1 else ""
     raise ValueError(
-        f"data.batch_size={batch_size} is larger than the training split of {description}: it holds {per_rank} windows of "
-        f"{block_size} tokens{ranks} per epoch, so no full batch and no training step. Set data.batch_size <= {per_rank} "
-        f"(or use a larger corpus, a smaller data.block_size, or data.samples_per_epoch)."
+        f"data.batch_size={batch_size} is larger than the training split of {description}: it holds {per_rank} windows "
+        f"of {block_size} tokens{ranks} per epoch, so no full batch and no training step. Set data.batch_size <= "
+        f"{per_rank} (or use a larger corpus, a smaller data.block_size, or data.samples_per_epoch)."
     )
 
 
@@ -145,9 +145,11 @@ class TextDataModule(pl.LightningDataModule):
         if not self.prompts or "" in self.prompts:  # predict would sample nothing (and exit 0), or an empty prompt
             example = ("""--data.prompts '["Once upon a time"]'""" if from_command_line()
                        else "TextDataModule(prompts=['Once upon a time'])")
-            what = "is empty, so predict would sample nothing" if not self.prompts else "holds an empty prompt (no tokens)"
-            raise ValueError(f"{option('TextDataModule', 'prompts')} {what}: give each prompt some text, e.g. {example}, "
-                             "or leave it out to sample from the start of a text.")
+            what = (
+                "is empty, so predict would sample nothing" if not self.prompts else "holds an empty prompt (no tokens)"
+            )
+            raise ValueError(f"{option('TextDataModule', 'prompts')} {what}: give each prompt some text, e.g. "
+                             f"{example}, or leave it out to sample from the start of a text.")
         self.samples_per_prompt = samples_per_prompt
         # Fail on a bad tokenizer or source now, not after the Trainer has started.
         self.tokenizer: Optional[Tokenizer] = load_tokenizer(tokenizer) if tokenizer else None
@@ -161,9 +163,9 @@ class TextDataModule(pl.LightningDataModule):
         check_choice("TextDataModule", "loss_on", loss_on, ("all", "completion"))
         if loss_on == "completion" and not self._corpus.answers:
             raise ValueError(
-                f"data.loss_on='completion' needs prompt/completion records, and data.source={source!r} is plain text: give "
-                'a .jsonl file of {"prompt": ..., "completion": ...} lines (gpuopt predict --generate.scorer keeps one), '
-                "or data.loss_on='all'."
+                f"data.loss_on='completion' needs prompt/completion records, and data.source={source!r} is plain text: "
+                'give a .jsonl file of {"prompt": ..., "completion": ...} lines (gpuopt predict --generate.scorer '
+                "keeps one), or data.loss_on='all'."
             )
         self.loss_on = loss_on
         self._meta: Optional[dict] = None
@@ -265,14 +267,19 @@ class TextDataModule(pl.LightningDataModule):
             args = (out / span["file"], meta["dtype"], span["start"], span["end"], self.block_size)
             try:
                 if split == "train":
-                    self.datasets[split] = RandomWindows(*args, length=self.samples_per_epoch, seed=self.seed, answers=answers)
+                    self.datasets[split] = RandomWindows(
+                        *args, length=self.samples_per_epoch, seed=self.seed, answers=answers
+                    )
                 else:
                     self.datasets[split] = SequentialWindows(*args, answers=answers)
             except ValueError as err:
                 why = str(err)
                 if self._from_checkpoint:  # its block_size is the checkpoint's: a smaller one is refused
-                    why = why.replace(" or a smaller data.block_size.", f" (block_size={self.block_size} is the checkpoint's).")
-                raise ValueError(f"The {split} split of {self._corpus.description} is too short: {why}{self._split_hint(split)}") from err
+                    why = why.replace(
+                        " or a smaller data.block_size.", f" (block_size={self.block_size} is the checkpoint's)."
+                    )
+                raise ValueError(f"The {split} split of {self._corpus.description} is too short: "
+                                 f"{why}{self._split_hint(split)}") from err
         if stage == "fit":
             check_train_batches(len(self.datasets["train"]), self.batch_size, data_parallel_size(self.trainer),
                                 self.block_size, self._corpus.description)
@@ -282,14 +289,15 @@ class TextDataModule(pl.LightningDataModule):
         if len(self._corpus.splits) > 1:
             return ""
         if split == "train":
-            return (f" (data.val_fraction={self.val_fraction} of the text went to each of validation and test: a smaller "
-                    "one leaves training more)")
+            return (f" (data.val_fraction={self.val_fraction} of the text went to each of validation and test: a "
+                    "smaller one leaves training more)")
         return f" (it is data.val_fraction={self.val_fraction} of the text: a larger one gives it more)"
 
     # ------------------------------------------------------------------------------ dataloaders
     def _loader(self, split: str, train: bool) -> DataLoader:
         workers = self.num_workers
-        pin = cuda_device_count() > 0 if self.pin_memory is None else self.pin_memory  # pinned pages only speed up copies to a GPU
+        # pinned pages only speed up copies to a GPU
+        pin = cuda_device_count() > 0 if self.pin_memory is None else self.pin_memory
         return DataLoader(
             self.datasets[split],
             batch_size=self.batch_size,

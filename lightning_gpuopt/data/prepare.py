@@ -196,6 +196,6 @@ def _disk_full(out: Path, err: OSError) -> OSError:
     except OSError:
         free = ""
     return OSError(err.errno, (
-        f"{err.strerror or 'No space left on device'} while writing the token cache {out}{free}; the partial folder was "
-        f"removed. Free space there, or put the cache on a larger disk: {option('TextDataModule', 'cache_dir')} or "
+        f"{err.strerror or 'No space left on device'} while writing the token cache {out}{free}; the partial folder "
+        f"was removed. Free space there, or put the cache on a larger disk: {option('TextDataModule', 'cache_dir')} or "
         "the GPUOPT_CACHE_DIR environment variable."))

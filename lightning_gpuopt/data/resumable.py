@@ -68,7 +68,8 @@ class EpochSampler(DistributedSampler):
             order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
         else:
             order = list(range(self.n))
-        order = (order * math.ceil(self.total_size / max(self.n, 1)))[: self.total_size]  # padded to a multiple of the ranks
+        # padded to a multiple of the ranks
+        order = (order * math.ceil(self.total_size / max(self.n, 1)))[: self.total_size]
         start, self.start = self.start, 0  # the next pass over this epoch starts at its beginning
         yield from order[self.rank : self.total_size : self.num_replicas][start:]
 
@@ -141,5 +142,8 @@ def not_exact_reason(loader: Any) -> Optional[str]:
     sampler = type(loader.sampler).__name__
     reason = f"DataLoader({sampler}) restarts at the first sample of the epoch (its position is not saved)"
     if isinstance(loader.sampler, RandomSampler):
-        reason += ", and each epoch's shuffled order and worker seeds come from the global RNG as it starts, which is not replayed"
+        reason += (
+            ", and each epoch's shuffled order and worker seeds come from the global RNG as it starts, "
+            "which is not replayed"
+        )
     return reason

@@ -48,7 +48,9 @@ class ResumableSampler(DistributedSampler):
     def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, epoch: int = 0, start: int = 0) -> None:
         own = "ResumableSampler"
         check_int(own, "num_replicas", num_replicas, minimum=1)
-        check_number(own, "rank", rank, low=0, high=num_replicas, high_open=True, hint=f" (num_replicas={num_replicas})")
+        check_number(
+            own, "rank", rank, low=0, high=num_replicas, high_open=True, hint=f" (num_replicas={num_replicas})"
+        )
         check_int(own, "start", start, minimum=0, hint=" (a position in the epoch)")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=True)
         self.epoch = epoch

@@ -92,7 +92,8 @@ def _record_pieces(path: Path, number: int, line: str) -> Iterator[str]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno}): fix that line.") from err
+        raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno}): fix that "
+                         "line.") from err
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
         yield from text_pieces(record["prompt"])
         yield from (AnswerText(p) for p in text_pieces(record["completion"]))
@@ -116,11 +117,14 @@ def _jsonl_corpus(description: str, files: list[Path]) -> Corpus:
                         if line.strip():
                             yield _record_pieces(path, number, line)
             except (OSError, UnicodeDecodeError) as err:
-                raise ValueError(f"Cannot read training records from {path}: {err}. Fix its permissions or save it as UTF-8.") from err
+                raise ValueError(f"Cannot read training records from {path}: {err}. Fix its permissions or save it as "
+                                 "UTF-8.") from err
 
     identity, fingerprint = _file_fingerprints({"train": files})
     identity = hashlib.sha256(f"jsonl-records\0{identity}".encode()).hexdigest()  # not the same files read as text
-    return Corpus(description=description, splits={"train": documents}, identity=identity, fingerprint=fingerprint, answers=True)
+    return Corpus(
+        description=description, splits={"train": documents}, identity=identity, fingerprint=fingerprint, answers=True
+    )
 
 
 def _special_kind(path: Path) -> Optional[str]:
@@ -179,7 +183,9 @@ def _hf_corpus(spec: str) -> Corpus:
         raise ValueError(f"Hugging Face dataset {name!r} has no 'train' split (splits: {list(ds)}).")
     # The Hub's datasets are versioned by name: the name is both the identity and the fingerprint.
     fingerprint = hashlib.sha256(json.dumps(["hf", name, config]).encode()).hexdigest()
-    return Corpus(description=f"Hugging Face dataset {spec}", splits=splits, identity=fingerprint, fingerprint=fingerprint)
+    return Corpus(
+        description=f"Hugging Face dataset {spec}", splits=splits, identity=fingerprint, fingerprint=fingerprint
+    )
 
 
 def resolve_source(source: str) -> Corpus:
@@ -217,7 +223,11 @@ def resolve_source(source: str) -> Corpus:
             )
         return _file_corpus(f"{len(files)} files under {path}", {"train": files})
     if path.is_file():
-        return _jsonl_corpus(f"records in {path}", [path]) if path.suffix.lower() == ".jsonl" else _file_corpus(str(path), {"train": [path]})
+        return (
+            _jsonl_corpus(f"records in {path}", [path])
+            if path.suffix.lower() == ".jsonl"
+            else _file_corpus(str(path), {"train": [path]})
+        )
     if glob.has_magic(source):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
         if not files:

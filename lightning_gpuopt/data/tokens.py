@@ -127,8 +127,8 @@ class RandomWindows(_TokenSpan):
                 return offset
             offset = int(np.random.default_rng((self.seed, i, attempt)).integers(0, self._high))
         raise ValueError(
-            f"{_DRAWS} windows of {self.block_size} tokens drawn from {Path(self.path).parent} held no answer token: the "
-            "completions are too rare in this corpus for a loss on them only. Use data.loss_on='all', a larger "
+            f"{_DRAWS} windows of {self.block_size} tokens drawn from {Path(self.path).parent} held no answer token: "
+            "the completions are too rare in this corpus for a loss on them only. Use data.loss_on='all', a larger "
             "data.block_size, or a corpus with more completions."
         )
 

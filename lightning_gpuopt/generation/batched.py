@@ -70,9 +70,15 @@ class GenerationJob:
     """
 
     def __init__(
-        self, requests: Sequence[Request], on_finished: Callable[[Finished], None], batch_size: Optional[int] = None,
-        eot_id: Optional[int] = None, stop_sequences: Sequence[Sequence[int]] = (), on_step: Optional[Callable[[int], None]] = None,
-        stop_strings: Sequence[str] = (), decode: Optional[Callable[[list[int]], str]] = None,
+        self,
+        requests: Sequence[Request],
+        on_finished: Callable[[Finished], None],
+        batch_size: Optional[int] = None,
+        eot_id: Optional[int] = None,
+        stop_sequences: Sequence[Sequence[int]] = (),
+        on_step: Optional[Callable[[int], None]] = None,
+        stop_strings: Sequence[str] = (),
+        decode: Optional[Callable[[list[int]], str]] = None,
     ) -> None:
         self.requests = list(requests)
         self.on_finished = on_finished
@@ -89,8 +95,9 @@ def fit_to_context(prompt_len: int, max_new_tokens: int, block_size: int) -> int
     after them."""
     if max_new_tokens >= block_size:
         raise ValueError(
-            f"max_new_tokens={max_new_tokens} does not fit in the model's context of block_size={block_size} tokens, prompt "
-            f"included: ask for at most {block_size - 1} (e.g. {block_size // 2}); a row also ends at end-of-text or a stop sequence."
+            f"max_new_tokens={max_new_tokens} does not fit in the model's context of block_size={block_size} tokens, "
+            f"prompt included: ask for at most {block_size - 1} (e.g. {block_size // 2}); a row also ends at "
+            "end-of-text or a stop sequence."
         )
     return min(prompt_len, block_size - max_new_tokens)
 
@@ -111,23 +118,29 @@ class _Caller:
         config = getattr(model, "config", None)
         self.model = model
         self.ours = "key_padding_mask" in params
-        self.cached = self.ours and "caches" in params and hasattr(config, "n_layer") if use_cache is None else use_cache
+        self.cached = (
+            self.ours and "caches" in params and hasattr(config, "n_layer") if use_cache is None else use_cache
+        )
         if self.cached and not (self.ours and "caches" in params):
-            raise ValueError(f"generate_batched(use_cache=True) needs a GPT-like model taking caches; {type(model).__name__} does not.")
+            raise ValueError("generate_batched(use_cache=True) needs a GPT-like model taking caches; "
+                             f"{type(model).__name__} does not.")
         if not self.ours and "attention_mask" not in params:
             raise ValueError(
-                f"{type(model).__name__}.forward takes no attention mask (key_padding_mask or attention_mask), so prompts "
-                "of different lengths cannot share a batch: give it one, or generate one prompt at a time."
+                f"{type(model).__name__}.forward takes no attention mask (key_padding_mask or attention_mask), so "
+                "prompts of different lengths cannot share a batch: give it one, or generate one prompt at a time."
             )
         self.position_ids = "position_ids" in params
         names = ("block_size", "max_position_embeddings", "n_positions")
-        self.block_size: Optional[int] = next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+        self.block_size: Optional[int] = next(
+            (getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None
+        )
         self.vocab_size: Optional[int] = getattr(config, "vocab_size", None)
         self.n_layer: int = getattr(config, "n_layer", 0)
         self.device = next(model.parameters()).device
 
     def logits(self, idx: Tensor, mask: Optional[Tensor], caches: Optional[list[KVCache]] = None) -> Tensor:
-        """Next-token logits (B, vocab_size) after the last column of ``idx`` (B, T); ``mask`` (B, T) bool or ``None``."""
+        """Next-token logits (B, vocab_size) after the last column of ``idx`` (B, T); ``mask`` (B, T) bool or
+        ``None``."""
         if self.ours:
             out = self.model(idx, caches, key_padding_mask=mask)
         else:
@@ -258,8 +271,8 @@ def _checked(request: Request, block_size: Optional[int]) -> _Row:
         raise ValueError(f"Request {request.key!r} asks for max_new_tokens={request.max_new_tokens}: give at least 1.")
     if block_size is not None and len(request.ids) + request.max_new_tokens > block_size:
         raise ValueError(
-            f"Request {request.key!r}: a prompt of {len(request.ids)} tokens and {request.max_new_tokens} new tokens do not "
-            f"fit in the model's context of {block_size}: shorten the prompt or ask for fewer new tokens."
+            f"Request {request.key!r}: a prompt of {len(request.ids)} tokens and {request.max_new_tokens} new tokens "
+            f"do not fit in the model's context of {block_size}: shorten the prompt or ask for fewer new tokens."
         )
     return _Row(request)
 
@@ -290,7 +303,11 @@ def _prefill_group(caller: _Caller, rows: list[_Row]) -> int:
 
 
 def _run_cached(
-    caller: _Caller, pending: Iterator[_Row], batch_size: int, stops: _Stops, sample: Callable[[Tensor], tuple[Tensor, list[int]]]
+    caller: _Caller,
+    pending: Iterator[_Row],
+    batch_size: int,
+    stops: _Stops,
+    sample: Callable[[Tensor], tuple[Tensor, list[int]]],
 ) -> Iterator[Finished]:
     # long: one loop owns the batch's rows, its caches and its last tokens; cut up, it would hide which row is where
     device, n_layer, block_size = caller.device, caller.n_layer, caller.block_size
@@ -354,7 +371,11 @@ def _run_cached(
 
 
 def _run_uncached(
-    caller: _Caller, pending: Iterator[_Row], batch_size: int, stops: _Stops, sample: Callable[[Tensor], tuple[Tensor, list[int]]]
+    caller: _Caller,
+    pending: Iterator[_Row],
+    batch_size: int,
+    stops: _Stops,
+    sample: Callable[[Tensor], tuple[Tensor, list[int]]],
 ) -> Iterator[Finished]:
     rows = _take(pending, batch_size)
     while rows:

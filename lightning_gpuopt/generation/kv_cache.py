@@ -95,7 +95,9 @@ class KVCache:
         if self.pos + T > self.max_len:
             raise ValueError(f"KVCache holds {self.max_len} positions; cannot append up to {self.pos + T}.")
 
-    def next_positions(self, batch_size: int, T: int, key_padding_mask: Optional[Tensor], device: torch.device) -> Tensor:
+    def next_positions(
+        self, batch_size: int, T: int, key_padding_mask: Optional[Tensor], device: torch.device
+    ) -> Tensor:
         """Positions of the next ``T`` tokens, (T,) for a dense cache without padding, else (B, T): a row's real
         tokens before each, what the prompt alone would have (a pad token gets the next real one's)."""
         fresh = self._fresh(batch_size)
@@ -103,10 +105,14 @@ class KVCache:
             start = 0 if fresh else self.pos
             return torch.arange(start, start + T, dtype=torch.long, device=device)  # (T,)
         seen = torch.zeros(batch_size, dtype=torch.long, device=device) if fresh else self.seen
-        steps = key_padding_mask.long().cumsum(-1) - 1 if key_padding_mask is not None else torch.arange(T, device=device)
+        steps = (
+            key_padding_mask.long().cumsum(-1) - 1 if key_padding_mask is not None else torch.arange(T, device=device)
+        )
         return (seen[:, None] + steps).clamp(min=0)  # (B, T)
 
-    def attention_mask(self, batch_size: int, T: int, key_padding_mask: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    def attention_mask(
+        self, batch_size: int, T: int, key_padding_mask: Optional[Tensor], device: torch.device
+    ) -> Optional[Tensor]:
         """Boolean mask (B, 1, T, S) of the keys each of the next ``T`` queries sees (:func:`padded_causal_mask`);
         ``None`` when the cache is dense and there is no padding (causal attention as usual)."""
         fresh = self._fresh(batch_size)
@@ -141,7 +147,11 @@ class KVCache:
             rows = torch.arange(B, device=k.device)[:, None]  # (B, 1)
             self.k[rows, :, cols] = k.transpose(1, 2)  # indexed (B, T, nh, hs)
             self.v[rows, :, cols] = v.transpose(1, 2)
-            new = key_padding_mask if key_padding_mask is not None else torch.ones(B, T, dtype=torch.bool, device=k.device)
+            new = (
+                key_padding_mask
+                if key_padding_mask is not None
+                else torch.ones(B, T, dtype=torch.bool, device=k.device)
+            )
             self.valid[rows, cols] = new
             self.seen += new.sum(-1)
             if key_padding_mask is not None:

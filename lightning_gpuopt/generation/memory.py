@@ -1,7 +1,8 @@
 """How many rows a generation batch can hold on a device: the KV cache and activations against its memory.
 
 From :class:`~lightning_gpuopt.perf.device.DeviceFacts`, so a CPU test computes the batch an H100 would
-get (the KV cache holds the grouped key/value heads: ``n_kv_head`` wide); a CPU has no device memory to size from and gets :data:`CPU_ROWS`. The arithmetic: ``docs/generation.md``."""
+get (the KV cache holds the grouped key/value heads: ``n_kv_head`` wide); a CPU has no device memory to size from and
+gets :data:`CPU_ROWS`. The arithmetic: ``docs/generation.md``."""
 
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def generation_batch_size(
     reason = (
         f"{rows} rows{capped}: each row's KV cache takes {kv / 2**20:.1f} MiB ({context} positions x {config.n_layer} "
         f"layers x {width} x 2 x {dtype_bytes} bytes) of {facts.total_memory / GiB:.1f} GiB on "
-        f"{facts.name}, after the weights ({weight_bytes / GiB:.2f} GiB), a prefill and a margin of {margin / GiB:.1f} GiB"
+        f"{facts.name}, after the weights ({weight_bytes / GiB:.2f} GiB), a prefill and a margin of {margin / GiB:.1f} "
+        "GiB"
     )
     return GenerationMemory(rows, per_row, kv, fixed - margin, reason)

@@ -28,7 +28,15 @@ MapLocation = Union[str, torch.device, Callable, dict, None]
 
 # GPTModule hyper-parameters that shape the GPT (the others are optimiser / sampling settings).
 _CONFIG_HPARAMS = (
-    "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "dropout", "attention", "activation_checkpointing"
+    "vocab_size",
+    "block_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "n_kv_head",
+    "dropout",
+    "attention",
+    "activation_checkpointing",
 )
 
 
@@ -88,7 +96,9 @@ def check_weights(
         unexpected = [k for k in given if k not in expected]
         if wrong or missing or unexpected:
             if wrong:
-                first = f"{wrong[0]!r} is {list(given[wrong[0]])} in the file and {list(expected[wrong[0]])} in the model"
+                first = (
+                    f"{wrong[0]!r} is {list(given[wrong[0]])} in the file and {list(expected[wrong[0]])} in the model"
+                )
             elif missing:
                 first = f"{missing[0]!r} is missing from the file"
             else:
@@ -96,8 +106,8 @@ def check_weights(
             counts = f"{len(wrong)} of other shape, {len(missing)} missing, {len(unexpected)} unexpected"
             raise CheckpointError(weights_refusal(
                 source, f"they do not fit the model's architecture ({_architecture(config)}): {first} ({counts})",
-                "Build the model with the file's architecture (its preset, n_layer, n_head, n_embd, n_kv_head, block_size "
-                "and vocab_size), or give weights of this one", anyway))
+                "Build the model with the file's architecture (its preset, n_layer, n_head, n_embd, n_kv_head, "
+                "block_size and vocab_size), or give weights of this one", anyway))
     bad = nonfinite_weights(state_dict) if finite else []
     if bad:
         total = sum(1 for v in state_dict.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
@@ -125,14 +135,16 @@ def read_checkpoint(
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(
-            f"Checkpoint {str(path)!r} is a directory (a sharded distributed checkpoint, as FSDP2 saves?): give a single "
-            f".ckpt file, or consolidate the shards with their hyper-parameters first, `python -m "
+            f"Checkpoint {str(path)!r} is a directory (a sharded distributed checkpoint, as FSDP2 saves?): give a "
+            f"single .ckpt file, or consolidate the shards with their hyper-parameters first, `python -m "
             f"lightning.fabric.utilities.consolidate_checkpoint {path}`, and give {str(path) + '.consolidated'!r}."
         )
     if not path.is_file():
-        raise CheckpointError(f"Checkpoint {str(path)!r} does not exist: check the path (e.g. .../checkpoints/last.ckpt).")
+        raise CheckpointError(f"Checkpoint {str(path)!r} does not exist: check the path (e.g. "
+                              ".../checkpoints/last.ckpt).")
     if path.stat().st_size == 0:
-        raise CheckpointError(f"Checkpoint {str(path)!r} is empty (0 bytes): it was never written; use an earlier checkpoint.")
+        raise CheckpointError(f"Checkpoint {str(path)!r} is empty (0 bytes): it was never written; use an earlier "
+                              "checkpoint.")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"PK\x03\x04":  # torch.save has written zip archives since PyTorch 1.6
@@ -167,9 +179,9 @@ def _not_weights_only(path: Path, error: str) -> str:
             "loaded: loading them would run whatever code the file holds. ")
     if from_command_line():
         return text + ("gpuopt reads checkpoints with weights_only=True only, whatever --weights_only says. If you "
-                       "trust the file, save what you need of it again in Python (torch.load(path, weights_only=False), "
-                       "then torch.save of its tensors and numbers) and pass that file; or use a checkpoint written by "
-                       "gpuopt or Lightning.")
+                       "trust the file, save what you need of it again in Python (torch.load(path, "
+                       "weights_only=False), then torch.save of its tensors and numbers) and pass that file; or use a "
+                       "checkpoint written by gpuopt or Lightning.")
     return text + "If you trust the file, load it with weights_only=False."
 
 
@@ -190,9 +202,9 @@ def _check_stored_checksums(path: Path) -> None:
                         pass
     except (zipfile.BadZipFile, EOFError, OSError) as err:
         raise CheckpointError(
-            f"Checkpoint {str(path)!r} is damaged ({str(err).splitlines()[0] if str(err) else type(err).__name__}): its "
-            "bytes no longer match the checksums written with it (a disk error, an interrupted copy or a write into the "
-            "file). Use an earlier checkpoint of the run, or copy the file again from where it was saved."
+            f"Checkpoint {str(path)!r} is damaged ({str(err).splitlines()[0] if str(err) else type(err).__name__}): "
+            "its bytes no longer match the checksums written with it (a disk error, an interrupted copy or a write "
+            "into the file). Use an earlier checkpoint of the run, or copy the file again from where it was saved."
         ) from err
 
 
@@ -202,7 +214,8 @@ def gpt_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict):
         raise CheckpointError(
             "The checkpoint has no 'state_dict': it is not a Lightning checkpoint of a GPTModule "
-            f"(top-level keys: {sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__})."
+            "(top-level keys: "
+            f"{sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__})."
         )
     out = {}
     for key, value in state.items():
@@ -243,7 +256,8 @@ def gpt_from_checkpoint(checkpoint: Any, path: Union[str, os.PathLike], allow_no
     try:
         config = gpt_config_from_hparams(hparams, **overrides)
     except ValueError as err:
-        raise CheckpointError(f"The hyper-parameters saved in {str(path)!r} do not make a valid GPTConfig: {err}") from err
+        raise CheckpointError(f"The hyper-parameters saved in {str(path)!r} do not make a valid GPTConfig: "
+                              f"{err}") from err
     state = gpt_state_dict(checkpoint)
     check_weights(state, path, config, f"load_gpt({str(path)!r}, allow_nonfinite=True)", finite=not allow_nonfinite)
     model = GPT(config)
@@ -288,8 +302,8 @@ def load_gpt_weights(model: GPT, path: Union[str, os.PathLike]) -> None:
     parameters are on a device (``GPTModule(init_from=...)``: fine-tuning from them), after :func:`check_weights`."""
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(
-            f"model.init_from={str(path)!r}: the GPT was built on the meta device (sharded or empty-initialised), so the "
-            "weights cannot be copied into it; fine-tune under a strategy that builds the model on a device (DDP, "
+            f"model.init_from={str(path)!r}: the GPT was built on the meta device (sharded or empty-initialised), so "
+            "the weights cannot be copied into it; fine-tune under a strategy that builds the model on a device (DDP, "
             "one device), or load the weights in configure_model after materialising them."
         )
     checkpoint = read_checkpoint(path)

@@ -23,7 +23,9 @@ CompileScope = Literal["block", "model"]
 WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
-def compile_settings(scope: CompileScope, mode: Optional[str], fsdp2: bool) -> tuple[CompileScope, Optional[str], list[str]]:
+def compile_settings(
+    scope: CompileScope, mode: Optional[str], fsdp2: bool
+) -> tuple[CompileScope, Optional[str], list[str]]:
     """The scope and mode to compile with, and one message per asked setting changed to work under FSDP2."""
     notes = []
     if fsdp2 and scope == "model":

@@ -13,7 +13,14 @@ from lightning_gpuopt.model.loss import LOSS_IMPLS, LossImpl
 from lightning_gpuopt.model.rope import check_rope_scaling
 from lightning_gpuopt.perf.device import DeviceFacts
 
-__all__ = ["ActivationCheckpointing", "GPTConfig", "PRESETS", "check_attention_runs", "check_data_fits", "llama_ffn_size"]
+__all__ = [
+    "ActivationCheckpointing",
+    "GPTConfig",
+    "PRESETS",
+    "check_attention_runs",
+    "check_data_fits",
+    "llama_ffn_size",
+]
 
 Attention = Literal["sdpa", "flash-attn"]
 # Which blocks recompute their activations in the backward: none (False), every block (True or "full": ~1/3 more
@@ -219,8 +226,8 @@ class GPTConfig:
         check_choice("GPTConfig", "attention", self.attention, ("sdpa", "flash-attn"))
         if self.activation_checkpointing not in (False, True, "selective", "full"):
             raise ValueError(
-                f"GPTConfig.activation_checkpointing must be false, true (every block: 'full') or 'selective' (every other "
-                f"block), got {self.activation_checkpointing!r}."
+                "GPTConfig.activation_checkpointing must be false, true (every block: 'full') or 'selective' (every "
+                f"other block), got {self.activation_checkpointing!r}."
             )
         if self.attention == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
             # Checked here, when the config is built, not when the model is (after data preparation).
@@ -466,19 +473,21 @@ def check_attention_runs(config: GPTConfig, facts: DeviceFacts, dtype: Optional[
     if not facts.flash_attention:
         raise ValueError(
             f"GPTConfig(attention='flash-attn') needs a CUDA GPU of compute capability 8.0 or newer (A100, L4, "
-            f"H100), and this run's device is {facts.describe()}: use {option('GPTModule', 'attention', 'sdpa')}, which "
-            "picks a kernel this device has."
+            f"H100), and this run's device is {facts.describe()}: use {option('GPTModule', 'attention', 'sdpa')}, "
+            "which picks a kernel this device has."
         )
     if dtype is None:
         warnings.warn(
             "GPTConfig(attention='flash-attn') runs in fp16 or bf16 only, and the precision plugin does not say "
             "its compute dtype: if it computes in float32 the first step fails. Use bf16 precision "
-            f"({option('Trainer', 'precision', 'bf16-mixed')} or BF16Precision), or {option('GPTModule', 'attention', 'sdpa')}.",
+            f"({option('Trainer', 'precision', 'bf16-mixed')} or BF16Precision), or "
+            f"{option('GPTModule', 'attention', 'sdpa')}.",
             stacklevel=2,
         )
     elif dtype not in _FLASH_ATTN_DTYPES:
         raise ValueError(
             f"GPTConfig(attention='flash-attn') runs in fp16 or bf16 only, and this run computes in {dtype} "
-            f"(the precision plugin's compute dtype): use bf16 precision ({option('Trainer', 'precision', 'bf16-mixed')} "
+            "(the precision plugin's compute dtype): use bf16 precision "
+            f"({option('Trainer', 'precision', 'bf16-mixed')} "
             f"or BF16Precision), or {option('GPTModule', 'attention', 'sdpa')}."
         )

@@ -264,7 +264,9 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk, shard):
+    def forward(
+        ctx, hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk, shard
+    ):
         # A tensor, not a Python number: no host sync. With every target ignored it is inf and the
         # loss 0 * inf = NaN, as F.cross_entropy's mean over no tokens.
         scale = 1.0 / (targets != ignore_index).sum().float()

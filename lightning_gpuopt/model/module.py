@@ -172,9 +172,18 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
         if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
             raise ValueError(f"GPTModule.betas must be two numbers in [0, 1), e.g. (0.9, 0.95), got {betas!r}.")
         for i, beta in enumerate(betas):
-            check_number(own, f"betas[{i}]", beta, low=0, high=1, high_open=True, hint=" (the usual values: (0.9, 0.95))")
+            check_number(
+                own, f"betas[{i}]", beta, low=0, high=1, high_open=True, hint=" (the usual values: (0.9, 0.95))"
+            )
         check_int(own, "warmup_steps", warmup_steps, minimum=0)
-        check_number(own, "min_lr_ratio", min_lr_ratio, low=0, high=1, hint=" (the final learning rate as a fraction of learning_rate)")
+        check_number(
+            own,
+            "min_lr_ratio",
+            min_lr_ratio,
+            low=0,
+            high=1,
+            hint=" (the final learning rate as a fraction of learning_rate)",
+        )
         check_int(own, "max_new_tokens", max_new_tokens, minimum=1)
         check_number(own, "temperature", temperature, low=0, hint=" (0 is greedy)")
         check_int(own, "top_k", top_k, minimum=1, optional=True, hint=" (None: no limit)")
@@ -406,9 +415,9 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
         keep = fit_to_context(idx.size(1), hp.max_new_tokens, self.config.block_size)
         if keep < idx.size(1):
             rank_zero_warn(
-                f"A prompt of {idx.size(1)} tokens and max_new_tokens={hp.max_new_tokens} do not fit in the model's context "
-                f"(block_size={self.config.block_size}): generation sees only its last {keep} tokens. Shorten the prompt, "
-                "ask for fewer new tokens, or train with a larger data.block_size.", category=UserWarning
+                f"A prompt of {idx.size(1)} tokens and max_new_tokens={hp.max_new_tokens} do not fit in the model's "
+                f"context (block_size={self.config.block_size}): generation sees only its last {keep} tokens. Shorten "
+                "the prompt, ask for fewer new tokens, or train with a larger data.block_size.", category=UserWarning
             )
         return self.model.generate(idx[:, -keep:], hp.max_new_tokens, temperature=hp.temperature, top_k=hp.top_k)
 
@@ -424,10 +433,22 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
             memory = generation_batch_size(self.config, facts, weights, dtype_bytes,
                                            context=self.config.block_size, most_rows=len(job.requests))
             rows = memory.rows
-            rank_zero_info(f"Generation batch: {memory.reason}. ({'--generate.batch_size' if from_command_line() else 'GenerationJob(batch_size=...)'} sets another.)")
+            rank_zero_info(f"Generation batch: {memory.reason}. "
+                           f"({'--generate.batch_size' if from_command_line() else 'GenerationJob(batch_size=...)'} "
+                           "sets another.)")
         counts = {"completions": 0, "tokens": 0}
-        for done in generate_batched(self.model, job.requests, rows, hp.temperature, hp.top_k, job.eot_id, job.stop_sequences,
-                                     on_step=job.on_step, stop_strings=job.stop_strings, decode=job.decode):
+        for done in generate_batched(
+            self.model,
+            job.requests,
+            rows,
+            hp.temperature,
+            hp.top_k,
+            job.eot_id,
+            job.stop_sequences,
+            on_step=job.on_step,
+            stop_strings=job.stop_strings,
+            decode=job.decode,
+        ):
             job.on_finished(done)
             counts["completions"] += 1
             counts["tokens"] += len(done.tokens)

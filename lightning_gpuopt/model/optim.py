@@ -86,7 +86,8 @@ def warmup_cosine_schedule(
         # LinearLR needs start_factor > 0: start at 1/(warmup+1) of the peak, reach it at warmup_steps.
         warmup = LinearLR(optimizer, start_factor=1.0 / (warmup_steps + 1), end_factor=1.0, total_iters=warmup_steps)
         scheduler = SequentialLR(optimizer, schedulers=[warmup, cosine], milestones=[warmup_steps])
-    scheduler.total_steps = total_steps  # kept in its state_dict: T_max cannot tell a run of warm-up alone from one more step
+    # kept in its state_dict: T_max cannot tell a run of warm-up alone from one more step
+    scheduler.total_steps = total_steps
     return scheduler
 
 

@@ -51,7 +51,8 @@ def check_tensor_parallel(config: GPTConfig, size: int) -> None:
     if config.loss_impl not in ("auto", "chunked"):
         raise ValueError(
             f"GPTConfig.loss_impl={config.loss_impl!r} needs the whole output head on one rank, and tensor parallelism "
-            "splits it by vocabulary: use loss_impl='chunked' (or 'auto'), which computes the same loss from the shards."
+            "splits it by vocabulary: use loss_impl='chunked' (or 'auto'), which computes the same loss from the "
+            "shards."
         )
 
 

@@ -52,10 +52,16 @@ class _AsFusedAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is Tensor.__getitem__ and len(args) == 2 and isinstance(args[1], str):
             # forward(batch) reading batch["input_ids"]: torch would index the ids by the string's characters
-            raise TypeError(f"the forward indexes its input with {args[1]!r}: it takes a mapping, not a tensor of token ids")
+            raise TypeError(f"the forward indexes its input with {args[1]!r}: it takes a mapping, not a tensor of "
+                            "token ids")
         if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
             with disable_torch_function():
-                return _FusedAttention.apply(args[0], args[1], args[2], dict(kwargs, **dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:]))))
+                return _FusedAttention.apply(
+                    args[0],
+                    args[1],
+                    args[2],
+                    dict(kwargs, **dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:]))),
+                )
         return func(*args, **kwargs)
 
 
@@ -67,7 +73,9 @@ def _meta_params(model: nn.Module) -> dict[str, Tensor]:
     return params
 
 
-def _saved_bytes(model: nn.Module, params: dict[str, Tensor], run: Callable[[], Any], precision: str) -> tuple[int, Any]:
+def _saved_bytes(
+    model: nn.Module, params: dict[str, Tensor], run: Callable[[], Any], precision: str
+) -> tuple[int, Any]:
     """Bytes of the tensors ``run()`` saves for backward (each storage once, parameters not), and its output."""
     skip = {id(t) for t in params.values()}
     mixed = str(precision).endswith("-mixed")
@@ -82,7 +90,11 @@ def _saved_bytes(model: nn.Module, params: dict[str, Tensor], run: Callable[[], 
     was_training = model.training
     model.train()
     try:
-        with torch.compiler.set_stance("force_eager"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _AsFusedAttention():
+        with (
+            torch.compiler.set_stance("force_eager"),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            _AsFusedAttention(),
+        ):
             out = run()
     finally:
         model.train(was_training)
@@ -101,7 +113,9 @@ def measure_activation_bytes(model: nn.Module, input_ids: Tensor, precision: str
     model = uncompiled(model)
     params = _meta_params(model)
     ids = torch.empty_like(input_ids, device="meta")
-    total, out = _saved_bytes(model, params, lambda: functional_call(model, params, (ids,), tie_weights=True, strict=False), precision)
+    total, out = _saved_bytes(
+        model, params, lambda: functional_call(model, params, (ids,), tie_weights=True, strict=False), precision
+    )
     logits = _logits(out)
     # (B, T, vocab) logits, or nanoGPT's (B, 1, vocab) for the last position: a vocabulary per position
     covers = logits is not None and logits.dim() == input_ids.dim() + 1 and logits.shape[0] == input_ids.shape[0]
@@ -127,7 +141,9 @@ class _StandInReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def measure_step_activation_bytes(module: nn.Module, batch: Any, precision: str = "bf16-mixed") -> tuple[ActivationBytes, int]:
+def measure_step_activation_bytes(
+    module: nn.Module, batch: Any, precision: str = "bf16-mixed"
+) -> tuple[ActivationBytes, int]:
     """Bytes of the tensors ``module.training_step(batch, 0)`` saves for its backward, on meta tensors, and
     how many host reads were answered with 1 to let it run (an estimate, not a count).
 

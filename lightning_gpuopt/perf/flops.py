@@ -110,7 +110,9 @@ def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, out_shape: Any =
     return sdpa_flop_count(query, key, value)  # Q K^T and P V over the full T x T, causal or not
 
 
-def _sdpa_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def _sdpa_backward(
+    grad: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
     return 2 * sdpa_flop_count(query, key, value)  # the math kernel's four matmuls; no recomputed scores
 
 

@@ -77,14 +77,16 @@ def attended_count(mask: Tensor) -> Tensor:
 
 
 def padding_unreadable(batch: Any) -> Optional[str]:
-    """Why :func:`real_tokens_of` cannot tell a mapping batch's padding (its ``attention_mask`` or ``labels`` has another
+    """Why :func:`real_tokens_of` cannot tell a mapping batch's padding (its ``attention_mask`` or ``labels`` has
+    another
     shape than the input ids: a 3-D or 4-D mask, shifted labels), or ``None``."""
     ids = input_ids_of(batch) if isinstance(batch, Mapping) else None
     for key in ("attention_mask", "labels"):
         value = batch.get(key) if ids is not None else None
         if isinstance(value, Tensor) and value.shape != ids.shape:
-            return (f"the batch's {key} has shape {tuple(value.shape)}, not that of its input ids {tuple(ids.shape)}, so which "
-                    "positions are padding cannot be read from it: tokens/s and MFU count every position, padding included.")
+            return (f"the batch's {key} has shape {tuple(value.shape)}, not that of its input ids {tuple(ids.shape)}, "
+                    "so which positions are padding cannot be read from it: tokens/s and MFU count every position, "
+                    "padding included.")
     return None
 
 
@@ -227,7 +229,9 @@ def _plural(count: int, noun: str) -> str:
     return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
-def _advice(peak_pct: Optional[float], wait_pct: float, dtype: str, on_cuda: bool, compiled: bool, workers: str) -> list[str]:
+def _advice(
+    peak_pct: Optional[float], wait_pct: float, dtype: str, on_cuda: bool, compiled: bool, workers: str
+) -> list[str]:
     advice = []
     if peak_pct is not None and peak_pct < 50:
         advice.append(
@@ -303,7 +307,9 @@ def summarise_windows(
         tensor_parallel=tensor_parallel,
         padded_tokens=None if None in padded else sum(padded),
     )
-    per = "per device" if tensor_parallel == 1 else f"per data-parallel rank ({tensor_parallel} tensor-parallel devices)"
+    per = (
+        "per device" if tensor_parallel == 1 else f"per data-parallel rank ({tensor_parallel} tensor-parallel devices)"
+    )
     lines = [
         f"MFUMonitor report ({_plural(len(windows), 'window')} of {_plural(window, 'step')} in this fit, "
         f"{_plural(steps, 'step')} measured, {dtype} matmuls):"
@@ -316,16 +322,19 @@ def summarise_windows(
     if "perf/tokens_per_sec" in metrics:
         with_padding = metrics.get("perf/tokens_per_sec_padded")
         padding = f", {with_padding:,.0f} with padding" if with_padding is not None else ""
-        lines.append(f"  {metrics['perf/tokens_per_sec']:,.0f} tokens/s{padding} ({metrics['perf/step_time_ms']:.1f} ms/step)")
+        lines.append(f"  {metrics['perf/tokens_per_sec']:,.0f} tokens/s{padding} ({metrics['perf/step_time_ms']:.1f} "
+                     "ms/step)")
     else:
-        lines.append(f"  {metrics['perf/step_time_ms']:.1f} ms/step (no tokens found in the batches: no tokens/s or MFU)")
+        lines.append(f"  {metrics['perf/step_time_ms']:.1f} ms/step (no tokens found in the batches: no tokens/s or "
+                     "MFU)")
     if peak_memory_pct is not None:
         lines.append(f"  peak memory {peak_memory_pct:.0f}% of the device")
     lines.append(f"  data-loader wait {metrics['perf/dataloader_wait_pct']:.1f}%")
     if fit_tokens > 0:
         lines.append(f"  {fit_tokens:,} tokens {per} in this fit ({fit_flops / 1e12:.3g} model TFLOP)")
     if run_tokens is not None:
-        lines.append(f"  the run so far, resumed: {run_tokens:,} tokens {per} ({(run_flops or 0.0) / 1e12:.3g} model TFLOP)")
+        lines.append(f"  the run so far, resumed: {run_tokens:,} tokens {per} ({(run_flops or 0.0) / 1e12:.3g} model "
+                     "TFLOP)")
     advice = _advice(peak_memory_pct, metrics["perf/dataloader_wait_pct"], dtype, on_cuda, compiled, workers)
     lines += [f"  advice: {a}" for a in advice]
     return {"text": "\n".join(lines), "advice": advice, "metrics": metrics}

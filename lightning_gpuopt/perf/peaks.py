@@ -166,7 +166,9 @@ def peak_flops(device_name: str, dtype: Union[torch.dtype, str]) -> Optional[flo
     return None if tflops is None else tflops * 1e12
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192, iters: int = 20) -> float:
+def measure_peak_flops(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192, iters: int = 20
+) -> float:
     """Achievable matmul FLOP/s on a CUDA ``device``: ``iters`` timed ``size`` x ``size`` matmuls after a warm-up."""
     if device.type != "cuda":
         raise ValueError(f"measure_peak_flops needs a CUDA device, got {device}.")

@@ -100,4 +100,6 @@ def attention_row(module: Any, compute_dtype: Optional[str], device: torch.devic
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(compute_dtype, torch.float32)
     kernel = attention_kernel(device, head_dim, seq_len, dtype, n_head, dropout)
     dtype_name = str(dtype).removeprefix("torch.")
-    return ("attention_kernel", kernel, f"what SDPA runs for {shape} head dim {head_dim}, T {seq_len}, {dtype_name}, causal")
+    return (
+        "attention_kernel", kernel, f"what SDPA runs for {shape} head dim {head_dim}, T {seq_len}, {dtype_name}, causal"
+    )

@@ -18,7 +18,12 @@ def _nodes() -> dict[str, Any]:
     b = torch.backends
     if not hasattr(b, "fp32_precision"):
         return {}
-    return {"cuda.matmul": b.cuda.matmul, "cudnn.conv": b.cudnn.conv, "cudnn.rnn": b.cudnn.rnn, "mkldnn.matmul": b.mkldnn.matmul}
+    return {
+        "cuda.matmul": b.cuda.matmul,
+        "cudnn.conv": b.cudnn.conv,
+        "cudnn.rnn": b.cudnn.rnn,
+        "mkldnn.matmul": b.mkldnn.matmul,
+    }
 
 
 def _legacy_view(read: Callable[[], Any]) -> Any:
@@ -57,7 +62,8 @@ def set_tf32(tf32: Optional[bool], matmul_precision: Optional[str]) -> None:
 
 
 def restore_tf32(saved: dict[str, Any]) -> None:
-    """Put back what :func:`capture_tf32` saw: the legacy flags where they could be read, then each backend's setting."""
+    """Put back what :func:`capture_tf32` saw: the legacy flags where they could be read, then each backend's
+    setting."""
     if saved["matmul_precision"] is not None:
         torch.set_float32_matmul_precision(saved["matmul_precision"])
     if saved["tf32_cudnn"] is not None:

@@ -102,6 +102,7 @@ def clip_mixed_precision(
         return
     # An optimizer whose step() unscales (fused AdamW); Lightning has unscaled all others already.
     has_grads = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-    if plugin.scaler is not None and unscales_in_step(optimizer) and has_grads:  # no gradients: a skipped backward, nothing to clip
+    # no gradients: a skipped backward, nothing to clip
+    if plugin.scaler is not None and unscales_in_step(optimizer) and has_grads:
         plugin.scaler.unscale_(optimizer)
     Precision.clip_gradients(plugin, optimizer, clip_val, GradClipAlgorithmType(algorithm))

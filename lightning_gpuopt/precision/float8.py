@@ -60,7 +60,8 @@ def check_float8_device(facts: DeviceFacts, emulate: bool) -> None:
     if not facts.is_cuda:
         rank_zero_warn(
             f"Float8Precision on {facts.describe()}: no float8 tensor cores, so the float8 layers compute in "
-            f"high precision (emulated: the float8 numerics, slowly, no speed-up). Set {option('Float8Precision', 'emulate', True)} "
+            "high precision (emulated: the float8 numerics, slowly, no speed-up). Set "
+            f"{option('Float8Precision', 'emulate', True)} "
             "to say so, or use BF16Precision for speed."
         )
         return
@@ -133,8 +134,7 @@ class Float8Precision(DevicePrecision):
         if isinstance(module_filter, str) and module_filter not in ("auto", "static"):
             raise ValueError(
                 f"Float8Precision(module_filter={module_filter!r}): use 'auto', 'static', a list of layer-name "
-                "patterns "
-                f"to skip (e.g. [{module_filter!r}]), or a callable (module, fqn) -> bool."
+                f"patterns to skip (e.g. [{module_filter!r}]), or a callable (module, fqn) -> bool."
             )
         if not (isinstance(module_filter, str) or callable(module_filter)):
             if not isinstance(module_filter, (list, tuple)) or not all(isinstance(p, str) for p in module_filter):
@@ -301,8 +301,8 @@ class Float8Precision(DevicePrecision):
             self._warned_not_compiled = True
             rank_zero_warn(
                 "Float8Precision: the model is not compiled, and float8 without torch.compile is several times "
-                f"slower than bf16. Compile it: {option('GPTModule', 'compile', True)}, `self.model.compile()` in configure_model, "
-                "or trainer.fit(torch.compile(module))."
+                f"slower than bf16. Compile it: {option('GPTModule', 'compile', True)}, `self.model.compile()` in "
+                "configure_model, or trainer.fit(torch.compile(module))."
             )
         return module
 

@@ -86,7 +86,8 @@ def nothing_converted_message(
     if any(r and r.startswith("too small") for _, _, r in report):
         fix.append(
             "layers below torchao's size thresholds are skipped by module_filter='auto' because float8 would be "
-            f"slower there: set {option('Float8Precision', 'module_filter', ['lm_head'])} (or []) to convert them anyway"
+            f"slower there: set {option('Float8Precision', 'module_filter', ['lm_head'])} (or []) to convert them "
+            "anyway"
         )
     fix.append("or use BF16Precision")
     return (

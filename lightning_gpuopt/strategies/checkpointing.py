@@ -10,7 +10,15 @@ from typing import Any
 
 from lightning_gpuopt.model.config import GPTConfig
 
-__all__ = ["AC_COST", "AC_ORDER", "AC_WORDS", "MODE_VALUE", "apply_checkpointing", "checkpointing_mode", "stored_elements"]
+__all__ = [
+    "AC_COST",
+    "AC_ORDER",
+    "AC_WORDS",
+    "MODE_VALUE",
+    "apply_checkpointing",
+    "checkpointing_mode",
+    "stored_elements",
+]
 
 # The extra compute: one more forward of the recomputed blocks (a forward is ~1/3 of a step).
 AC_ORDER = (False, "selective", "full")

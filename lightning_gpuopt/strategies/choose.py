@@ -53,7 +53,8 @@ class MemoryEstimate(dict):
         return self["model_state"] + self["activations"] + self["logits"]
 
 
-def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precision: str = "bf16-mixed") -> MemoryEstimate:
+def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int,
+                    precision: str = "bf16-mixed") -> MemoryEstimate:
     """Training memory of ``config`` on one device without sharding (``docs/parallel.md``), e.g.
     ``estimate_memory(GPTConfig.from_name("1.5b"), micro_batch=8, block_size=1024)["model_state"]`` ~25 GB.
 
@@ -65,7 +66,9 @@ def estimate_memory(config: GPTConfig, micro_batch: int, block_size: int, precis
     params = config.num_params()
     tokens = micro_batch * block_size
     act_bytes = 4 if str(precision).startswith(("32", "64")) else 2
-    activations = tokens * stored_elements(config, 1, config.activation_checkpointing, config.activation_elements()) * act_bytes
+    activations = (
+        tokens * stored_elements(config, 1, config.activation_checkpointing, config.activation_elements()) * act_bytes
+    )
     est = MemoryEstimate(
         params=params,
         model_state=_STATE_BYTES_PER_PARAM * params,
@@ -85,7 +88,8 @@ def _config_of(model: Any) -> Optional[GPTConfig]:
     return config if isinstance(config, GPTConfig) else None
 
 
-_TRUE_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "32-true": torch.float32, "64-true": torch.float64}
+_TRUE_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "32-true": torch.float32,
+                "64-true": torch.float64}
 
 
 def estimate_module_memory(
@@ -120,7 +124,9 @@ def estimate_module_memory(
         dtypes.add(str(dtype).replace("torch.", ""))
         size = torch.empty((), dtype=dtype).element_size()
         state += p.numel() * size * (4 if p.requires_grad else 1)
-    figures = f"{name}'s parameters ({'/'.join(sorted(dtypes))}; 4 x itemsize B each when trainable: weights+grads+AdamW)"
+    figures = (
+        f"{name}'s parameters ({'/'.join(sorted(dtypes))}; 4 x itemsize B each when trainable: weights+grads+AdamW)"
+    )
     own = getattr(module, "activation_bytes", None)
     if activation_bytes is not None:
         activations, logits = float(activation_bytes), 0.0
@@ -164,11 +170,14 @@ def estimate_module_memory(
 
 def _batch_shape(batch: Any) -> tuple[int, int]:
     """Samples and tokens per sample of a batch: the first and last dimensions of its first tensor."""
-    values = [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if isinstance(batch, dict) else list(batch)
+    values = (
+        [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if isinstance(batch, dict) else list(batch)
+    )
     for value in values:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return int(value.shape[0]), int(value.shape[-1])
-    raise ValueError("choose_strategy(batch=...) holds no tensor with a batch dimension: give a batch as the loader yields it.")
+    raise ValueError("choose_strategy(batch=...) holds no tensor with a batch dimension: give a batch as the loader "
+                     "yields it.")
 
 
 def _block_size_of(model: Any) -> Optional[int]:
@@ -189,8 +198,8 @@ def _check_devices(devices: Any, devices_per_node: Any, headroom: float) -> int:
     per_node = devices if devices_per_node is None else devices_per_node
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1 or devices % per_node:
         raise ValueError(
-            f"choose_strategy(devices_per_node={devices_per_node!r}) must be a positive integer dividing devices={devices} "
-            "(the devices of one node; every node has as many)."
+            f"choose_strategy(devices_per_node={devices_per_node!r}) must be a positive integer dividing "
+            f"devices={devices} (the devices of one node; every node has as many)."
         )
     return per_node
 
@@ -198,10 +207,12 @@ def _check_devices(devices: Any, devices_per_node: Any, headroom: float) -> int:
 def _memory_of(facts: DeviceFacts) -> float:
     if facts.total_memory is None:
         raise ValueError(  # the fix as the user gives it: the gpuopt command's options, or the function's arguments
-            f"trainer.strategy=gpuopt-auto plans for a GPU, and this machine has none ({facts.describe()}): name the GPU to "
-            "plan for, --auto_strategy.device 'H100 SXM' (or --auto_strategy.device_memory_gb 80), with "
-            "--auto_strategy.print_plan true to see the plan without training; or name a strategy, --trainer.strategy auto."
-            if from_command_line() else f"choose_strategy cannot read a GPU's memory on {facts.describe()} (no CUDA): pass "
+            f"trainer.strategy=gpuopt-auto plans for a GPU, and this machine has none ({facts.describe()}): name the "
+            "GPU to plan for, --auto_strategy.device 'H100 SXM' (or --auto_strategy.device_memory_gb 80), with "
+            "--auto_strategy.print_plan true to see the plan without training; or name a strategy, "
+            "--trainer.strategy auto."
+            if from_command_line()
+            else f"choose_strategy cannot read a GPU's memory on {facts.describe()} (no CUDA): pass "
             "device_memory= (bytes) or device= (e.g. perf.device.REFERENCE_DEVICES['H100 SXM'])."
         )
     return float(facts.total_memory)
@@ -275,7 +286,8 @@ def choose_strategy(
     config = _config_of(model)
     if config is None and not isinstance(model, nn.Module):
         raise ValueError(
-            f"choose_strategy needs a model: a GPTConfig, or any nn.Module / LightningModule, got {type(model).__name__}."
+            "choose_strategy needs a model: a GPTConfig, or any nn.Module / LightningModule, got "
+            f"{type(model).__name__}."
         )
     per_node = _check_devices(devices, devices_per_node, headroom)
     check_number("choose_strategy", "device_memory", device_memory, low=0, low_open=True, optional=True,
@@ -297,7 +309,8 @@ def choose_strategy(
     if est.total <= budget:
         if devices == 1:
             return "auto", f"One device: the model fits ({est.total / GB:.1f} GB).\n{numbers}."
-        return DDPStrategy(), f"DDP over {devices} devices: a full replica fits on each ({est.total / GB:.1f} GB).\n{numbers}."
+        return DDPStrategy(), (f"DDP over {devices} devices: a full replica fits on each ({est.total / GB:.1f} GB)."
+                               f"\n{numbers}.")
     if config is None:
         return _plan_own_module(model, est, devices, budget, numbers)
     peak = (facts.peak_tflops("bf16") or facts.peak_tflops("fp16")) if facts is not None else None  # fp16 where no bf16
@@ -314,8 +327,8 @@ def choose_strategy(
         return "auto", (f"One device with {AC_WORDS[ac]}: {plan.bytes(tp, ac=ac) / GB:.1f} GB{sets}.\nwhy: {why}\n"
                         f"{numbers}.")
     name = "FSDP2" if tp == 1 else f"FSDP2 + tensor parallel {tp}"
-    decision = (f"{name} (ModelParallelStrategy, {devices // tp} data-parallel x {tp} tensor-parallel) with {AC_WORDS[ac]}: "
-                f"{plan.bytes(tp, ac=ac) / GB:.1f} GB per device{sets}.")
+    decision = (f"{name} (ModelParallelStrategy, {devices // tp} data-parallel x {tp} tensor-parallel) with "
+                f"{AC_WORDS[ac]}: {plan.bytes(tp, ac=ac) / GB:.1f} GB per device{sets}.")
     strategy = AtomicModelParallelStrategy(data_parallel_size=devices // tp, tensor_parallel_size=tp)
     return strategy, f"{decision}\nwhy: {why}\n{numbers}."
 
@@ -325,7 +338,8 @@ class PlanDoesNotFit(ValueError):
     count, or the setting, that fits."""
 
 
-def _plan_own_module(model: Any, est: MemoryEstimate, devices: int, budget: float, numbers: str) -> tuple[Strategy, str]:
+def _plan_own_module(model: Any, est: MemoryEstimate, devices: int, budget: float,
+                     numbers: str) -> tuple[Strategy, str]:
     """FSDP2 for a module not ours (no checkpointing the planner can set): it fits sharded, or is refused."""
     name = type(model).__name__
     sharded = est["model_state"] / devices + est["activations"] + est["logits"]
@@ -333,15 +347,15 @@ def _plan_own_module(model: Any, est: MemoryEstimate, devices: int, budget: floa
         room = budget - est["activations"] - est["logits"]
         least = f"train on at least {math.ceil(est['model_state'] / room)} devices, or " if room > 0 else ""
         raise PlanDoesNotFit(
-            f"Does not fit: {name} needs {(est.total if devices == 1 else sharded) / GB:.1f} GB per device on {devices} "
-            f"device{'s' if devices > 1 else ''}, over the {budget / GB:.1f} GB budget: {least}lower the micro-batch or "
-            f"add activation checkpointing to {name}.\n{numbers.splitlines()[0]}."
+            f"Does not fit: {name} needs {(est.total if devices == 1 else sharded) / GB:.1f} GB per device on "
+            f"{devices} device{'s' if devices > 1 else ''}, over the {budget / GB:.1f} GB budget: {least}lower the "
+            f"micro-batch or add activation checkpointing to {name}.\n{numbers.splitlines()[0]}."
         )
     return AtomicModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), (
         f"FSDP2 over {devices} devices (ModelParallelStrategy): {sharded / GB:.1f} GB per device.\n"
         f"why: a full replica needs {est.total / GB:.1f} GB. {name}.configure_model must apply "
-        "torch.distributed.fsdp.fully_shard (as Lightning's ModelParallelStrategy requires), e.g. to each block and then "
-        f"the whole model.\n{numbers}."
+        "torch.distributed.fsdp.fully_shard (as Lightning's ModelParallelStrategy requires), e.g. to each block and "
+        f"then the whole model.\n{numbers}."
     )
 
 
@@ -356,7 +370,8 @@ class _ShardingPlan:
         self.activations_given = activations_given
         in_node = [t for t in _POWERS_OF_TWO if t <= per_node and per_node % t == 0]
         self.sizes = [t for t in in_node if self._splits(t)]
-        self.unsplit = [t for t in in_node if t not in self.sizes]  # sizes the model's heads or vocabulary do not divide
+        # sizes the model's heads or vocabulary do not divide
+        self.unsplit = [t for t in in_node if t not in self.sizes]
         configured = checkpointing_mode(config.activation_checkpointing)
         self.modes = (configured,) if activations_given else AC_ORDER[AC_ORDER.index(configured):]
 
@@ -397,17 +412,20 @@ class _ShardingPlan:
             needed = moved * peak_flops * _ASSUMED_MFU / (6 * network_bandwidth)
         layouts = [(t, ac) for t in self.sizes for ac in self.modes]
         fitting = [(t, ac) for t, ac in layouts if self.bytes(t, ac=ac) <= self.budget]
-        scaling = [(t, ac) for t, ac in fitting if needed is None or self.most_sequences(t, ac) * self.block_size >= needed]
+        scaling = [
+            (t, ac) for t, ac in fitting if needed is None or self.most_sequences(t, ac) * self.block_size >= needed
+        ]
         if not fitting:
             return None
         tp, ac = (scaling or fitting)[0]
         # over the budget: the most checkpointed layout of each smaller size, and the lighter modes at the chosen one
         before = layouts[:layouts.index((tp, ac))]
         tried = [(t, a) for t, a in before if t == tp or a == self.modes[-1]]
-        why = ("over the budget: " + ", ".join(f"{self._name(t, a)} {self.bytes(t, ac=a) / GB:.1f} GB" for t, a in tried)
+        why = ("over the budget: "
+               + ", ".join(f"{self._name(t, a)} {self.bytes(t, ac=a) / GB:.1f} GB" for t, a in tried)
                + "; " if tried else "") + (
-            f"{self._name(tp, ac)} fits ({AC_COST[ac]}, up to {self.most_sequences(tp, ac)} x {self.block_size:,} tokens "
-            "per micro-batch)")
+            f"{self._name(tp, ac)} fits ({AC_COST[ac]}, up to {self.most_sequences(tp, ac)} x {self.block_size:,} "
+            "tokens per micro-batch)")
         if ac != "full" and tp == 1 and not tried:
             why += ", so no more checkpointing and no tensor parallelism"
         refusal = self.config.tensor_parallel_refusal()
@@ -416,9 +434,10 @@ class _ShardingPlan:
         elif self.unsplit and tp == self.sizes[-1] and (tried or (scaling or fitting) is not scaling):
             why += "; " + self._unsplit_reason()
         if needed is not None:
-            why += (f".\nnetwork: across {nodes} nodes FSDP2's all-gathers hide behind compute from {needed:,.0f} tokens per "
-                    f"micro-batch on a data-parallel rank ({moved} B per parameter over {network_bandwidth / 1e9:.0f} GB/s per "
-                    f"GPU, against {_ASSUMED_MFU:.0%} of {peak_flops / 1e12:,.1f} TFLOP/s)")
+            why += (f".\nnetwork: across {nodes} nodes FSDP2's all-gathers hide behind compute from {needed:,.0f} "
+                    f"tokens per micro-batch on a data-parallel rank ({moved} B per parameter over "
+                    f"{network_bandwidth / 1e9:.0f} GB/s per GPU, against {_ASSUMED_MFU:.0%} of "
+                    f"{peak_flops / 1e12:,.1f} TFLOP/s)")
             if not scaling:
                 why += ": no layout within a node reaches that, so the first that fits is used"
             elif self.micro_batch * self.block_size < needed:
@@ -429,20 +448,27 @@ class _ShardingPlan:
 
     @staticmethod
     def _name(tp: int, ac: Any) -> str:
-        return ("FSDP2" if tp == 1 else f"tensor parallel {tp}") + f" {'with ' + MODE_VALUE[ac] if ac else 'without'} checkpointing"
+        return (
+            ("FSDP2" if tp == 1 else f"tensor parallel {tp}")
+            + f" {'with ' + MODE_VALUE[ac] if ac else 'without'} checkpointing"
+        )
 
     def refusal(self, where: str) -> str:
         """The message of a plan that fits no layout: the smallest device count, or the micro-batch, that fits."""
-        best_tp, best_ac = min(((t, a) for t in self.sizes for a in self.modes), key=lambda l: self.bytes(l[0], ac=l[1]))
+        best_tp, best_ac = min(((t, a) for t in self.sizes for a in self.modes),
+                               key=lambda l: self.bytes(l[0], ac=l[1]))
         least = self._least_devices()
         state = self.est["model_state"] / self.devices
         fixes = [f"train on at least {least} devices" if least else "train on more devices"]
-        most, layout = max(((self.most_sequences(t, a), (t, a)) for t in self.sizes for a in self.modes), key=lambda m: m[0])
+        most, layout = max(((self.most_sequences(t, a), (t, a)) for t in self.sizes for a in self.modes),
+                           key=lambda m: m[0])
         if most >= 1:
             fixes.append(f"lower the micro-batch to {most} (data.batch_size; {self._name(*layout)})")
         line = (f"Does not fit on {self.devices} x {where}: " + ", or ".join(fixes) + ".\nwhy: "
-                + (f"the model state alone needs {state / GB:.1f} GB per device over {self.devices}" if state > self.budget else
-                   f"the smallest layout, {self._name(best_tp, best_ac)}, needs {self.bytes(best_tp, ac=best_ac) / GB:.1f} GB "
+                + (f"the model state alone needs {state / GB:.1f} GB per device over {self.devices}"
+                   if state > self.budget else
+                   f"the smallest layout, {self._name(best_tp, best_ac)}, needs "
+                   f"{self.bytes(best_tp, ac=best_ac) / GB:.1f} GB "
                    f"per device at micro-batch {self.micro_batch} x {self.block_size:,} tokens")
                 + f", over the {self.budget / GB:.1f} GB budget")
         if self.config.tensor_parallel_refusal() is None and self.unsplit:

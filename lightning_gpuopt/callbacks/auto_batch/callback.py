@@ -141,7 +141,8 @@ def check_can_set_micro_batch(
     if trainer.strategy.root_device.type == "cpu" and max_micro is None:
         raise ValueError(
             "AutoBatchSize on CPU needs max_micro_batch_size: running out of host memory kills the process "
-            f"instead of raising an error, so the search must be bounded. Set {option('AutoBatchSize', 'max_micro_batch_size')}."
+            "instead of raising an error, so the search must be bounded. Set "
+            f"{option('AutoBatchSize', 'max_micro_batch_size')}."
         )
     if not pl_module.automatic_optimization:
         raise ValueError(
@@ -160,8 +161,8 @@ def check_can_set_micro_batch(
     if not lightning_hasattr(pl_module, attr):
         raise ValueError(
             f"AutoBatchSize sets the micro-batch through a `{attr}` attribute of the datamodule or the module, and "
-            f"neither {type(pl_module).__name__} nor the datamodule has one: add it (and use it in train_dataloader()), "
-            f"or name yours with {option('AutoBatchSize', 'batch_size_attr')}."
+            f"neither {type(pl_module).__name__} nor the datamodule has one: add it (and use it in "
+            f"train_dataloader()), or name yours with {option('AutoBatchSize', 'batch_size_attr')}."
         )
     data_name = type(data).__name__ if data is not None else "the training data (no datamodule)"
     rank_zero_info(
@@ -220,7 +221,15 @@ class AutoBatchSize(Callback):
         check_int(own, "global_batch_size", global_batch_size, minimum=1, optional=True)
         check_int(own, "max_micro_batch_size", max_micro_batch_size, minimum=1, optional=True)
         check_choice(own, "mode", mode, SEARCH_MODES)
-        check_number(own, "memory_margin", memory_margin, low=0, high=1, high_open=True, hint=" (the fraction of memory to keep free)")
+        check_number(
+            own,
+            "memory_margin",
+            memory_margin,
+            low=0,
+            high=1,
+            high_open=True,
+            hint=" (the fraction of memory to keep free)",
+        )
         check_int(own, "steps_per_trial", steps_per_trial, minimum=1)
         self.global_batch_size = global_batch_size
         self.max_micro_batch_size = max_micro_batch_size

@@ -102,7 +102,8 @@ def stop_message(trainer: pl.Trainer, micro: int, smaller: Optional[int], path: 
     resume = f", resuming with {option('Trainer.fit', 'ckpt_path', path)}" if path else ""
     if smaller is None:
         fix = (
-            f"Even micro-batch 1 does not fit: make the model smaller in memory ({option('GPTModule', 'activation_checkpointing', True)}, "
+            "Even micro-batch 1 does not fit: make the model smaller in memory "
+            f"({option('GPTModule', 'activation_checkpointing', True)}, "
             f"a shorter block_size, or FSDP2 across more GPUs){resume}"
         )
     else:

@@ -115,7 +115,8 @@ def describe_search(trials: list[Trial]) -> tuple[str, str]:
     rows = ["  micro  fits  peak memory"]
     for t in trials:
         peak = f"{t.peak_memory / GiB:.2f} GiB" if t.peak_memory is not None else "-"
-        rows.append(f"  {t.micro_batch_size:>6}  {'fits' if t.fits else 'no':>4}  {peak}" + (f"  ({t.reason})" if t.reason else ""))
+        rows.append(f"  {t.micro_batch_size:>6}  {'fits' if t.fits else 'no':>4}  "
+                    f"{peak}" + (f"  ({t.reason})" if t.reason else ""))
     trace = "; ".join(
         f"{t.micro_batch_size} {'fits' if t.fits else 'no'}" + (f" ({t.reason})" if t.reason else "") for t in trials
     )

@@ -194,10 +194,12 @@ class _SampleBatches:
                 raise ValueError(
                     f"AutoBatchSize cannot set the micro-batch of a DataLoader with batch_size=None: its "
                     f"{type(self.dataset).__name__} yields whole batches of its own size. Let the loader batch "
-                    "single samples: yield one sample at a time and return DataLoader(dataset, batch_size=self.batch_size, "
+                    "single samples: yield one sample at a time and return DataLoader(dataset, "
+                    "batch_size=self.batch_size, "
                     "collate_fn=...) from train_dataloader()."
                 )
-            # Raw samples read from the dataset in this process, as many as the largest trial needs; repeated if it ends.
+            # Raw samples read from the dataset in this process, as many as the largest trial needs; repeated if it
+            # ends.
             self.samples, self._stream = [], iter(self.dataset)
         elif len(self.dataset) == 0:
             raise ValueError("AutoBatchSize: the training dataset is empty.")
