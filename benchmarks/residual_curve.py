@@ -81,7 +81,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """The command line (``--help`` lists every option)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.residual_curve", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output folder: residual-curve.json and residual-curve.md")
-    p.add_argument("--tiny", action="store_true", help="the tiny preset, a few steps: checks the path, measures nothing")
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny preset, a few steps, on the CPU: checks the path, measures nothing")
     p.add_argument("--data", default=None,
                    help="text: a file, folder, glob or 'stdlib' (default: 'auto' = a local WikiText-2 copy where one "
                    "is found, else stdlib; --tiny: stdlib)")
@@ -90,7 +91,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help=f"sequences per micro-batch (default: {_GPU['micro_batch_size']}; --tiny: "
                    f"{_TINY['micro_batch_size']}); they accumulate to the global batch")
-    p.add_argument("--cache-dir", default=None, help="token cache (default: $GPUOPT_CACHE_DIR or ~/.cache/lightning_gpuopt)")
+    p.add_argument("--cache-dir", default=None,
+                   help="token cache (default: $GPUOPT_CACHE_DIR or ~/.cache/lightning_gpuopt)")
     p.add_argument("--seed", type=int, default=1337)
     return p.parse_args(argv)
 
