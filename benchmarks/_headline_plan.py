@@ -32,8 +32,9 @@ class Part:
         name: Its name in ``--parts``, the results and the log.
         what: One line for the plan and the results.
         kind: ``device`` (in the command's own process), ``doctor``, ``throughput``, ``loss`` (the loss
-            microbenchmark, ``benchmarks/loss_bench.py``), ``generation``, ``tests`` or ``float8``
-            (``benchmarks.float8_bench``) (each a child process with a hard time limit).
+            microbenchmark, ``benchmarks/loss_bench.py``), ``generation``, ``tests``, ``float8``
+            (``benchmarks.float8_bench``) or ``curve`` (``benchmarks.residual_curve``: the loss curve of a bf16
+            residual stream against float32) (each a child process with a hard time limit).
         preset: Model preset of a throughput part (``tiny`` under ``--tiny``).
         configs: Its ``benchmarks.throughput`` configurations, in run order.
         fp8_recipe: Its ``--fp8-recipe``.
@@ -48,7 +49,7 @@ class Part:
 
     name: str
     what: str
-    kind: Literal["device", "doctor", "throughput", "loss", "generation", "tests", "float8"]
+    kind: Literal["device", "doctor", "throughput", "loss", "generation", "tests", "float8", "curve"]
     preset: Optional[str] = None
     configs: tuple[str, ...] = ()
     fp8_recipe: str = "tensorwise"
@@ -78,6 +79,8 @@ PARTS: tuple[Part, ...] = (
          "each with a float32 and a bf16 residual stream; 3 repeats, alternating", "throughput", "124m",
          ("gpuopt-bf16-compile", "gpuopt-bf16-compile-model", "gpuopt-bf16-compile-bf16res",
           "gpuopt-bf16-compile-model-bf16res"), micro_batch_size=64, repeats=3),
+    Part("residual-curve-124m", "124m, micro-batch 64, 300 steps on WikiText-2 (--data), the same seed and data "
+         "order: the loss curve of a bf16 residual stream against float32, and the tokens/s of each", "curve", "124m"),
     Part("774m-accum", "774m, micro-batch 16 x 4 (global batch 64): gpuopt bf16 against float8 (tensorwise), "
          "compiled; 3 repeats, alternating", "throughput", "774m", ("gpuopt-bf16-compile", "gpuopt-fp8-compile"),
          micro_batch_size=16, repeats=3),
@@ -118,6 +121,8 @@ GPU_TEST_FILES: tuple[str, ...] = (
 # for float8 rowwise, "/mb<N>" at a part's own micro-batch), "loss" (the loss microbenchmark: its compilations
 # and 3 x 5 timed steps of each: a guess, it never ran on a GPU), "generation" (its process, the export to
 # transformers, a warm-up and a timed run of each of its three configurations: a guess, it never ran on a GPU),
+# "curve" (benchmarks.residual_curve: its process, then two 124m runs of 300 steps at ~0.15 s, from the measured
+# tokens/s at micro-batch 64, each with its per-block compile: an estimate, it never ran on a GPU),
 # "pytest" (its start and collection) and one per gpu test file.
 # H100: measured on an H100 80GB HBM3 (SXM), 16 host cores, on 2026-11-27 (benchmarks/results/h100/2026-11-27:
 # every part's "seconds" in headline.json, every run's start-up, warm-up and steps in the throughput JSON, the
@@ -140,6 +145,7 @@ _H100: dict[str, float] = {
     "124m/gpuopt-bf16-compile-autotune/mb64": 80,
     "loss": 90,
     "generation": 75,
+    "curve": 160,  # 25 process + 2 x (300 x 0.15 s + 20 s compile) + tokenising WikiText-2: an estimate
     # float8: shapes, then 124m compared, the profiles, the other presets: the part uses its whole limit, its own
     # budget skipping what does not fit; 380 s lets `--parts float8` run alone within 420 s (an estimate)
     "float8": 380,
@@ -160,7 +166,7 @@ ESTIMATES: dict[str, dict[str, float]] = {
         "tiny/gpuopt-fp8-compile/rowwise": 2, "tiny/gpuopt-bf16-compile-auto": 3, "tiny/torch-loop": 1,
         "tiny/gpuopt-bf16-compile-model": 1, "tiny/gpuopt-bf16-compile-bf16res": 1,
         "tiny/gpuopt-bf16-compile-model-bf16res": 1, "tiny/gpuopt-bf16-compile-cudagraphs": 1,
-        "tiny/gpuopt-bf16-compile-autotune": 1, "generation": 14, "float8": 45,
+        "tiny/gpuopt-bf16-compile-autotune": 1, "generation": 14, "float8": 45, "curve": 20,
         "pytest": 7, **{f: 0.2 for f in GPU_TEST_FILES},
     },
 }
@@ -203,7 +209,7 @@ def part_repeats(part: Part, tiny: bool) -> int:
 
 def part_keys(part: Part, tiny: bool) -> list[str]:
     """The ``ESTIMATES`` keys that ``part`` reads."""
-    if part.kind in ("device", "doctor", "loss", "generation", "float8"):
+    if part.kind in ("device", "doctor", "loss", "generation", "float8", "curve"):
         return [part.kind]
     if part.kind == "tests":
         return ["pytest", *GPU_TEST_FILES]
@@ -217,7 +223,7 @@ def measured_part(part: Part, family: str, tiny: bool) -> bool:
 
 def part_estimate(part: Part, estimates: dict[str, float], tiny: bool) -> float:
     """Seconds ``part`` is expected to take (everything it runs)."""
-    if part.kind in ("device", "doctor", "loss", "generation", "float8"):
+    if part.kind in ("device", "doctor", "loss", "generation", "float8", "curve"):
         return estimates[part.kind]
     if part.kind == "tests":
         return estimates["pytest"] + sum(estimates[f] for f in GPU_TEST_FILES)

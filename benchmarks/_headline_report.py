@@ -177,6 +177,10 @@ def markdown(report: dict[str, Any]) -> str:
         lines += _doctor_lines(parts["doctor"]["result"])
     if (parts.get("loss-bench") or {}).get("result"):
         lines += [*loss_bench.markdown_lines(parts["loss-bench"]["result"]), ""]
+    if (parts.get("residual-curve-124m") or {}).get("result"):
+        from benchmarks import residual_curve  # its imports (Lightning, the runners) only where it ran
+
+        lines += [*residual_curve.markdown_lines(parts["residual-curve-124m"]["result"]), ""]
     if (parts.get("generation") or {}).get("result"):
         lines += _generation_lines(parts["generation"]["result"])
     if (parts.get("gpu-tests") or {}).get("result"):

@@ -188,7 +188,8 @@ def _accelerator(device: torch.device) -> str:
     return "gpu" if device.type == "cuda" else "cpu"
 
 
-def run_lightning(name: str, settings: BenchSettings, device: torch.device, accumulate: int = 1) -> dict[str, Any]:
+def run_lightning(name: str, settings: BenchSettings, device: torch.device, accumulate: int = 1,
+                  callbacks: tuple[Callback, ...] = (), residual_dtype: Optional[str] = None) -> dict[str, Any]:
     """Train configuration ``name`` with a Lightning ``Trainer`` and measure it.
 
     Example::
@@ -200,6 +201,8 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device, accu
         settings: The shared settings.
         device: The training device.
         accumulate: Micro-batches per optimizer step of a fixed-batch configuration (``AutoBatchSize`` sets its own).
+        callbacks: More callbacks for the Trainer (after the configuration's own), e.g. one that records the loss.
+        residual_dtype: ``GPTModule.residual_dtype`` in place of the configuration's (``None``: the configuration's).
     """
     begin = time.perf_counter()
     pl.seed_everything(settings.seed, verbose=False)
@@ -217,14 +220,14 @@ def run_lightning(name: str, settings: BenchSettings, device: torch.device, accu
         compile=parts.compile,
         compile_mode=(parts.compile_mode or settings.compile_mode) if parts.compile else None,
         compile_scope=parts.compile_scope,
-        residual_dtype=parts.residual_dtype,
+        residual_dtype=residual_dtype or parts.residual_dtype,
     )
     trainer = pl.Trainer(
         accelerator=_accelerator(device),
         devices=1,
         precision=parts.precision,
         plugins=parts.plugins or None,
-        callbacks=[timer, *parts.callbacks],
+        callbacks=[timer, *parts.callbacks, *callbacks],
         max_steps=measured + settings.profile_steps,
         accumulate_grad_batches=1 if parts.auto_batch is not None else accumulate,
         logger=False,

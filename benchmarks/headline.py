@@ -341,6 +341,9 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
         cmd = [sys.executable, "-m", "benchmarks.float8_bench", "--out", str(folder), "--data", args.data,
                "--time-budget", f"{max(limit_s - 10, 1):.0f}", *(["--tiny"] if args.tiny else []),
                *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+    elif part.kind == "curve":
+        cmd = [sys.executable, "-m", "benchmarks.residual_curve", "--out", str(folder), *(["--tiny"] if args.tiny else
+               ["--data", args.data]), *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
     else:
         cmd = _throughput_cmd(part, args, limit_s, folder, estimates)
     # pytest from the checkout's root (its configuration, the test paths); the others where the command was
@@ -358,6 +361,8 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
         entry["result"] = _load_json(folder / "generation.json")
     elif part.kind == "float8":
         entry["result"] = _load_json(folder / "float8.json")
+    elif part.kind == "curve":
+        entry["result"] = _load_json(folder / "residual-curve.json")
     else:
         found = sorted(folder.glob("throughput-*.json"))
         entry["result"] = _load_json(found[0]) if found else None
