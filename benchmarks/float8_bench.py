@@ -59,7 +59,13 @@ def shape_rows(preset: str, tokens: int, device: torch.device, recipes: tuple[st
     step_ms = 1000 * model.flops_per_token(config.block_size) * tokens / ceiling if ceiling else None
     rows = []
     for recipe in recipes:
-        timings = {s: gemm_timing(s[0], s[1], s[2], recipe, device, bandwidth, repeats) for s in counts}
+        try:
+            timings = {s: gemm_timing(s[0], s[1], s[2], recipe, device, bandwidth, repeats) for s in counts}
+        except RuntimeError as err:  # e.g. torch 2.11's CPU _scaled_mm takes per-tensor scales only (not rowwise)
+            reason = str(err).strip().splitlines()[-1]
+            rows.append({"preset": preset, "recipe": recipe,
+                         "skipped": f"torch {torch.__version__} cannot run its float8 GEMMs on {device.type}: {reason}"})
+            continue
         decision = decide(timings, counts, recipe, step_ms or 1.0, "gemm") if step_ms else None
         for shape, t in timings.items():
             row = {"preset": preset, "recipe": recipe, "tokens": shape[0], "in": shape[1], "out": shape[2],

@@ -10,10 +10,13 @@ from benchmarks import float8_bench
 def test_shapes_step_times_every_tiny_projection_shape_for_both_recipes(tmp_path):
     assert float8_bench.main(["--tiny", "--steps", "shapes", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "float8.json").read_text())
-    rows = result["steps"]["shapes"]["rows"]
+    skipped = [r for r in result["steps"]["shapes"]["rows"] if "skipped" in r]
+    rows = [r for r in result["steps"]["shapes"]["rows"] if "skipped" not in r]
     # tiny: 64 wide, c_attn 64x192, attn.c_proj 64x64, c_fc 64x256, mlp.c_proj 256x64; 2 layers of each
     assert sorted({(r["in"], r["out"]) for r in rows}) == [(64, 64), (64, 192), (64, 256), (256, 64)]
-    assert {r["recipe"] for r in rows} == {"tensorwise", "rowwise"} and all(r["layers"] == 2 for r in rows)
+    # torch 2.11's CPU _scaled_mm has no rowwise scales: that recipe is skipped with the reason, never left out
+    assert [r["recipe"] for r in skipped] in ([], ["rowwise"]) and all("float8 GEMMs" in r["skipped"] for r in skipped)
+    assert {r["recipe"] for r in rows + skipped} == {"tensorwise", "rowwise"} and all(r["layers"] == 2 for r in rows)
     assert all(r["bf16_ms"] > 0 and r["float8_ms"] > 0 and r["converted"] is None for r in rows)  # CPU: no verdict
     assert result["device"] == "cpu" and "compare" not in result["steps"]
 
