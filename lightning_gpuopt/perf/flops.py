@@ -106,14 +106,22 @@ def model_flops_per_token(module: nn.Module, seq_len: int) -> Optional[float]:
     return float(fn(seq_len) if takes_arg else fn())
 
 
+def _attention_flops(query: Any, key: Any, value: Any) -> int:
+    """``sdpa_flop_count`` of shapes ``(B, H, T, D)``; grouped-query keys and values (fewer heads, ``enable_gqa``)
+    count as repeated to the query's heads, as they are computed (torch 2.11's formula refuses them)."""
+    if len(query) == 4 and len(key) == 4 and key[1] != query[1] and query[1] % key[1] == 0:
+        key, value = (key[0], query[1], *key[2:]), (value[0], query[1], *value[2:])
+    return sdpa_flop_count(query, key, value)
+
+
 def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return sdpa_flop_count(query, key, value)  # Q K^T and P V over the full T x T, causal or not
+    return _attention_flops(query, key, value)  # Q K^T and P V over the full T x T, causal or not
 
 
 def _sdpa_backward(
     grad: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any
 ) -> int:
-    return 2 * sdpa_flop_count(query, key, value)  # the math kernel's four matmuls; no recomputed scores
+    return 2 * _attention_flops(query, key, value)  # the math kernel's four matmuls; no recomputed scores
 
 
 def _formulas() -> dict[Any, Callable[..., int]]:

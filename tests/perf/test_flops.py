@@ -163,3 +163,20 @@ def test_hugging_face_models_with_an_attention_mask_match_the_hand_count(name):
     hand = 6 * sum(weights.values()) + 12 * 2 * 64 * T  # PaLM: 6 per matmul weight, 12·L·d·T attention
     _, flops = count_step_flops(lambda: model(**batch).loss.backward())
     assert flops / (B * T) == pytest.approx(hand, rel=0.03)
+
+
+def test_grouped_query_attention_counts_as_its_keys_repeated_to_every_query_head():
+    """SDPA with 2 key/value heads for 8 query heads (``enable_gqa``) costs what it does with the keys repeated."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 32, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 32, 16, requires_grad=True) for _ in range(2))
+
+    def step(key, value, **gqa):
+        counter = StepFlopCounter()
+        counter.start()
+        torch.nn.functional.scaled_dot_product_attention(q, key, value, is_causal=True, **gqa).sum().backward()
+        return counter.stop()
+
+    repeated = step(k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1))
+    assert repeated == 3 * 2 * (2 * 2 * 8 * 32 * 32 * 16)  # forward Q K^T and P V, backward twice that
+    assert step(k, v, enable_gqa=True) == repeated
