@@ -91,6 +91,11 @@ _GENERATION_TINY = ("--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--voca
                     "--answer-len", "4", "--batch-size", "4", "--threads", "1")
 
 
+# The JSON each child part writes into its folder, by the part's kind (a throughput part's is found by its name).
+_RESULT_FILES = {"doctor": "doctor.json", "loss": "loss-bench.json", "generation": "generation.json",
+                 "float8": "float8.json", "curve": "residual-curve.json"}
+
+
 class OptionError(ValueError):
     """A bad option, found before any work: the command prints it in one line."""
 
@@ -351,18 +356,10 @@ def _run_part(part: Part, args: argparse.Namespace, limit_s: float, work: Path, 
     run = run_child(cmd, limit_s, _child_env(args.tiny), cwd=ROOT if part.kind == "tests" else None)
     entry: dict[str, Any] = {"command": shlex.join(["python", *cmd[1:]]), "seconds": run.seconds,
                              "cpu_s": run.cpu_s, "exit_code": run.returncode}
-    if part.kind == "doctor":
-        entry["result"] = _load_json(folder / "doctor.json")
-    elif part.kind == "tests":
+    if part.kind == "tests":
         entry["result"] = junit_summary(out / "gpu-tests.xml")
-    elif part.kind == "loss":
-        entry["result"] = _load_json(folder / "loss-bench.json")
-    elif part.kind == "generation":
-        entry["result"] = _load_json(folder / "generation.json")
-    elif part.kind == "float8":
-        entry["result"] = _load_json(folder / "float8.json")
-    elif part.kind == "curve":
-        entry["result"] = _load_json(folder / "residual-curve.json")
+    elif part.kind in _RESULT_FILES:
+        entry["result"] = _load_json(folder / _RESULT_FILES[part.kind])
     else:
         found = sorted(folder.glob("throughput-*.json"))
         entry["result"] = _load_json(found[0]) if found else None
