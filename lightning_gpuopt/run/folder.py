@@ -180,6 +180,12 @@ def _lock(folder: Path) -> Optional[HeldLock]:
         return take_lock(folder / LOCK_FILE)
     except PathInUse as used:
         root = option("Trainer", "default_root_dir")
+        if used.ours:  # a prepare_run block (or a fit's hold) of this process that has not ended
+            raise PathInUse(folder, used.holder, (
+                f"{folder} is held by this process already ({used.holder}): an earlier prepare_run block on it has "
+                f"not ended, and two runs in one folder write over each other's checkpoints. End that block first "
+                f"(its `with` holds the folder), or give this run another {root}."
+            )) from None
         raise PathInUse(folder, used.holder, (
             f"{folder} is in use by another {_fit()} ({used.holder}): two runs in one folder write over each other's "
             f"checkpoints. Wait for it to end (or stop it), or give this run another {root}."

@@ -34,6 +34,11 @@ class PathInUse(ValueError):
         found = re.search(r"pid (\d+)", holder)
         self.pid: Optional[int] = int(found[1]) if found else None
 
+    @property
+    def ours(self) -> bool:
+        """Whether this very process holds it (another open of the lock, still held): no process to wait for."""
+        return self.pid == os.getpid() and socket.gethostname() in self.holder
+
 
 def holds_locks(env: Mapping[str, str] = os.environ) -> bool:
     """Whether this process takes the run's locks: every rank variable in ``env`` is 0 or unset, so a run has one

@@ -65,9 +65,11 @@ def test_a_python_fit_holds_its_folder_against_a_second_process_and_lets_go(tmp_
         said = second.stdout.strip()
         assert said.startswith(f"{root} is in use by another fit (pid {os.getpid()} on "), second.stderr[-3000:]
         assert said.endswith("or give this run another Trainer(default_root_dir=...).")
-        with pytest.raises(PathInUse, match=f"pid {os.getpid()}"):  # a second open in this process is refused too
+        with pytest.raises(PathInUse, match=f"pid {os.getpid()}") as ours:  # a second open in this process too
             with prepare_run(_trainer(root, 2), Regressor()):
                 pass
+        assert str(ours.value).startswith(f"{root} is held by this process already (pid {os.getpid()} on ")
+        assert "End that block first" in str(ours.value) and "kill" not in str(ours.value)
         trainer.fit(model)
     assert read_checkpoint(root / "checkpoints" / "last.ckpt")["global_step"] == 2
     with prepare_run(_trainer(root, 4), Regressor(), ckpt_path="last"):  # free again
