@@ -189,7 +189,8 @@ def _float8_chunk(h_c: Tensor, w8: Tensor, w_inv: Tensor, targets: Tensor, ignor
     operands of the two gradient GEMMs (``torch._scaled_mm`` takes its left operand row-major, its right one
     column-major)."""
     h8, h_inv = _to_e4m3(h_c)  # (n, C), scaled per chunk
-    logits = torch._scaled_mm(h8, w8.t(), h_inv, w_inv, out_dtype=torch.bfloat16)  # (n, V)
+    # fast accumulation in the forward GEMM only, as torchao's tensorwise recipe does (the gradients' are exact)
+    logits = torch._scaled_mm(h8, w8.t(), h_inv, w_inv, out_dtype=torch.bfloat16, use_fast_accum=True)  # (n, V)
     exp, total, loss_sum, valid, safe = _exp_and_loss(logits, targets, ignore_index)
     if not needs_grad:
         return loss_sum, None, None, None, None
