@@ -46,7 +46,7 @@ def shape_rows(preset: str, tokens: int, device: torch.device, recipes: tuple[st
     from lightning_gpuopt.model import GPT
     from lightning_gpuopt.model.config import GPTConfig
     from lightning_gpuopt.perf.peaks import measure_peak_flops
-    from lightning_gpuopt.precision.float8_decision import decide
+    from lightning_gpuopt.precision.float8_decision import decide, loss_head_shape
     from lightning_gpuopt.precision.float8_layers import candidate_shapes, float8_config, require_torchao
     from lightning_gpuopt.model.loss import device_free_bytes, run_chunk_tokens
     from lightning_gpuopt.precision.float8_timing import copy_bandwidth, gemm_timing, linear_timing, loss_head_timing
@@ -58,8 +58,7 @@ def shape_rows(preset: str, tokens: int, device: torch.device, recipes: tuple[st
     counts = candidate_shapes(model, tokens)
     # the head inside the chunked loss, at the chunk a GPTModule run takes on this device (model/loss.py)
     chunk = run_chunk_tokens(config.padded_vocab_size, torch.bfloat16, device_free_bytes(device))
-    head = (min(chunk, tokens), config.n_embd, config.padded_vocab_size, False)
-    chunks = -(-tokens // chunk)
+    head, chunks = loss_head_shape(chunk, config.n_embd, config.padded_vocab_size, tokens)
     bandwidth = copy_bandwidth(device, nbytes=1 << (30 if device.type == "cuda" else 22))
     ceiling = measure_peak_flops(device) if device.type == "cuda" else None
     step_ms = 1000 * model.flops_per_token(config.block_size) * tokens / ceiling if ceiling else None

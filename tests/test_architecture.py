@@ -58,6 +58,9 @@ LONG_FILES: dict[str, str] = {
     "model/loss.py": "the loss from hidden states, chunk by chunk, in its three forms (the head in the compute dtype, "
     "its vocabulary shards under tensor parallelism, its GEMMs in float8): one chunk loop and one chunk arithmetic "
     "(the softmax, the one-hot, the padding, the compiled kernel) that the forms share",
+    "cli/doctor.py": "the `gpuopt doctor` command: one short function per check, in the order its report prints "
+    "them, and the command that runs them; what each check decides is computed in its own module (perf/, "
+    "precision/, callbacks/)",
 }
 
 

@@ -27,6 +27,7 @@ from lightning_gpuopt.precision.float8_decision import (
     Float8Decision,
     decided_on_rank_zero,
     format_decision_table,
+    loss_head_shape,
     static_decision,
 )
 from lightning_gpuopt.precision.float8_layers import (
@@ -223,8 +224,7 @@ class Float8Precision(DevicePrecision):
             return None
         if self.device_facts is not None and self.device_facts.is_cuda and not self.device_facts.fp8:
             return None  # emulated on a GPU without float8 matmuls: the loss's head calls torch._scaled_mm itself
-        rows = min(head.rows, -(-tokens // 16) * 16)  # a micro-batch smaller than a chunk: one padded chunk
-        return (rows, head.in_features, head.out_features, False), -(-tokens // head.rows)
+        return loss_head_shape(head.rows, head.in_features, head.out_features, tokens)
 
     def _apply_loss_head(self) -> None:
         """Tell the module whether its loss head runs in float8 (the decision's row), and put it in the report."""

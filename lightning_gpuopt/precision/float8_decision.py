@@ -32,6 +32,7 @@ __all__ = [
     "decided_on_rank_zero",
     "decide",
     "format_decision_table",
+    "loss_head_shape",
     "measured_decision",
     "static_too_small",
     "static_decision",
@@ -103,6 +104,13 @@ class Float8Decision:
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> "Float8Decision":
         return cls(**{**state, "shapes": tuple(ShapeDecision(**r) for r in state["shapes"])})
+
+
+def loss_head_shape(chunk: int, in_features: int, out_features: int, tokens: int) -> tuple[Shape, int]:
+    """The shape an output head inside a chunked loss is timed at, and its count: ``chunk`` rows per chunk (a
+    micro-batch of fewer ``tokens`` than that: one chunk of them, padded to 16 rows as the loss pads it), and the
+    chunks per micro-batch."""
+    return (min(chunk, -(-tokens // 16) * 16), in_features, out_features, False), -(-tokens // chunk)
 
 
 def static_too_small(in_features: int, out_features: int, recipe: str) -> Optional[str]:
