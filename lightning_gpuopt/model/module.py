@@ -259,16 +259,17 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
 
     def _loss_head(self, tensor_parallel: int) -> Optional[LossHead]:
         """The head as the chunked loss multiplies it, which a float8 plugin may run in float8: offered where the
-        loss is the chunked one with a known chunk, on one tensor-parallel rank, outside a whole-model graph (that
-        graph computes the loss from the full logits)."""
+        loss is the chunked one with a known chunk, saying why not under tensor parallelism and in a whole-model
+        graph (that graph computes the loss from the full logits: model.compiling.loss_fits_graph)."""
         config = self.config
-        if config.loss_impl not in ("auto", "chunked") or config.loss_chunk_size is None or tensor_parallel > 1:
+        if config.loss_impl not in ("auto", "chunked") or config.loss_chunk_size is None:
             return None
         whole = self.hparams.compile and self.hparams.get("compile_scope", "block") == "model"
-        if whole and config.loss_impl == "auto":
-            return None  # the loss in the whole-model graph (model.compiling.loss_fits_graph)
+        unavailable = (f"its vocabulary is split over {tensor_parallel} tensor-parallel ranks" if tensor_parallel > 1
+                       else "compile_scope='model' computes the loss from the full logits in the model's graph; "
+                       "loss_impl='chunked' keeps the chunked loss" if whole and config.loss_impl == "auto" else None)
         return LossHead("model.lm_head", config.n_embd, config.padded_vocab_size, config.loss_chunk_size,
-                        self._use_float8_head)
+                        self._use_float8_head, unavailable)
 
     def _use_float8_head(self, on: bool) -> None:
         self._head_float8 = on

@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_gpuopt.option_checks import check_choice, option
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts
-from lightning_gpuopt.precision.base import DevicePrecision, LayerContext
+from lightning_gpuopt.precision.base import DevicePrecision, LayerContext, LossHead
 from lightning_gpuopt.precision.float8_decision import (
     Float8Decision,
     decided_on_rank_zero,
@@ -221,6 +221,8 @@ class Float8Precision(DevicePrecision):
         head = context.loss_head if context is not None else None
         if head is None or not tokens or self.module_filter != "auto" or self.recipe != "tensorwise":
             return None
+        if head.unavailable is not None or _loss_head_dims(head) is not None:
+            return None  # the loss would refuse to run it in float8 (model/loss.py's _check_float8_head)
         if self.device_facts is not None and self.device_facts.is_cuda and not self.device_facts.fp8:
             return None  # emulated on a GPU without float8 matmuls: the loss's head calls torch._scaled_mm itself
         rows = min(head.rows, -(-tokens // 16) * 16)  # a micro-batch smaller than a chunk: one padded chunk
@@ -244,6 +246,12 @@ class Float8Precision(DevicePrecision):
 
     def _loss_head_reason(self) -> str:
         """Why the head inside the module's chunked loss stays in the compute dtype."""
+        head = self.layer_context.loss_head
+        if head.unavailable is not None:
+            return f"output layer (its GEMMs in the loss cannot run float8 in this run: {head.unavailable})"
+        dims = _loss_head_dims(head)
+        if dims is not None:
+            return f"output layer (its GEMMs in the loss run float8 only with {dims})"
         if self.recipe != "tensorwise":
             return "output layer (its GEMMs in the loss run float8 only under the tensorwise recipe)"
         facts = self.device_facts
@@ -394,6 +402,15 @@ class Float8Precision(DevicePrecision):
             # One all-reduce for the amax of every float8 weight, instead of one per layer per forward.
             precompute_float8_dynamic_scale_for_fsdp(model)
         return output
+
+
+def _loss_head_dims(head: LossHead) -> Optional[str]:
+    """What keeps the head's GEMMs in the loss from ``torch._scaled_mm``, which multiplies dims that are multiples of
+    16 only (its hidden size, vocabulary rows and rows per chunk), or ``None`` where nothing does."""
+    if head.in_features % 16 or head.out_features % 16 or head.rows % 16:
+        return (f"dims and chunk multiples of 16, not {head.in_features}x{head.out_features} in chunks of {head.rows} "
+                "tokens")
+    return None
 
 
 def _matmul_size(shape: str) -> int:

@@ -101,6 +101,45 @@ def test_where_the_head_is_not_timed_it_stays_in_bf16_with_the_reason(tmp_path, 
     assert timer is None or timer.head_calls == []
 
 
+@pytest.mark.parametrize(("shape", "rows", "reason"), [
+    ((40, 512), 128, "not 40x512 in chunks of 128 tokens"),
+    ((64, 500), 128, "not 64x500 in chunks of 128 tokens"),
+    ((64, 512), 24, "not 64x512 in chunks of 24 tokens"),
+])
+def test_a_head_torch_scaled_mm_cannot_multiply_is_not_timed_and_says_why(tmp_path, shape, rows, reason):
+    # the loss refuses such a head in float8 (model/loss.py): turned on, it would stop the fit at its first step
+    timer, told = _Timer(), []
+    plugin = _plugin(timer, tmp_path)
+    head = LossHead("model.lm_head", *shape, rows, told.append)
+    plugin.convert_layers(_Model(), "model", LayerContext(tokens=256, flops_per_token=6 * 600_000, loss_head=head))
+    assert told == [False] and timer.head_calls == [] and plugin.decision.loss_head() is None
+    only = "output layer (its GEMMs in the loss run float8 only with dims and chunk multiples of 16, "
+    assert _head_row(plugin)[2] == f"{only}{reason})"
+
+
+def test_where_the_module_s_loss_cannot_run_it_the_head_says_why(tmp_path):
+    timer = _Timer()
+    plugin = _plugin(timer, tmp_path)
+    told = []
+    head = LossHead("model.lm_head", *HEAD, 128, told.append, unavailable="its vocabulary is split")
+    plugin.convert_layers(_Model(), "model", LayerContext(tokens=256, flops_per_token=6 * 600_000, loss_head=head))
+    assert told == [False] and timer.head_calls == []
+    why = _head_row(plugin)[2]
+    assert why == "output layer (its GEMMs in the loss cannot run float8 in this run: its vocabulary is split)"
+
+
+@pytest.mark.parametrize(("kwargs", "tensor_parallel", "reason"), [
+    (dict(compile=True, compile_scope="model"), 1, "compile_scope='model' computes the loss from the full logits"),
+    (dict(), 2, "split over 2 tensor-parallel ranks"),
+    (dict(compile=True, compile_scope="model", loss_impl="chunked"), 1, None),  # its chunked loss stays
+    (dict(compile=True), 1, None),
+])
+def test_gptmodule_says_where_its_loss_cannot_run_the_head_in_float8(kwargs, tensor_parallel, reason):
+    head = tiny_gpt_module(loss_chunk_size=64, **kwargs)._loss_head(tensor_parallel)
+    assert (head.name, head.in_features, head.out_features, head.rows) == ("model.lm_head", 64, 256, 64)
+    assert (head.unavailable is None) if reason is None else (reason in head.unavailable), head.unavailable
+
+
 def test_a_resume_runs_the_head_as_the_saved_run_did(tmp_path):
     saved = _plugin(_Timer(head_wins=True), tmp_path / "gpu-a")
     _convert(saved)
@@ -153,3 +192,17 @@ def test_a_gptmodule_fit_runs_its_loss_head_in_float8_where_the_timing_says(tmp_
     assert module.model.head_float8 and plugin.float8_layers == [("model.lm_head", "64x256")]
     assert plugin.decision.loss_head().tokens == 64 and plugin.decision.loss_head().layers == 2  # 4 x 32 tokens
     assert len(losses.losses) == 2 and all(4.0 < loss < 6.5 for loss in losses.losses)  # about ln(256) = 5.5
+
+
+def test_a_gptmodule_fit_whose_chunk_float8_cannot_multiply_trains_its_head_in_bf16(tmp_path):
+    plugin = Float8Precision(emulate=True)
+    timer = _Timer()
+    plugin.timer, plugin.timing_cache_root = timer, tmp_path
+    module = tiny_gpt_module(loss_chunk_size=24)  # not a multiple of 16: the float8 loss would refuse it
+    losses = LossRecorder()
+    trainer = plugin_trainer(plugin, max_steps=1, default_root_dir=tmp_path, callbacks=[losses])
+    with pytest.warns(UserWarning, match="converted none"):
+        trainer.fit(module, datamodule=_Data())
+    assert not module.model.head_float8 and timer.head_calls == [] and not plugin.fp8
+    assert "chunks of 24 tokens" in _head_row(plugin)[2]
+    assert len(losses.losses) == 1 and 4.0 < losses.losses[0] < 6.5
