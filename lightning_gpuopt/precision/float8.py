@@ -332,8 +332,13 @@ class Float8Precision(DevicePrecision):
             rank_zero_warn(
                 f"Float8Precision: the checkpoint converted the shapes {sorted(restored.converted_shapes())}, but "
                 f"this run converted {here} and cannot change its layers now (FSDP2 has sharded them), so it keeps "
-                "its own: the float8 numerics differ from the saved run's."
+                "its own (the output head in the loss runs as saved): the float8 numerics differ from the saved run's."
             )
+            if self.decision is not None and restored.converts_loss_head() != self.decision.converts_loss_head():
+                # the head is the loss's flag, no layer to swap: its saved row replaces this run's
+                rows = [r for r in self.decision.shapes if not r.loss_head]
+                self.decision = replace(self.decision, shapes=(*rows, *(r for r in restored.shapes if r.loss_head)))
+                self._apply_loss_head()
             return
         config = float8_config(self.recipe, self.emulate, self._fsdp_float8_all_gather)
         on_cpu = self.bound_device is not None and self.bound_device.type == "cpu"

@@ -151,6 +151,27 @@ def test_a_resume_runs_the_head_as_the_saved_run_did(tmp_path):
     assert _head_row(resumed)[2] is None
 
 
+class _AllWin(_Timer):
+    def shape(self, shape):
+        self.calls += 1
+        return ShapeTiming(1.0, 0.5)
+
+
+def test_a_resume_under_fsdp2_keeps_its_layers_but_runs_the_head_as_saved(tmp_path, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    saved = _plugin(_AllWin(), tmp_path / "gpu-a")  # fc and the head in float8
+    _convert(saved)
+    resumed = _plugin(_Timer(head_wins=False), tmp_path / "gpu-b")  # neither
+    told = _convert(resumed)
+    with pytest.warns(UserWarning, match="converted none"):
+        resumed.convert_module(fully_shard(_Model(), mesh=mesh))  # sharded: its layers cannot change now
+    with pytest.warns(UserWarning, match="cannot change its layers now"):
+        resumed.load_state_dict(saved.state_dict())
+    assert told == [False, True] and resumed.decision.converts_loss_head()  # the head is no layer: it follows
+    assert resumed.decision.converted_shapes() == set() and resumed.float8_layers == [("model.lm_head", "64x512")]
+
+
 def test_the_head_s_casts_and_gemms_run_on_the_cpu():
     # per chunk of 128 rows, 2 chunks: the weight's casts halved, one float32 add of the weight gradient
     w, x = 512 * 64, 128 * 64
