@@ -140,6 +140,12 @@ def test_gptmodule_says_where_its_loss_cannot_run_the_head_in_float8(kwargs, ten
     assert (head.unavailable is None) if reason is None else (reason in head.unavailable), head.unavailable
 
 
+def test_under_fsdp2_a_whole_model_compile_keeps_the_chunked_loss_and_offers_the_head(mesh):
+    module = tiny_gpt_module(loss_chunk_size=64, compile=True, compile_scope="model")
+    module._device_mesh = mesh  # as ModelParallelStrategy sets it: compile_gpt then compiles each block
+    assert module._loss_head(1).unavailable is None
+
+
 def test_a_resume_runs_the_head_as_the_saved_run_did(tmp_path):
     saved = _plugin(_Timer(head_wins=True), tmp_path / "gpu-a")
     _convert(saved)
