@@ -221,19 +221,30 @@ class Float8Precision(DevicePrecision):
         head = context.loss_head if context is not None else None
         if head is None or not tokens or self.module_filter != "auto" or self.recipe != "tensorwise":
             return None
-        if head.unavailable is not None or _loss_head_dims(head) is not None:
-            return None  # the loss would refuse to run it in float8 (model/loss.py's _check_float8_head)
-        if self.device_facts is not None and self.device_facts.is_cuda and not self.device_facts.fp8:
-            return None  # emulated on a GPU without float8 matmuls: the loss's head calls torch._scaled_mm itself
+        if self._loss_head_blocked(head) is not None:
+            return None
         rows = min(head.rows, -(-tokens // 16) * 16)  # a micro-batch smaller than a chunk: one padded chunk
         return (rows, head.in_features, head.out_features, False), -(-tokens // head.rows)
+
+    def _loss_head_blocked(self, head: LossHead) -> Optional[str]:
+        """Why this run's loss cannot run ``head`` in float8 at all, whatever a timing or a checkpoint says; ``None``:
+        it can."""
+        if head.unavailable is not None:
+            return f"its GEMMs in the loss cannot run float8 in this run: {head.unavailable}"
+        dims = _loss_head_dims(head)  # the loss would refuse them (model/loss.py's _check_float8_head)
+        if dims is not None:
+            return f"its GEMMs in the loss run float8 only with {dims}"
+        facts = self.device_facts
+        if facts is not None and facts.is_cuda and not facts.fp8:  # emulated: the loss calls torch._scaled_mm itself
+            return f"its GEMMs in the loss need float8 matmuls, which {facts.describe()} has not"
+        return None
 
     def _apply_loss_head(self) -> None:
         """Tell the module whether its loss head runs in float8 (the decision's row), and put it in the report."""
         head = self.layer_context.loss_head if self.layer_context is not None else None
         if head is None:
             return
-        on = self.decision is not None and self.decision.converts_loss_head()
+        on = self.decision is not None and self.decision.converts_loss_head() and self._loss_head_blocked(head) is None
         head.use_float8(on)
         if self.module_filter != "auto":  # a filter of the user's: its own row for the head stays
             return
@@ -246,17 +257,11 @@ class Float8Precision(DevicePrecision):
 
     def _loss_head_reason(self) -> str:
         """Why the head inside the module's chunked loss stays in the compute dtype."""
-        head = self.layer_context.loss_head
-        if head.unavailable is not None:
-            return f"output layer (its GEMMs in the loss cannot run float8 in this run: {head.unavailable})"
-        dims = _loss_head_dims(head)
-        if dims is not None:
-            return f"output layer (its GEMMs in the loss run float8 only with {dims})"
+        blocked = self._loss_head_blocked(self.layer_context.loss_head)
+        if blocked is not None:
+            return f"output layer ({blocked})"
         if self.recipe != "tensorwise":
             return "output layer (its GEMMs in the loss run float8 only under the tensorwise recipe)"
-        facts = self.device_facts
-        if facts is not None and facts.is_cuda and not facts.fp8:
-            return f"output layer (its GEMMs in the loss need float8 matmuls, which {facts.describe()} has not)"
         row = self.decision.loss_head() if self.decision is not None else None
         if row is None:
             why = self.decision.method if self.decision is not None else "not decided"
@@ -320,6 +325,11 @@ class Float8Precision(DevicePrecision):
         if saved is None or self.module_filter != "auto":
             return
         restored = Float8Decision.from_dict(saved)
+        head = self.layer_context.loss_head if self.layer_context is not None else None
+        blocked = self._loss_head_blocked(head) if head is not None and restored.converts_loss_head() else None
+        if blocked is not None:
+            rank_zero_warn(f"Float8Precision: the checkpoint's run multiplied its output head in float8 inside the "
+                           f"loss, but {blocked}; it runs in bf16 here, so the numerics differ from the saved run's.")
         if self.decision is not None and restored.converted_shapes() == self.decision.converted_shapes():
             if restored.converts_loss_head() != self.decision.converts_loss_head():
                 self.decision = replace(restored, method="checkpoint")  # the same layers; the loss head as saved

@@ -157,6 +157,25 @@ def test_a_resume_runs_the_head_as_the_saved_run_did(tmp_path):
     assert _head_row(resumed)[2] is None
 
 
+@pytest.mark.parametrize(("rows", "unavailable", "facts", "reason"), [
+    (128, "its vocabulary is split", H100, "cannot run float8 in this run: its vocabulary is split"),
+    (24, None, H100, "only with dims and chunk multiples of 16, not 64x512 in chunks of 24 tokens"),
+    (128, None, REFERENCE_DEVICES["A100"], "need float8 matmuls, which cuda:0 NVIDIA A100"),
+])
+def test_a_resume_that_cannot_run_the_saved_float8_head_keeps_it_in_bf16_and_says_so(
+    tmp_path, rows, unavailable, facts, reason
+):
+    # e.g. resumed under tensor parallelism or compile_scope="model", on an A100: the loss would refuse the head
+    saved = _plugin(_Timer(), tmp_path / "gpu-a")
+    _convert(saved)
+    resumed, told = _plugin(_Timer(), tmp_path / "gpu-b", facts=facts, emulate=True), []
+    head = LossHead("model.lm_head", *HEAD, rows, told.append, unavailable)
+    resumed.convert_layers(_Model(), "model", LayerContext(tokens=256, flops_per_token=6 * 600_000, loss_head=head))
+    with pytest.warns(UserWarning, match="output head in float8 inside the loss, but its GEMMs .* bf16 here"):
+        resumed.load_state_dict(saved.state_dict())
+    assert told == [False, False] and not resumed.fp8 and reason in _head_row(resumed)[2]
+
+
 class _AllWin(_Timer):
     def shape(self, shape):
         self.calls += 1
