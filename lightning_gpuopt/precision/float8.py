@@ -339,10 +339,11 @@ class Float8Precision(DevicePrecision):
         root = self._converted_root
         if root is None or _is_fully_sharded(root):
             here = sorted(self.decision.converted_shapes()) if self.decision else "none"
+            as_saved = " (the output head in the loss runs as saved)" if head is not None and blocked is None else ""
             rank_zero_warn(
                 f"Float8Precision: the checkpoint converted the shapes {sorted(restored.converted_shapes())}, but "
                 f"this run converted {here} and cannot change its layers now (FSDP2 has sharded them), so it keeps "
-                "its own (the output head in the loss runs as saved): the float8 numerics differ from the saved run's."
+                f"its own{as_saved}: the float8 numerics differ from the saved run's."
             )
             if self.decision is not None and restored.converts_loss_head() != self.decision.converts_loss_head():
                 # the head is the loss's flag, no layer to swap: its saved row replaces this run's
