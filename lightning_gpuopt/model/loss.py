@@ -189,14 +189,17 @@ def _float8_chunk(h_c: Tensor, w8: Tensor, w_inv: Tensor, targets: Tensor, ignor
     operands of the two gradient GEMMs (``torch._scaled_mm`` takes its left operand row-major, its right one
     column-major)."""
     h8, h_inv = _to_e4m3(h_c)  # (n, C), scaled per chunk
-    # fast accumulation in the forward GEMM only, as torchao's tensorwise recipe does (the gradients' are exact)
-    logits = torch._scaled_mm(h8, w8.t(), h_inv, w_inv, out_dtype=torch.bfloat16, use_fast_accum=True)  # (n, V)
-    exp, total, loss_sum, valid, safe = _exp_and_loss(logits, targets, ignore_index)
+    # (n, V) bf16 logits made in the call, so no frame keeps them alive beside their float32 copy; fast accumulation
+    # in this forward GEMM only, as torchao's tensorwise recipe does (the gradients' GEMMs accumulate exactly)
+    exp, total, loss_sum, valid, safe = _exp_and_loss(
+        torch._scaled_mm(h8, w8.t(), h_inv, w_inv, out_dtype=torch.bfloat16, use_fast_accum=True), targets, ignore_index
+    )
     if not needs_grad:
         return loss_sum, None, None, None, None
     grad = _minus_one_hot(exp.div_(total), safe)
-    grad = grad * (valid.to(grad.dtype) * _GRAD_SCALE).unsqueeze(1)  # ignored positions get no gradient
+    grad.mul_((valid.to(grad.dtype) * _GRAD_SCALE).unsqueeze(1))  # ignored positions get no gradient
     g8 = grad.to(_E5M2)  # (n, V)
+    del exp, grad  # the float32 softmax (one tensor, changed in place) dies before the transposed copy is made
     return loss_sum, g8, g8.t().contiguous(), h8.t().contiguous().t(), h_inv  # (V, n); (n, C) column-major
 
 
@@ -397,6 +400,7 @@ def _float8_loop(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: 
         if needs_grad[1]:
             part = torch._scaled_mm(g8_t, h8_cols, grad_inv, h_inv, out_dtype=torch.float32)  # (V, C)
             grad_w = part if grad_w is None else grad_w.add_(part)  # one chunk (the usual case on a GPU): no add
+            del part  # added: not alive beside the next chunk's
         del g8, g8_t  # before the next chunk's logits exist: one chunk alive at a time
     if needs_grad[1] and grad_w is None:  # no tokens
         grad_w = weight.new_zeros(weight.shape, dtype=torch.float32)

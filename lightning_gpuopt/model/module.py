@@ -258,17 +258,18 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
                             loss_head=self._loss_head(tensor_parallel))
 
     def _loss_head(self, tensor_parallel: int) -> Optional[LossHead]:
-        """The head as the chunked loss multiplies it, which a float8 plugin may run in float8: offered where the
-        loss is the chunked one with a known chunk, on one tensor-parallel rank, outside a whole-model graph (that
-        graph computes the loss from the full logits)."""
+        """The head as the chunked loss multiplies it, for a float8 plugin: where the loss is the chunked one with a
+        known chunk; saying why not under tensor parallelism and in a whole-model graph (model.compiling)."""
         config = self.config
-        if config.loss_impl not in ("auto", "chunked") or config.loss_chunk_size is None or tensor_parallel > 1:
+        if config.loss_impl not in ("auto", "chunked") or config.loss_chunk_size is None:
             return None
-        whole = self.hparams.compile and self.hparams.get("compile_scope", "block") == "model"
-        if whole and config.loss_impl == "auto":
-            return None  # the loss in the whole-model graph (model.compiling.loss_fits_graph)
+        scope = self.hparams.get("compile_scope", "block") if self.device_mesh is None else "block"  # FSDP2: blocks
+        whole = self.hparams.compile and scope == "model"  # its graph computes the loss from the full logits
+        unavailable = (f"its vocabulary is split over {tensor_parallel} tensor-parallel ranks" if tensor_parallel > 1
+                       else "compile_scope='model' computes the loss from the full logits in the model's graph; "
+                       "loss_impl='chunked' keeps the chunked loss" if whole and config.loss_impl == "auto" else None)
         return LossHead("model.lm_head", config.n_embd, config.padded_vocab_size, config.loss_chunk_size,
-                        self._use_float8_head)
+                        self._use_float8_head, unavailable)
 
     def _use_float8_head(self, on: bool) -> None:
         self._head_float8 = on

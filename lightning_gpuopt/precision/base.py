@@ -43,6 +43,8 @@ class LossHead:
         in_features, out_features: Its shape (hidden size, vocabulary rows).
         rows: Tokens per chunk of the loss: the rows of each of its GEMMs.
         use_float8: Called with ``True`` to run the head's GEMMs in float8, ``False`` for the compute dtype.
+        unavailable: Why this run's loss cannot run the head in float8 (e.g. tensor parallelism), for the report;
+            ``None``: it can.
     """
 
     name: str
@@ -50,6 +52,7 @@ class LossHead:
     out_features: int
     rows: int
     use_float8: Callable[[bool], None]
+    unavailable: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_gpuopt.option_checks import check_choice, option
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts
-from lightning_gpuopt.precision.base import DevicePrecision, LayerContext
+from lightning_gpuopt.precision.base import DevicePrecision, LayerContext, LossHead
 from lightning_gpuopt.precision.float8_decision import (
     Float8Decision,
     decided_on_rank_zero,
@@ -222,16 +222,29 @@ class Float8Precision(DevicePrecision):
         head = context.loss_head if context is not None else None
         if head is None or not tokens or self.module_filter != "auto" or self.recipe != "tensorwise":
             return None
-        if self.device_facts is not None and self.device_facts.is_cuda and not self.device_facts.fp8:
-            return None  # emulated on a GPU without float8 matmuls: the loss's head calls torch._scaled_mm itself
+        if self._loss_head_blocked(head) is not None:
+            return None
         return loss_head_shape(head.rows, head.in_features, head.out_features, tokens)
+
+    def _loss_head_blocked(self, head: LossHead) -> Optional[str]:
+        """Why this run's loss cannot run ``head`` in float8 at all, whatever a timing or a checkpoint says; ``None``:
+        it can."""
+        if head.unavailable is not None:
+            return f"its GEMMs in the loss cannot run float8 in this run: {head.unavailable}"
+        dims = _loss_head_dims(head)  # the loss would refuse them (model/loss.py's _check_float8_head)
+        if dims is not None:
+            return f"its GEMMs in the loss run float8 only with {dims}"
+        facts = self.device_facts
+        if facts is not None and facts.is_cuda and not facts.fp8:  # emulated: the loss calls torch._scaled_mm itself
+            return f"its GEMMs in the loss need float8 matmuls, which {facts.describe()} has not"
+        return None
 
     def _apply_loss_head(self) -> None:
         """Tell the module whether its loss head runs in float8 (the decision's row), and put it in the report."""
         head = self.layer_context.loss_head if self.layer_context is not None else None
         if head is None:
             return
-        on = self.decision is not None and self.decision.converts_loss_head()
+        on = self.decision is not None and self.decision.converts_loss_head() and self._loss_head_blocked(head) is None
         head.use_float8(on)
         if self.module_filter != "auto":  # a filter of the user's: its own row for the head stays
             return
@@ -244,11 +257,11 @@ class Float8Precision(DevicePrecision):
 
     def _loss_head_reason(self) -> str:
         """Why the head inside the module's chunked loss stays in the compute dtype."""
+        blocked = self._loss_head_blocked(self.layer_context.loss_head)
+        if blocked is not None:
+            return f"output layer ({blocked})"
         if self.recipe != "tensorwise":
             return "output layer (its GEMMs in the loss run float8 only under the tensorwise recipe)"
-        facts = self.device_facts
-        if facts is not None and facts.is_cuda and not facts.fp8:
-            return f"output layer (its GEMMs in the loss need float8 matmuls, which {facts.describe()} has not)"
         row = self.decision.loss_head() if self.decision is not None else None
         if row is None:
             why = self.decision.method if self.decision is not None else "not decided"
@@ -312,6 +325,11 @@ class Float8Precision(DevicePrecision):
         if saved is None or self.module_filter != "auto":
             return
         restored = Float8Decision.from_dict(saved)
+        head = self.layer_context.loss_head if self.layer_context is not None else None
+        blocked = self._loss_head_blocked(head) if head is not None and restored.converts_loss_head() else None
+        if blocked is not None:
+            rank_zero_warn(f"Float8Precision: the checkpoint's run multiplied its output head in float8 inside the "
+                           f"loss, but {blocked}; it runs in bf16 here, so the numerics differ from the saved run's.")
         if self.decision is not None and restored.converted_shapes() == self.decision.converted_shapes():
             if restored.converts_loss_head() != self.decision.converts_loss_head():
                 self.decision = replace(restored, method="checkpoint")  # the same layers; the loss head as saved
@@ -321,11 +339,17 @@ class Float8Precision(DevicePrecision):
         root = self._converted_root
         if root is None or _is_fully_sharded(root):
             here = sorted(self.decision.converted_shapes()) if self.decision else "none"
+            as_saved = " (the output head in the loss runs as saved)" if head is not None and blocked is None else ""
             rank_zero_warn(
                 f"Float8Precision: the checkpoint converted the shapes {sorted(restored.converted_shapes())}, but "
                 f"this run converted {here} and cannot change its layers now (FSDP2 has sharded them), so it keeps "
-                "its own: the float8 numerics differ from the saved run's."
+                f"its own{as_saved}: the float8 numerics differ from the saved run's."
             )
+            if self.decision is not None and restored.converts_loss_head() != self.decision.converts_loss_head():
+                # the head is the loss's flag, no layer to swap: its saved row replaces this run's
+                rows = [r for r in self.decision.shapes if not r.loss_head]
+                self.decision = replace(self.decision, shapes=(*rows, *(r for r in restored.shapes if r.loss_head)))
+                self._apply_loss_head()
             return
         config = float8_config(self.recipe, self.emulate, self._fsdp_float8_all_gather)
         on_cpu = self.bound_device is not None and self.bound_device.type == "cpu"
@@ -394,6 +418,15 @@ class Float8Precision(DevicePrecision):
             # One all-reduce for the amax of every float8 weight, instead of one per layer per forward.
             precompute_float8_dynamic_scale_for_fsdp(model)
         return output
+
+
+def _loss_head_dims(head: LossHead) -> Optional[str]:
+    """What keeps the head's GEMMs in the loss from ``torch._scaled_mm``, which multiplies dims that are multiples of
+    16 only (its hidden size, vocabulary rows and rows per chunk), or ``None`` where nothing does."""
+    if head.in_features % 16 or head.out_features % 16 or head.rows % 16:
+        return (f"dims and chunk multiples of 16, not {head.in_features}x{head.out_features} in chunks of {head.rows} "
+                "tokens")
+    return None
 
 
 def _matmul_size(shape: str) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpuopt.model import GPT, GPTConfig
 from lightning_gpuopt.model import loss as loss_module
@@ -76,6 +78,34 @@ def test_the_gradient_keeps_softmax_entries_far_below_e5m2s_smallest():
     others = expected[1:, 0]  # ~2e-8: each non-target row's gradient, h_0 x softmax entry
     assert torch.all(others > 0) and others.max() < 1e-7
     torch.testing.assert_close(got[1:, 0], others, rtol=0.15, atol=0)  # e5m2 keeps 2 mantissa bits
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once among those the operators made while it was on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {ptr: (ref, n) for ptr, (ref, n) in self.live.items() if not ref.expired()}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def test_a_chunk_holds_its_logits_and_their_float32_copy_at_most():
+    # 6 bytes a logit, as the bf16 chunk's budget (loss.chunk_tokens); a weight and hidden states 16 wide add 0.9
+    n, c, v, chunk = 1024, 16, 2048, 256
+    h, w, y = _inputs(n=n // 2, c=c, v=v)
+    with _PeakBytes() as peak:
+        linear_cross_entropy(h, w, y, chunk_size=chunk, impl="chunked", head_float8=True).backward()
+    assert 6 * chunk * v < peak.peak < 7 * chunk * v
 
 
 def test_without_grad_gives_the_training_loss():
