@@ -65,7 +65,7 @@ PARTS: tuple[Part, ...] = (
          "+ compile, gpuopt float8 (tensorwise) + compile", "throughput", "124m",
          ("baseline", "lightning-bf16", "gpuopt-bf16-compile", "gpuopt-fp8-compile")),
     Part("loss-bench", "the loss's forward + backward at 65,536 tokens, width 768, vocabulary 50,304: the chunked loss "
-         "before and now, full logits compiled, torch's, Liger's, cut-cross-entropy", "loss"),
+         "before and now, with its head in float8, full logits compiled, torch's, Liger's, cut-cross-entropy", "loss"),
     Part("gpu-tests", "the gpu-marked tests, correctness first, each with a timeout", "tests"),
     Part("throughput-774m", "774m, T 1024, fixed micro-batch: gpuopt bf16 + compile against float8 (tensorwise) "
          "+ compile", "throughput", "774m", ("gpuopt-bf16-compile", "gpuopt-fp8-compile")),
@@ -91,7 +91,8 @@ PARTS: tuple[Part, ...] = (
          "(fused GEMM epilogues; minutes of compile, cached for the later repeats); 3 repeats, alternating",
          "throughput", "124m", ("gpuopt-bf16-compile", "gpuopt-bf16-compile-autotune"), micro_batch_size=64,
          repeats=3),
-    Part("float8", "float8 per shape (124m, 774m, llama-1b, 1.5b; tensorwise, rowwise), float8-by-measurement against "
+    Part("float8", "float8 per shape (124m, 774m, llama-1b, 1.5b; tensorwise, rowwise; the loss's head), "
+         "float8-by-measurement against "
          "bf16 (3 repeats, alternating), the 124m float8 step profiled at micro-batch 8 and 64", "float8"),
     Part("generation", "124m (random weights), mixed-length prompts whose answers end early: one at a time, continuous "
          "batching, and transformers' batched generate (left-padded) on the same weights written by save_hf",
@@ -143,7 +144,7 @@ _H100: dict[str, float] = {
     "774m/gpuopt-bf16-compile/mb16": 26, "774m/gpuopt-fp8-compile/mb16": 26,
     "124m/gpuopt-bf16-compile/mb8": 12, "124m/gpuopt-bf16-compile-cudagraphs/mb8": 20,
     "124m/gpuopt-bf16-compile-autotune/mb64": 80,
-    "loss": 90,
+    "loss": 100,  # 90 before the float8 head's row, which adds a compile and its steps
     "generation": 75,
     "curve": 160,  # 25 process + 2 x (300 x 0.15 s + 20 s compile) + tokenising WikiText-2: an estimate
     # float8: shapes, then 124m compared, the profiles, the other presets: the part uses its whole limit, its own

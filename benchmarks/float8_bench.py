@@ -6,7 +6,8 @@ order: the shapes, the 124m comparison, the profiles, then the other presets' co
 1. ``shapes``: every distinct projection shape of each preset at its micro-batch, timed as ``Float8Precision``'s
    ``"auto"`` filter times it (the three GEMMs, casts modelled), for tensorwise and rowwise, and the decision;
    the ``124m`` shapes also as compiled ``Linear`` forward and backward (tensorwise), the slower way, to
-   compare the two.
+   compare the two; and the output head inside the chunked loss (``loss_head``: one chunk at the chunk a run
+   takes on this device, tensorwise, ``float8_timing.loss_head_timing``).
 2. ``compare``: ``gpuopt-bf16-compile`` against ``gpuopt-fp8-compile`` (whose layers convert by measurement)
    per preset, 3 repeats in alternating order (``benchmarks.throughput`` children).
 3. ``profile``: the 124m float8 step profiled at micro-batch 8 and 64 (``--profile-steps``).
@@ -45,15 +46,19 @@ def shape_rows(preset: str, tokens: int, device: torch.device, recipes: tuple[st
     from lightning_gpuopt.model import GPT
     from lightning_gpuopt.model.config import GPTConfig
     from lightning_gpuopt.perf.peaks import measure_peak_flops
-    from lightning_gpuopt.precision.float8_decision import decide
+    from lightning_gpuopt.precision.float8_decision import decide, loss_head_shape
     from lightning_gpuopt.precision.float8_layers import candidate_shapes, float8_config, require_torchao
-    from lightning_gpuopt.precision.float8_timing import copy_bandwidth, gemm_timing, linear_timing
+    from lightning_gpuopt.model.loss import device_free_bytes, run_chunk_tokens
+    from lightning_gpuopt.precision.float8_timing import copy_bandwidth, gemm_timing, linear_timing, loss_head_timing
 
     require_torchao()  # imported quietly here (torchao logs a line per kernel library this torch cannot load)
     config = GPTConfig.from_name(preset)
     with torch.device("meta"):
         model = GPT(config)
     counts = candidate_shapes(model, tokens)
+    # the head inside the chunked loss, at the chunk a GPTModule run takes on this device (model/loss.py)
+    chunk = run_chunk_tokens(config.padded_vocab_size, torch.bfloat16, device_free_bytes(device))
+    head, chunks = loss_head_shape(chunk, config.n_embd, config.padded_vocab_size, tokens)
     bandwidth = copy_bandwidth(device, nbytes=1 << (30 if device.type == "cuda" else 22))
     ceiling = measure_peak_flops(device) if device.type == "cuda" else None
     step_ms = 1000 * model.flops_per_token(config.block_size) * tokens / ceiling if ceiling else None
@@ -61,17 +66,23 @@ def shape_rows(preset: str, tokens: int, device: torch.device, recipes: tuple[st
     for recipe in recipes:
         try:
             timings = {s: gemm_timing(s[0], s[1], s[2], recipe, device, bandwidth, repeats) for s in counts}
+            shapes = dict(counts)
+            if recipe == "tensorwise":  # the loss's float8 head has tensorwise scales only
+                timings[head] = loss_head_timing(*head[:3], chunks, device, bandwidth, repeats)
+                shapes[head] = chunks
         except RuntimeError as err:  # e.g. torch 2.11's CPU _scaled_mm takes per-tensor scales only (not rowwise)
             reason = str(err).strip().splitlines()[-1]
             rows.append({"preset": preset, "recipe": recipe,
                          "skipped": f"torch {torch.__version__} cannot run its float8 GEMMs on {device.type}: {reason}"})
             continue
-        decision = decide(timings, counts, recipe, step_ms or 1.0, "gemm") if step_ms else None
+        decision = decide(timings, shapes, recipe, step_ms or 1.0, "gemm", loss_head=head) if step_ms else None
         for shape, t in timings.items():
+            row_of = None if decision is None else (
+                decision.loss_head() if shape == head else decision.shape(shape[1], shape[2], shape[3]))
             row = {"preset": preset, "recipe": recipe, "tokens": shape[0], "in": shape[1], "out": shape[2],
-                   "bias": shape[3], "layers": counts[shape], "bf16_ms": t.bf16_ms, "float8_ms": t.float8_ms,
-                   "converted": None if decision is None else decision.shape(shape[1], shape[2], shape[3]).convert}
-            if linear and recipe == "tensorwise":  # two compiles per shape: the recipe of the default only
+                   "bias": shape[3], "layers": shapes[shape], "bf16_ms": t.bf16_ms, "float8_ms": t.float8_ms,
+                   "loss_head": shape == head, "converted": None if row_of is None else row_of.convert}
+            if linear and recipe == "tensorwise" and shape != head:  # two compiles a shape: the default recipe only
                 lt = linear_timing(*shape, float8_config(recipe, emulate), device)
                 row.update(linear_bf16_ms=lt.bf16_ms, linear_float8_ms=lt.float8_ms)
             rows.append(row)

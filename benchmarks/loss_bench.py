@@ -13,6 +13,8 @@ rounds' medians. The implementations:
 - ``chunked``: ``model.loss.linear_cross_entropy`` compiled (``compile_chunk=True``), at the run's chunk
   from the device's free memory (``run_chunk_tokens``), as a compiled ``GPTModule`` runs it;
 - ``chunked-eager``: the same without compiling, as an uncompiled ``GPTModule`` runs it;
+- ``chunked-float8``: ``chunked`` with the head's three GEMMs in float8 (``head_float8=True``), as a
+  ``GPTModule`` runs it where ``Float8Precision`` timed the head to pay (a GPU with float8 matmuls, or a CPU);
 - ``full-compiled``: the full logits in one compiled graph, ``F.cross_entropy(F.linear(h, w).float(), t)``;
 - ``torch-native``: torch's ``F.linear_cross_entropy`` (torch >= 2.13) with automatic options, given the
   inputs in the compute dtype (its matmuls ignore autocast);
@@ -45,11 +47,13 @@ from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["IMPLS", "KEEPS", "main", "markdown_lines", "run"]
 
-IMPLS = ("before", "chunked", "chunked-eager", "full-compiled", "torch-native", "liger", "cut-cross-entropy")
+IMPLS = ("before", "chunked", "chunked-eager", "chunked-float8", "full-compiled", "torch-native", "liger",
+         "cut-cross-entropy")
 _ALL_PROMISES = ("exact float32 loss", "fp16 gradients", "tensor parallel")
 # The promises each keeps (docs/model.md, "The loss"; torch's own: tests/model/test_loss.py checks the reasons).
 KEEPS: dict[str, tuple[str, ...]] = {
     "before": _ALL_PROMISES, "chunked": _ALL_PROMISES, "chunked-eager": _ALL_PROMISES,
+    "chunked-float8": (),  # float8 logits and gradients (tolerance: tests/model/test_loss_float8.py), one rank
     "full-compiled": ("exact float32 loss",),  # its logits' gradient is formed in the compute dtype
     "torch-native": (),  # a loss in the inputs' dtype; fp16 gradients formed in fp16
     "liger": (),  # a loss and gradients in the inputs' dtype (tolerance 3e-2 in bf16: tests/model/test_loss.py)
@@ -127,6 +131,12 @@ def _make(impl: str, device: Any, dtype: Any, vocab: int) -> tuple[Callable, dic
         return (lambda h, w, t: linear_cross_entropy(h, w, t, chunk_size=chunk, impl="chunked",
                                                      compile_chunk=compiled)), \
             {"chunk_tokens": chunk}
+    if impl == "chunked-float8":
+        if cuda and torch.cuda.get_device_capability(device) < (8, 9):
+            raise Skip("float8 matmuls need compute capability >= 8.9")
+        chunk = run_chunk_tokens(vocab, dtype, device_free_bytes(device))
+        return (lambda h, w, t: linear_cross_entropy(h, w, t, chunk_size=chunk, impl="chunked", compile_chunk=True,
+                                                     head_float8=True)), {"chunk_tokens": chunk}
     if impl == "full-compiled":
         return torch.compile(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-1)), {}
     if impl == "torch-native":

@@ -55,6 +55,12 @@ LAYERS = (
 LONG_FILES: dict[str, str] = {
     "internals.py": "every private name of another library the package touches, each behind one small "
     "function, with the TOUCHED list and the check of it: the one file to read on an upgrade",
+    "model/loss.py": "the loss from hidden states, chunk by chunk, in its three forms (the head in the compute dtype, "
+    "its vocabulary shards under tensor parallelism, its GEMMs in float8): one chunk loop and one chunk arithmetic "
+    "(the softmax, the one-hot, the padding, the compiled kernel) that the forms share",
+    "cli/doctor.py": "the `gpuopt doctor` command: one short function per check, in the order its report prints "
+    "them, and the command that runs them; what each check decides is computed in its own module (perf/, "
+    "precision/, callbacks/)",
 }
 
 

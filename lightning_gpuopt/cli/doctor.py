@@ -28,6 +28,7 @@ from lightning_gpuopt.cli.errors import TRACEBACK_ENV
 from lightning_gpuopt.model.config import PRESETS, GPTConfig
 from lightning_gpuopt.option_checks import check_choice, option
 from lightning_gpuopt.model.gpt import GPT
+from lightning_gpuopt.model.loss import run_chunk_tokens
 from lightning_gpuopt.model.optim import build_adamw
 from lightning_gpuopt.perf.device import REFERENCE_DEVICES, DeviceFacts, read_device
 from lightning_gpuopt.perf.flops import model_flops_per_token
@@ -44,6 +45,7 @@ from lightning_gpuopt.precision.float8_layers import (
     nothing_converted_message,
     require_torchao,
 )
+from lightning_gpuopt.precision.float8_decision import loss_head_shape
 from lightning_gpuopt.precision.float8_measure import ShapeTimer, measure_on_device
 
 __all__ = [
@@ -217,10 +219,14 @@ def float8_checks(
     decision, timing = None, []
     if timer is not None or (facts.is_cuda and facts.fp8 and torch.cuda.is_available()):
         tokens = micro_batch * config.block_size
-        flops = model.flops_per_token(config.block_size) * tokens
-        decision = measure_on_device(candidate_shapes(model, tokens), recipe, "gemm", float8_config(recipe), flops,
-                                     _torch_device(facts), facts, timer, cache_root)
-        rows = "; ".join(f"{r.in_features}x{r.out_features}: bf16 {r.bf16_ms:.3f} ms, float8 {r.float8_ms:.3f} ms, "
+        flops, counts, head = model.flops_per_token(config.block_size) * tokens, candidate_shapes(model, tokens), None
+        if recipe == "tensorwise":  # GPTModule's chunked loss, at the chunk a run takes here, runs its head in float8
+            chunk = run_chunk_tokens(config.padded_vocab_size, torch.bfloat16, facts.total_memory)
+            head, counts[head] = loss_head_shape(chunk, config.n_embd, config.padded_vocab_size, tokens)
+        decision = measure_on_device(counts, recipe, "gemm", float8_config(recipe), flops, _torch_device(facts), facts,
+                                     timer, cache_root, head)
+        rows = "; ".join(f"{r.in_features}x{r.out_features}{' (loss head)' if r.loss_head else ''}: "
+                         f"bf16 {r.bf16_ms:.3f} ms, float8 {r.float8_ms:.3f} ms, "
                          f"{'converted' if r.convert else 'not converted'}" for r in decision.shapes)
         declined = f" (whole model declined: {decision.declined})" if decision.declined else ""
         timing = [Check("float8_timing", "info", f"{tokens} tokens per micro-batch of {micro_batch}{declined}: {rows}")]

@@ -214,6 +214,9 @@ class GPT(nn.Module):
         # embeddings on, as nanochat and modded-nanogpt do (half the bytes of every norm and residual add);
         # None: float32, as the embeddings' weights are (GPTModule.residual_dtype).
         self.residual_dtype: Optional[torch.dtype] = None
+        # The chunked loss runs the head's GEMMs in float8 (linear_cross_entropy's head_float8): set by
+        # Float8Precision where its timing says the head pays, through GPTModule.
+        self.head_float8 = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -312,7 +315,7 @@ class GPT(nn.Module):
             return self.loss(self.lm_head(hidden), targets)
         return linear_cross_entropy(
             hidden, self.lm_head.weight, targets, ignore_index=-1, chunk_size=self.config.loss_chunk_size,
-            impl=self.config.loss_impl, compile_chunk=self.compile_loss,
+            impl=self.config.loss_impl, compile_chunk=self.compile_loss, head_float8=self.head_float8,
         )
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:

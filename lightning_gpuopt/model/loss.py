@@ -52,6 +52,14 @@ _FREE_FRACTION = 16
 # lift taken off in float32 after the matmuls; |softmax - one_hot| <= 1, so 2**14 stays below fp16's 65504.
 _FP16_LIFT = 2.0**14
 
+# The float8 head (``head_float8``): hidden states and weight in e4m3 (largest 448) scaled by their amax, as
+# torchao's tensorwise recipe does, and the logits' gradient in e5m2 by a static scale that needs no amax:
+# |softmax - one_hot| <= 1, so 2**15 maps it below e5m2's largest 57344 and keeps entries down to 2**-31
+# (e5m2's smallest 2**-16, scaled), well below the 1 / vocabulary of an average softmax entry.
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_E4M3_MAX = 448.0
+_GRAD_SCALE = 2.0**15
+
 
 def chunk_tokens(vocab_size: int, compute_dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Tokens per chunk so that one chunk's logits and their float32 arithmetic fit in ``chunk_bytes``:
@@ -168,6 +176,33 @@ def _chunk_loss(h_c: Tensor, w: Tensor, targets: Tensor, ignore_index: int) -> T
     return _exp_and_loss(h_c @ w.t(), targets, ignore_index)[2]
 
 
+def _to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` in float8 e4m3 scaled by its amax (tensorwise), and the scale that undoes it (``torch._scaled_mm``'s)."""
+    amax = x.detach().abs().amax().float().clamp(min=1e-12)
+    scaled = (x.float() * (_E4M3_MAX / amax)).clamp(-_E4M3_MAX, _E4M3_MAX)
+    return scaled.to(_E4M3), amax / _E4M3_MAX
+
+
+def _float8_chunk(h_c: Tensor, w8: Tensor, w_inv: Tensor, targets: Tensor, ignore_index: int, needs_grad: bool):
+    """The float8 head's chunk: the loss sum and, when ``needs_grad``, ``_GRAD_SCALE * (softmax - one_hot)`` in e5m2
+    row-major (n, V) and transposed (V, n), and the chunk's e4m3 hidden states column-major with their scale: the
+    operands of the two gradient GEMMs (``torch._scaled_mm`` takes its left operand row-major, its right one
+    column-major)."""
+    h8, h_inv = _to_e4m3(h_c)  # (n, C), scaled per chunk
+    # (n, V) bf16 logits made in the call, so no frame keeps them alive beside their float32 copy; fast accumulation
+    # in this forward GEMM only, as torchao's tensorwise recipe does (the gradients' GEMMs accumulate exactly)
+    exp, total, loss_sum, valid, safe = _exp_and_loss(
+        torch._scaled_mm(h8, w8.t(), h_inv, w_inv, out_dtype=torch.bfloat16, use_fast_accum=True), targets, ignore_index
+    )
+    if not needs_grad:
+        return loss_sum, None, None, None, None
+    grad = _minus_one_hot(exp.div_(total), safe)
+    grad.mul_((valid.to(grad.dtype) * _GRAD_SCALE).unsqueeze(1))  # ignored positions get no gradient
+    g8 = grad.to(_E5M2)  # (n, V)
+    del exp, grad  # the float32 softmax (one tensor, changed in place) dies before the transposed copy is made
+    return loss_sum, g8, g8.t().contiguous(), h8.t().contiguous().t(), h_inv  # (V, n); (n, C) column-major
+
+
 class _VocabShard(NamedTuple):
     """This rank's rows of a vocabulary-parallel head: the first row's token id and the group holding the others."""
 
@@ -236,6 +271,12 @@ def _chunk_rows(tokens: int, chunk_size: int) -> int:
     return chunk_size if tokens >= chunk_size else min(chunk_size, 1 << max(tokens - 1, 1).bit_length())
 
 
+def _float8_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of 16, as ``torch._scaled_mm`` needs (the weight gradient's GEMM multiplies
+    over the chunk's rows)."""
+    return max(16, -(-rows // 16) * 16)
+
+
 def _padded(h_c: Tensor, t_c: Tensor, rows: int, ignore_index: int) -> tuple[Tensor, Tensor]:
     """A chunk of its own storage with ``rows`` rows: zero hidden states and ignored targets below the real ones
     (they add no loss and a zero gradient)."""
@@ -265,11 +306,19 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk, shard
+        ctx, hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk, shard,
+        float8,
     ):
         # A tensor, not a Python number: no host sync. With every target ignored it is inf and the
         # loss 0 * inf = NaN, as F.cross_entropy's mean over no tokens.
         scale = 1.0 / (targets != ignore_index).sum().float()
+        if float8:
+            loss_sum, grad_h, grad_w = _float8_loop(hidden, weight, targets, ignore_index, chunk_size, needs_grad,
+                                                    compile_chunk)
+            ctx.scale = scale
+            ctx.dtypes = (hidden.dtype, weight.dtype)
+            ctx.save_for_backward(grad_h, grad_w)
+            return loss_sum * scale
         w, h = weight.to(compute_dtype), hidden.to(compute_dtype)
         grad_dtype = _grad_dtype(compute_dtype, hidden.device.type)
         lift = _FP16_LIFT if grad_dtype == torch.float16 else 1.0
@@ -319,7 +368,43 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         factor = grad_out * ctx.scale
         grad_h = (grad_h * factor).to(ctx.dtypes[0]) if grad_h is not None else None
         grad_w = (grad_w * factor).to(ctx.dtypes[1]) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
+
+
+def _float8_loop(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk_size: int,
+                 needs_grad: tuple[bool, bool], compile_chunk: bool):
+    """The chunk loop of the float8 head: the loss sum and the float32 gradient sums (not yet divided by the token
+    count). The weight is cast once (amax, then e4m3 in both layouts); each chunk's three GEMMs run in
+    ``torch._scaled_mm`` with float32 results, the logits' in bf16."""
+    cast = _compiled(_to_e4m3) if compile_chunk else _to_e4m3  # compiled: the amax, then one fused pass
+    w8, w_inv = cast(weight)  # (V, C) row-major: the logits' right operand as w8.t(), column-major
+    w8_cols = w8.t().contiguous().t() if needs_grad[0] else None  # (V, C) column-major: the input gradient's
+    grad_inv = hidden.new_full((), 1.0 / _GRAD_SCALE, dtype=torch.float32)  # a fill on the device: no host copy
+    chunk = _compiled(_float8_chunk) if compile_chunk else _float8_chunk
+    grads = needs_grad[0] or needs_grad[1]
+    grad_h = hidden.new_empty(hidden.shape, dtype=torch.float32) if needs_grad[0] else None
+    grad_w = None
+    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    n_all = hidden.size(0)
+    # Compiled: every chunk of one shape (the tail padded), as the bf16 loop's; eager: each chunk padded to 16 rows.
+    rows = _float8_rows(_chunk_rows(n_all, chunk_size)) if compile_chunk else None
+    for start in range(0, n_all, chunk_size):
+        end = min(start + chunk_size, n_all)
+        h_c, t_c = _padded(hidden[start:end], targets[start:end], rows or _float8_rows(end - start), ignore_index)
+        chunk_loss, g8, g8_t, h8_cols, h_inv = chunk(h_c, w8, w_inv, t_c, ignore_index, grads)
+        loss_sum += chunk_loss
+        if not grads:  # evaluation
+            continue
+        if grad_h is not None:
+            grad_h[start:end] = torch._scaled_mm(g8, w8_cols, grad_inv, w_inv, out_dtype=torch.float32)[: end - start]
+        if needs_grad[1]:
+            part = torch._scaled_mm(g8_t, h8_cols, grad_inv, h_inv, out_dtype=torch.float32)  # (V, C)
+            grad_w = part if grad_w is None else grad_w.add_(part)  # one chunk (the usual case on a GPU): no add
+            del part  # added: not alive beside the next chunk's
+        del g8, g8_t  # before the next chunk's logits exist: one chunk alive at a time
+    if needs_grad[1] and grad_w is None:  # no tokens
+        grad_w = weight.new_zeros(weight.shape, dtype=torch.float32)
+    return loss_sum, grad_h, grad_w
 
 
 def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, compute_dtype: torch.dtype) -> Tensor:
@@ -368,6 +453,7 @@ def linear_cross_entropy(
     impl: LossImpl = "auto",
     compile_chunk: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
+    head_float8: bool = False,
 ) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, without the full logits.
 
@@ -392,6 +478,11 @@ def linear_cross_entropy(
         compile_chunk: Compile the per-chunk loss and gradient (``"chunked"`` only; under ``"auto"`` only where
             the device's measured default compiles it: on CUDA, not on a CPU, where the eager chunk is faster).
         chunk_bytes: Bytes for one chunk's logits and their float32 arithmetic when ``chunk_size`` is ``None``.
+        head_float8: Run the head's three GEMMs (logits, hidden-state and weight gradients) in float8 with
+            ``torch._scaled_mm`` (``"chunked"`` only): hidden states and weight in e4m3 scaled by their amax, the
+            logits' gradient in e5m2 by a fixed scale (it lies in [-1, 1]); the loss arithmetic stays float32.
+            ``Float8Precision`` turns it on where a timing says it pays (``docs/precision.md``). Needs the hidden
+            size, the vocabulary rows and the chunk multiples of 16, and a CPU or a GPU with float8 matmuls.
     """
     own = "linear_cross_entropy"
     check_int(own, "chunk_size", chunk_size, minimum=1, optional=True, hint=" (None: from chunk_bytes)")
@@ -417,13 +508,33 @@ def linear_cross_entropy(
     autocast = torch.is_autocast_enabled(device_type)
     compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
     hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    if head_float8 and impl != "chunked":
+        raise ValueError(f"linear_cross_entropy(head_float8=True) runs in the chunked loss: use impl='chunked' (or "
+                         f"'auto'), not {impl!r}.")
     if impl == "plain":
         return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index)
     if impl == "liger":
         return _liger(hidden, weight, targets, ignore_index, compute_dtype)
     if chunk_size is None:
         chunk_size = chunk_tokens(weight.size(0), compute_dtype, chunk_bytes)  # this rank's rows under TP
-    return _chunked(hidden, weight, targets, ignore_index, chunk_size, compute_dtype, compile_chunk, shard)
+    if head_float8:
+        _check_float8_head(shard, hidden, weight, chunk_size)
+    return _chunked(hidden, weight, targets, ignore_index, chunk_size, compute_dtype, compile_chunk, shard,
+                    head_float8)
+
+
+def _check_float8_head(shard: Optional[_VocabShard], hidden: Tensor, weight: Tensor, chunk_size: int) -> None:
+    own = "linear_cross_entropy(head_float8=True)"
+    if shard is not None:
+        raise ValueError(
+            f"{own} does not run on a tensor-parallel head (vocabulary shards): use head_float8=False there."
+        )
+    if hidden.size(-1) % 16 or weight.size(0) % 16 or chunk_size % 16:
+        raise ValueError(
+            f"{own} needs the hidden size ({hidden.size(-1)}), the head's vocabulary rows ({weight.size(0)}) and the "
+            f"chunk ({chunk_size} tokens) to be multiples of 16 (torch._scaled_mm's): pad the vocabulary "
+            "(GPTConfig.padding_multiple), choose such a chunk_size, or use head_float8=False."
+        )
 
 
 def _is_dtensor(tensor: Tensor) -> bool:
@@ -462,10 +573,11 @@ def _vocab_parallel_operands(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Te
 # A whole-model torch.compile stops here and runs the chunk loop eagerly: the loop's length follows the
 # token count, and the per-chunk kernel inside is compiled on its own (compile_chunk).
 @torch.compiler.disable
-def _chunked(hidden, weight, targets, ignore_index, chunk_size, compute_dtype, compile_chunk, shard=None) -> Tensor:
+def _chunked(hidden, weight, targets, ignore_index, chunk_size, compute_dtype, compile_chunk, shard=None,
+             float8=False) -> Tensor:
     grad = torch.is_grad_enabled()
     needs_grad = (grad and hidden.requires_grad, grad and weight.requires_grad)
     with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedLinearCrossEntropy.apply(
-            hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk, shard
+            hidden, weight, targets, ignore_index, chunk_size, compute_dtype, needs_grad, compile_chunk, shard, float8
         )

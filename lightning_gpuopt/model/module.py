@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_gpuopt.internals import attached_trainer, show_in_progress_bar
 from lightning_gpuopt.perf.device import read_device, training_device
-from lightning_gpuopt.precision.base import DevicePrecision, LayerContext
+from lightning_gpuopt.precision.base import DevicePrecision, LayerContext, LossHead
 from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype_name
 from lightning_gpuopt.precision.float8_measure import planned_micro_batch
 from lightning_gpuopt.model.config import ActivationCheckpointing, GPTConfig, check_attention_runs, check_data_fits
@@ -106,6 +106,8 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
             (``vocab_size`` and ``block_size`` are then the data's, which must fit it); saved by a run started from
             a Hugging Face folder, so that its resume and ``load_gpt`` rebuild that architecture.
     """
+
+    _head_float8 = False  # whether the chunked loss runs its head in float8: the precision plugin's verdict
 
     LOGGED_METRICS = ("train/loss", "train/ppl", "val/loss", "val/ppl", "test/loss", "test/ppl")  # for a monitor
 
@@ -222,6 +224,7 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
         if isinstance(plugin, DevicePrecision):  # e.g. Float8Precision's layers: before sharding and compiling
             model = plugin.convert_layers(model, "model", self.layer_context())
         self.model = model
+        self.model.head_float8 = self._head_float8  # the plugin's verdict on the loss head (_use_float8_head)
         if self.hparams.get("residual_dtype") == "bfloat16":
             self.model.residual_dtype = torch.bfloat16
         init_from = self.hparams.get("init_from")
@@ -251,7 +254,27 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
         tensor_parallel = _tensor_parallel_size(self.device_mesh)
         local = functools.partial(local_linear_shape, size=tensor_parallel) if tensor_parallel > 1 else None
         tokens = micro * block if micro else None
-        return LayerContext(tokens=tokens, flops_per_token=self.flops_per_token(block), local_shape=local)
+        return LayerContext(tokens=tokens, flops_per_token=self.flops_per_token(block), local_shape=local,
+                            loss_head=self._loss_head(tensor_parallel))
+
+    def _loss_head(self, tensor_parallel: int) -> Optional[LossHead]:
+        """The head as the chunked loss multiplies it, for a float8 plugin: where the loss is the chunked one with a
+        known chunk; saying why not under tensor parallelism and in a whole-model graph (model.compiling)."""
+        config = self.config
+        if config.loss_impl not in ("auto", "chunked") or config.loss_chunk_size is None:
+            return None
+        scope = self.hparams.get("compile_scope", "block") if self.device_mesh is None else "block"  # FSDP2: blocks
+        whole = self.hparams.compile and scope == "model"  # its graph computes the loss from the full logits
+        unavailable = (f"its vocabulary is split over {tensor_parallel} tensor-parallel ranks" if tensor_parallel > 1
+                       else "compile_scope='model' computes the loss from the full logits in the model's graph; "
+                       "loss_impl='chunked' keeps the chunked loss" if whole and config.loss_impl == "auto" else None)
+        return LossHead("model.lm_head", config.n_embd, config.padded_vocab_size, config.loss_chunk_size,
+                        self._use_float8_head, unavailable)
+
+    def _use_float8_head(self, on: bool) -> None:
+        self._head_float8 = on
+        if self.model is not None:
+            self.model.head_float8 = on
 
     def _fsdp_param_dtype(self) -> Optional[torch.dtype]:
         """bf16 under a bf16 precision, or a float8 one computing the rest in bf16; else ``None`` (float32)."""

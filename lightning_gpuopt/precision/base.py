@@ -26,9 +26,33 @@ from lightning_gpuopt.perf.device import DeviceFacts, cuda_device_count, trainin
 from lightning_gpuopt.precision.dtype import clip_mixed_precision
 from lightning_gpuopt.protocols import ConvertsOwnLayers
 
-__all__ = ["AutocastMode", "DevicePrecision", "LayerContext"]
+__all__ = ["AutocastMode", "DevicePrecision", "LayerContext", "LossHead"]
 
 AutocastMode = Literal["16-mixed", "bf16-mixed"]  # bf16, or fp16 with a GradScaler
+
+
+@dataclass(frozen=True)
+class LossHead:
+    """An output head whose GEMMs a module's loss runs itself, chunk by chunk, and can run in float8 there
+    (``GPTModule``'s chunked loss: ``model/loss.py``'s ``head_float8``): a plugin that decides per layer decides the
+    head too and tells the module with ``use_float8``.
+
+    Args:
+        name: The head's name in the LightningModule's state dict (``"model.lm_head"``), as the conversion
+            report names layers.
+        in_features, out_features: Its shape (hidden size, vocabulary rows).
+        rows: Tokens per chunk of the loss: the rows of each of its GEMMs.
+        use_float8: Called with ``True`` to run the head's GEMMs in float8, ``False`` for the compute dtype.
+        unavailable: Why this run's loss cannot run the head in float8 (e.g. tensor parallelism), for the report;
+            ``None``: it can.
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    rows: int
+    use_float8: Callable[[bool], None]
+    unavailable: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -39,11 +63,14 @@ class LayerContext:
         tokens: Rows each Linear multiplies per micro-batch (micro-batch x sequence length); ``None``: unknown.
         flops_per_token: The model's training FLOPs per token, to judge a saving against the whole step.
         local_shape: ``(name, in, out) -> (in, out)`` of this rank's shard under tensor parallelism.
+        loss_head: The output head the module's loss multiplies itself, which can run in float8 (:class:`LossHead`);
+            ``None``: none (the head, if any, is a plain Linear layer).
     """
 
     tokens: Optional[int] = None
     flops_per_token: Optional[float] = None
     local_shape: Optional[Callable[[str, int, int], tuple[int, int]]] = None
+    loss_head: Optional[LossHead] = None
 
 
 class DevicePrecision(MixedPrecision):

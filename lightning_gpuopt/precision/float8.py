@@ -22,11 +22,12 @@ from typing_extensions import override
 from lightning_gpuopt.option_checks import check_choice, option
 from lightning_gpuopt.perf.compiled import is_compiled
 from lightning_gpuopt.perf.device import DeviceFacts
-from lightning_gpuopt.precision.base import DevicePrecision, LayerContext
+from lightning_gpuopt.precision.base import DevicePrecision, LayerContext, LossHead
 from lightning_gpuopt.precision.float8_decision import (
     Float8Decision,
-    broadcast_from_rank_zero,
+    decided_on_rank_zero,
     format_decision_table,
+    loss_head_shape,
     static_decision,
 )
 from lightning_gpuopt.precision.float8_layers import (
@@ -211,7 +212,63 @@ class Float8Precision(DevicePrecision):
         )
         seen = {fqn for fqn, _, _ in self.conversion_report}  # skipped layers are seen again in setup
         self.conversion_report.extend(row for row in report if row[0] not in seen)
+        self._apply_loss_head()
         return root[name or "linear"] if root is not module else module
+
+    def _loss_head_shape(self, context: Optional[LayerContext], tokens: Optional[int]) -> Optional[tuple]:
+        """``((rows, in, out, False), chunks)`` of the output head inside the module's chunked loss, when it may
+        run in float8 (the ``"auto"`` filter under the tensorwise recipe, whose scales the loss's float8 head
+        uses), else ``None``."""
+        head = context.loss_head if context is not None else None
+        if head is None or not tokens or self.module_filter != "auto" or self.recipe != "tensorwise":
+            return None
+        if self._loss_head_blocked(head) is not None:
+            return None
+        return loss_head_shape(head.rows, head.in_features, head.out_features, tokens)
+
+    def _loss_head_blocked(self, head: LossHead) -> Optional[str]:
+        """Why this run's loss cannot run ``head`` in float8 at all, whatever a timing or a checkpoint says; ``None``:
+        it can."""
+        if head.unavailable is not None:
+            return f"its GEMMs in the loss cannot run float8 in this run: {head.unavailable}"
+        dims = _loss_head_dims(head)  # the loss would refuse them (model/loss.py's _check_float8_head)
+        if dims is not None:
+            return f"its GEMMs in the loss run float8 only with {dims}"
+        facts = self.device_facts
+        if facts is not None and facts.is_cuda and not facts.fp8:  # emulated: the loss calls torch._scaled_mm itself
+            return f"its GEMMs in the loss need float8 matmuls, which {facts.describe()} has not"
+        return None
+
+    def _apply_loss_head(self) -> None:
+        """Tell the module whether its loss head runs in float8 (the decision's row), and put it in the report."""
+        head = self.layer_context.loss_head if self.layer_context is not None else None
+        if head is None:
+            return
+        on = self.decision is not None and self.decision.converts_loss_head() and self._loss_head_blocked(head) is None
+        head.use_float8(on)
+        if self.module_filter != "auto":  # a filter of the user's: its own row for the head stays
+            return
+        row = (head.name, f"{head.in_features}x{head.out_features}", None if on else self._loss_head_reason())
+        rows = [i for i, (fqn, _, _) in enumerate(self.conversion_report) if fqn == head.name]
+        if rows:
+            self.conversion_report[rows[0]] = row
+        else:
+            self.conversion_report.append(row)
+
+    def _loss_head_reason(self) -> str:
+        """Why the head inside the module's chunked loss stays in the compute dtype."""
+        blocked = self._loss_head_blocked(self.layer_context.loss_head)
+        if blocked is not None:
+            return f"output layer ({blocked})"
+        if self.recipe != "tensorwise":
+            return "output layer (its GEMMs in the loss run float8 only under the tensorwise recipe)"
+        row = self.decision.loss_head() if self.decision is not None else None
+        if row is None:
+            why = self.decision.method if self.decision is not None else "not decided"
+            return f"output layer (its GEMMs in the loss run float8 only where a timing says so; {why})"
+        if self.decision.declined:
+            return f"output layer; in the loss: model declined: {self.decision.declined}"
+        return f"output layer; in the loss: timed: {row.reason}"
 
     def _decide(self, root: Module, prefix: str, before: Optional[Float8Decision]) -> Optional[Float8Decision]:
         """The ``"auto"`` filter's decision for the Linear layers of ``root``: rank 0 times them (or takes torchao's
@@ -220,34 +277,39 @@ class Float8Precision(DevicePrecision):
         context = self.layer_context
         tokens = context.tokens if context is not None and context.tokens else planned_tokens(self.run_trainer())
         counts = candidate_shapes(root, tokens or 0, prefix, context.local_shape if context is not None else None)
+        head = self._loss_head_shape(context, tokens)
         if before is not None:
             counts = {s: n for s, n in counts.items() if before.shape(s[1], s[2], s[3]) is None}
-            if not counts:
-                return before
-        decision = self._decide_shapes(root, counts, tokens, context)
+            if before.loss_head() is not None:
+                head = None
+        if head is not None and head[0] in counts:  # a Linear of the very same rows and shape: not told apart
+            head = None
+        if head is not None:
+            counts[head[0]] = head[1]
+        if before is not None and not counts:
+            return before
+        decision = self._decide_shapes(root, counts, tokens, context, head[0] if head is not None else None)
         return decision if before is None else replace(before, shapes=before.shapes + decision.shapes)
 
     def _decide_shapes(
-        self, root: Module, counts: dict, tokens: Optional[int], context: Optional[LayerContext]
+        self, root: Module, counts: dict, tokens: Optional[int], context: Optional[LayerContext],
+        loss_head: Optional[tuple] = None,
     ) -> Float8Decision:
         why = static_reason(self.device_facts, self.emulate, tokens, counts, self.timer is not None)
         if why is not None:
             if not tokens and counts and self.device_facts is not None and self.device_facts.fp8 and not self.emulate:
                 rank_zero_warn(f"Float8Precision cannot time its layers on this GPU: {why}. It takes torchao's size "
                                "rule.")
-            return static_decision(counts, self.recipe, why)
+            # torchao's rule is for Linear layers: the loss head runs float8 only by a timing
+            return static_decision({s: n for s, n in counts.items() if s != loss_head}, self.recipe, why)
         flops_per_token = context.flops_per_token if context is not None and context.flops_per_token else None
         if flops_per_token is None:  # 6 FLOPs per parameter per token: the weights' matmuls, forward and backward
             flops_per_token = 6 * sum(p.numel() for p in root.parameters())
-        decision = None
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if not distributed or torch.distributed.get_rank() == 0:
-            config = float8_config(self.recipe, self.emulate)
-            decision = measure_on_device(
-                counts, self.recipe, self.timing, config, flops_per_token * tokens, self.bound_device,
-                self.device_facts, self.timer, self.timing_cache_root,
-            )
-        return broadcast_from_rank_zero(decision)
+        config = float8_config(self.recipe, self.emulate)
+        return decided_on_rank_zero(lambda: measure_on_device(
+            counts, self.recipe, self.timing, config, flops_per_token * tokens, self.bound_device,
+            self.device_facts, self.timer, self.timing_cache_root, loss_head,
+        ))
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -263,22 +325,38 @@ class Float8Precision(DevicePrecision):
         if saved is None or self.module_filter != "auto":
             return
         restored = Float8Decision.from_dict(saved)
+        head = self.layer_context.loss_head if self.layer_context is not None else None
+        blocked = self._loss_head_blocked(head) if head is not None and restored.converts_loss_head() else None
+        if blocked is not None:
+            rank_zero_warn(f"Float8Precision: the checkpoint's run multiplied its output head in float8 inside the "
+                           f"loss, but {blocked}; it runs in bf16 here, so the numerics differ from the saved run's.")
         if self.decision is not None and restored.converted_shapes() == self.decision.converted_shapes():
+            if restored.converts_loss_head() != self.decision.converts_loss_head():
+                self.decision = replace(restored, method="checkpoint")  # the same layers; the loss head as saved
+                self._apply_loss_head()
+                rank_zero_info(format_decision_table(self.decision))
             return
         root = self._converted_root
         if root is None or _is_fully_sharded(root):
             here = sorted(self.decision.converted_shapes()) if self.decision else "none"
+            as_saved = " (the output head in the loss runs as saved)" if head is not None and blocked is None else ""
             rank_zero_warn(
                 f"Float8Precision: the checkpoint converted the shapes {sorted(restored.converted_shapes())}, but "
                 f"this run converted {here} and cannot change its layers now (FSDP2 has sharded them), so it keeps "
-                "its own: the float8 numerics differ from the saved run's."
+                f"its own{as_saved}: the float8 numerics differ from the saved run's."
             )
+            if self.decision is not None and restored.converts_loss_head() != self.decision.converts_loss_head():
+                # the head is the loss's flag, no layer to swap: its saved row replaces this run's
+                rows = [r for r in self.decision.shapes if not r.loss_head]
+                self.decision = replace(self.decision, shapes=(*rows, *(r for r in restored.shapes if r.loss_head)))
+                self._apply_loss_head()
             return
         config = float8_config(self.recipe, self.emulate, self._fsdp_float8_all_gather)
         on_cpu = self.bound_device is not None and self.bound_device.type == "cpu"
         local_shape = self.layer_context.local_shape if self.layer_context is not None else None
         self.conversion_report = match_decision(root, restored, config, self.recipe, local_shape, on_cpu)
         self.decision = replace(restored, method="checkpoint")
+        self._apply_loss_head()
         rank_zero_info(format_decision_table(self.decision))
 
     @override
@@ -340,6 +418,15 @@ class Float8Precision(DevicePrecision):
             # One all-reduce for the amax of every float8 weight, instead of one per layer per forward.
             precompute_float8_dynamic_scale_for_fsdp(model)
         return output
+
+
+def _loss_head_dims(head: LossHead) -> Optional[str]:
+    """What keeps the head's GEMMs in the loss from ``torch._scaled_mm``, which multiplies dims that are multiples of
+    16 only (its hidden size, vocabulary rows and rows per chunk), or ``None`` where nothing does."""
+    if head.in_features % 16 or head.out_features % 16 or head.rows % 16:
+        return (f"dims and chunk multiples of 16, not {head.in_features}x{head.out_features} in chunks of {head.rows} "
+                "tokens")
+    return None
 
 
 def _matmul_size(shape: str) -> int:

@@ -4,8 +4,8 @@ Plain functions behind ``Float8Precision``'s default filter (``docs/precision.md
 :func:`decide` turns per-shape timings into a :class:`Float8Decision` (a shape converts where float8 is at
 least 5% faster; the whole model stays bf16 when all of it saves under 3% of a bf16 step);
 :func:`static_decision` is torchao's size rule, the fallback where nothing can be timed;
-:func:`measured_decision` times what the cache lacks; :func:`broadcast_from_rank_zero` hands rank 0's
-decision to the others.
+:func:`measured_decision` times what the cache lacks; :func:`decided_on_rank_zero` runs it on rank 0 and
+hands its decision (or its failure) to the others.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ __all__ = [
     "Shape",
     "ShapeDecision",
     "TimingCache",
-    "broadcast_from_rank_zero",
+    "decided_on_rank_zero",
     "decide",
     "format_decision_table",
+    "loss_head_shape",
     "measured_decision",
     "static_too_small",
     "static_decision",
@@ -59,6 +60,7 @@ class ShapeDecision:
     float8_ms: Optional[float]
     convert: bool
     reason: str  # why it converts or not, for the table
+    loss_head: bool = False  # the output head inside the module's chunked loss (precision.base.LossHead), no Linear
 
 
 @dataclass(frozen=True)
@@ -76,15 +78,24 @@ class Float8Decision:
     step_ms: Optional[float] = None  # the bf16 step the saving was judged against
 
     def shape(self, in_features: int, out_features: int, bias: bool) -> Optional[ShapeDecision]:
-        """The row of a layer of this shape, or ``None`` when the decision did not see it."""
+        """The row of a Linear layer of this shape, or ``None`` when the decision did not see it."""
         for row in self.shapes:
-            if (row.in_features, row.out_features, row.bias) == (in_features, out_features, bias):
+            if (row.in_features, row.out_features, row.bias) == (in_features, out_features, bias) and not row.loss_head:
                 return row
         return None
 
+    def loss_head(self) -> Optional[ShapeDecision]:
+        """The row of the output head inside the module's chunked loss, or ``None`` when it was not timed."""
+        return next((row for row in self.shapes if row.loss_head), None)
+
     def converted_shapes(self) -> set[tuple[int, int, bool]]:
-        """``(in, out, bias)`` of the shapes that convert."""
-        return {(r.in_features, r.out_features, r.bias) for r in self.shapes if r.convert}
+        """``(in, out, bias)`` of the Linear shapes that convert (the loss head: :meth:`loss_head`)."""
+        return {(r.in_features, r.out_features, r.bias) for r in self.shapes if r.convert and not r.loss_head}
+
+    def converts_loss_head(self) -> bool:
+        """Whether the output head inside the module's chunked loss runs in float8."""
+        row = self.loss_head()
+        return row is not None and row.convert
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (a checkpoint holding them loads with ``weights_only=True``)."""
@@ -93,6 +104,13 @@ class Float8Decision:
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> "Float8Decision":
         return cls(**{**state, "shapes": tuple(ShapeDecision(**r) for r in state["shapes"])})
+
+
+def loss_head_shape(chunk: int, in_features: int, out_features: int, tokens: int) -> tuple[Shape, int]:
+    """The shape an output head inside a chunked loss is timed at, and its count: ``chunk`` rows per chunk (a
+    micro-batch of fewer ``tokens`` than that: one chunk of them, padded to 16 rows as the loss pads it), and the
+    chunks per micro-batch."""
+    return (min(chunk, -(-tokens // 16) * 16), in_features, out_features, False), -(-tokens // chunk)
 
 
 def static_too_small(in_features: int, out_features: int, recipe: str) -> Optional[str]:
@@ -124,9 +142,11 @@ def decide(
     method: str,
     min_speedup: float = MIN_SPEEDUP,
     min_step_saving: float = MIN_STEP_SAVING,
+    loss_head: Optional[Shape] = None,
 ) -> Float8Decision:
     """Convert a shape where float8 takes at most ``1 - min_speedup`` of bf16's time; keep the whole model in
     bf16 when the converted layers together save under ``min_step_saving`` of ``step_ms`` (the bf16 step).
+    ``loss_head``: the shape in ``counts`` that is the output head inside the chunked loss (its count: chunks).
 
     Example::
 
@@ -143,7 +163,7 @@ def decide(
             reason = f"float8 {t.speedup:.2f}x as fast"
         else:
             reason = f"float8 {t.speedup:.2f}x: not {1 + min_speedup:.2f}x faster"
-        rows.append(ShapeDecision(*shape, layers, t.bf16_ms, t.float8_ms, convert, reason))
+        rows.append(ShapeDecision(*shape, layers, t.bf16_ms, t.float8_ms, convert, reason, shape == loss_head))
     declined = None
     if any(r.convert for r in rows) and saving < min_step_saving * step_ms:
         declined = (
@@ -215,17 +235,24 @@ def measured_decision(
     time_shape: Callable[[Shape], ShapeTiming],
     matmul_ceiling: Callable[[], float],
     cache: TimingCache,
+    loss_head: Optional[Shape] = None,
+    time_loss_head: Optional[Callable[[Shape, int], ShapeTiming]] = None,
 ) -> Float8Decision:
     """Time the shapes ``cache`` lacks with ``time_shape``, then :func:`decide` against a bf16 step estimated as
-    ``flops_per_micro_batch`` at the measured ``matmul_ceiling`` (FLOP/s; cached too). Saves the cache."""
+    ``flops_per_micro_batch`` at the measured ``matmul_ceiling`` (FLOP/s; cached too). Saves the cache.
+
+    ``loss_head``: the shape in ``counts`` of the output head inside the chunked loss (rows per chunk; its count:
+    chunks per micro-batch), timed by ``time_loss_head(shape, chunks)`` (default: ``time_shape``) and cached apart."""
     timings = {}
     for shape in counts:
         timed = (min(shape[0], MAX_TIMED_TOKENS), *shape[1:])
-        found = cache.get(recipe, method, *timed)
+        head = shape == loss_head
+        parts = (recipe, method, "loss-head", counts[shape], *timed) if head else (recipe, method, *timed)
+        found = cache.get(*parts)
         if found is None:
-            t = time_shape(timed)
+            t = time_loss_head(timed, counts[shape]) if head and time_loss_head is not None else time_shape(timed)
             found = {"bf16_ms": t.bf16_ms, "float8_ms": t.float8_ms}
-            cache.put(found, recipe, method, *timed)
+            cache.put(found, *parts)
         scale = shape[0] / timed[0]  # a larger micro-batch: the timing at MAX_TIMED_TOKENS, scaled in proportion
         timings[shape] = ShapeTiming(found["bf16_ms"] * scale, found["float8_ms"] * scale)
     ceiling = cache.get("matmul_ceiling")
@@ -233,17 +260,39 @@ def measured_decision(
         ceiling = matmul_ceiling()
         cache.put(ceiling, "matmul_ceiling")
     cache.save()
-    return decide(timings, counts, recipe, step_ms=1000 * flops_per_micro_batch / ceiling, method=method)
+    return decide(timings, counts, recipe, step_ms=1000 * flops_per_micro_batch / ceiling, method=method,
+                  loss_head=loss_head)
 
 
-def broadcast_from_rank_zero(obj: Any) -> Any:
-    """``obj`` as global rank 0 has it, on every rank of the default process group (itself without one)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return obj
-    if torch.distributed.get_world_size() == 1:
-        return obj
-    box = [obj if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(box, src=0)
+@dataclass(frozen=True)
+class _Failed:
+    """What rank 0 sends the others when deciding raised there."""
+
+    message: str
+
+
+def decided_on_rank_zero(decide_fn: Callable[[], Any]) -> Any:
+    """``decide_fn()`` run on global rank 0 only and its result given to every rank of the default process group
+    (run here without one). Where it raises on rank 0, the other ranks raise too, naming it, instead of waiting in
+    the broadcast for a result that never comes."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return decide_fn()
+    if dist.get_rank() == 0:
+        try:
+            result = decide_fn()
+        except BaseException as err:
+            dist.broadcast_object_list([_Failed(f"{type(err).__name__}: {err}")], src=0)
+            raise
+        dist.broadcast_object_list([result], src=0)
+        return result
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], _Failed):
+        raise RuntimeError(
+            f"Float8Precision: rank 0 failed while timing the float8 layers ({box[0].message}); its traceback "
+            "says where. Every rank stops with it."
+        )
     return box[0]
 
 
@@ -252,11 +301,11 @@ def format_decision_table(decision: Float8Decision) -> str:
     lines = [f"Float8Precision ({decision.recipe}) decided by {decision.method}:"]
     if decision.declined:
         lines[0] += f" the whole model stays in bf16: {decision.declined}."
-    lines.append(f"  {'tokens':>7}  {'in x out':>13}  {'layers':>6}  {'bf16 ms':>8}  {'float8 ms':>9}  float8")
+    lines.append(f"  {'tokens':>7}  {'in x out':>14}  {'layers':>6}  {'bf16 ms':>8}  {'float8 ms':>9}  float8")
     for r in decision.shapes:
-        shape = f"{r.in_features}x{r.out_features}{'+b' if r.bias else ''}"
+        shape = f"{r.in_features}x{r.out_features}{'+b' if r.bias else ''}{' loss' if r.loss_head else ''}"
         bf16 = "-" if r.bf16_ms is None else f"{r.bf16_ms:.3f}"
         fp8 = "-" if r.float8_ms is None else f"{r.float8_ms:.3f}"
-        lines.append(f"  {r.tokens:>7}  {shape:>13}  {r.layers:>6}  {bf16:>8}  {fp8:>9}  "
+        lines.append(f"  {r.tokens:>7}  {shape:>14}  {r.layers:>6}  {bf16:>8}  {fp8:>9}  "
                      f"{'yes' if r.convert else 'no'}: {r.reason}")
     return "\n".join(lines)

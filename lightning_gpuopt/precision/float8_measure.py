@@ -20,7 +20,13 @@ from lightning_gpuopt.precision.float8_decision import (
     measured_decision,
     timing_cache_file,
 )
-from lightning_gpuopt.precision.float8_timing import ShapeTiming, copy_bandwidth, gemm_timing, linear_timing
+from lightning_gpuopt.precision.float8_timing import (
+    ShapeTiming,
+    copy_bandwidth,
+    gemm_timing,
+    linear_timing,
+    loss_head_timing,
+)
 from lightning_gpuopt.protocols import SearchesMicroBatch
 
 __all__ = [
@@ -39,7 +45,9 @@ TIMINGS = ("gemm", "linear")
 
 
 class ShapeTimer(Protocol):
-    """Times shapes for the decision: :class:`DeviceTimer` on a GPU, or one's own (tests inject timings)."""
+    """Times shapes for the decision: :class:`DeviceTimer` on a GPU, or one's own (tests inject timings). A timer
+    with a ``loss_head(shape, chunks)`` method times the output head inside the chunked loss with it (else with
+    ``shape``)."""
 
     def shape(self, shape: Shape) -> ShapeTiming: ...
 
@@ -57,11 +65,20 @@ class DeviceTimer:
         tokens, k, n, bias = shape
         if self.timing == "linear":
             return linear_timing(tokens, k, n, bias, self.config, self.device)
+        return gemm_timing(tokens, k, n, self.recipe, self.device, self._bandwidth())
+
+    def loss_head(self, shape: Shape, chunks: int) -> ShapeTiming:
+        """The chunked loss's head, ``chunks`` chunks of ``shape`` per micro-batch: its GEMMs and modelled casts
+        (:func:`loss_head_timing`), whatever ``timing`` says (it is no Linear a compile could time)."""
+        tokens, k, n, _ = shape
+        return loss_head_timing(tokens, k, n, chunks, self.device, self._bandwidth())
+
+    def _bandwidth(self) -> float:
         bandwidth = self.cache.get("copy_bandwidth")
         if bandwidth is None:
             bandwidth = copy_bandwidth(self.device)
             self.cache.put(bandwidth, "copy_bandwidth")
-        return gemm_timing(tokens, k, n, self.recipe, self.device, bandwidth)
+        return bandwidth
 
     def ceiling(self) -> float:
         return measure_peak_flops(self.device, torch.bfloat16)
@@ -121,12 +138,15 @@ def measure_on_device(
     facts: DeviceFacts,
     timer: Optional[ShapeTimer] = None,
     cache_root: Optional[Any] = None,
+    loss_head: Optional[Shape] = None,
 ) -> Float8Decision:
-    """Time what the cache (under the package's cache folder) lacks, on ``device`` or by ``timer``, and decide."""
+    """Time what the cache (under the package's cache folder) lacks, on ``device`` or by ``timer``, and decide;
+    ``loss_head``: the shape in ``counts`` of the output head inside the chunked loss."""
     root = cache_root if cache_root is not None else package_cache_dir("the float8 timing cache")
     cache = TimingCache(timing_cache_file(root), cache_versions(facts))
     timer = timer if timer is not None else DeviceTimer(device, recipe, timing, config, cache)
-    return measured_decision(counts, recipe, timing, flops_per_micro_batch, timer.shape, timer.ceiling, cache)
+    return measured_decision(counts, recipe, timing, flops_per_micro_batch, timer.shape, timer.ceiling, cache,
+                             loss_head, getattr(timer, "loss_head", None))
 
 
 def _unconvert(root: nn.Module, keep: Callable[[str, nn.Module], bool]) -> None:

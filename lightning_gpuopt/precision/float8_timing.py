@@ -1,7 +1,8 @@
 """Timing one Linear shape in bf16 against a float8 recipe, on a given device: the measurements behind
 ``Float8Precision``'s default filter (``docs/precision.md``, "Which layers convert").
 
-Two ways, both plain functions of ``(tokens, in, out)`` and a device:
+Two ways, both plain functions of ``(tokens, in, out)`` and a device (and the output head inside the chunked
+loss, :func:`loss_head_timing`: its GEMMs as :func:`gemm_timing`'s, its casts those of ``model/loss.py``'s float8 head):
 
 * :func:`gemm_timing`: the three GEMMs of a Linear's forward and backward (output, input gradient, weight
   gradient) in bf16 ``mm`` against ``torch._scaled_mm`` with the recipe's operand layouts and scales, plus
@@ -19,7 +20,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -31,6 +32,8 @@ __all__ = [
     "copy_bandwidth",
     "gemm_timing",
     "linear_timing",
+    "loss_head_cast_bytes",
+    "loss_head_timing",
     "time_ms",
 ]
 
@@ -95,6 +98,23 @@ def cast_bytes(tokens: int, in_features: int, out_features: int, recipe: str) ->
     raise ValueError(f"Unknown float8 recipe {recipe!r}: choose tensorwise, rowwise or rowwise_with_gw_hp.")
 
 
+def loss_head_cast_bytes(tokens: int, in_features: int, out_features: int, chunks: int) -> int:
+    """Bytes the chunked loss's float8 head (``model/loss.py``, ``head_float8``) moves per chunk of ``tokens`` rows
+    beyond what its bf16 form moves, with ``chunks`` chunks per micro-batch.
+
+    The float32 weight is read for its amax and again to write e4m3 in both layouts once per micro-batch (a
+    ``1 / chunks`` share here); the chunk's hidden states are read for their amax, cast, and copied into the column
+    layout; the logits' gradient needs no amax (a fixed scale) and its two e4m3 layouts weigh what the bf16 one
+    does; each chunk after the first adds its float32 weight gradient to the sum in a pass of its own, where the
+    bf16 form accumulates in the GEMM.
+    """
+    x, w = tokens * in_features, out_features * in_features
+    weight = (4 + 4 + 2 * _FP8) * w / chunks
+    hidden = (2 * _BF16 + _FP8 + 2 * _FP8) * x
+    weight_grad_adds = 8 * w * (chunks - 1) / chunks  # write the chunk's float32 result, read it back
+    return int(weight + hidden + weight_grad_adds)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Bytes per second a device-to-device copy moves (read plus write) on ``device``: the casts' bandwidth."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
@@ -152,16 +172,27 @@ def _bf16_gemms(tokens: int, k: int, n: int, device: torch.device) -> Callable[[
 
 def gemm_timing(
     tokens: int, in_features: int, out_features: int, recipe: str, device: torch.device, bandwidth: float,
-    repeats: int = 10,
+    repeats: int = 10, casts: Optional[int] = None,
 ) -> ShapeTiming:
     """bf16 against float8 milliseconds of a Linear's three GEMMs at ``tokens`` x ``in_features`` ->
-    ``out_features``, the float8 side with its casts modelled: :func:`cast_bytes` over ``bandwidth``
-    (bytes/s, :func:`copy_bandwidth`); each the mean of ``repeats`` runs after 3 warm-ups (1: none)."""
+    ``out_features``, the float8 side with its casts modelled: ``casts`` bytes (default :func:`cast_bytes`) over
+    ``bandwidth`` (bytes/s, :func:`copy_bandwidth`); each the mean of ``repeats`` runs after 3 warm-ups (1: none)."""
     warmup = 3 if repeats > 1 else 0
     bf16 = time_ms(_bf16_gemms(tokens, in_features, out_features, device), device, warmup, repeats)
     float8 = time_ms(_float8_gemms(tokens, in_features, out_features, recipe, device), device, warmup, repeats)
-    casts_ms = 1000 * cast_bytes(tokens, in_features, out_features, recipe) / bandwidth
-    return ShapeTiming(bf16_ms=bf16, float8_ms=float8 + casts_ms)
+    if casts is None:
+        casts = cast_bytes(tokens, in_features, out_features, recipe)
+    return ShapeTiming(bf16_ms=bf16, float8_ms=float8 + 1000 * casts / bandwidth)
+
+
+def loss_head_timing(
+    tokens: int, in_features: int, out_features: int, chunks: int, device: torch.device, bandwidth: float,
+    repeats: int = 10,
+) -> ShapeTiming:
+    """bf16 against float8 milliseconds of one chunk of the chunked loss's head (``tokens`` rows, ``chunks`` per
+    micro-batch): the three GEMMs with tensorwise scales (the head's), the casts :func:`loss_head_cast_bytes`."""
+    casts = loss_head_cast_bytes(tokens, in_features, out_features, chunks)
+    return gemm_timing(tokens, in_features, out_features, "tensorwise", device, bandwidth, repeats, casts)
 
 
 def _linear_step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, device: torch.device) -> Callable[[], None]:

@@ -160,6 +160,8 @@ def test_float8_timing_table_of_the_124m_model_from_injected_timings(tmp_path):
     assert timing.name == "float8_timing" and "8192 tokens per micro-batch of 8" in timing.detail
     assert "768x3072: bf16 1.000 ms, float8 0.500 ms, converted" in timing.detail
     assert "768x2304: bf16 1.000 ms, float8 1.100 ms, not converted" in timing.detail
+    # the head inside GPTModule's chunked loss, timed too (this timer has no loss_head: its shape timing)
+    assert "768x50304 (loss head): bf16 1.000 ms, float8 1.100 ms, not converted" in timing.detail
 
 
 def test_settings_checks_fail_only_a_setting_that_was_not_applied():

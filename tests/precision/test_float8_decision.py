@@ -22,7 +22,7 @@ from lightning_gpuopt.precision.float8_decision import (
     Float8Decision,
     ShapeTiming,
     TimingCache,
-    broadcast_from_rank_zero,
+    decided_on_rank_zero,
     decide,
     format_decision_table,
     static_decision,
@@ -211,23 +211,41 @@ def test_linear_timing_runs_a_linear_with_its_bias_and_its_float8_twin(monkeypat
     assert [type(m).__name__ for m in seen] == ["Linear", "Float8Linear"] and all(m.bias is not None for m in seen)
 
 
-def _broadcast(rank: int, port: int, out: str) -> None:
+def _broadcast(rank: int, port: int, out: str, fail: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    ran = []
+
+    def decide():
+        ran.append(rank)
+        if fail:
+            raise OSError("the timing cache's disk is full")
+        return {"rank": rank}
+
     try:
-        got = broadcast_from_rank_zero({"rank": rank} if rank == 0 else None)
-        torch.save(got, f"{out}/{rank}.pt")
+        got = decided_on_rank_zero(decide)
+    except (OSError, RuntimeError) as err:
+        got = f"{type(err).__name__}: {err}"
     finally:
         torch.distributed.destroy_process_group()
+    torch.save({"got": got, "ran": ran}, f"{out}/{rank}.pt")
 
 
-def test_rank_zero_decides_for_every_rank(tmp_path):
+@pytest.mark.parametrize("fail", [False, True], ids=["decides", "fails"])
+def test_rank_zero_decides_for_every_rank_and_its_failure_stops_them_all(tmp_path, fail):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # fork: the children inherit the imports (spawn would import torch and the package again, ~20 s each)
-    torch.multiprocessing.start_processes(_broadcast, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
-    assert [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)] == [{"rank": 0}, {"rank": 0}]
+    torch.multiprocessing.start_processes(_broadcast, args=(port, str(tmp_path), fail), nprocs=2, start_method="fork")
+    zero, one = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    assert zero["ran"] == [0] and one["ran"] == []  # only rank 0 times
+    if not fail:
+        assert zero["got"] == one["got"] == {"rank": 0}
+    else:  # rank 0 raises its own error; rank 1 is told, instead of waiting in the broadcast
+        assert zero["got"] == "OSError: the timing cache's disk is full"
+        assert one["got"].startswith("RuntimeError: Float8Precision: rank 0 failed while timing the float8 layers "
+                                     "(OSError: the timing cache's disk is full)")
 
 
 class _Data(pl.LightningDataModule):
@@ -258,5 +276,7 @@ def test_gptmodule_decides_at_the_largest_micro_batch_autobatchsize_can_choose(t
         trainer.fit(module, datamodule=_Data())
     assert {r.tokens for r in plugin.decision.shapes} == {4 * 32}  # decided before the search, at its largest size
     assert search.micro_batch_size in (1, 2, 4)
-    assert [n for n, _ in plugin.float8_layers] == ["model.transformer.h.0.mlp.c_fc", "model.transformer.h.1.mlp.c_fc"]
+    assert [n for n, _ in plugin.float8_layers] == ["model.transformer.h.0.mlp.c_fc", "model.transformer.h.1.mlp.c_fc",
+                                                    "model.lm_head"]  # the head inside the loss too (out 256)
+    assert module.model.head_float8
     assert plugin.fp8 and plugin.state_dict()["float8_decision"]["method"] == "gemm"
