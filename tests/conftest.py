@@ -18,9 +18,9 @@ def _cpus() -> int:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """Workers for ``-n auto`` (pyproject's addopts; ``--maxprocesses`` caps it): one per CPU the process may use,
-    logical CPUs counted (xdist's own rule counts physical cores, one on a 2-vCPU machine, while half of the suite's
-    time is subprocesses starting); none on a CUDA machine: the gpu tests measure the memory and speed of one GPU,
-    which two workers would share. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still wins."""
+    logical CPUs counted (xdist's own rule counts physical cores where psutil is installed: one on a machine of two
+    hyperthreads, while much of the suite's time is subprocesses starting); none on a CUDA machine: the gpu tests
+    measure the memory and speed of one GPU, which two workers would share. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     return 0 if torch.cuda.is_available() else _cpus()
