@@ -309,7 +309,8 @@ def _throughput_cmd(part: Part, args: argparse.Namespace, limit_s: float, folder
 
 
 def _tests_cmd(args: argparse.Namespace, xml: Path) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rs", "-p", "no:cacheprovider",
+    # -n 0: in this process, one test at a time (pyproject's addopts start xdist workers): the tests share one GPU.
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rs", "-p", "no:cacheprovider", "-n", "0",
             "--timeout", f"{args.test_timeout:g}", "--durations=0", f"--junitxml={xml}", *GPU_TEST_FILES]
 
 
@@ -321,9 +322,11 @@ def _cannot_run(part: Part) -> Optional[str]:
         missing = [f for f in GPU_TEST_FILES if not (ROOT / f).is_file()]
         if missing:
             return f"the gpu tests need the repository's tests/ folder; missing here: {', '.join(missing)}"
-        for module, pip in (("pytest", "pytest"), ("pytest_timeout", "pytest-timeout")):
+        for module, pip, why in (("pytest", "pytest", "the gpu tests run with it"),
+                                 ("pytest_timeout", "pytest-timeout", "the gpu tests run with a timeout per test"),
+                                 ("xdist", "pytest-xdist", "the checkout's pytest options name its -n")):
             if importlib.util.find_spec(module) is None:
-                return f"{pip} is not installed (pip install {pip}): the gpu tests run with a timeout per test"
+                return f"{pip} is not installed (pip install {pip}): {why}"
     return None
 
 

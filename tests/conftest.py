@@ -11,6 +11,32 @@ import torch
 WIKITEXT2 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"
 
 
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """Workers for ``-n auto`` (pyproject's addopts; ``--maxprocesses`` caps it): one per CPU the process may use,
+    logical CPUs counted (xdist's own rule counts physical cores where psutil is installed: one on a machine of two
+    hyperthreads, while much of the suite's time is subprocesses starting); none on a CUDA machine: the gpu tests
+    measure the memory and speed of one GPU, which two workers would share. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return 0 if torch.cuda.is_available() else _cpus()
+
+
+def pytest_configure(config):
+    """In an xdist worker, torch's intra-op threads (and those of the processes tests start) share the CPUs with the
+    other workers: two workers of 2 threads each on 2 cores would spin against each other. ``OMP_NUM_THREADS`` set
+    by the caller wins."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, _cpus() // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def _fp32_precision_nodes() -> list:
     """torch's per-backend TF32 settings (``fp32_precision``, torch >= 2.9), a parent before its children:
     writing a parent rewrites its children."""
