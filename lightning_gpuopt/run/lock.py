@@ -33,11 +33,14 @@ class PathInUse(ValueError):
         self.path, self.holder = path, holder or "another process"
         found = re.search(r"pid (\d+)", holder)
         self.pid: Optional[int] = int(found[1]) if found else None
+        on = re.search(r"pid \d+ on ([^\s,]+),", holder)  # as _holder_note writes it
+        self.host: Optional[str] = on[1] if on else None
 
     @property
     def ours(self) -> bool:
-        """Whether this very process holds it (another open of the lock, still held): no process to wait for."""
-        return self.pid == os.getpid() and socket.gethostname() in self.holder
+        """Whether this very process holds it (another open of the lock, still held): no process to wait for. The
+        host is compared whole: containers on other nodes sharing the folder reuse small pids."""
+        return self.pid == os.getpid() and self.host == socket.gethostname()
 
 
 def holds_locks(env: Mapping[str, str] = os.environ) -> bool:

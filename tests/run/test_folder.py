@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpuopt.cli.main import main
 from lightning_gpuopt.run.folder import LOCK_FILE, checkpoint_dirs, resolve_ckpt_path
-from lightning_gpuopt.run.lock import holds_locks
+from lightning_gpuopt.run.lock import PathInUse, holds_locks
 from lightning_gpuopt.model.checkpoint import read_checkpoint
 from tests._paths import REPO
 
@@ -190,6 +191,16 @@ def test_one_holder_per_launch_whatever_launched_it():
     assert not holds_locks({"RANK": "3", "LOCAL_RANK": "1"})  # torchrun
     assert not holds_locks({"NODE_RANK": "1", "LOCAL_RANK": "0"})  # rank 0 of the second node
     assert not holds_locks({"SLURM_PROCID": "2"})
+
+
+def test_a_lock_is_this_process_s_only_with_its_pid_on_this_very_host(tmp_path):
+    # Containers number their processes from 1: a node sharing the folder can hold it under this pid, and its
+    # name can start with this host's ("trainer-1" and "trainer-10").
+    host, pid = socket.gethostname(), os.getpid()
+    assert PathInUse(tmp_path, f"fit (pid {pid} on {host}, since 2026-11-27 10:00:00)").ours
+    assert not PathInUse(tmp_path, f"fit (pid {pid} on {host}0, since 2026-11-27 10:00:00)").ours
+    assert not PathInUse(tmp_path, f"fit (pid {pid} on x{host}, since 2026-11-27 10:00:00)").ours
+    assert not PathInUse(tmp_path, f"fit (pid {pid + 1} on {host}, since 2026-11-27 10:00:00)").ours
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
