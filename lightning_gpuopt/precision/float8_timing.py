@@ -103,10 +103,11 @@ def loss_head_cast_bytes(tokens: int, in_features: int, out_features: int, chunk
     beyond what its bf16 form moves, with ``chunks`` chunks per micro-batch.
 
     The float32 weight is read for its amax and again to write e4m3 in both layouts once per micro-batch (a
-    ``1 / chunks`` share here); the chunk's hidden states are read for their amax, cast, and copied into the column
-    layout; the logits' gradient needs no amax (a fixed scale) and its two e4m3 layouts weigh what the bf16 one
-    does; each chunk after the first adds its float32 weight gradient to the sum in a pass of its own, where the
-    bf16 form accumulates in the GEMM.
+    ``1 / chunks`` share here), counted whole: the bf16 form's own cast of the float32 weight is not taken off, a
+    margin against float8; the chunk's bf16 hidden states are read for their amax, cast, and copied into the column
+    layout; the logits' gradient needs no amax (a fixed scale), and its two e5m2 layouts (a byte an entry each) are
+    counted as the bf16 gradient's two bytes; each chunk after the first adds its float32 weight gradient to the sum
+    in a pass of its own, where the bf16 form accumulates in the GEMM.
     """
     x, w = tokens * in_features, out_features * in_features
     weight = (4 + 4 + 2 * _FP8) * w / chunks
