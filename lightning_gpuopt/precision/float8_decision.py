@@ -108,8 +108,9 @@ class Float8Decision:
 
 def loss_head_shape(chunk: int, in_features: int, out_features: int, tokens: int) -> tuple[Shape, int]:
     """The shape an output head inside a chunked loss is timed at, and its count: ``chunk`` rows per chunk (a
-    micro-batch of fewer ``tokens`` than that: one chunk of them, padded to 16 rows as the loss pads it), and the
-    chunks per micro-batch."""
+    micro-batch of fewer ``tokens`` than that: one chunk of them, padded to a multiple of 16 rows as the eager loss
+    pads it; the compiled one pads to a power of two), and the chunks per micro-batch (a shorter tail counted whole).
+    """
     return (min(chunk, -(-tokens // 16) * 16), in_features, out_features, False), -(-tokens // chunk)
 
 
