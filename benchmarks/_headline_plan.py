@@ -144,7 +144,7 @@ _H100: dict[str, float] = {
     "774m/gpuopt-bf16-compile/mb16": 26, "774m/gpuopt-fp8-compile/mb16": 26,
     "124m/gpuopt-bf16-compile/mb8": 12, "124m/gpuopt-bf16-compile-cudagraphs/mb8": 20,
     "124m/gpuopt-bf16-compile-autotune/mb64": 80,
-    "loss": 100,  # 90 before the float8 head's row, which adds a compile and its steps
+    "loss": 100,  # a guess (above): 90 before the float8 head's row added a compile and its steps
     "generation": 75,
     "curve": 160,  # 25 process + 2 x (300 x 0.15 s + 20 s compile) + tokenising WikiText-2: an estimate
     # float8: shapes, then 124m compared, the profiles, the other presets: the part uses its whole limit, its own
