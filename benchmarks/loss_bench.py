@@ -14,7 +14,8 @@ rounds' medians. The implementations:
   from the device's free memory (``run_chunk_tokens``), as a compiled ``GPTModule`` runs it;
 - ``chunked-eager``: the same without compiling, as an uncompiled ``GPTModule`` runs it;
 - ``chunked-float8``: ``chunked`` with the head's three GEMMs in float8 (``head_float8=True``), as a
-  ``GPTModule`` runs it where ``Float8Precision`` timed the head to pay (a GPU with float8 matmuls, or a CPU);
+  ``GPTModule`` runs it where ``Float8Precision`` timed the head to pay (the row runs on a GPU with float8
+  matmuls, or on a CPU);
 - ``full-compiled``: the full logits in one compiled graph, ``F.cross_entropy(F.linear(h, w).float(), t)``;
 - ``torch-native``: torch's ``F.linear_cross_entropy`` (torch >= 2.13) with automatic options, given the
   inputs in the compute dtype (its matmuls ignore autocast);
