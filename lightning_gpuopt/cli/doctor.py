@@ -232,6 +232,8 @@ def float8_checks(
         timing = [Check("float8_timing", "info", f"{tokens} tokens per micro-batch of {micro_batch}{declined}: {rows}")]
     config8 = float8_config(recipe, emulate=not facts.fp8)
     report = convert_linears_to_float8(model, config8, "auto", recipe, decision=decision)
+    if decision is not None and decision.converts_loss_head():  # GPTModule's loss runs it in float8: the plugin's row
+        report = [(name, shape, None if name == "lm_head" else why) for name, shape, why in report]
     converted = sorted({(re.sub(r"\.\d+\.", ".*.", name), shape) for name, shape, why in report if why is None})
     detail = (f"Float8Precision ({recipe}) converts {sum(why is None for *_, why in report)} of {len(report)} "
               "projection layers")

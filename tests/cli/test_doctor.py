@@ -164,6 +164,25 @@ def test_float8_timing_table_of_the_124m_model_from_injected_timings(tmp_path):
     assert "768x50304 (loss head): bf16 1.000 ms, float8 1.100 ms, not converted" in timing.detail
 
 
+def test_float8_layers_count_the_loss_head_where_its_timing_converts_it(tmp_path):
+    from lightning_gpuopt.precision.float8_decision import ShapeTiming
+
+    class Timer:  # float8 pays on the head inside the chunked loss only
+        def shape(self, shape):
+            return ShapeTiming(1.0, 1.1)
+
+        def loss_head(self, shape, chunks):
+            return ShapeTiming(4.0, 1.0)
+
+        def ceiling(self):
+            return 400e12
+
+    layers, _, timing = float8_checks(H100, GPTConfig.from_name("124m"), timer=Timer(), cache_root=tmp_path)
+    assert "768x50304 (loss head): bf16 4.000 ms, float8 1.000 ms, converted" in timing.detail
+    assert "converts 1 of 49" in layers.detail and "lm_head (768x50304)" in layers.detail  # as the plugin's table
+    assert not layers.fix  # no "converted none ... trains in bf16" advice
+
+
 def test_settings_checks_fail_only_a_setting_that_was_not_applied():
     rows = [("tf32", "True", "applied"), ("expandable_segments", "True", "not applied: CUDA was already initialised")]
     checks = settings_checks(H100, rows)
