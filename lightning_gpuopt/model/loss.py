@@ -322,7 +322,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         w, h = weight.to(compute_dtype), hidden.to(compute_dtype)
         grad_dtype = _grad_dtype(compute_dtype, hidden.device.type)
         lift = _FP16_LIFT if grad_dtype == torch.float16 else 1.0
-        w_g, h_g = weight.to(grad_dtype), hidden.to(grad_dtype)  # the matmuls' operands (no copy on CUDA)
+        # The gradient matmuls' operands: on CUDA those of the logits' matmul (the same dtype: no second cast of
+        # the float32 weight), elsewhere float32 (the weight itself, no copy)
+        w_g, h_g = (w, h) if grad_dtype == compute_dtype else (weight.to(grad_dtype), hidden.to(grad_dtype))
         acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         if shard is None:

@@ -162,6 +162,27 @@ def test_cuda_branch_lifts_fp16_gradients_above_fp16s_smallest(monkeypatch):
     assert seen and min(seen) > 0.99, seen  # without the lift about a tenth of the entries are 0 in fp16
 
 
+def test_cuda_branch_casts_the_float32_weight_once(monkeypatch):
+    """On CUDA the logits' matmul and the gradient matmuls take the same bf16 operands: one cast of the float32
+    weight per micro-batch, not one for each (a weight-sized copy and a pass over it)."""
+    real = loss_module._grad_dtype
+    monkeypatch.setattr(loss_module, "_grad_dtype", lambda compute_dtype, device_type: real(compute_dtype, "cuda"))
+    h, w, y = _inputs(c=32, v=96)
+    casts = []
+
+    class WeightCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._to_copy and args[0] is w:
+                casts.append((kwargs or {}).get("dtype"))
+            return func(*args, **(kwargs or {}))
+
+    with WeightCasts(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(h, w, y, chunk_size=16)
+    assert casts == [torch.bfloat16]
+    loss.backward()
+    assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+
+
 @pytest.mark.parametrize(
     ("compute", "device", "expected"),
     [(torch.float16, "cuda", torch.float16), (torch.bfloat16, "cuda", torch.bfloat16), (torch.float32, "cuda", torch.float32),
