@@ -3,6 +3,7 @@ cache, the static fallback against torchao's own rule, honest ``fp8``, the MFU w
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 from functools import partial
@@ -161,6 +162,32 @@ def test_a_restored_decision_converts_the_saved_layers(tmp_path):
     resumed.load_state_dict(loser.state_dict())  # one that converted nothing: back to nn.Linear, same weight
     assert _float8_names(fresh) == [] and type(fresh[2]) is nn.Linear and fresh[2].weight is weight
     assert not resumed.fp8
+
+
+class _Halved(nn.Linear):
+    """A Linear of a user's own class, whose forward is not nn.Linear's."""
+
+    def forward(self, x):
+        return super().forward(x) / 2
+
+
+def test_a_restored_decision_that_keeps_a_layer_in_bf16_puts_back_the_layer_itself(tmp_path):
+    # This run's timing converts layer 2, the checkpoint's run kept it in bf16: after the restore it must compute as
+    # there, with its own class and hooks, not as a new nn.Linear (the resumed run would not be bit-exact).
+    root = _tiny()
+    root[2] = _Halved(64, 256)
+    root[2].register_forward_hook(lambda module, args, out: out + 1)
+    twin, layer = copy.deepcopy(root), root[2]
+    saved = _plugin(_Loses(), tmp_path / "gpu-a")
+    saved.convert(copy.deepcopy(root), "")
+    resumed = _plugin(_Timer(), tmp_path / "gpu-b")
+    with pytest.warns(UserWarning, match="not compiled"):
+        resumed.convert_module(root)
+    assert _float8_names(root) == ["2"] and list(root.state_dict()) == list(twin.state_dict())  # no key added
+    resumed.load_state_dict(saved.state_dict())
+    assert _float8_names(root) == [] and root[2] is layer and root[2].weight is layer.weight
+    x = torch.randn(4, 64)
+    assert torch.equal(root(x), twin(x))  # the class's halving and the hook, as in the run that never converted it
 
 
 def test_mfu_peak_weighted_by_the_float8_share():
