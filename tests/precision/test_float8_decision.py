@@ -307,3 +307,38 @@ def test_gptmodule_decides_at_the_largest_micro_batch_autobatchsize_can_choose(t
                                                     "model.lm_head"]  # the head inside the loss too (out 256)
     assert module.model.head_float8
     assert plugin.fp8 and plugin.state_dict()["float8_decision"]["method"] == "gemm"
+
+
+class _Others(_Timer):
+    """float8 wins where _Timer's loses: out_features < 256 (attention's projections, the MLP's c_proj)."""
+
+    def shape(self, shape):
+        return ShapeTiming(1.0, 0.5 if shape[2] < 256 else 1.2)
+
+
+def _fit_with(timer, tmp_path, ckpt_path=None):
+    """A tiny GPTModule, 4 steps, checkpoints at step 2 (without ``ckpt_path``); its weights and plugin."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gpuopt.callbacks import ExactResume
+
+    torch.manual_seed(0)
+    plugin = Float8Precision(emulate=True)
+    plugin.timer, plugin.timing_cache_root = timer, tmp_path / type(timer).__name__
+    module = tiny_gpt_module(dropout=0.1)
+    saving = [] if ckpt_path else [ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=2, save_top_k=-1)]
+    trainer = plugin_trainer(plugin, callbacks=[ExactResume(rebuild_loaders=True), *saving],
+                             enable_checkpointing=not ckpt_path, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="not compiled"):
+        trainer.fit(module, datamodule=_Data(), ckpt_path=ckpt_path)
+    return module.state_dict(), plugin
+
+
+def test_a_resume_whose_timing_decided_other_layers_is_bit_exact(tmp_path):
+    # e.g. resumed on another GPU: its own timing converts the other layers, the checkpoint's decision swaps them back
+    uninterrupted, plugin = _fit_with(_Timer(), tmp_path)
+    converted = plugin.float8_layers
+    for timer, method in ((_Others(), "checkpoint"), (_Timer(), "gemm")):  # swapped; the same decision (control)
+        resumed, plugin = _fit_with(timer, tmp_path / method, ckpt_path=tmp_path / "step=2.ckpt")
+        assert plugin.decision.method == method and plugin.float8_layers == converted
+        assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted), method
