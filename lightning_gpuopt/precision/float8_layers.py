@@ -321,8 +321,11 @@ def convert_linears_to_float8(
             report.append((name, f"{module.nx}x{module.nf}", CONV1D_REASON))
     convert_to_float8_training(root, module_filter_fn=keep, config=config)
     for fqn, layer in swapped.items():
-        # Kept outside the module tree (no state-dict key, no submodule): a restored decision that keeps this layer
-        # in high precision puts it back (float8_measure.match_decision), with its class, hooks and attributes.
+        # Kept outside the module tree (no state-dict key, no submodule), for a restored decision that keeps this
+        # layer in high precision (float8_measure.match_decision): it is put back with its class, hooks and
+        # attributes. Without its parameters, which the float8 layer holds: a second reference would keep alive a
+        # full parameter that FSDP2 replaces by its shard.
+        layer.weight, layer.bias = None, None
         object.__setattr__(root.get_submodule(fqn), ORIGINAL_LAYER, layer)
     if cpu_autocast_hook:
         for module in root.modules():
