@@ -29,6 +29,7 @@ from lightning_gpuopt.internals import COMPILED_PREFIX
 __all__ = [
     "CONV1D_REASON",
     "FP8_INSTALL_HINT",
+    "ORIGINAL_LAYER",
     "Float8Recipe",
     "ModuleFilter",
     "auto_skip_reason",
@@ -43,6 +44,8 @@ __all__ = [
     "skip_reason",
 ]
 
+# The attribute of a converted Float8Linear holding the layer it replaced (convert_linears_to_float8).
+ORIGINAL_LAYER = "_gpuopt_original_layer"
 # The skip reason of a Hugging Face GPT-2-style ``Conv1D`` projection (:func:`is_conv1d_like`).
 CONV1D_REASON = "Conv1D-style layer (weight stored in x out): not convertible, only nn.Linear converts"
 
@@ -296,6 +299,7 @@ def convert_linears_to_float8(
     # nn.MultiheadAttention reads out_proj.weight directly and never calls out_proj's forward.
     mha_out = {id(m.out_proj) for m in root.modules() if isinstance(m, nn.MultiheadAttention)}
     report: list[tuple[str, str, Optional[str]]] = []
+    swapped: dict[str, nn.Module] = {}  # fqn -> the layer a Float8Linear replaces
 
     def keep(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):
@@ -306,6 +310,8 @@ def convert_linears_to_float8(
         else:
             reason = skip_reason(module, name, module_filter, recipe, tied, decision, local_shape)
         report.append((name, f"{module.in_features}x{module.out_features}", reason))
+        if reason is None:
+            swapped[fqn] = module
         return reason is None
 
     reported = {name for name, _, _ in report}
@@ -314,6 +320,13 @@ def convert_linears_to_float8(
         if is_conv1d_like(module) and name not in reported:
             report.append((name, f"{module.nx}x{module.nf}", CONV1D_REASON))
     convert_to_float8_training(root, module_filter_fn=keep, config=config)
+    for fqn, layer in swapped.items():
+        # Kept outside the module tree (no state-dict key, no submodule), for a restored decision that keeps this
+        # layer in high precision (float8_measure.match_decision): it is put back with its class, hooks and
+        # attributes. Without its parameters, which the float8 layer holds: a second reference would keep alive a
+        # full parameter that FSDP2 replaces by its shard.
+        layer.weight, layer.bias = None, None
+        object.__setattr__(root.get_submodule(fqn), ORIGINAL_LAYER, layer)
     if cpu_autocast_hook:
         for module in root.modules():
             if isinstance(module, Float8Linear) and not getattr(module, "_gpuopt_cpu_hook", False):

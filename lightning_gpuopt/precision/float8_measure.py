@@ -150,13 +150,20 @@ def measure_on_device(
 
 
 def _unconvert(root: nn.Module, keep: Callable[[str, nn.Module], bool]) -> None:
-    # A Float8Linear back to an nn.Linear on the same parameters (the optimizer's stay valid).
+    # A Float8Linear back to the layer it replaced, on the same parameters (the optimizer's stay valid): that very
+    # module, so its class (a Linear subclass's forward), hooks and attributes compute as in a run that never
+    # converted it; an nn.Linear for a Float8Linear converted elsewhere.
     from torchao.float8.float8_linear import Float8Linear
+
+    from lightning_gpuopt.precision.float8_layers import ORIGINAL_LAYER
 
     for fqn, module in list(root.named_modules()):
         if isinstance(module, Float8Linear) and not keep(fqn, module):
             parent_name, _, child = fqn.rpartition(".")
-            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+            linear = getattr(module, ORIGINAL_LAYER, None)
+            if linear is None:
+                linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                   device="meta")
             linear.weight, linear.bias = module.weight, module.bias
             setattr(root.get_submodule(parent_name) if parent_name else root, child, linear)
 

@@ -3,6 +3,7 @@ cache, the static fallback against torchao's own rule, honest ``fp8``, the MFU w
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 from functools import partial
@@ -163,6 +164,33 @@ def test_a_restored_decision_converts_the_saved_layers(tmp_path):
     assert not resumed.fp8
 
 
+class _Halved(nn.Linear):
+    """A Linear of a user's own class, whose forward is not nn.Linear's."""
+
+    def forward(self, x):
+        return super().forward(x) / 2
+
+
+def test_a_restored_decision_that_keeps_a_layer_in_bf16_puts_back_the_layer_itself(tmp_path):
+    # This run's timing converts layer 2, the checkpoint's run kept it in bf16: after the restore it must compute as
+    # there, with its own class and hooks, not as a new nn.Linear (the resumed run would not be bit-exact).
+    root = _tiny()
+    root[2] = _Halved(64, 256)
+    root[2].register_forward_hook(lambda module, args, out: out + 1)
+    twin, layer = copy.deepcopy(root), root[2]
+    saved = _plugin(_Loses(), tmp_path / "gpu-a")
+    saved.convert(copy.deepcopy(root), "")
+    resumed = _plugin(_Timer(), tmp_path / "gpu-b")
+    with pytest.warns(UserWarning, match="not compiled"):
+        resumed.convert_module(root)
+    assert _float8_names(root) == ["2"] and list(root.state_dict()) == list(twin.state_dict())  # no key added
+    assert layer.weight is None and layer.bias is None  # the float8 layer alone holds them (FSDP2 shards them)
+    resumed.load_state_dict(saved.state_dict())
+    assert _float8_names(root) == [] and root[2] is layer and root[2].weight is layer.weight
+    x = torch.randn(4, 64)
+    assert torch.equal(root(x), twin(x))  # the class's halving and the hook, as in the run that never converted it
+
+
 def test_mfu_peak_weighted_by_the_float8_share():
     assert fp8_weighted_peak(1e15, 2e15, 0.0) == pytest.approx(1e15)
     assert fp8_weighted_peak(1e15, 2e15, 1.0) == pytest.approx(2e15)
@@ -280,3 +308,38 @@ def test_gptmodule_decides_at_the_largest_micro_batch_autobatchsize_can_choose(t
                                                     "model.lm_head"]  # the head inside the loss too (out 256)
     assert module.model.head_float8
     assert plugin.fp8 and plugin.state_dict()["float8_decision"]["method"] == "gemm"
+
+
+class _Others(_Timer):
+    """float8 wins where _Timer's loses: out_features < 256 (attention's projections, the MLP's c_proj)."""
+
+    def shape(self, shape):
+        return ShapeTiming(1.0, 0.5 if shape[2] < 256 else 1.2)
+
+
+def _fit_with(timer, tmp_path, ckpt_path=None):
+    """A tiny GPTModule, 4 steps, checkpoints at step 2 (without ``ckpt_path``); its weights and plugin."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gpuopt.callbacks import ExactResume
+
+    torch.manual_seed(0)
+    plugin = Float8Precision(emulate=True)
+    plugin.timer, plugin.timing_cache_root = timer, tmp_path / type(timer).__name__
+    module = tiny_gpt_module(dropout=0.1)
+    saving = [] if ckpt_path else [ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=2, save_top_k=-1)]
+    trainer = plugin_trainer(plugin, callbacks=[ExactResume(rebuild_loaders=True), *saving],
+                             enable_checkpointing=not ckpt_path, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="not compiled"):
+        trainer.fit(module, datamodule=_Data(), ckpt_path=ckpt_path)
+    return module.state_dict(), plugin
+
+
+def test_a_resume_whose_timing_decided_other_layers_is_bit_exact(tmp_path):
+    # e.g. resumed on another GPU: its own timing converts the other layers, the checkpoint's decision swaps them back
+    uninterrupted, plugin = _fit_with(_Timer(), tmp_path)
+    converted = plugin.float8_layers
+    for timer, method in ((_Others(), "checkpoint"), (_Timer(), "gemm")):  # swapped; the same decision (control)
+        resumed, plugin = _fit_with(timer, tmp_path / method, ckpt_path=tmp_path / "step=2.ckpt")
+        assert plugin.decision.method == method and plugin.float8_layers == converted
+        assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted), method
