@@ -20,7 +20,7 @@ from lightning_gpuopt.precision.base import DevicePrecision, LayerContext, LossH
 from lightning_gpuopt.precision.dtype import clip_mixed_precision, compute_dtype_name
 from lightning_gpuopt.precision.float8_measure import planned_micro_batch
 from lightning_gpuopt.model.config import ActivationCheckpointing, GPTConfig, check_attention_runs, check_data_fits
-from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt
+from lightning_gpuopt.model.compiling import CompileMode, CompileScope, compile_gpt, compile_settings
 from lightning_gpuopt.model.loss import LossImpl, device_free_bytes, run_chunk_tokens
 from lightning_gpuopt.generation.batched import GenerationJob, fit_to_context, generate_batched
 from lightning_gpuopt.model.checkpoint import check_weights, gpt_state_dict, load_gpt_weights
@@ -108,7 +108,6 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
     """
 
     _head_float8 = False  # whether the chunked loss runs its head in float8: the precision plugin's verdict
-
     LOGGED_METRICS = ("train/loss", "train/ppl", "val/loss", "val/ppl", "test/loss", "test/ppl")  # for a monitor
 
     def __init__(
@@ -258,16 +257,17 @@ class GPTModule(pl.LightningModule):  # protocols.ConvertsOwnLayers: configure_m
                             loss_head=self._loss_head(tensor_parallel))
 
     def _loss_head(self, tensor_parallel: int) -> Optional[LossHead]:
-        """The head as the chunked loss multiplies it, for a float8 plugin: where the loss is the chunked one with a
-        known chunk; saying why not under tensor parallelism and in a whole-model graph (model.compiling)."""
+        """The head the chunked loss multiplies, for a float8 plugin, with why the loss cannot run it in float8."""
         config = self.config
         if config.loss_impl not in ("auto", "chunked") or config.loss_chunk_size is None:
             return None
-        scope = self.hparams.get("compile_scope", "block") if self.device_mesh is None else "block"  # FSDP2: blocks
-        whole = self.hparams.compile and scope == "model"  # its graph computes the loss from the full logits
-        unavailable = (f"its vocabulary is split over {tensor_parallel} tensor-parallel ranks" if tensor_parallel > 1
-                       else "compile_scope='model' computes the loss from the full logits in the model's graph; "
-                       "loss_impl='chunked' keeps the chunked loss" if whole and config.loss_impl == "auto" else None)
+        scope = compile_settings(self.hparams.get("compile_scope", "block"), None, self.device_mesh is not None)[0]
+        unavailable = None
+        if tensor_parallel > 1:
+            unavailable = f"its vocabulary is split over {tensor_parallel} tensor-parallel ranks"
+        elif self.hparams.compile and scope == "model" and config.loss_impl == "auto":  # compiling.loss_fits_graph
+            unavailable = ("compile_scope='model' computes the loss from the full logits in the model's graph; "
+                           "loss_impl='chunked' keeps the chunked loss")
         return LossHead("model.lm_head", config.n_embd, config.padded_vocab_size, config.loss_chunk_size,
                         self._use_float8_head, unavailable)
 
